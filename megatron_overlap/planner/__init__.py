@@ -1,0 +1,30 @@
+"""The launch-time analytical resource manager (paper section III). Stdlib only."""
+
+from .cache import PlanCache
+from .model import (
+    DEFAULT_COMM_CTAS,
+    Calibration,
+    DeviceSpec,
+    KernelSpec,
+    Plan,
+    Workload,
+    comm_tiles,
+    compute_slots,
+    compute_tiles,
+    expert_row_tiles,
+    makespan,
+    plan,
+    reservation,
+    service_ratio,
+    timed_plan,
+)
+from .occupancy import AMPERE_A100, HOPPER, Occupancy, SMLimits, resident_ctas
+from .presets import A100_PAPER, Preset, get_preset, load_preset_file, preset_for_device, preset_names
+
+__all__ = [
+    "A100_PAPER", "AMPERE_A100", "Calibration", "DEFAULT_COMM_CTAS", "DeviceSpec", "HOPPER",
+    "KernelSpec", "Occupancy", "Plan", "PlanCache", "Preset", "SMLimits", "Workload",
+    "comm_tiles", "compute_slots", "compute_tiles", "expert_row_tiles", "get_preset", "load_preset_file",
+    "makespan", "plan", "preset_for_device", "preset_names", "reservation",
+    "resident_ctas", "service_ratio", "timed_plan",
+]

@@ -1,0 +1,73 @@
+"""Decision cache: repeated layers and steps pay one dictionary look-up (stdlib only)."""
+
+from __future__ import annotations
+
+from .model import Calibration, DeviceSpec, KernelSpec, Plan, Workload, expert_row_tiles, plan
+
+
+class PlanCache:
+    """`plan` memoized on everything that changes the answer, for one kernel and device.
+
+    The key holds tile counts, not raw counts: two routings with the same
+    sum_e ceil(M_e / TM) get the same decision, since W_comp is all the model reads of
+    them. Kernel, device and calibration are bound at construction, so a key is a few
+    ints and hashing it costs well under a microsecond.
+    """
+
+    def __init__(self, kernel: KernelSpec, device: DeviceSpec, calib: Calibration,
+                 max_entries: int = 4096):
+        self.kernel, self.device, self.calib = kernel, device, calib
+        self.max_entries = max_entries
+        self._plans: dict[tuple, Plan] = {}
+        self.hits = 0
+        self.misses = 0
+
+    def decide(
+        self, tokens: int, hidden: int, ffn: int, world: int, splits: int,
+        expert_counts, groups: int = 1, comm_ctas: int | None = None, enabled: bool = True,
+    ) -> Plan:
+        """The plan for these sizes; `expert_counts` is any sequence of ints (M_e)."""
+        if min(expert_counts, default=0) < 0:
+            raise ValueError(f"Workload.expert_counts must be non-negative, got {expert_counts}")
+        m_tiles = expert_row_tiles(expert_counts, self.kernel.tile_m)
+        key = (m_tiles, tokens, hidden, ffn, world, splits, groups, comm_ctas, enabled)
+        found = self._plans.get(key)
+        if found is None:
+            workload = Workload(tokens, hidden, ffn, world, splits, expert_counts, groups)
+            found = self._store(key, workload)
+        else:
+            self.hits += 1
+        return found
+
+    def decide_tiles(
+        self, row_tiles: int, tokens: int, hidden: int, ffn: int, world: int, splits: int,
+        local_experts: int, groups: int = 1, comm_ctas: int | None = None,
+        enabled: bool = True,
+    ) -> Plan:
+        """The plan from sum_e ceil(M_e / TM) directly, for callers that hold it already.
+
+        On a miss the tiles stand for `local_experts` experts with counts that give the
+        same sum, which gives the same W_comp and therefore the same plan.
+        """
+        key = (row_tiles, tokens, hidden, ffn, world, splits, groups, comm_ctas, enabled)
+        found = self._plans.get(key)
+        if found is None:
+            if row_tiles < 0 or local_experts < 1:
+                raise ValueError("row_tiles must be >= 0 and local_experts >= 1")
+            base, extra = divmod(row_tiles, local_experts)
+            counts = [(base + (e < extra)) * self.kernel.tile_m for e in range(local_experts)]
+            workload = Workload(tokens, hidden, ffn, world, splits, counts, groups)
+            found = self._store(key, workload)
+        else:
+            self.hits += 1
+        return found
+
+    def _store(self, key: tuple, workload: Workload) -> Plan:
+        comm_ctas, enabled = key[-2], key[-1]
+        self.misses += 1
+        result = plan(workload, self.kernel, self.device, self.calib,
+                      comm_ctas=comm_ctas, enabled=enabled)
+        if len(self._plans) >= self.max_entries:
+            self._plans.clear()  # shapes churn rarely; a full reset keeps this O(1)
+        self._plans[key] = result
+        return result

@@ -1,0 +1,346 @@
+"""The wave-quantized analytical model of the paper's section III (stdlib only).
+
+Glossary (names as in the paper, so this file reads beside section III):
+
+    M        global tokens before top-k (B*S over the reduce-scatter group)
+    N        hidden size, the GEMM2 output width
+    K        GEMM2 reduction dim on this rank (expert FFN / expert-TP)
+    D        ranks in the reduce-scatter group (TP x EP)
+    L        splits: split s covers hidden columns [s*ceil(N/L), (s+1)*ceil(N/L))
+    g        input groups of grouped GEMM2
+    M_e      token-expert assignments routed to local expert e
+    TM, TN   compute tile;  TMc, TNc  communication tile
+    o_comp   resident GEMM2 CTAs per SM;  o_comm  resident GatherRS CTAs per SM
+    G        SMs available to the operator
+    C        communication CTAs (the decision)
+    R(C)     SMs reserved for them = ceil(C / o_comm)                      (eq. 2)
+    P(C)     compute slots = o_comp * (G - R(C))                            (eq. 4)
+    W_comp   compute tiles per split                                        (eq. 6)
+    W_comm   communication tiles per split and rank                         (eq. 8)
+    V_comp   compute waves per split = ceil(W_comp / P)                     (eq. 7)
+    V_comm   communication waves per split = ceil(W_comm / C)               (eq. 9)
+    rho      communication-wave time over compute-wave time                 (eq. 15)
+    A_s      readiness of split s = ceil((s+1) W_comp / P)                  (eq. 10)
+    q        service time of one split = rho * V_comm                       (eq. 11)
+    F_s      completion of split s = max(A_s, F_{s-1}) + q, F_{-1} = 0      (eq. 12)
+    T(C)     F_{L-1}, in compute-wave units                                 (eq. 13)
+
+C* = argmin T(C) over 1..C_max with P(C) > 0; ties (|dT| <= 1e-9 T) go to the smaller
+Delta_comp = V_comp * P - W_comp (eq. 18), then to the smaller C.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from typing import NamedTuple
+
+#: The fixed communication-CTA count of the public COMET A100 path; what "disabled" returns.
+DEFAULT_COMM_CTAS = 3
+_TIE_RTOL = 1e-9
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _require_int(obj: object, name: str, minimum: int) -> None:
+    value = getattr(obj, name)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{type(obj).__name__}.{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{type(obj).__name__}.{name} must be >= {minimum}, got {value}")
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One GEMM2+GatherRS invocation, as the planner sees it."""
+
+    tokens: int  # M
+    hidden: int  # N
+    ffn: int  # K
+    world: int  # D
+    splits: int  # L
+    expert_counts: tuple[int, ...]  # M_e for each local expert
+    groups: int = 1  # g
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "expert_counts", tuple(self.expert_counts))
+        for name in ("tokens", "hidden", "ffn", "world", "splits", "groups"):
+            _require_int(self, name, 1)
+        if self.splits > self.hidden:
+            raise ValueError(
+                f"Workload.splits must be <= hidden ({self.hidden}), got {self.splits}"
+            )
+        counts = self.expert_counts
+        if not counts:
+            raise ValueError("Workload.expert_counts must name at least one local expert")
+        # One C-speed pass each instead of a Python loop: this runs on every launch.
+        if set(map(type, counts)) != {int} or min(counts) < 0:
+            e, bad = next((e, c) for e, c in enumerate(counts)
+                          if type(c) is not int or c < 0)
+            raise ValueError(
+                f"Workload.expert_counts[{e}] must be a non-negative int, got {bad!r}"
+            )
+
+    @classmethod
+    def from_total(
+        cls, *, tokens: int, hidden: int, ffn: int, world: int, splits: int,
+        total_assignments: int, local_experts: int, groups: int = 1,
+    ) -> "Workload":
+        """The normalized-load estimate of section III-E: the assignments spread evenly.
+
+        For counts that live only on the device: the host knows the total (tokens * top-k
+        * local experts / experts) without a device-to-host copy.
+        """
+        if local_experts < 1:
+            raise ValueError(f"local_experts must be >= 1, got {local_experts}")
+        if total_assignments < 0:
+            raise ValueError(f"total_assignments must be >= 0, got {total_assignments}")
+        base, extra = divmod(total_assignments, local_experts)
+        counts = tuple(base + (1 if e < extra else 0) for e in range(local_experts))
+        return cls(tokens, hidden, ffn, world, splits, counts, groups)
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """Tile shapes and residency of the compiled GEMM2 and GatherRS kernels."""
+
+    tile_m: int  # TM
+    tile_n: int  # TN
+    comm_tile_m: int  # TMc
+    comm_tile_n: int  # TNc
+    o_comp: int  # resident GEMM2 CTAs per SM
+    o_comm: int  # resident GatherRS CTAs per SM
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            _require_int(self, f.name, 1)
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """The GPU as the planner sees it: SMs left to the operator after `sm_margin`."""
+
+    name: str
+    sms: int  # SMs on the device
+    sm_margin: int = 0  # SMs left to other concurrent kernels
+
+    def __post_init__(self) -> None:
+        _require_int(self, "sms", 1)
+        _require_int(self, "sm_margin", 0)
+        if self.sm_margin >= self.sms:
+            raise ValueError(
+                f"DeviceSpec.sm_margin ({self.sm_margin}) must leave at least one of "
+                f"{self.sms} SMs"
+            )
+
+    @property
+    def available_sms(self) -> int:  # G
+        return self.sms - self.sm_margin
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """The service-rate reference of section III-C and the legal range of C."""
+
+    rho_ref: float
+    k_ref: int
+    tm_ref: int
+    tn_ref: int
+    d_ref: int
+    c_max: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.rho_ref, (int, float)) or not self.rho_ref > 0:
+            raise ValueError(f"Calibration.rho_ref must be > 0, got {self.rho_ref!r}")
+        for name in ("k_ref", "tm_ref", "tn_ref", "d_ref", "c_max"):
+            _require_int(self, name, 1)
+
+    @staticmethod
+    def rho_from_measurement(
+        comm_us: float, comm_splits: int, comp_us: float, comp_waves: int
+    ) -> float:
+        """rho_ref (eq. 14): time of one communication wave over one compute wave."""
+        if min(comm_us, comp_us) <= 0 or min(comm_splits, comp_waves) < 1:
+            raise ValueError("measurements must be positive")
+        return (comm_us / comm_splits) / (comp_us / comp_waves)
+
+
+class Plan(NamedTuple):
+    """The launch decision and the model's view of it (times in compute waves).
+
+    A NamedTuple rather than a frozen dataclass: it is built before every launch that
+    misses the cache, and a tuple builds several times faster.
+    """
+
+    comm_ctas: int  # C*
+    reservation: int  # R(C*)
+    compute_slots: int  # P(C*)
+    splits: int  # L
+    predicted: float  # T(C*)
+    curve: tuple[tuple[int, float], ...]  # (C, T(C)) for every legal C
+    w_comp: int
+    w_comm: int
+    rho: float
+    source: str  # "model", "user" or "disabled"
+
+
+def reservation(c: int, kernel: KernelSpec) -> int:
+    """R(C) = ceil(C / o_comm): SMs that C resident communication CTAs need (eq. 2)."""
+    return _ceil(c, kernel.o_comm)
+
+
+def compute_slots(c: int, kernel: KernelSpec, device: DeviceSpec) -> int:
+    """P(C) = o_comp * (G - R(C)) (eq. 4); <= 0 means C is not legal."""
+    return kernel.o_comp * (device.available_sms - reservation(c, kernel))
+
+
+def compute_tiles(w: Workload, kernel: KernelSpec) -> int:
+    """W_comp = g * sum_e ceil(M_e / TM) * ceil(ceil(N/L) / TN) (eq. 6)."""
+    return w.groups * expert_row_tiles(w.expert_counts, kernel.tile_m) * _ceil(
+        _ceil(w.hidden, w.splits), kernel.tile_n
+    )
+
+
+def expert_row_tiles(expert_counts, tile_m: int) -> int:
+    """sum_e ceil(M_e / TM): the only thing the model reads of the routing."""
+    tm1 = tile_m - 1
+    return sum([(c + tm1) // tile_m for c in expert_counts])
+
+
+def comm_tiles(w: Workload, kernel: KernelSpec) -> int:
+    """W_comm = ceil(ceil(M/D) / TMc) * ceil(ceil(N/L) / TNc) (eq. 8)."""
+    return _ceil(_ceil(w.tokens, w.world), kernel.comm_tile_m) * _ceil(
+        _ceil(w.hidden, w.splits), kernel.comm_tile_n
+    )
+
+
+def service_ratio(w: Workload, kernel: KernelSpec, calib: Calibration) -> float:
+    """rho = rho_ref (K_ref/K) (TM_ref TN_ref)/(TM TN) (D/D_ref) (eq. 15)."""
+    return (
+        calib.rho_ref
+        * (calib.k_ref / w.ffn)
+        * (calib.tm_ref * calib.tn_ref) / (kernel.tile_m * kernel.tile_n)
+        * (w.world / calib.d_ref)
+    )
+
+
+def makespan(w_comp: int, w_comm: int, p: int, c: int, splits: int, rho: float) -> float:
+    """T(C) = F_{L-1} of the split recurrence (eqs. 10-13), in compute waves."""
+    q = rho * -(-w_comm // c)
+    f = 0.0
+    for s in range(splits):
+        a_s = -(-(s + 1) * w_comp // p)
+        f = (a_s if a_s > f else f) + q
+    return f
+
+
+def _curve(w_comp: int, w_comm: int, rho: float, splits: int,
+           g: int, o_comp: int, o_comm: int, c_top: int) -> list[float]:
+    """T(C) for C = 1..c_top, equal to `makespan` for each C (tested), without its loop.
+
+    Unrolled, F_{L-1} = max_s (A_s + (L - s) q), and A_s - A_{s-1} is floor(W_comp/P)
+    or ceil(W_comp/P): so the max sits at s = L-1 when q <= floor(W_comp/P), at s = 0
+    when q >= ceil(W_comp/P), and L <= 2 has no other term. Only q strictly between the
+    two, with L >= 3, needs the recurrence. This runs before every launch.
+    """
+    cs = range(1, c_top + 1)
+    if o_comm == 1:  # P(C) = o_comp (G - C)
+        ps = range(o_comp * (g - 1), o_comp * (g - c_top) - 1, -o_comp)
+    else:
+        ps = [o_comp * (g - (c + o_comm - 1) // o_comm) for c in cs]
+    qs = [rho * ((w_comm + c - 1) // c) for c in cs]
+    lw = splits * w_comp
+    if splits == 1:
+        return [(lw + p - 1) // p + q for p, q in zip(ps, qs)]
+    last = [(lw + p - 1) // p + q for p, q in zip(ps, qs)]  # A_{L-1} + q
+    first = [(w_comp + p - 1) // p + splits * q for p, q in zip(ps, qs)]  # A_0 + L q
+    ts = [a if a > b else b for a, b in zip(last, first)]
+    if splits > 2:
+        for i, (p, q) in enumerate(zip(ps, qs)):
+            if w_comp // p < q < (w_comp + p - 1) // p:
+                ts[i] = makespan(w_comp, w_comm, p, i + 1, splits, rho)
+    return ts
+
+
+def solve(
+    w_comp: int, w_comm: int, rho: float, splits: int,
+    kernel: KernelSpec, device: DeviceSpec, c_max: int,
+) -> tuple[int, tuple[tuple[int, float], ...]]:
+    """Algorithm 1 on precomputed tile counts: C* and the T(C) curve."""
+    g, o_comp, o_comm = device.available_sms, kernel.o_comp, kernel.o_comm
+    c_top = min(c_max, o_comm * (g - 1))  # the largest C with P(C) > 0
+    if c_top < 1:
+        raise ValueError(
+            f"DeviceSpec.sms: no legal C in 1..{c_max}: P(C) = {o_comp} * "
+            f"({g} - R(C)) <= 0 for every C (G={g}, o_comm={o_comm})"
+        )
+    ts = _curve(w_comp, w_comm, rho, splits, g, o_comp, o_comm, c_top)
+    t_min = min(ts)
+    tol = _TIE_RTOL * t_min
+    best = None  # (Delta_comp, C) over the tied candidates
+    for c, t in enumerate(ts, 1):
+        if t - t_min <= tol:
+            p = o_comp * (g - (c + o_comm - 1) // o_comm)
+            key = ((w_comp + p - 1) // p * p - w_comp, c)  # Delta_comp (eq. 18), then C
+            if best is None or key < best:
+                best = key
+    return best[1], tuple(zip(range(1, c_top + 1), ts))
+
+
+def plan(
+    workload: Workload,
+    kernel: KernelSpec,
+    device: DeviceSpec,
+    calib: Calibration,
+    *,
+    comm_ctas: int | None = None,
+    enabled: bool = True,
+    default_comm_ctas: int = DEFAULT_COMM_CTAS,
+) -> Plan:
+    """Choose C for one launch.
+
+    An explicit `comm_ctas` has priority; `enabled=False` returns `default_comm_ctas`
+    (the upstream fixed configuration). Both still report the model's T(C) curve.
+    """
+    w_comp = compute_tiles(workload, kernel)
+    w_comm = comm_tiles(workload, kernel)
+    rho = service_ratio(workload, kernel, calib)
+    best, curve = solve(w_comp, w_comm, rho, workload.splits, kernel, device, calib.c_max)
+    source = "model"
+    if comm_ctas is not None or not enabled:
+        chosen = comm_ctas if comm_ctas is not None else default_comm_ctas
+        source = "user" if comm_ctas is not None else "disabled"
+        if isinstance(chosen, bool) or not isinstance(chosen, int) or chosen < 1:
+            raise ValueError(f"comm_ctas must be a positive int, got {chosen!r}")
+        if compute_slots(chosen, kernel, device) <= 0:
+            raise ValueError(
+                f"comm_ctas={chosen} leaves no compute slots on {device.available_sms} SMs"
+            )
+        best = chosen
+    p = compute_slots(best, kernel, device)
+    if best <= len(curve):
+        predicted = curve[best - 1][1]
+    else:  # an explicit C above C_max
+        predicted = makespan(w_comp, w_comm, p, best, workload.splits, rho)
+    return Plan(
+        comm_ctas=best,
+        reservation=reservation(best, kernel),
+        compute_slots=p,
+        splits=workload.splits,
+        predicted=predicted,
+        curve=curve,
+        w_comp=w_comp,
+        w_comm=w_comm,
+        rho=rho,
+        source=source,
+    )
+
+
+def timed_plan(*args, **kwargs) -> tuple[Plan, float]:
+    """`plan` and its wall time in microseconds (for the CLI's `solver_us`)."""
+    t0 = time.perf_counter()
+    result = plan(*args, **kwargs)
+    return result, (time.perf_counter() - t0) * 1e6

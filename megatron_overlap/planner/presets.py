@@ -1,0 +1,99 @@
+"""Named bundles of kernel, device and calibration (stdlib only).
+
+`a100-paper` reproduces the paper's A100 instantiation exactly. Hopper presets are
+written by `tools/calibrate.py` as JSON files (one per device and kernel family, never
+per shape) and shipped in `calibrations/`; they are found by name or by device name.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .model import Calibration, DeviceSpec, KernelSpec
+
+CALIBRATION_DIR = Path(__file__).with_name("calibrations")
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    kernel: KernelSpec
+    device: DeviceSpec
+    calibration: Calibration
+    default_splits: int = 1
+
+    def with_sm_margin(self, sm_margin: int) -> "Preset":
+        device = DeviceSpec(self.device.name, self.device.sms, sm_margin)
+        return Preset(self.name, self.kernel, device, self.calibration, self.default_splits)
+
+    def to_json(self) -> dict:
+        return {
+            "name": self.name,
+            "kernel": asdict(self.kernel),
+            "device": {"name": self.device.name, "sms": self.device.sms},
+            "calibration": asdict(self.calibration),
+            "default_splits": self.default_splits,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Preset":
+        try:
+            return cls(
+                name=data["name"],
+                kernel=KernelSpec(**data["kernel"]),
+                device=DeviceSpec(data["device"]["name"], data["device"]["sms"]),
+                calibration=Calibration(**data["calibration"]),
+                default_splits=data.get("default_splits", 1),
+            )
+        except (KeyError, TypeError) as err:
+            raise ValueError(f"malformed calibration preset: {err}") from err
+
+
+A100_PAPER = Preset(
+    name="a100-paper",
+    kernel=KernelSpec(tile_m=128, tile_n=128, comm_tile_m=128, comm_tile_n=1024,
+                      o_comp=2, o_comm=1),
+    device=DeviceSpec("NVIDIA A100-SXM4-40GB", sms=108),
+    calibration=Calibration(rho_ref=10.05, k_ref=352, tm_ref=128, tn_ref=128, d_ref=4,
+                            c_max=16),
+    default_splits=2,
+)
+
+
+def load_preset_file(path: str | Path) -> Preset:
+    """A preset from a calibration JSON file (the format `tools/calibrate.py` writes)."""
+    with open(path) as f:
+        data = json.load(f)
+    return Preset.from_json(data.get("preset", data))
+
+
+def _shipped() -> dict[str, Preset]:
+    found = {A100_PAPER.name: A100_PAPER}
+    for path in sorted(CALIBRATION_DIR.glob("*.json")):
+        preset = load_preset_file(path)
+        found[preset.name] = preset
+    return found
+
+
+def preset_names() -> list[str]:
+    return sorted(_shipped())
+
+
+def get_preset(name: str) -> Preset:
+    """A preset by name (`a100-paper` or a shipped calibration), or a JSON file path."""
+    if name.endswith(".json") or "/" in name:
+        return load_preset_file(name)
+    presets = _shipped()
+    if name not in presets:
+        raise ValueError(f"unknown preset {name!r}; known: {', '.join(sorted(presets))}")
+    return presets[name]
+
+
+def preset_for_device(device_name: str) -> Preset | None:
+    """The shipped calibration whose device name matches, if any."""
+    for preset in _shipped().values():
+        if preset.name != A100_PAPER.name and preset.device.name == device_name:
+            return preset
+    return None

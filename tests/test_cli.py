@@ -1,0 +1,51 @@
+"""The `plan` command line is a contract other tools call: keys, table, plot, errors."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+PLAN = [sys.executable, "-m", "megatron_overlap", "plan", "--preset", "a100-paper",
+        "--tokens", "16384", "--hidden", "2048", "--ffn", "704", "--world", "4",
+        "--splits", "2", "--expert-counts", "120,0,77,1000,3000"]
+
+
+def run(args):
+    return subprocess.run(args, capture_output=True, text=True, timeout=120)
+
+
+def test_plan_json_has_the_contract_keys():
+    out = run(PLAN + ["--json"])
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    for key in ("comm_ctas", "reservation", "compute_slots", "predicted", "solver_us"):
+        assert key in result
+    assert [p["C"] for p in result["predicted"]] == list(range(1, 17))
+    best = min(p["T"] for p in result["predicted"])
+    assert next(p["T"] for p in result["predicted"] if p["C"] == result["comm_ctas"]) == best
+    assert result["compute_slots"] == 2 * (108 - result["reservation"])
+
+
+def test_plan_table_and_plot(tmp_path):
+    png = tmp_path / "curve.png"
+    out = run(PLAN + ["--groups", "1", "--plot", str(png)])
+    assert out.returncode == 0, out.stderr
+    assert "<- C*" in out.stdout and "R(C)" in out.stdout
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("bad,message", [
+    (["--expert-counts", "1,-2"], "expert_counts[1]"),
+    (["--expert-counts", "1,x"], "comma-separated integers"),
+    (["--world", "0"], "world"),
+])
+def test_plan_rejects_bad_input_with_a_clear_message(bad, message):
+    args = list(PLAN)
+    flag = bad[0]
+    i = args.index(flag)
+    args[i + 1] = bad[1]
+    out = run(args + ["--json"])
+    assert out.returncode == 2
+    assert message in out.stderr
+    assert "Traceback" not in out.stderr

@@ -1,0 +1,197 @@
+"""The analytical model of DESIGN.md / paper section III: hand cases and properties."""
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_overlap.planner import (
+    A100_PAPER,
+    Calibration,
+    DeviceSpec,
+    KernelSpec,
+    PlanCache,
+    Workload,
+    compute_slots,
+    expert_row_tiles,
+    makespan,
+    plan,
+    resident_ctas,
+)
+
+K, DEV, CAL = A100_PAPER.kernel, A100_PAPER.device, A100_PAPER.calibration
+
+
+def paper_plan(counts, tokens=4096, hidden=2048, ffn=352, world=4, splits=2, **kw):
+    return plan(Workload(tokens, hidden, ffn, world, splits, tuple(counts)), K, DEV, CAL, **kw)
+
+
+def test_hand_computed_case_matches_every_term():
+    # 8 experts x 512 rows -> 32 row tiles; ceil(1024/128) = 8 column tiles per split.
+    d = paper_plan([512] * 8)
+    assert d.w_comp == 32 * 8
+    assert d.w_comm == math.ceil(1024 / 128) * 1
+    assert d.rho == pytest.approx(10.05)
+    t = dict(d.curve)
+    # C=1: P=214, A_0=ceil(256/214)=2, A_1=ceil(512/214)=3, q=10.05*8=80.4
+    assert t[1] == pytest.approx(max(3, 2 + 80.4) + 80.4)
+    # C=8..16: V_comm=1, q=10.05; A_0=2, A_1=3 -> T = max(3, 12.05) + 10.05 = 22.1
+    for c in range(8, 17):
+        assert t[c] == pytest.approx(22.1)
+
+
+def test_ties_go_to_smaller_empty_slots_then_smaller_c():
+    # The C = 8..16 plateau above ties; Delta_comp = 2 P(C) - 256 is least at C = 16.
+    d = paper_plan([512] * 8)
+    assert (d.comm_ctas, d.reservation, d.compute_slots) == (16, 16, 184)
+    # With no compute work Delta_comp is 0 everywhere: the plateau C >= 8 goes to C = 8.
+    assert paper_plan([0] * 8).comm_ctas == 8
+
+
+def test_explicit_choice_has_priority_and_disabled_returns_fixed_default():
+    d = paper_plan([512] * 8, comm_ctas=5)
+    assert (d.comm_ctas, d.source, d.compute_slots) == (5, "user", 2 * (108 - 5))
+    d = paper_plan([512] * 8, enabled=False)
+    assert (d.comm_ctas, d.source) == (3, "disabled")
+    assert d.predicted == dict(d.curve)[3]
+
+
+def test_rho_ref_from_the_papers_two_measurements():
+    rho = Calibration.rho_from_measurement(400.19, 2, 497.36, 25)
+    assert rho == pytest.approx(10.06, abs=0.01)
+
+
+def test_rho_scales_with_k_tile_and_world_as_eq15():
+    d = plan(Workload(4096, 2048, 704, 2, 2, (512,)), K, DEV, CAL)
+    assert d.rho == pytest.approx(10.05 * (352 / 704) * (2 / 4))
+
+
+def test_zero_counts_one_hot_expert_single_split_and_narrow_hidden():
+    assert paper_plan([0] * 60).w_comp == 0
+    hot = paper_plan([16384] + [0] * 59)
+    assert hot.w_comp == 128 * 8
+    one = paper_plan([300] * 4, splits=1)
+    assert one.splits == 1 and one.w_comp == 3 * 4 * 16
+    narrow = plan(Workload(100, 64, 32, 2, 1, (7, 0, 3)), K, DEV, CAL)
+    assert narrow.w_comp == 2 and narrow.w_comm == 1
+
+
+def test_normalized_load_estimate_spreads_assignments_evenly():
+    w = Workload.from_total(tokens=4096, hidden=2048, ffn=704, world=2, splits=2,
+                            total_assignments=4096 * 4 // 2, local_experts=30)
+    assert sum(w.expert_counts) == 8192 and max(w.expert_counts) - min(w.expert_counts) <= 1
+
+
+@pytest.mark.parametrize("field,kwargs", [
+    ("ffn", dict(ffn=0)),
+    ("world", dict(world=0)),
+    ("splits", dict(splits=0)),
+    ("tokens", dict(tokens=-1)),
+    ("expert_counts[1]", dict(expert_counts=(3, -1))),
+    ("expert_counts[0]", dict(expert_counts=(2.5,))),
+    ("expert_counts", dict(expert_counts=())),
+    ("splits", dict(splits=4096)),
+])
+def test_bad_workload_raises_value_error_naming_the_field(field, kwargs):
+    base = dict(tokens=64, hidden=128, ffn=32, world=2, splits=2, expert_counts=(3, 4))
+    base.update(kwargs)
+    with pytest.raises(ValueError, match=field.replace("[", r"\[").replace("]", r"\]")):
+        Workload(**base)
+
+
+def test_bad_calibration_kernel_and_device_raise_naming_the_field():
+    with pytest.raises(ValueError, match="c_max"):
+        Calibration(10.0, 352, 128, 128, 4, 0)
+    with pytest.raises(ValueError, match="rho_ref"):
+        Calibration(0.0, 352, 128, 128, 4, 16)
+    with pytest.raises(ValueError, match="o_comm"):
+        KernelSpec(128, 128, 128, 1024, 2, 0)
+    with pytest.raises(ValueError, match="sm_margin"):
+        DeviceSpec("x", 8, 8)
+
+
+def test_preset_without_any_compute_slot_raises():
+    w = Workload(64, 128, 32, 2, 1, (3,))
+    with pytest.raises(ValueError, match="sms"):
+        plan(w, K, DeviceSpec("tiny", 1), CAL)
+
+
+def test_cache_returns_the_uncached_answer_and_keys_on_tile_counts():
+    cache = PlanCache(K, DEV, CAL)
+    a = cache.decide(4096, 2048, 704, 2, 2, [130, 1, 256])
+    # Different counts, same sum_e ceil(M_e/128) = 2 + 1 + 2: a hit with the same plan.
+    b = cache.decide(4096, 2048, 704, 2, 2, [129, 128, 200])
+    assert a is b and (cache.hits, cache.misses) == (1, 1)
+    assert a == plan(Workload(4096, 2048, 704, 2, 2, (130, 1, 256)), K, DEV, CAL)
+    c = cache.decide_tiles(expert_row_tiles([130, 1, 256], 128), 4096, 2048, 704, 2, 2, 3)
+    assert c is a
+    with pytest.raises(ValueError, match="expert_counts"):
+        cache.decide(4096, 2048, 704, 2, 2, [-200, 1])
+
+
+def test_sm_margin_reduces_compute_slots():
+    d = plan(Workload(4096, 2048, 704, 2, 2, (512,) * 8), K, DeviceSpec("A100", 108, 8), CAL)
+    assert d.compute_slots == 2 * (100 - d.reservation)
+
+
+def test_occupancy_of_a_triton_128x128x64_tile_is_two_ctas():
+    occ = resident_ctas(240, 128, 96 * 1024)
+    assert occ.ctas_per_sm == 2
+
+
+@pytest.mark.parametrize("regs,threads,smem,expect,by", [
+    (16, 1024, 0, 2, "threads"),
+    (64, 1024, 0, 1, "registers"),
+    (128, 128, 200 * 1024, 1, "shared memory"),
+    (16, 32, 0, 32, "ctas"),
+    (168, 256, 0, 1, "registers"),
+])
+def test_occupancy_limits(regs, threads, smem, expect, by):
+    occ = resident_ctas(regs, threads, smem)
+    assert (occ.ctas_per_sm, occ.limited_by) == (expect, by)
+
+
+def test_occupancy_rejects_a_cta_that_cannot_fit():
+    with pytest.raises(ValueError, match="does not fit"):
+        resident_ctas(128, 128, 240 * 1024)
+    with pytest.raises(ValueError, match="registers_per_thread"):
+        resident_ctas(300, 128, 0)
+
+
+workloads = st.builds(
+    Workload,
+    tokens=st.integers(1, 1 << 17),
+    hidden=st.sampled_from([64, 1000, 1024, 2048, 4096]),
+    ffn=st.integers(1, 4096),
+    world=st.integers(1, 8),
+    splits=st.integers(1, 8),
+    expert_counts=st.lists(st.integers(0, 20000), min_size=1, max_size=64).map(tuple),
+)
+kernels = st.builds(KernelSpec, st.sampled_from([64, 128]), st.sampled_from([128, 256]),
+                    st.sampled_from([8, 64, 128]), st.sampled_from([512, 1024, 2048]),
+                    st.integers(1, 3), st.integers(1, 2))
+
+
+@settings(max_examples=300, deadline=None)
+@given(workloads, kernels, st.integers(4, 140), st.integers(1, 40))
+def test_curve_properties(w, kernel, sms, c_max):
+    device = DeviceSpec("d", sms)
+    calib = Calibration(10.05, 352, 128, 128, 4, c_max)
+    d = plan(w, kernel, device, calib)
+    slots = [compute_slots(c, kernel, device) for c, _ in d.curve]
+    assert all(p > 0 for p in slots)
+    assert all(a >= b for a, b in zip(slots, slots[1:]))  # P decreasing in C
+    for (c, t), p in zip(d.curve, slots):
+        q = d.rho * math.ceil(d.w_comm / c)
+        a_last = math.ceil(w.splits * d.w_comp / p)
+        assert t >= w.splits * q - 1e-9 * t  # T(C) >= L q(C)
+        assert t >= a_last  # T(C) >= A_{L-1}(C)
+        # the closed form used on the hot path equals the literal recurrence of eq. 12
+        assert t == pytest.approx(makespan(d.w_comp, d.w_comm, p, c, w.splits, d.rho),
+                                  rel=1e-12)
+    t_min = min(t for _, t in d.curve)
+    assert dict(d.curve)[d.comm_ctas] <= t_min * (1 + 1e-9)
+    tied = [c for c, t in d.curve if t - t_min <= 1e-9 * t_min]
+    delta = {c: math.ceil(d.w_comp / p) * p - d.w_comp for (c, _), p in zip(d.curve, slots)}
+    assert d.comm_ctas == min(tied, key=lambda c: (delta[c], c))
