@@ -1,0 +1,206 @@
+"""GatherRS: top-k combine + reduce-scatter of GEMM2 output, pushed to peers as splits finish.
+
+For every token t owned by destination rank d (tokens [d*Md, (d+1)*Md)), and every
+column of a ready split, this rank sums in fp32 the rows of y it computed for t (its
+top-k assignments to local experts, `table[t, :]`, -1 where absent), optionally times
+each row's routing probability, and stores the partial into rank d's receive buffer at
+slot [this rank, t - d*Md, :]. A cross-rank barrier follows; `sum_partials_kernel` then
+adds the D slots in fp32 into this rank's bf16 output rows.
+
+Work per split: D * ceil(Md/BLOCK_TM) * ceil(sw/BLOCK_TN) items, program c takes items
+c, c+C, ...; the destination is the fastest index so neighbouring programs write to
+different peers.
+
+The flag protocol, in full (the only subtle part of the operator):
+  * readiness, `ready[s]` (local int32, one per split): written only by GEMM2 tiles
+    (`atomic_add(+1, release, gpu)` after their stores); read here by
+    `atomic_add(0, acquire, gpu)` until it reaches the tiles per split, row tiles
+    (`tile_start[E]`, on the device) x GEMM2 column tiles per split; programs with no
+    item in split s do not wait for it.
+  * completion, `done` (local int32): after its last store every program does
+    `atomic_add(done, 1, release, sys)`; sys scope so that its peer stores are ordered
+    for observers on other GPUs. The program that sees C-1 acquired them all.
+  * barrier, `signal[src]` on every rank (int32, in symmetric memory): that last program
+    stores `epoch` into `signal[rank]` of every peer (`atomic_xchg`, release, sys), then
+    waits until its own `signal[src] >= epoch` for every src (acquire, sys). Epochs grow
+    by one per call, so the words never need resetting and a fast rank that already
+    wrote epoch+1 still satisfies a slow rank's wait for epoch.
+  * reset: the last program zeroes `done` and `ready[0..L-1]` for the next call (every
+    GEMM2 tile has published and every wait has ended by then). After a time-out the
+    host zeroes them.
+  * double buffering: receive slots alternate by epoch parity, so a rank that runs ahead
+    into call n+1 never overwrites slots a slower peer is still summing for call n; it
+    cannot reach call n+2 before that peer has passed the barrier of call n+1.
+  * bounded waits: every spin stops after `max_spins` polls and records
+    `kind << 24 | value` in `error` (kind 1: split `value` never became ready; kind 2:
+    rank `value` never reached the barrier); the host raises. A hang is a bug.
+  * CUDA graphs: nothing allocates and the epoch is a kernel argument, so a captured
+    graph must be re-captured per epoch; the op does not capture.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+ERR_READY_TIMEOUT = 1
+ERR_BARRIER_TIMEOUT = 2
+
+
+@triton.jit
+def _wait_at_least(ptr, target, max_spins, SCOPE: tl.constexpr):
+    """Acquire-poll `*ptr` until it reaches `target` or `max_spins` polls pass."""
+    seen = tl.atomic_add(ptr, 0, sem="acquire", scope=SCOPE)
+    spins = 0
+    while (seen < target) & (spins < max_spins):
+        seen = tl.atomic_add(ptr, 0, sem="acquire", scope=SCOPE)
+        spins += 1
+    return seen >= target
+
+
+@triton.jit(do_not_specialize=["tokens_per_rank", "N", "split_width", "num_splits",
+                               "rank", "world", "topk", "num_experts", "gemm_col_tiles",
+                               "epoch", "max_spins",
+                               "dst_slot_stride", "dst_row_stride"])
+def gather_rs_kernel(
+    # pointers
+    y_ptr, table_ptr, prob_ptr, dst_ptrs, signal_ptrs, ready_ptr, done_ptr, error_ptr,
+    tile_start_ptr,
+    # sizes and protocol values
+    tokens_per_rank, N, split_width, num_splits, rank, world, topk, num_experts,
+    gemm_col_tiles, epoch, max_spins,
+    # strides (destination strides in elements of the partial dtype)
+    stride_ym, stride_yn, dst_slot_stride, dst_row_stride,
+    # meta-parameters
+    BLOCK_TM: tl.constexpr, BLOCK_TN: tl.constexpr, HAS_PROBS: tl.constexpr,
+    PARTIAL: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    token_blocks = tl.cdiv(tokens_per_rank, BLOCK_TM)
+    col_blocks = tl.cdiv(split_width, BLOCK_TN)
+    items = world * token_blocks * col_blocks
+    # GEMM2 tiles per split, read from the device: exact even when the host planned
+    # from an estimate of the routed counts.
+    expected = tl.load(tile_start_ptr + num_experts) * gemm_col_tiles
+    alive = pid * 0 + 1  # int32 0/1: after a time-out later splits are not waited for
+    for split in range(num_splits):
+        if (pid < items) & (alive == 1):
+            ok = _wait_at_least(ready_ptr + split, expected, max_spins, "gpu")
+            if ok == 0:
+                tl.atomic_cas(error_ptr, 0, (1 << 24) | split)
+                alive = alive * 0
+        end_col = tl.minimum(N, (split + 1) * split_width)
+        for item in range(pid, items, num_programs):
+            dst = item % world
+            rest = item // world
+            col_block = rest % col_blocks
+            token_block = rest // col_blocks
+            local = token_block * BLOCK_TM + tl.arange(0, BLOCK_TM)  # row in dst's slice
+            cols = split * split_width + col_block * BLOCK_TN + tl.arange(0, BLOCK_TN)
+            tok_ok = local < tokens_per_rank
+            col_ok = cols < end_col
+            tokens = (dst * tokens_per_rank + local).to(tl.int64)
+            acc = tl.zeros((BLOCK_TM, BLOCK_TN), dtype=tl.float32)
+            for j in range(topk):
+                row = tl.load(table_ptr + tokens * topk + j, mask=tok_ok, other=-1)
+                has = row >= 0
+                vals = tl.load(y_ptr + row[:, None].to(tl.int64) * stride_ym
+                               + cols[None, :] * stride_yn,
+                               mask=has[:, None] & col_ok[None, :], other=0.0)
+                vals = vals.to(tl.float32)
+                if HAS_PROBS:
+                    vals *= tl.load(prob_ptr + row, mask=has, other=0.0).to(tl.float32)[:, None]
+                acc += vals
+            base = tl.load(dst_ptrs + dst).to(tl.pointer_type(PARTIAL))
+            out = base + rank * dst_slot_stride + local[:, None].to(tl.int64) * dst_row_stride \
+                + cols[None, :]
+            tl.store(out, acc.to(PARTIAL), mask=tok_ok[:, None] & col_ok[None, :])
+    tl.debug_barrier()
+    if tl.atomic_add(done_ptr, 1, sem="release", scope="sys") == num_programs - 1:
+        tl.atomic_add(done_ptr, 0, sem="acquire", scope="sys")
+        if world > 1:
+            for peer in range(world):
+                sig = tl.load(signal_ptrs + peer).to(tl.pointer_type(tl.int32))
+                tl.atomic_xchg(sig + rank, epoch, sem="release", scope="sys")
+            mine = tl.load(signal_ptrs + rank).to(tl.pointer_type(tl.int32))
+            for src in range(world):
+                ok = _wait_at_least(mine + src, epoch, max_spins, "sys")
+                if ok == 0:
+                    tl.atomic_cas(error_ptr, 0, (2 << 24) | src)
+        tl.store(done_ptr, 0)
+        for split in range(num_splits):
+            tl.store(ready_ptr + split, 0)
+
+
+@triton.jit(do_not_specialize=["numel", "world", "slot_stride"])
+def sum_partials_kernel(recv_ptr, out_ptr, numel, world, slot_stride, BLOCK: tl.constexpr):
+    """out[i] = sum over src of recv[src, i], in fp32 (recv slots are contiguous)."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = offs < numel
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for src in range(world):
+        acc += tl.load(recv_ptr + src * slot_stride + offs, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+TRITON_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
+                 torch.float32: tl.float32}
+
+
+def launch_gather_rs(
+    y: torch.Tensor, table: torch.Tensor, probs: torch.Tensor | None, dst_ptrs: torch.Tensor,
+    signal_ptrs: torch.Tensor, ready: torch.Tensor, done: torch.Tensor, error: torch.Tensor,
+    tile_start: torch.Tensor, *, tokens_per_rank: int, splits: int, rank: int, world: int,
+    gemm_col_tiles: int, epoch: int, max_spins: int, partial_dtype: torch.dtype, dst_slot_stride: int,
+    dst_row_stride: int, programs: int, block_tm: int, block_tn: int, num_warps: int = 16,
+    kernel=gather_rs_kernel,
+):
+    """Launch exactly `programs` communication CTAs. y [T, N]; table [M, k] int32."""
+    hidden = y.shape[1]
+    return kernel[(programs,)](
+        y, table, probs if probs is not None else y, dst_ptrs, signal_ptrs, ready, done,
+        error, tile_start, tokens_per_rank, hidden, -(-hidden // splits), splits, rank,
+        world, table.shape[1], tile_start.numel() - 1, gemm_col_tiles, epoch, max_spins,
+        y.stride(0), y.stride(1), dst_slot_stride, dst_row_stride,
+        BLOCK_TM=block_tm, BLOCK_TN=block_tn, HAS_PROBS=probs is not None,
+        PARTIAL=TRITON_DTYPES[partial_dtype], num_warps=num_warps, num_stages=1,
+    )
+
+
+def launch_sum_partials(recv: torch.Tensor, out: torch.Tensor, world: int,
+                        block: int = 4096, num_warps: int = 8, kernel=sum_partials_kernel):
+    """recv [world, >=Md, N] contiguous slots -> out [Md, N] contiguous."""
+    numel = out.numel()
+    slot_stride = recv.stride(0)
+    grid = (triton.cdiv(numel, block),)
+    return kernel[grid](recv, out, numel, world, slot_stride, BLOCK=block, num_warps=num_warps)
+
+
+def combine_table(token_index: torch.Tensor, num_tokens: int, topk: int) -> torch.Tensor:
+    """[M, k] int32: the rows of y belonging to each token, in row order, -1 padded.
+
+    token_index[j] is the global token of row j (Megatron's sorted_indices). Row order
+    within a token is ascending, so the fp32 sum order is fixed by the routing alone and
+    the output does not depend on C or L. No host synchronization.
+    """
+    rows = token_index.numel()
+    table = torch.full((num_tokens, topk), -1, dtype=torch.int32, device=token_index.device)
+    if rows == 0:
+        return table
+    order = torch.argsort(token_index, stable=True)
+    sorted_tokens = token_index[order]
+    per_token = torch.bincount(token_index, minlength=num_tokens)
+    first = torch.cumsum(per_token, 0) - per_token
+    slot = torch.arange(rows, device=token_index.device) - first[sorted_tokens]
+    table[sorted_tokens, slot] = order.to(torch.int32)
+    return table
+
+
+def gather_rs_reference(y: torch.Tensor, token_index: torch.Tensor, num_tokens: int,
+                        probs: torch.Tensor | None = None) -> torch.Tensor:
+    """Pure torch, one rank: [M, N] fp32 = sum of y rows per token (times probs)."""
+    full = torch.zeros(num_tokens, y.shape[1], dtype=torch.float32, device=y.device)
+    rows = y.float() if probs is None else y.float() * probs.float()[:, None]
+    return full.index_add_(0, token_index, rows)

@@ -1,0 +1,248 @@
+"""OverlapBuffer: owns the peer memory, flags and plan cache of one process group.
+
+One buffer per (group, device) lives for the whole run: receive slots grow on demand
+(a collective re-allocation, identical on every rank because it depends only on M, N
+and D) and are reused across calls and layers.
+
+Peer memory layout (bytes): [2 parities][D slots][cap rows][N] partials, then D int32
+barrier words. Local flags: ready[L_MAX], done, error (int32).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.distributed as dist
+import triton
+
+from ..kernels import gather_rs as grs
+from ..kernels import gemm2
+from ..planner import PlanCache, resident_ctas
+from .config import (GPU_TILES, INTERPRET_TILES, OverlapConfig, calibration_for, device_spec,
+                     kernel_spec)
+from .peer_memory import PeerMemory
+
+L_MAX = 64
+
+
+class OverlapTimeoutError(RuntimeError):
+    """A bounded wait inside GEMM2+GatherRS ran out: a producer or a peer never arrived."""
+
+
+def describe_error(code: int, rank: int, expected: int | None = None) -> str:
+    kind, value = code >> 24, code & 0xFFFFFF
+    if kind == grs.ERR_READY_TIMEOUT:
+        more = f" (expected {expected} GEMM2 tiles)" if expected is not None else ""
+        return (f"GatherRS on rank {rank} timed out waiting for split {value} to become "
+                f"ready{more}: a GEMM2 producer never published it")
+    if kind == grs.ERR_BARRIER_TIMEOUT:
+        return (f"GatherRS on rank {rank} timed out at the cross-rank barrier waiting for "
+                f"rank {value}")
+    return f"GatherRS on rank {rank} reported unknown error code {code:#x}"
+
+
+class OverlapBuffer:
+    """Workspace and launcher for `gemm2_gather_rs` on one group and device."""
+
+    _instances: "weakref.WeakValueDictionary[tuple, OverlapBuffer]" = weakref.WeakValueDictionary()
+
+    @classmethod
+    def get(cls, group, device: torch.device, backend: str) -> "OverlapBuffer":
+        key = (id(group), str(device), backend)
+        buf = cls._instances.get(key)
+        if buf is None:
+            buf = cls(group, device, backend)
+            cls._instances[key] = buf
+            cls._keep = getattr(cls, "_keep", []) + [buf]  # buffers live for the process
+        return buf
+
+    def __init__(self, group, device: torch.device, backend: str):
+        self.group = group
+        self.device = device
+        self.backend = backend
+        distributed = group is not None and dist.is_initialized()
+        self.world = dist.get_world_size(group) if distributed else 1
+        self.rank = dist.get_rank(group) if distributed else 0
+        self.tiles = INTERPRET_TILES if backend == "interpret" else GPU_TILES
+        self.ready = torch.zeros(L_MAX, dtype=torch.int32, device=device)
+        self.done = torch.zeros(1, dtype=torch.int32, device=device)
+        self.error = torch.zeros(1, dtype=torch.int32, device=device)
+        self.epoch = 0
+        self.broken: str | None = None
+        self._memory: PeerMemory | None = None
+        self._layout: tuple | None = None  # (cap rows, hidden, partial dtype)
+        self._ptr_tables: list[torch.Tensor] = []
+        self._signal_ptrs: torch.Tensor | None = None
+        self._caches: dict[tuple, PlanCache] = {}
+        self._occupancy: dict[tuple, int] = {}
+        self._pending: tuple | None = None  # (event, pinned error word, expected)
+        if device.type == "cuda":
+            self.side_stream = torch.cuda.Stream(device)
+            self._pinned = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+
+    # ---------------------------------------------------------------- memory
+    def ensure(self, rows: int, hidden: int, dtype: torch.dtype) -> None:
+        """Receive slots for `rows` tokens per rank x `hidden` columns of `dtype`."""
+        if self._layout is not None:
+            cap, n, dt = self._layout
+            if n == hidden and dt == dtype and cap >= rows:
+                return
+            rows = max(rows, cap) if (n == hidden and dt == dtype) else rows
+        esize = torch.finfo(dtype).bits // 8
+        slots = 2 * self.world * rows * hidden * esize
+        slots = -(-slots // 128) * 128
+        self._memory = PeerMemory.allocate(slots + 4 * self.world, self.device, self.group,
+                                           self.rank, self.world)
+        self._layout = (rows, hidden, dtype)
+        half = self.world * rows * hidden * esize
+        self._ptr_tables = [
+            torch.tensor([p + parity * half for p in self._memory.peer_ptrs],
+                         dtype=torch.int64, device=self.device)
+            for parity in (0, 1)
+        ]
+        self._signal_ptrs = torch.tensor([p + slots for p in self._memory.peer_ptrs],
+                                         dtype=torch.int64, device=self.device)
+        self.epoch = 0  # fresh barrier words are zero on every rank
+
+    def recv(self, parity: int) -> torch.Tensor:
+        cap, hidden, dtype = self._layout
+        esize = torch.finfo(dtype).bits // 8
+        half = self.world * cap * hidden * esize
+        raw = self._memory.local[parity * half:(parity + 1) * half]
+        return raw.view(dtype).view(self.world, cap, hidden)
+
+    # ---------------------------------------------------------------- planning
+    def plan_cache(self, config: OverlapConfig, comm_tn: int) -> PlanCache:
+        key = (config.sm_margin, config.preset, comm_tn)
+        cache = self._caches.get(key)
+        if cache is None:
+            device = device_spec(self.device, config.sm_margin)
+            o_comp, o_comm = self._occupancies(comm_tn)
+            cache = PlanCache(kernel_spec(self.tiles, comm_tn, o_comp, o_comm), device,
+                              calibration_for(device, config.preset))
+            self._caches[key] = cache
+        return cache
+
+    def _occupancies(self, comm_tn: int) -> tuple[int, int]:
+        """o_comp, o_comm from the compiled kernels' registers and shared memory."""
+        if self.backend != "triton":
+            return 2, 1  # the interpreter has no binary; any residency plans correctly
+        t = self.tiles
+        x = torch.empty(t.block_m, t.block_k, dtype=torch.bfloat16, device=self.device)
+        w = torch.empty(1, t.block_n, t.block_k, dtype=torch.bfloat16, device=self.device)
+        y = torch.empty(t.block_m, t.block_n, dtype=torch.bfloat16, device=self.device)
+        idx = torch.zeros(2, dtype=torch.int32, device=self.device)
+        gk = gemm2.grouped_gemm2_kernel.warmup(
+            x, w, y, idx, idx, self.ready, 1, t.block_k, t.block_n, t.block_n, 1,
+            *x.stride(), *w.stride(), *y.stride(), BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+            BLOCK_K=t.block_k, EXPERTS_POW2=1, UPCAST=False, num_warps=t.gemm_warps,
+            num_stages=t.gemm_stages, grid=(1,))
+        table = torch.zeros(1, 1, dtype=torch.int32, device=self.device)
+        ptrs = torch.zeros(1, dtype=torch.int64, device=self.device)
+        ck = grs.gather_rs_kernel.warmup(
+            y, table, y, ptrs, ptrs, self.ready, self.done, self.error, idx, 1, t.block_n,
+            t.block_n, 1, 0, 1, 1, 1, 1, 1, 1, *y.stride(), 0, 1, BLOCK_TM=t.comm_tm,
+            BLOCK_TN=comm_tn, HAS_PROBS=False, PARTIAL=grs.TRITON_DTYPES[torch.bfloat16],
+            num_warps=t.comm_warps, num_stages=1, grid=(1,))
+        occ = []
+        for k, warps in ((gk, t.gemm_warps), (ck, t.comm_warps)):
+            k._init_handles()
+            occ.append(resident_ctas(k.n_regs, warps * 32, k.metadata.shared).ctas_per_sm)
+        self.compiled_resources = {"gemm2": (gk.n_regs, gk.metadata.shared, gk.n_spills),
+                                   "gather_rs": (ck.n_regs, ck.metadata.shared, ck.n_spills)}
+        return occ[0], occ[1]
+
+    # ---------------------------------------------------------------- errors
+    def check(self, sync: bool = True) -> None:
+        """Raise OverlapTimeoutError if an earlier launch recorded a time-out."""
+        if self.broken:
+            raise OverlapTimeoutError(self.broken + " (the buffer must be rebuilt: "
+                                      "call OverlapBuffer.reset on every rank)")
+        if self._pending is None:
+            return
+        event, word, expected = self._pending
+        if event is not None:
+            if not sync and not event.query():
+                return
+            event.synchronize()
+        self._pending = None
+        code = int(word[0])
+        if code:
+            self.broken = describe_error(code, self.rank, expected)
+            self.ready.zero_()
+            self.done.zero_()
+            self.error.zero_()
+            raise OverlapTimeoutError(self.broken)
+
+    def note_launch(self, expected: int, sync: bool) -> None:
+        if self.device.type == "cuda":
+            self._pinned.copy_(self.error, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._pending = (event, self._pinned, expected)
+        else:
+            self._pending = (None, self.error.clone(), expected)
+        if sync or self.device.type != "cuda":
+            self.check(sync=True)
+
+    def reset(self) -> None:
+        """Forget a failed state; collective: rebuilds peer memory on every rank."""
+        self.broken = None
+        self._pending = None
+        self.ready.zero_()
+        self.done.zero_()
+        self.error.zero_()
+        layout, self._layout = self._layout, None
+        if layout is not None:
+            self.ensure(*layout)
+
+    # ---------------------------------------------------------------- launch
+    def launch(self, x, weight, counts_dev, table, probs, out, *, plan, splits, topk,
+               tokens_per_rank, partial_dtype, comm_tn, max_spins, kernels=None):
+        """GEMM2 (P programs) and GatherRS (C programs), then the local sum over ranks."""
+        t = self.tiles
+        hidden = weight.shape[1]
+        row_start, tile_start = gemm2.expert_offsets(counts_dev, t.block_m)
+        col_tiles = triton.cdiv(gemm2.split_width(hidden, splits), t.block_n)
+        y = torch.empty(x.shape[0], hidden, dtype=out.dtype, device=x.device)
+        self.epoch += 1
+        parity = self.epoch % 2
+        if self.world == 1:
+            dst, slot_stride, row_stride = (torch.tensor([out.data_ptr()], dtype=torch.int64,
+                                                         device=x.device), 0, out.stride(0))
+            signals = dst
+        else:
+            dst, slot_stride, row_stride = self._ptr_tables[parity], \
+                self._layout[0] * hidden, hidden
+            signals = self._signal_ptrs
+        gemm_args = dict(splits=splits, programs=plan.compute_slots, block_m=t.block_m,
+                         block_n=t.block_n, block_k=t.block_k, num_warps=t.gemm_warps,
+                         num_stages=t.gemm_stages, upcast=self.backend == "interpret")
+        comm_args = dict(tokens_per_rank=tokens_per_rank, splits=splits, rank=self.rank,
+                         world=self.world, gemm_col_tiles=col_tiles, epoch=self.epoch,
+                         max_spins=max_spins, partial_dtype=partial_dtype,
+                         dst_slot_stride=slot_stride, dst_row_stride=row_stride,
+                         programs=plan.comm_ctas, block_tm=t.comm_tm, block_tn=comm_tn,
+                         num_warps=t.comm_warps)
+        if self.backend == "interpret":
+            # Programs of one launch run one after another here: GEMM2 must finish first.
+            gemm2.launch_grouped_gemm2(x, weight, y, row_start, tile_start, self.ready,
+                                       **gemm_args)
+            grs.launch_gather_rs(y, table, probs, dst, signals, self.ready, self.done,
+                                 self.error, tile_start, **comm_args)
+        else:
+            main = torch.cuda.current_stream(self.device)
+            side = self.side_stream
+            side.wait_stream(main)
+            # Communication first: its C programs take their SMs before GEMM2 fills the
+            # rest, so both grids are co-resident (P(C) + R(C) fit by construction).
+            grs.launch_gather_rs(y, table, probs, dst, signals, self.ready, self.done,
+                                 self.error, tile_start, **comm_args)
+            with torch.cuda.stream(side):
+                gemm2.launch_grouped_gemm2(x, weight, y, row_start, tile_start, self.ready,
+                                           **gemm_args)
+            main.wait_stream(side)
+        if self.world > 1:
+            grs.launch_sum_partials(self.recv(parity), out, self.world)
+        return y

@@ -1,0 +1,134 @@
+"""Operator configuration: backend choice, tile shapes, and the planner's view of the device."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from ..planner import A100_PAPER, Calibration, DeviceSpec, KernelSpec, get_preset, preset_for_device
+
+log = logging.getLogger("megatron_overlap")
+
+BACKENDS = ("auto", "triton", "interpret", "reference")
+
+
+@dataclass(frozen=True)
+class OverlapConfig:
+    """How `gemm2_gather_rs` runs. Every field has a sensible default.
+
+    backend: "triton" (CUDA), "interpret" (the same kernels under TRITON_INTERPRET=1 on
+        CPU tensors), "reference" (torch grouped GEMM + combine + reduce_scatter_tensor,
+        also the non-overlapped baseline) or "auto" (triton on CUDA tensors, interpret on
+        CPU when TRITON_INTERPRET=1, else reference).
+    comm_ctas: explicit C; None lets the planner choose before every launch.
+    splits: explicit L; None uses max(1, N // 1024): one 1024-wide communication tile
+        per split, the paper's choice (L=1 for N=1024, L=2 for N=2048).
+    planner: False returns the fixed default C = 3 (the public COMET A100 path).
+    sm_margin: SMs left to other concurrent kernels.
+    preset: calibration preset name or JSON path; None finds the shipped calibration
+        for this device name (falling back to the paper's A100 rho_ref with a warning).
+    max_spins: bound of every spin-wait; a time-out raises OverlapTimeoutError.
+    partial_dtype: dtype of the pushed partial sums; None = the output dtype.
+    sync_errors: check the kernels' error word right after every call (a host sync);
+        otherwise it is checked at the next call or at `OverlapBuffer.check()`.
+    """
+
+    backend: str = "auto"
+    comm_ctas: int | None = None
+    splits: int | None = None
+    planner: bool = True
+    sm_margin: int = 0
+    preset: str | None = None
+    max_spins: int = int(os.environ.get("MEGATRON_OVERLAP_MAX_SPINS", 1 << 24))
+    partial_dtype: torch.dtype | None = None
+    sync_errors: bool = False
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"OverlapConfig.backend must be one of {BACKENDS}, got {self.backend!r}")
+        for name in ("comm_ctas", "splits"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or value < 1):
+                raise ValueError(f"OverlapConfig.{name} must be a positive int or None, got {value!r}")
+        if self.sm_margin < 0 or self.max_spins < 1:
+            raise ValueError("OverlapConfig.sm_margin must be >= 0 and max_spins >= 1")
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    """Compile-time tile shapes of the two kernels."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    gemm_warps: int
+    gemm_stages: int
+    comm_tm: int
+    comm_tn: int
+    comm_warps: int
+
+
+#: Hopper: a 128x128x64 bf16 tile with 4 warps, 3 stages (2 resident per SM); wide
+#: communication CTAs (DESIGN.md: narrow ones move a fraction of the bandwidth).
+GPU_TILES = TileConfig(128, 128, 64, 4, 3, 16, 1024, 16)
+#: The interpreter: small tiles so tiny test shapes still span many tiles and splits.
+INTERPRET_TILES = TileConfig(16, 16, 16, 4, 1, 8, 16, 4)
+#: SMs of the virtual device the interpreter plans for (small, so P stays small).
+INTERPRET_SMS = int(os.environ.get("MEGATRON_OVERLAP_INTERPRET_SMS", 20))
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def resolve_backend(requested: str, device: torch.device) -> str:
+    if requested == "auto":
+        if device.type == "cuda":
+            return "triton"
+        return "interpret" if interpreting() else "reference"
+    if requested == "triton" and device.type != "cuda":
+        raise ValueError("backend 'triton' needs CUDA tensors; use 'interpret' or 'reference' on CPU")
+    if requested == "interpret":
+        if device.type != "cpu":
+            raise ValueError("backend 'interpret' runs on CPU tensors")
+        if not interpreting():
+            raise ValueError("backend 'interpret' needs TRITON_INTERPRET=1 set before triton "
+                             "is imported (e.g. in the environment of the launch)")
+    return requested
+
+
+def default_splits(hidden: int) -> int:
+    return max(1, hidden // 1024)
+
+
+def device_spec(device: torch.device, sm_margin: int) -> DeviceSpec:
+    """G from the device (torch.cuda properties); the interpreter's virtual device on CPU."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return DeviceSpec(props.name, props.multi_processor_count, sm_margin)
+    return DeviceSpec("triton-interpreter", INTERPRET_SMS, sm_margin)
+
+
+_warned: set[str] = set()
+
+
+def calibration_for(device: DeviceSpec, preset: str | None) -> Calibration:
+    """The shipped (or given) calibration for this device; the paper's as a fallback."""
+    if preset is not None:
+        return get_preset(preset).calibration
+    found = preset_for_device(device.name)
+    if found is not None:
+        return found.calibration
+    if device.name not in _warned and device.name != "triton-interpreter":
+        _warned.add(device.name)
+        log.warning("no calibration shipped for %s; using the paper's A100 rho_ref (run "
+                    "tools/calibrate.py to make one)", device.name)
+    return A100_PAPER.calibration
+
+
+def kernel_spec(tiles: TileConfig, comm_tn: int, o_comp: int, o_comm: int) -> KernelSpec:
+    return KernelSpec(tiles.block_m, tiles.block_n, tiles.comm_tm, comm_tn, o_comp, o_comm)

@@ -1,0 +1,303 @@
+"""`gemm2_gather_rs`: grouped GEMM2 + top-k combine + reduce-scatter, overlapped.
+
+Glossary (as in the planner):
+    T  rows of the expert-sorted activations (sum of tokens_per_expert)
+    K  GEMM2 reduction dim on this rank;  N  hidden size
+    E  local experts;  k  top-k (most rows per token)
+    M  tokens of the whole group;  D  ranks;  Md = M / D tokens owned by each rank
+    C  communication CTAs;  P  compute CTAs;  L  splits
+
+    out[Md, N] = rows [rank*Md, (rank+1)*Md) of
+                 sum over ranks of ( sum over the k rows j of token t: y[j] * probs[j] )
+    where y[rows of e] = x[rows of e] @ weight[e]^T
+
+On rank r the result equals what Megatron's allgather dispatcher computes with FC2,
+`combine_preprocess` (unpermute) and `token_combine` (reduce-scatter over tp_ep_group).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+import torch
+import torch.distributed as dist
+
+from ..kernels.gather_rs import combine_table
+from ..planner import Workload, expert_row_tiles
+from .buffer import OverlapBuffer
+from .config import OverlapConfig, default_splits, resolve_backend
+
+log = logging.getLogger("megatron_overlap")
+# torch 2.13 renames the two collectives; 2.11 (the GPU machines) has only the old names.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _group_size_rank(group) -> tuple[int, int]:
+    if group is None or not dist.is_initialized():
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _host_counts(tokens_per_expert, rows: int, experts: int):
+    """(host list or None, device-ready tensor) of the per-expert row counts."""
+    if isinstance(tokens_per_expert, torch.Tensor):
+        if tokens_per_expert.dim() != 1 or tokens_per_expert.numel() != experts:
+            raise ValueError(f"tokens_per_expert must have {experts} entries (one per local "
+                             f"expert), got shape {tuple(tokens_per_expert.shape)}")
+        if tokens_per_expert.dtype.is_floating_point:
+            raise ValueError("tokens_per_expert must hold integers")
+        if tokens_per_expert.device.type == "cpu":
+            return tokens_per_expert.tolist(), tokens_per_expert
+        return None, tokens_per_expert
+    counts = list(tokens_per_expert)
+    if len(counts) != experts:
+        raise ValueError(f"tokens_per_expert must have {experts} entries (one per local "
+                         f"expert), got {len(counts)}")
+    return counts, torch.tensor(counts, dtype=torch.int64)
+
+
+def validate(x, weight, counts, token_index, num_tokens, topk, probs, world):
+    """Every check that can fail with a clear message before a kernel sees the data."""
+    if x.dim() != 2 or weight.dim() != 3:
+        raise ValueError(f"x must be [T, K] and weight [E, N, K]; got {tuple(x.shape)} and "
+                         f"{tuple(weight.shape)}")
+    if x.dtype not in _DTYPES or weight.dtype != x.dtype:
+        raise ValueError(f"x and weight must share a dtype in {_DTYPES}; got {x.dtype}, "
+                         f"{weight.dtype}")
+    if weight.shape[2] != x.shape[1]:
+        raise ValueError(f"weight [E, N, K] has K={weight.shape[2]} but x has K={x.shape[1]}")
+    if x.device != weight.device or token_index.device != x.device:
+        raise ValueError("x, weight and token_index must be on one device")
+    if token_index.dim() != 1 or token_index.numel() != x.shape[0]:
+        raise ValueError(f"token_index must be [T] = [{x.shape[0]}], got {tuple(token_index.shape)}")
+    if token_index.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"token_index must be int32 or int64, got {token_index.dtype}")
+    if counts is not None:
+        if any(c < 0 for c in counts):
+            raise ValueError(f"tokens_per_expert must be non-negative, got {counts}")
+        if sum(counts) != x.shape[0]:
+            raise ValueError(f"tokens_per_expert sums to {sum(counts)} but x has {x.shape[0]} rows")
+    if num_tokens < 1 or num_tokens % world:
+        raise ValueError(f"num_tokens ({num_tokens}) must be a positive multiple of the group "
+                         f"size ({world}): each rank owns num_tokens / world rows")
+    if topk < 1:
+        raise ValueError(f"topk must be >= 1, got {topk}")
+    if probs is not None and (probs.shape != (x.shape[0],) or probs.device != x.device):
+        raise ValueError(f"probs must be [T] = [{x.shape[0]}] on x's device, got {tuple(probs.shape)}")
+    if x.device.type == "cpu" and token_index.numel():
+        # Cheap on the host; on CUDA these would cost a sync, and Megatron's routing
+        # guarantees them by construction.
+        lo, hi = int(token_index.min()), int(token_index.max())
+        if lo < 0 or hi >= num_tokens:
+            raise ValueError(f"token_index values must lie in [0, {num_tokens}), got [{lo}, {hi}]")
+        most = int(torch.bincount(token_index, minlength=num_tokens).max())
+        if most > topk:
+            raise ValueError(f"a token has {most} rows but topk is {topk}")
+
+
+def grouped_mm(a: torch.Tensor, b: torch.Tensor, counts_dev: torch.Tensor,
+               counts: list[int] | None) -> torch.Tensor:
+    """out[rows of e] = a[rows of e] @ b[e]; b [E, K, N] (any strides)."""
+    if a.is_cuda and a.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
+        offs = counts_dev.to(device=a.device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        return torch._grouped_mm(a, b, offs=offs)
+    if counts is None:
+        counts = counts_dev.tolist()
+    out = a.new_empty(a.shape[0], b.shape[2])
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            torch.matmul(a[start:start + n], b[e], out=out[start:start + n])
+        start += n
+    return out
+
+
+def combine_rows(y: torch.Tensor, table: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:
+    """[M, N] in y's dtype: fp32 sum of each token's rows (fixed order), one gather pass."""
+    rows = y if probs is None else y * probs.to(y.dtype)[:, None]
+    padded = torch.cat([rows, rows.new_zeros(1, rows.shape[1])])  # row -1 reads zeros
+    return padded[table.long()].sum(dim=1, dtype=torch.float32).to(y.dtype)
+
+
+def _reference_forward(x, weight, counts_dev, counts, table, probs, group, world, rank):
+    y = grouped_mm(x, weight.transpose(1, 2), counts_dev, counts)
+    full = combine_rows(y, table, probs)
+    if world == 1:
+        return full, y
+    out = full.new_empty(full.shape[0] // world, full.shape[1])
+    if full.device.type == "cpu" and full.dtype != torch.float32:
+        # gloo reduces in fp32 only for fp32 tensors; keep the sum exact like NCCL's.
+        part = full.new_empty(out.shape, dtype=torch.float32)
+        _reduce_scatter(part, full.float(), group=group)
+        return part.to(full.dtype), y
+    _reduce_scatter(out, full, group=group)
+    return out, y
+
+
+class _Gemm2GatherRS(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, probs, counts_dev, token_index, table, meta):
+        counts, group, world, rank, buf, plan, launch_kwargs = meta
+        if buf is None:
+            out, y = _reference_forward(x, weight, counts_dev, counts, table, probs, group,
+                                        world, rank)
+        else:
+            md = table.shape[0] // world
+            out = torch.empty(md, weight.shape[1], dtype=x.dtype, device=x.device)
+            y = buf.launch(x, weight, counts_dev, table, probs, out, plan=plan, **launch_kwargs)
+        ctx.meta = (counts, group, world)
+        keep_y = probs is not None and probs.requires_grad
+        ctx.save_for_backward(x, weight, probs, counts_dev, token_index, y if keep_y else None)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight, probs, counts_dev, token_index, y = ctx.saved_tensors
+        counts, group, world = ctx.meta
+        grad_out = grad_out.contiguous()
+        if world > 1:  # the gradient of a reduce-scatter is an all-gather
+            full = grad_out.new_empty(grad_out.shape[0] * world, grad_out.shape[1])
+            _all_gather(full, grad_out, group=group)
+        else:
+            full = grad_out
+        grad_rows = full[token_index.long()]  # [T, N]
+        grad_probs = None
+        if probs is not None:
+            if ctx.needs_input_grad[2]:
+                grad_probs = (grad_rows.float() * y.float()).sum(1).to(probs.dtype)
+            grad_rows = grad_rows * probs.to(grad_rows.dtype)[:, None]
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = grouped_mm(grad_rows, weight, counts_dev, counts)
+        if ctx.needs_input_grad[1]:
+            grad_w = torch.zeros_like(weight)
+            cs = counts if counts is not None else counts_dev.tolist()
+            start = 0
+            for e, n in enumerate(cs):
+                if n:
+                    torch.matmul(grad_rows[start:start + n].t(), x[start:start + n], out=grad_w[e])
+                start += n
+        return grad_x, grad_w, grad_probs, None, None, None, None
+
+
+_fallback_warned = False
+_peer_capable_cache: dict[int, bool] = {}
+
+
+def _peer_capable(group, world: int) -> bool:
+    """True when every rank of the group is on this host (peer memory can work).
+
+    Collective on the first call for a group (every rank calls the op together), then
+    cached: the launch path must not add a host round trip.
+    """
+    if world == 1:
+        return True
+    known = _peer_capable_cache.get(id(group))
+    if known is None:
+        import socket
+
+        hosts = [None] * world
+        dist.all_gather_object(hosts, socket.gethostname(), group=group)
+        known = _peer_capable_cache[id(group)] = len(set(hosts)) == 1
+    return known
+
+
+def gemm2_gather_rs(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    tokens_per_expert,
+    token_index: torch.Tensor,
+    num_tokens: int,
+    topk: int,
+    probs: torch.Tensor | None = None,
+    group=None,
+    *,
+    comm_ctas: int | None = None,
+    splits: int | None = None,
+    config: OverlapConfig | None = None,
+    return_plan: bool = False,
+):
+    """Overlapped GEMM2 + top-k combine + reduce-scatter; returns this rank's [M/D, N].
+
+    Args:
+        x: [T, K] expert-sorted activations (bf16, fp16 or fp32), rows of expert 0 first.
+        weight: [E, N, K] FC2 weights of the local experts (nn.Linear layout), x's dtype.
+        tokens_per_expert: [E] rows per local expert: a host list / CPU tensor (exact
+            planning) or a CUDA tensor (the planner's normalized-load estimate, no sync).
+        token_index: [T] int, the global token (0..M-1) of each row (Megatron's
+            `reversed_local_input_permutation_mapping`).
+        num_tokens: M, tokens of the whole group; must be divisible by the group size.
+        topk: most rows a token can have on this rank (the router's top-k).
+        probs: optional [T] weight of each row, applied before the combine (Megatron
+            applies routing probabilities before FC2 and passes None).
+        group: the reduce-scatter group (Megatron's tp_ep_group); None = one rank.
+        comm_ctas, splits: explicit C and L (override the planner / default).
+        config: OverlapConfig (backend, planner switch, sm_margin, preset, ...).
+        return_plan: also return the planner's decision (None on the reference path).
+    """
+    config = config or OverlapConfig()
+    world, rank = _group_size_rank(group)
+    experts = weight.shape[0] if weight.dim() == 3 else -1
+    counts, counts_dev = _host_counts(tokens_per_expert, x.shape[0], experts)
+    validate(x, weight, counts, token_index, num_tokens, topk, probs, world)
+    backend = resolve_backend(config.backend, x.device)
+    if backend != "reference" and not _peer_capable(group, world):
+        global _fallback_warned
+        if not _fallback_warned:
+            _fallback_warned = True
+            warnings.warn("megatron-overlap: the group spans several hosts; peer memory "
+                          "cannot reach every rank, using the reference path")
+        backend = "reference"
+    hidden = weight.shape[1]
+    num_splits = splits or config.splits or default_splits(hidden)
+    if num_splits > hidden:
+        raise ValueError(f"splits ({num_splits}) must be <= hidden ({hidden})")
+    table = combine_table(token_index.to(torch.int64), num_tokens, topk)
+    buf = plan = None
+    launch_kwargs = {}
+    if backend != "reference":
+        buf = OverlapBuffer.get(group, x.device, backend)
+        buf.check(sync=False)
+        partial = config.partial_dtype or x.dtype
+        comm_tn = min(buf.tiles.comm_tn, _pow2_at_least(-(-hidden // num_splits)))
+        cache = buf.plan_cache(config, comm_tn)
+        md = num_tokens // world
+        c = comm_ctas or config.comm_ctas
+        if counts is not None:
+            plan = cache.decide(num_tokens, hidden, x.shape[1], world, num_splits, counts,
+                                comm_ctas=c, enabled=config.planner)
+        else:  # section III-E: counts only on the device, spread the T rows evenly
+            est = Workload.from_total(tokens=num_tokens, hidden=hidden, ffn=x.shape[1],
+                                      world=world, splits=num_splits,
+                                      total_assignments=x.shape[0], local_experts=experts)
+            plan = cache.decide_tiles(expert_row_tiles(est.expert_counts, cache.kernel.tile_m),
+                                      num_tokens, hidden, x.shape[1], world, num_splits,
+                                      experts, comm_ctas=c, enabled=config.planner)
+        buf.ensure(md, hidden, partial)
+        launch_kwargs = dict(splits=num_splits, topk=topk, tokens_per_rank=md,
+                             partial_dtype=partial, comm_tn=comm_tn,
+                             max_spins=config.max_spins)
+        _log_decision(buf, plan, num_tokens, hidden, x.shape[1], world, num_splits)
+    meta = (counts, group, world, rank, buf, plan, launch_kwargs)
+    out = _Gemm2GatherRS.apply(x, weight, probs, counts_dev.to(x.device), token_index,
+                               table, meta)
+    if buf is not None:
+        buf.note_launch(plan.w_comp if counts is not None else None, sync=config.sync_errors)
+    return (out, plan) if return_plan else out
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _log_decision(buf, plan, m, n, k, d, splits):
+    sig = (plan.comm_ctas, splits, m, n, k, d)
+    if getattr(buf, "_last_logged", None) != sig:
+        buf._last_logged = sig
+        log.debug("gemm2_gather_rs: C=%d P=%d L=%d T=%.1f (M=%d N=%d K=%d D=%d, %s)",
+                  plan.comm_ctas, plan.compute_slots, splits, plan.predicted, m, n, k, d,
+                  plan.source)
+

@@ -1,0 +1,84 @@
+"""The Triton kernels against their pure-torch references (interpreter on CPU)."""
+
+import pytest
+import torch
+
+from megatron_overlap.kernels import gather_rs as grs
+from megatron_overlap.kernels import gemm2
+from routing_cases import fp64_rank_partial, rel_err, routed_problem
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests")
+
+
+def run_gemm2(p, splits, programs, block=16):
+    x, w = p["x"], p["weight"]
+    y = torch.full((x.shape[0], w.shape[1]), float("nan"), dtype=x.dtype)  # poisoned
+    row_start, tile_start = gemm2.expert_offsets(p["counts"], block)
+    ready = torch.zeros(8, dtype=torch.int32)
+    gemm2.launch_grouped_gemm2(x, w, y, row_start, tile_start, ready, splits=splits,
+                               programs=programs, block_m=block, block_n=block, block_k=block,
+                               upcast=True)
+    return y, ready, tile_start
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_gemm2_matches_fp64_with_uneven_and_empty_experts(dtype):
+    p = routed_problem(0, 1, tokens=37, experts=6, topk=2, ffn=40, hidden=56, dtype=dtype,
+                       empty=(2,))
+    assert p["counts"][2] == 0
+    y, _, _ = run_gemm2(p, splits=3, programs=5)
+    assert not torch.isnan(y).any(), "every element of y must be written"
+    ref = gemm2.grouped_gemm2_reference(p["x"].double(), p["weight"].double(), p["counts"].tolist())
+    assert rel_err(y, ref) < (1e-5 if dtype == torch.float32 else 5e-3)
+
+
+def test_gemm2_publishes_every_tile_of_every_split():
+    p = routed_problem(0, 1, tokens=37, experts=4, topk=2, ffn=16, hidden=50)
+    _, ready, tile_start = run_gemm2(p, splits=3, programs=4)
+    col_tiles = -(-gemm2.split_width(50, 3) // 16)
+    assert ready[:3].tolist() == [int(tile_start[-1]) * col_tiles] * 3
+    assert ready[3:].abs().sum() == 0
+
+
+def test_combine_table_lists_each_tokens_rows_in_row_order():
+    token_index = torch.tensor([3, 0, 3, 1, 0, 3])
+    table = grs.combine_table(token_index, num_tokens=5, topk=3)
+    assert table.tolist() == [[1, 4, -1], [3, -1, -1], [-1, -1, -1], [0, 2, 5], [-1, -1, -1]]
+
+
+def gather_single_rank(p, y, tile_start, splits, programs, max_spins=100000, probs=None):
+    tokens = int(p["token_index"].max()) + 1
+    table = grs.combine_table(p["token_index"], tokens, 3)
+    out = torch.full((tokens, y.shape[1]), float("nan"), dtype=y.dtype)
+    dst = torch.tensor([out.data_ptr()], dtype=torch.int64)
+    ready = torch.zeros(8, dtype=torch.int32)
+    done, error = torch.zeros(1, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    return out, ready, done, error, dict(
+        args=(y, table, probs, dst, dst, ready, done, error, tile_start),
+        kwargs=dict(tokens_per_rank=tokens, splits=splits, rank=0, world=1,
+                    gemm_col_tiles=-(-gemm2.split_width(y.shape[1], splits) // 16), epoch=1,
+                    max_spins=max_spins, partial_dtype=y.dtype, dst_slot_stride=0,
+                    dst_row_stride=out.stride(0), programs=programs, block_tm=8, block_tn=16,
+                    num_warps=4))
+
+
+def test_gather_rs_single_rank_combines_topk_rows_with_probs():
+    p = routed_problem(0, 1, tokens=30, experts=5, topk=3, ffn=16, hidden=40)
+    y, ready, tile_start = run_gemm2(p, splits=2, programs=3)
+    out, ready2, done, error, launch = gather_single_rank(p, y, tile_start, 2, 3,
+                                                          probs=p["probs"])
+    ready2.copy_(ready)
+    grs.launch_gather_rs(*launch["args"], **launch["kwargs"])
+    assert int(error) == 0 and int(done) == 0 and ready2.abs().sum() == 0  # flags reset
+    ref = fp64_rank_partial(p, 30, with_probs=True)
+    assert not torch.isnan(out).any()
+    assert rel_err(out, ref) < 1e-2
+
+
+def test_missing_producer_times_out_with_split_code_instead_of_hanging():
+    p = routed_problem(0, 1, tokens=20, experts=3, topk=2, ffn=16, hidden=32)
+    y, _, tile_start = run_gemm2(p, splits=2, programs=2)
+    out, ready, done, error, launch = gather_single_rank(p, y, tile_start, 2, 2, max_spins=20)
+    ready[1] = 10 ** 6  # split 1 is ready, split 0's producers never ran
+    grs.launch_gather_rs(*launch["args"], **launch["kwargs"])
+    assert int(error) == (grs.ERR_READY_TIMEOUT << 24) | 0

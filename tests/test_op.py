@@ -1,0 +1,220 @@
+"""gemm2_gather_rs on CPU: interpret and reference backends, 1 and 2 ranks."""
+
+import warnings
+
+import pytest
+import torch
+
+from dist_harness import run_ranks
+from megatron_overlap.ops import OverlapConfig, OverlapTimeoutError, gemm2_gather_rs
+from megatron_overlap.ops import op as op_module
+from routing_cases import fp64_rank_partial, rel_err, routed_problem
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU backends")
+INTERP = OverlapConfig(backend="interpret")
+REF = OverlapConfig(backend="reference")
+
+
+def call(p, tokens, topk, config, probs=False, group=None, **kw):
+    return gemm2_gather_rs(p["x"], p["weight"], p["counts"], p["token_index"], tokens, topk,
+                           p["probs"] if probs else None, group, config=config, **kw)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("probs", [False, True])
+def test_single_rank_matches_fp64_reference(dtype, tol, probs):
+    p = routed_problem(0, 1, tokens=45, experts=5, topk=2, ffn=24, hidden=40, dtype=dtype)
+    ref = fp64_rank_partial(p, 45, with_probs=probs)
+    for config in (INTERP, REF):
+        out = call(p, 45, 2, config, probs=probs)
+        assert out.shape == (45, 40) and out.dtype == dtype
+        assert rel_err(out, ref) < tol
+
+
+def test_output_independent_of_comm_ctas_and_splits():
+    p = routed_problem(0, 1, tokens=40, experts=4, topk=3, ffn=16, hidden=48)
+    outs = {(c, l): call(p, 40, 3, INTERP, comm_ctas=c, splits=l)
+            for c in (1, 2, 3, 8, 16) for l in (1, 2, 4)}
+    first = outs[(1, 1)]
+    assert all(torch.equal(o, first) for o in outs.values())
+
+
+def test_one_hot_expert_and_empty_experts_are_correct():
+    for case in (dict(hot=True), dict(empty=(1, 2, 3))):
+        p = routed_problem(0, 1, tokens=33, experts=5, topk=2, ffn=16, hidden=32, **case)
+        assert rel_err(call(p, 33, 2, INTERP), fp64_rank_partial(p, 33)) < 1e-2
+
+
+def test_no_rows_at_all_gives_zeros():
+    p = routed_problem(0, 1, tokens=8, experts=2, topk=1, ffn=16, hidden=16)
+    empty = dict(x=p["x"][:0], weight=p["weight"], counts=torch.zeros(2, dtype=torch.int64),
+                 token_index=p["token_index"][:0], probs=p["probs"][:0])
+    out = call(empty, 8, 1, INTERP)
+    assert torch.equal(out, torch.zeros(8, 16, dtype=out.dtype))
+
+
+def test_planner_decision_is_returned_and_explicit_c_wins():
+    p = routed_problem(0, 1, tokens=40, experts=4, topk=2, ffn=16, hidden=32)
+    _, plan = call(p, 40, 2, INTERP, return_plan=True)
+    assert plan.source == "model" and plan.comm_ctas >= 1
+    _, plan = call(p, 40, 2, INTERP, comm_ctas=5, return_plan=True)
+    assert (plan.comm_ctas, plan.source) == (5, "user")
+    _, plan = call(p, 40, 2, OverlapConfig(backend="interpret", planner=False), return_plan=True)
+    assert (plan.comm_ctas, plan.source) == (3, "disabled")
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(x=lambda p: p["x"].half()), "share a dtype"),
+    (dict(x=lambda p: p["x"][:, :-1]), "K="),
+    (dict(counts=lambda p: p["counts"] + 1), "sums to"),
+    (dict(counts=lambda p: p["counts"][:-1]), "one per local expert"),
+    (dict(token_index=lambda p: p["token_index"] + 100), "must lie in"),
+    (dict(token_index=lambda p: p["token_index"].float()), "int32 or int64"),
+    (dict(x=lambda p: p["x"].to(torch.int32)), "share a dtype"),
+])
+def test_bad_input_raises_a_clear_value_error(change, message):
+    p = routed_problem(0, 1, tokens=30, experts=3, topk=2, ffn=16, hidden=32)
+    for key, fn in change.items():
+        p[key] = fn(p)
+    with pytest.raises(ValueError, match=message):
+        call(p, 30, 2, INTERP)
+
+
+def test_bad_sizes_and_backends_raise_clear_errors():
+    p = routed_problem(0, 1, tokens=30, experts=3, topk=2, ffn=16, hidden=32)
+    with pytest.raises(ValueError, match="topk is 1"):
+        call(p, 30, 1, INTERP)
+    with pytest.raises(ValueError, match="splits"):
+        call(p, 30, 2, INTERP, splits=33)
+    with pytest.raises(ValueError, match="needs CUDA"):
+        call(p, 30, 2, OverlapConfig(backend="triton"))
+    with pytest.raises(ValueError, match="backend"):
+        OverlapConfig(backend="cuda")
+
+
+def test_peerless_group_falls_back_to_reference_with_one_warning(monkeypatch):
+    monkeypatch.setattr(op_module, "_peer_capable", lambda group, world: False)
+    monkeypatch.setattr(op_module, "_fallback_warned", False)
+    p = routed_problem(0, 1, tokens=20, experts=2, topk=1, ffn=16, hidden=16)
+    with pytest.warns(UserWarning, match="reference path"):
+        out, plan = call(p, 20, 1, INTERP, return_plan=True)
+    assert plan is None and rel_err(out, fp64_rank_partial(p, 20)) < 1e-2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        call(p, 20, 1, INTERP)
+
+
+def test_missing_producer_raises_timeout_naming_split_and_rank(monkeypatch):
+    from megatron_overlap.kernels import gemm2
+
+    p = routed_problem(0, 1, tokens=20, experts=2, topk=1, ffn=16, hidden=32)
+    group_cfg = OverlapConfig(backend="interpret", max_spins=50)
+    monkeypatch.setattr(gemm2, "launch_grouped_gemm2", lambda *a, **k: None)
+    with pytest.raises(OverlapTimeoutError, match=r"rank 0 timed out waiting for split 0"):
+        call(p, 20, 1, group_cfg, splits=2)
+    monkeypatch.undo()
+    with pytest.raises(OverlapTimeoutError, match="rebuilt"):
+        call(p, 20, 1, group_cfg)
+    from megatron_overlap.ops import OverlapBuffer
+
+    OverlapBuffer.get(None, torch.device("cpu"), "interpret").reset()
+    assert rel_err(call(p, 20, 1, group_cfg), fp64_rank_partial(p, 20)) < 1e-2
+
+
+def _grads(p, tokens, topk, config, probs, group=None, seed=0):
+    leaves = {k: p[k].detach().clone().requires_grad_(True) for k in ("x", "weight", "probs")}
+    q = dict(p, **leaves)
+    out = call(q, tokens, topk, config, probs=probs, group=group)
+    g = torch.Generator().manual_seed(seed + 7)
+    grad = torch.randn(out.shape, generator=g).to(out.dtype)
+    out.backward(grad)
+    return {k: leaves[k].grad for k in (("x", "weight", "probs") if probs else ("x", "weight"))}
+
+
+def test_backward_matches_reference_gradients():
+    p = routed_problem(0, 1, tokens=24, experts=3, topk=2, ffn=16, hidden=32,
+                       dtype=torch.float32)
+    for probs in (False, True):
+        a = _grads(p, 24, 2, INTERP, probs)
+        b = _grads(p, 24, 2, REF, probs)
+        for k in a:
+            torch.testing.assert_close(a[k], b[k], rtol=1e-4, atol=1e-4)
+
+
+# ----------------------------------------------------------------- two ranks (gloo)
+def _two_rank_scenarios(rank, world):
+    import torch.distributed as dist
+
+    group = dist.group.WORLD
+    results = {}
+    cases = {
+        "tp2_bf16": dict(tokens=44, experts=4, topk=2, ffn=16, hidden=48, ep=1),
+        "ep2_uneven": dict(tokens=50, experts=6, topk=3, ffn=16, hidden=40, ep=2, empty=(4,)),
+        "ep2_hot": dict(tokens=36, experts=4, topk=2, ffn=16, hidden=32, ep=2, hot=True),
+        "tp2_fp32": dict(tokens=30, experts=3, topk=2, ffn=16, hidden=32, ep=1,
+                         dtype=torch.float32),
+    }
+    for name, case in cases.items():
+        tokens, topk = case["tokens"], case["topk"]
+        p = routed_problem(rank, world, seed=3, **case)
+        partial = fp64_rank_partial(p, tokens, with_probs=True)
+        full = partial.clone()
+        dist.all_reduce(full)
+        mine = full[rank * tokens // world:(rank + 1) * tokens // world]
+        outs = {}
+        for c, l in ((1, 1), (2, 2), (3, 4), (8, 1), (16, 2)):
+            outs[(c, l)] = call(p, tokens, topk, INTERP, probs=True, group=group,
+                                comm_ctas=c, splits=l)
+        ref = call(p, tokens, topk, REF, probs=True, group=group)
+        first = outs[(1, 1)]
+        results[name] = dict(
+            err=rel_err(first, mine), ref_err=rel_err(ref, mine),
+            bitwise=all(torch.equal(o, first) for o in outs.values()),
+            shape=tuple(first.shape))
+    # gradients through the all-gather of the backward
+    p = routed_problem(rank, world, tokens=20, experts=4, topk=2, ffn=16, hidden=32, ep=2,
+                       dtype=torch.float32, seed=5)
+    a = _grads(p, 20, 2, INTERP, True, group, seed=rank)
+    b = _grads(p, 20, 2, REF, True, group, seed=rank)
+    results["grad_err"] = max(float((a[k] - b[k]).abs().max()) for k in a)
+    # not divisible by the world size: a clear error on every rank
+    try:
+        call(p, 21, 2, INTERP, group=group)
+        results["indivisible"] = "no error"
+    except ValueError as err:
+        results["indivisible"] = str(err)
+    # a peer that never arrives: rank 0 times out at the barrier naming rank 1
+    if rank == 0:
+        try:
+            call(p, 20, 2, OverlapConfig(backend="interpret", max_spins=200), group=group)
+            results["barrier"] = "no error"
+        except OverlapTimeoutError as err:
+            results["barrier"] = str(err)
+    dist.barrier()
+    return results
+
+
+@pytest.fixture(scope="module")
+def two_ranks():
+    return run_ranks(2, _two_rank_scenarios)
+
+
+@pytest.mark.parametrize("case", ["tp2_bf16", "ep2_uneven", "ep2_hot", "tp2_fp32"])
+def test_two_ranks_match_fp64_and_are_bitwise_stable_over_c_and_l(two_ranks, case):
+    for rank, res in enumerate(two_ranks):
+        r = res[case]
+        tol = 1e-5 if case.endswith("fp32") else 1e-2
+        assert r["err"] < tol and r["ref_err"] < tol, (rank, r)
+        assert r["bitwise"], (rank, r)
+
+
+def test_two_ranks_backward_matches_reference(two_ranks):
+    assert all(r["grad_err"] < 1e-4 for r in two_ranks)
+
+
+def test_tokens_not_divisible_by_world_size_raise(two_ranks):
+    assert all("multiple of the group size" in r["indivisible"] for r in two_ranks)
+
+
+def test_absent_peer_raises_barrier_timeout_naming_the_peer(two_ranks):
+    assert "rank 0 timed out at the cross-rank barrier waiting for rank 1" in two_ranks[0]["barrier"]
