@@ -56,7 +56,7 @@ def _wait_at_least(ptr, target, max_spins, SCOPE: tl.constexpr):
     while (seen < target) & (spins < max_spins):
         seen = tl.atomic_add(ptr, 0, sem="acquire", scope=SCOPE)
         spins += 1
-    return seen >= target
+    return (seen >= target).to(tl.int32)
 
 
 @triton.jit(do_not_specialize=["tokens_per_rank", "N", "split_width", "num_splits",
@@ -66,7 +66,7 @@ def _wait_at_least(ptr, target, max_spins, SCOPE: tl.constexpr):
 def gather_rs_kernel(
     # pointers
     y_ptr, table_ptr, prob_ptr, dst_ptrs, signal_ptrs, ready_ptr, done_ptr, error_ptr,
-    tile_start_ptr,
+    tile_start_ptr, partial_like_ptr,
     # sizes and protocol values
     tokens_per_rank, N, split_width, num_splits, rank, world, topk, num_experts,
     gemm_col_tiles, epoch, max_spins,
@@ -74,7 +74,6 @@ def gather_rs_kernel(
     stride_ym, stride_yn, dst_slot_stride, dst_row_stride,
     # meta-parameters
     BLOCK_TM: tl.constexpr, BLOCK_TN: tl.constexpr, HAS_PROBS: tl.constexpr,
-    PARTIAL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
@@ -113,18 +112,20 @@ def gather_rs_kernel(
                 if HAS_PROBS:
                     vals *= tl.load(prob_ptr + row, mask=has, other=0.0).to(tl.float32)[:, None]
                 acc += vals
-            base = tl.load(dst_ptrs + dst).to(tl.pointer_type(PARTIAL))
+            # peers' buffers arrive as int64 addresses; typed like `partial_like_ptr`
+            base = tl.load(dst_ptrs + dst).to(partial_like_ptr.dtype)
             out = base + rank * dst_slot_stride + local[:, None].to(tl.int64) * dst_row_stride \
                 + cols[None, :]
-            tl.store(out, acc.to(PARTIAL), mask=tok_ok[:, None] & col_ok[None, :])
+            tl.store(out, acc.to(partial_like_ptr.dtype.element_ty),
+                     mask=tok_ok[:, None] & col_ok[None, :])
     tl.debug_barrier()
     if tl.atomic_add(done_ptr, 1, sem="release", scope="sys") == num_programs - 1:
         tl.atomic_add(done_ptr, 0, sem="acquire", scope="sys")
         if world > 1:
             for peer in range(world):
-                sig = tl.load(signal_ptrs + peer).to(tl.pointer_type(tl.int32))
+                sig = tl.load(signal_ptrs + peer).to(ready_ptr.dtype)
                 tl.atomic_xchg(sig + rank, epoch, sem="release", scope="sys")
-            mine = tl.load(signal_ptrs + rank).to(tl.pointer_type(tl.int32))
+            mine = tl.load(signal_ptrs + rank).to(ready_ptr.dtype)
             for src in range(world):
                 ok = _wait_at_least(mine + src, epoch, max_spins, "sys")
                 if ok == 0:
@@ -145,27 +146,24 @@ def sum_partials_kernel(recv_ptr, out_ptr, numel, world, slot_stride, BLOCK: tl.
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-TRITON_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
-                 torch.float32: tl.float32}
-
-
 def launch_gather_rs(
     y: torch.Tensor, table: torch.Tensor, probs: torch.Tensor | None, dst_ptrs: torch.Tensor,
     signal_ptrs: torch.Tensor, ready: torch.Tensor, done: torch.Tensor, error: torch.Tensor,
     tile_start: torch.Tensor, *, tokens_per_rank: int, splits: int, rank: int, world: int,
-    gemm_col_tiles: int, epoch: int, max_spins: int, partial_dtype: torch.dtype, dst_slot_stride: int,
-    dst_row_stride: int, programs: int, block_tm: int, block_tn: int, num_warps: int = 16,
-    kernel=gather_rs_kernel,
+    gemm_col_tiles: int, epoch: int, max_spins: int, partial_like: torch.Tensor,
+    dst_slot_stride: int, dst_row_stride: int, programs: int, block_tm: int, block_tn: int,
+    num_warps: int = 16, kernel=gather_rs_kernel,
 ):
-    """Launch exactly `programs` communication CTAs. y [T, N]; table [M, k] int32."""
+    """Launch exactly `programs` communication CTAs. y [T, N]; table [M, k] int32;
+    `partial_like`: any tensor of the partial sums' dtype (gives the peer pointer type)."""
     hidden = y.shape[1]
     return kernel[(programs,)](
         y, table, probs if probs is not None else y, dst_ptrs, signal_ptrs, ready, done,
-        error, tile_start, tokens_per_rank, hidden, -(-hidden // splits), splits, rank,
+        error, tile_start, partial_like, tokens_per_rank, hidden, -(-hidden // splits), splits, rank,
         world, table.shape[1], tile_start.numel() - 1, gemm_col_tiles, epoch, max_spins,
         y.stride(0), y.stride(1), dst_slot_stride, dst_row_stride,
         BLOCK_TM=block_tm, BLOCK_TN=block_tn, HAS_PROBS=probs is not None,
-        PARTIAL=TRITON_DTYPES[partial_dtype], num_warps=num_warps, num_stages=1,
+        num_warps=num_warps, num_stages=1,
     )
 
 

@@ -18,7 +18,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world, port, fn, args, queue):
+def _entry(rank, world, port, fn, args, queue, backend):
     try:
         import torch
         import torch.distributed as dist
@@ -26,7 +26,9 @@ def _entry(rank, world, port, fn, args, queue):
         torch.set_num_threads(1)
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                           WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        if backend == "nccl":
+            torch.cuda.set_device(rank)
+        dist.init_process_group(backend, rank=rank, world_size=world)
         try:
             queue.put((rank, True, fn(rank, world, *args)))
         finally:
@@ -35,12 +37,12 @@ def _entry(rank, world, port, fn, args, queue):
         queue.put((rank, False, traceback.format_exc()))
 
 
-def run_ranks(world: int, fn, *args, timeout: float = 600.0) -> list:
+def run_ranks(world: int, fn, *args, timeout: float = 600.0, backend: str = "gloo") -> list:
     """fn(rank, world, *args) on `world` processes; its return values, by rank."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, queue), daemon=True)
+    procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, queue, backend), daemon=True)
              for r in range(world)]
     for p in procs:
         p.start()

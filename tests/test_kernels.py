@@ -57,7 +57,7 @@ def gather_single_rank(p, y, tile_start, splits, programs, max_spins=100000, pro
         args=(y, table, probs, dst, dst, ready, done, error, tile_start),
         kwargs=dict(tokens_per_rank=tokens, splits=splits, rank=0, world=1,
                     gemm_col_tiles=-(-gemm2.split_width(y.shape[1], splits) // 16), epoch=1,
-                    max_spins=max_spins, partial_dtype=y.dtype, dst_slot_stride=0,
+                    max_spins=max_spins, partial_like=out, dst_slot_stride=0,
                     dst_row_stride=out.stride(0), programs=programs, block_tm=8, block_tn=16,
                     num_warps=4))
 

@@ -141,10 +141,10 @@ class OverlapBuffer:
         table = torch.zeros(1, 1, dtype=torch.int32, device=self.device)
         ptrs = torch.zeros(1, dtype=torch.int64, device=self.device)
         ck = grs.gather_rs_kernel.warmup(
-            y, table, y, ptrs, ptrs, self.ready, self.done, self.error, idx, 1, t.block_n,
+            y, table, y, ptrs, ptrs, self.ready, self.done, self.error, idx, y, 1, t.block_n,
             t.block_n, 1, 0, 1, 1, 1, 1, 1, 1, *y.stride(), 0, 1, BLOCK_TM=t.comm_tm,
-            BLOCK_TN=comm_tn, HAS_PROBS=False, PARTIAL=grs.TRITON_DTYPES[torch.bfloat16],
-            num_warps=t.comm_warps, num_stages=1, grid=(1,))
+            BLOCK_TN=comm_tn, HAS_PROBS=False, num_warps=t.comm_warps, num_stages=1,
+            grid=(1,))
         occ = []
         for k, warps in ((gk, t.gemm_warps), (ck, t.comm_warps)):
             k._init_handles()
@@ -199,13 +199,31 @@ class OverlapBuffer:
 
     # ---------------------------------------------------------------- launch
     def launch(self, x, weight, counts_dev, table, probs, out, *, plan, splits, topk,
-               tokens_per_rank, partial_dtype, comm_tn, max_spins, kernels=None):
-        """GEMM2 (P programs) and GatherRS (C programs), then the local sum over ranks."""
+               tokens_per_rank, partial_dtype, comm_tn, max_spins,
+               phases=("gemm2", "comm"), y=None):
+        """GEMM2 (P programs) and GatherRS (C programs), then the local sum over ranks.
+
+        `phases` runs one side alone for calibration: without "gemm2" the readiness
+        flags are preset and GatherRS reads the given `y`; without "comm" only GEMM2
+        runs and the flags are cleared after it.
+        """
         t = self.tiles
         hidden = weight.shape[1]
         row_start, tile_start = gemm2.expert_offsets(counts_dev, t.block_m)
         col_tiles = triton.cdiv(gemm2.split_width(hidden, splits), t.block_n)
-        y = torch.empty(x.shape[0], hidden, dtype=out.dtype, device=x.device)
+        if y is None:
+            y = torch.empty(x.shape[0], hidden, dtype=out.dtype, device=x.device)
+        if "comm" not in phases:
+            gemm2.launch_grouped_gemm2(x, weight, y, row_start, tile_start, self.ready,
+                                       splits=splits, programs=plan.compute_slots,
+                                       block_m=t.block_m, block_n=t.block_n,
+                                       block_k=t.block_k, num_warps=t.gemm_warps,
+                                       num_stages=t.gemm_stages,
+                                       upcast=self.backend == "interpret")
+            self.ready.zero_()
+            return y
+        if "gemm2" not in phases:
+            self.ready[:splits].fill_(1 << 30)
         self.epoch += 1
         parity = self.epoch % 2
         if self.world == 1:
@@ -221,11 +239,15 @@ class OverlapBuffer:
                          num_stages=t.gemm_stages, upcast=self.backend == "interpret")
         comm_args = dict(tokens_per_rank=tokens_per_rank, splits=splits, rank=self.rank,
                          world=self.world, gemm_col_tiles=col_tiles, epoch=self.epoch,
-                         max_spins=max_spins, partial_dtype=partial_dtype,
+                         max_spins=max_spins,
+                         partial_like=out if self.world == 1 else self.recv(parity),
                          dst_slot_stride=slot_stride, dst_row_stride=row_stride,
                          programs=plan.comm_ctas, block_tm=t.comm_tm, block_tn=comm_tn,
                          num_warps=t.comm_warps)
-        if self.backend == "interpret":
+        if "gemm2" not in phases:
+            grs.launch_gather_rs(y, table, probs, dst, signals, self.ready, self.done,
+                                 self.error, tile_start, **comm_args)
+        elif self.backend == "interpret":
             # Programs of one launch run one after another here: GEMM2 must finish first.
             gemm2.launch_grouped_gemm2(x, weight, y, row_start, tile_start, self.ready,
                                        **gemm_args)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -139,15 +140,16 @@ def _reference_forward(x, weight, counts_dev, counts, table, probs, group, world
 
 class _Gemm2GatherRS(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, probs, counts_dev, token_index, table, meta):
-        counts, group, world, rank, buf, plan, launch_kwargs = meta
-        if buf is None:
+    def forward(ctx, x, weight, probs, counts_dev, token_index, table, launch):
+        counts, group, world = launch.counts, launch.group, launch.world
+        if launch.buffer is None:
             out, y = _reference_forward(x, weight, counts_dev, counts, table, probs, group,
-                                        world, rank)
+                                        world, launch.rank)
         else:
             md = table.shape[0] // world
             out = torch.empty(md, weight.shape[1], dtype=x.dtype, device=x.device)
-            y = buf.launch(x, weight, counts_dev, table, probs, out, plan=plan, **launch_kwargs)
+            y = launch.buffer.launch(x, weight, counts_dev, table, probs, out,
+                                     plan=launch.plan, **launch.kwargs)
         ctx.meta = (counts, group, world)
         keep_y = probs is not None and probs.requires_grad
         ctx.save_for_backward(x, weight, probs, counts_dev, token_index, y if keep_y else None)
@@ -238,6 +240,36 @@ def gemm2_gather_rs(
         config: OverlapConfig (backend, planner switch, sm_margin, preset, ...).
         return_plan: also return the planner's decision (None on the reference path).
     """
+    launch = prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs,
+                     group, comm_ctas=comm_ctas, splits=splits, config=config)
+    out = _Gemm2GatherRS.apply(x, weight, probs, launch.counts_dev, token_index, launch.table,
+                               launch)
+    if launch.buffer is not None:
+        launch.buffer.note_launch(launch.plan.w_comp if launch.counts is not None else None,
+                                  sync=launch.config.sync_errors)
+    return (out, launch.plan) if return_plan else out
+
+
+@dataclass
+class Launch:
+    """Everything decided before the kernels run: a named handle, not a bare tuple."""
+
+    config: OverlapConfig
+    backend: str
+    group: object
+    world: int
+    rank: int
+    counts: list | None  # host counts, None when they live only on the device
+    counts_dev: torch.Tensor
+    table: torch.Tensor  # [M, k] int32 rows of each token
+    buffer: OverlapBuffer | None  # None on the reference path
+    plan: object  # planner.Plan, None on the reference path
+    kwargs: dict  # for OverlapBuffer.launch
+
+
+def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=None,
+            group=None, *, comm_ctas=None, splits=None, config=None) -> Launch:
+    """Validate, choose the backend, plan C and L, and size the workspace (no launch)."""
     config = config or OverlapConfig()
     world, rank = _group_size_rank(group)
     experts = weight.shape[0] if weight.dim() == 3 else -1
@@ -256,37 +288,33 @@ def gemm2_gather_rs(
     if num_splits > hidden:
         raise ValueError(f"splits ({num_splits}) must be <= hidden ({hidden})")
     table = combine_table(token_index.to(torch.int64), num_tokens, topk)
-    buf = plan = None
-    launch_kwargs = {}
-    if backend != "reference":
-        buf = OverlapBuffer.get(group, x.device, backend)
-        buf.check(sync=False)
-        partial = config.partial_dtype or x.dtype
-        comm_tn = min(buf.tiles.comm_tn, _pow2_at_least(-(-hidden // num_splits)))
-        cache = buf.plan_cache(config, comm_tn)
-        md = num_tokens // world
-        c = comm_ctas or config.comm_ctas
-        if counts is not None:
-            plan = cache.decide(num_tokens, hidden, x.shape[1], world, num_splits, counts,
-                                comm_ctas=c, enabled=config.planner)
-        else:  # section III-E: counts only on the device, spread the T rows evenly
-            est = Workload.from_total(tokens=num_tokens, hidden=hidden, ffn=x.shape[1],
-                                      world=world, splits=num_splits,
-                                      total_assignments=x.shape[0], local_experts=experts)
-            plan = cache.decide_tiles(expert_row_tiles(est.expert_counts, cache.kernel.tile_m),
-                                      num_tokens, hidden, x.shape[1], world, num_splits,
-                                      experts, comm_ctas=c, enabled=config.planner)
-        buf.ensure(md, hidden, partial)
-        launch_kwargs = dict(splits=num_splits, topk=topk, tokens_per_rank=md,
-                             partial_dtype=partial, comm_tn=comm_tn,
-                             max_spins=config.max_spins)
-        _log_decision(buf, plan, num_tokens, hidden, x.shape[1], world, num_splits)
-    meta = (counts, group, world, rank, buf, plan, launch_kwargs)
-    out = _Gemm2GatherRS.apply(x, weight, probs, counts_dev.to(x.device), token_index,
-                               table, meta)
-    if buf is not None:
-        buf.note_launch(plan.w_comp if counts is not None else None, sync=config.sync_errors)
-    return (out, plan) if return_plan else out
+    launch = Launch(config, backend, group, world, rank, counts, counts_dev.to(x.device),
+                    table, None, None, {})
+    if backend == "reference":
+        return launch
+    buf = launch.buffer = OverlapBuffer.get(group, x.device, backend)
+    buf.check(sync=False)
+    partial = config.partial_dtype or x.dtype
+    comm_tn = min(buf.tiles.comm_tn, _pow2_at_least(-(-hidden // num_splits)))
+    cache = buf.plan_cache(config, comm_tn)
+    md = num_tokens // world
+    c = comm_ctas or config.comm_ctas
+    if counts is not None:
+        plan = cache.decide(num_tokens, hidden, x.shape[1], world, num_splits, counts,
+                            comm_ctas=c, enabled=config.planner)
+    else:  # section III-E: counts only on the device, spread the T rows evenly
+        est = Workload.from_total(tokens=num_tokens, hidden=hidden, ffn=x.shape[1],
+                                  world=world, splits=num_splits,
+                                  total_assignments=x.shape[0], local_experts=experts)
+        plan = cache.decide_tiles(expert_row_tiles(est.expert_counts, cache.kernel.tile_m),
+                                  num_tokens, hidden, x.shape[1], world, num_splits,
+                                  experts, comm_ctas=c, enabled=config.planner)
+    buf.ensure(md, hidden, partial)
+    launch.plan = plan
+    launch.kwargs = dict(splits=num_splits, topk=topk, tokens_per_rank=md,
+                         partial_dtype=partial, comm_tn=comm_tn, max_spins=config.max_spins)
+    _log_decision(buf, plan, num_tokens, hidden, x.shape[1], world, num_splits)
+    return launch
 
 
 def _pow2_at_least(n: int) -> int:

@@ -1,0 +1,135 @@
+"""One-time calibration of the planner for a device and kernel family (paper III-C).
+
+    torchrun --nproc-per-node 2 tools/calibrate.py --json out/h200.json
+
+At a fixed large C, where communication always finds ready work, it times
+  * GEMM2 alone on P(C) programs: t_comp per cumulative compute wave,
+  * GatherRS alone (flags preset, so no waiting) on C programs: t_comm per
+    communication wave (L * ceil(W_comm / C) waves),
+and writes rho_ref = t_comm / t_comp with the reference K, tile and D. A sweep of
+GatherRS alone over C finds where adding communication CTAs stops paying (the peer
+links saturate): C_max. o_comp / o_comm come from the compiled kernels' registers and
+shared memory. Never per shape: one run per device and kernel family.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+from benchlib import abba, env_info, smoke_setup, write_json  # noqa: E402
+from workloads import OpCase, rank_inputs  # noqa: E402
+
+from megatron_overlap.ops import OverlapConfig  # noqa: E402
+from megatron_overlap.ops.op import prepare  # noqa: E402
+from megatron_overlap.planner import Calibration, KernelSpec, Preset  # noqa: E402
+from megatron_overlap.planner.model import DeviceSpec  # noqa: E402
+
+
+def phase_timer(inp, group, c: int, phases, splits: int, backend: str):
+    cfg = OverlapConfig(backend=backend)
+    launch = prepare(inp["x"], inp["weight"], inp["counts_list"], inp["token_index"],
+                     inp["tokens"], inp["topk"], None, group, comm_ctas=c, splits=splits,
+                     config=cfg)
+    out = torch.empty(inp["tokens"] // launch.world, inp["hidden"], dtype=inp["x"].dtype,
+                      device=inp["x"].device)
+    y = torch.randn(inp["x"].shape[0], inp["hidden"], device=inp["x"].device).to(inp["x"].dtype)
+    fn = lambda: launch.buffer.launch(  # noqa: E731
+        inp["x"], inp["weight"], launch.counts_dev, launch.table, None, out, plan=launch.plan,
+        phases=phases, y=y, **launch.kwargs)
+    return fn, launch
+
+
+def _slope(points) -> float:
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    return sum((x - mx) * (y - my) for x, y in points) / sxx if sxx else my / mx
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="qwen")
+    ap.add_argument("--layout", default="TP2EP1")
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--c-cal", type=int, default=32, help="the fixed large C")
+    ap.add_argument("--c-sweep", type=int, default=64)
+    ap.add_argument("--splits", type=int, default=2)
+    ap.add_argument("--samples", type=int, default=20)
+    ap.add_argument("--name", default="h200")
+    ap.add_argument("--json", default="")
+    ap.add_argument("--smoke", action="store_true",
+                    help="CPU check of this script: gloo, the interpreter, the tiny shape")
+    args = ap.parse_args()
+    backend, device = smoke_setup(args)
+    rank = dist.get_rank()
+    group = dist.group.WORLD
+    case = OpCase(args.model, args.layout, args.seq, "uniform")
+    inp = rank_inputs(case, rank, device)
+
+    comp_fn, launch = phase_timer(inp, group, args.c_cal, ("gemm2",), args.splits, backend)
+    comm_fn, _ = phase_timer(inp, group, args.c_cal, ("comm",), args.splits, backend)
+    sweep = {c: phase_timer(inp, group, c, ("comm",), args.splits, backend)[0]
+             for c in range(1, args.c_sweep + 1)}
+    pol = {"comp": comp_fn, "comm": comm_fn, **{f"comm C={c}": f for c, f in sweep.items()}}
+    per = abba(pol, args.samples, 3, group, progress="calibrate")
+    med = {n: statistics.median(v) for n, v in per.items()}
+
+    plan, cache = launch.plan, launch.buffer.plan_cache(launch.config, launch.kwargs["comm_tn"])
+    kernel = cache.kernel
+    comp_waves = math.ceil(args.splits * plan.w_comp / plan.compute_slots)
+    t_comp = med["comp"] / comp_waves
+    comm_waves = args.splits * math.ceil(plan.w_comm / args.c_cal)
+    # Saturation: C_max = the smallest C within 3% of the fastest communication time
+    # (beyond it, more CTAs only take SMs from GEMM2).
+    times = {c: med[f"comm C={c}"] for c in sweep}
+    best = min(times.values())
+    c_max = min(c for c, t in times.items() if t <= best * 1.03)
+    per_wave = {c: t / (args.splits * math.ceil(plan.w_comm / c)) for c, t in times.items()}
+    # One communication wave's time is the slope of time over waves below saturation;
+    # the intercept (barrier, final sum, launch) is the same for every C and is not a
+    # wave. A single point at C_cal would fold it into rho.
+    lin = [(args.splits * math.ceil(plan.w_comm / c), t) for c, t in times.items() if c <= c_max]
+    t_comm = _slope(lin) if len(lin) >= 3 else 0.0
+    if t_comm <= 0:  # too few or too noisy points below saturation: the single point
+        t_comm = med["comm"] / comm_waves
+    rho_ref = Calibration.rho_from_measurement(t_comm * 1e3, 1, t_comp * 1e3, 1)
+    preset = Preset(
+        name=args.name,
+        kernel=KernelSpec(kernel.tile_m, kernel.tile_n, kernel.comm_tile_m, kernel.comm_tile_n,
+                          kernel.o_comp, kernel.o_comm),
+        device=DeviceSpec(cache.device.name, cache.device.sms),
+        calibration=Calibration(rho_ref, inp["ffn"], kernel.tile_m, kernel.tile_n,
+                                launch.world, c_max),
+        default_splits=args.splits,
+    )
+    payload = dict(preset=preset.to_json(), measured=dict(
+        case=case.label(), c_cal=args.c_cal, comp_ms=med["comp"], comp_waves=comp_waves,
+        t_comp_wave_us=t_comp * 1e3, comm_ms=med["comm"], comm_waves=comm_waves,
+        t_comm_wave_us=t_comm * 1e3, t_comm_wave_single_point_us=med["comm"] / comm_waves * 1e3,
+        w_comp=plan.w_comp, w_comm=plan.w_comm,
+        compute_slots=plan.compute_slots, comm_sweep_ms=times,
+        comm_per_wave_us={c: v * 1e3 for c, v in per_wave.items()},
+        resources=getattr(launch.buffer, "compiled_resources", None)), env=env_info(),
+        command=" ".join(sys.argv))
+    if rank == 0:
+        print(f"rho_ref={rho_ref:.3f} (t_comm/wave {t_comm * 1e3:.2f} us over "
+              f"{comm_waves} waves, t_comp/wave {t_comp * 1e3:.2f} us over {comp_waves} waves), "
+              f"C_max={c_max}, o_comp={kernel.o_comp}, o_comm={kernel.o_comm}, "
+              f"resources={payload['measured']['resources']}")
+        print("comm alone vs C (ms):", {c: round(t, 4) for c, t in times.items()})
+        write_json(args.json, payload)
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

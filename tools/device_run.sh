@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# One call on the device machine (see /work/.library/device): install the carried wheels
+# (.whl/: megatron-core for py3.12 and this package), then run the named stages, each
+# bounded, logs appended to $OUT/log.txt. Usage: tools/device_run.sh STAGE...
+# Stages: env gpu_tests calibrate bench_op bench_op_full layer prefill regret
+set -u
+export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1
+export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+LOG=$OUT/log.txt
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site "$REPO"/.whl/*.whl >>"$LOG" 2>&1 || { echo "wheel install failed"; tail "$LOG"; exit 1; }
+export PYTHONPATH=/tmp/site
+NGPU=$(nvidia-smi -L | wc -l)
+TR="torchrun --nproc-per-node $NGPU"
+# The repository root must not shadow the installed package (its kernels/ is mapped).
+cd /tmp
+
+stage() {  # stage NAME SECONDS CMD...
+    local name=$1 secs=$2; shift 2
+    echo "=== $name ($(date +%T))" | tee -a "$LOG"
+    timeout "$secs" "$@" >>"$LOG" 2>&1
+    local rc=$?
+    echo "=== $name rc=$rc ($(date +%T))" | tee -a "$LOG"
+    grep -E "^(rho_ref|comm alone|[a-z]+/TP|PASS|FAIL|[0-9]+ (passed|failed))|passed|failed|Error" "$LOG" | tail -n 40 >/dev/null
+}
+
+for s in "$@"; do
+  case $s in
+    env) stage env 60 bash -c "nvidia-smi; nvidia-smi topo -m; python3 -c 'import torch,triton; print(torch.__version__, triton.__version__, torch.cuda.device_count())'" ;;
+    gpu_tests) stage gpu_tests 200 python3 -m pytest -q -x -m gpu -p no:cacheprovider \
+        --rootdir "$REPO" -c "$REPO/pyproject.toml" "$REPO/tests/test_op_gpu.py" ;;
+    calibrate) stage calibrate 150 $TR "$REPO/tools/calibrate.py" --json "$OUT/h200.json" ;;
+    bench_op) stage bench_op 300 $TR "$REPO/tools/bench_op.py" --model qwen --layout TP2EP1 \
+        --seqs 1024,4096,16384 --routing uniform --preset "$OUT/h200.json" --json "$OUT/op_qwen_tp2ep1.json" ;;
+    *) echo "unknown stage $s" ;;
+  esac
+done
+grep -E "^===|rho_ref|^comm alone|^[a-z]+/TP|passed|failed|Error|error" "$LOG" | tail -n 60

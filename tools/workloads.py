@@ -1,0 +1,58 @@
+"""Per-rank GEMM2+GatherRS inputs for a model x layout x S x routing (benchmarks)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_overlap.routing import expert_counts, route, skew_ratio
+from megatron_overlap.shapes import BATCH, LAYOUTS, MODELS, MoEShape
+
+#: A shape small enough for the Triton interpreter: `--smoke` runs of the tools on CPU.
+SHAPES = dict(MODELS, tiny=MoEShape("tiny", 64, 32, 8, 2, 2))
+
+
+@dataclass(frozen=True)
+class OpCase:
+    model: str  # key of shapes.MODELS
+    layout: str  # key of shapes.LAYOUTS
+    seq: int
+    routing: str  # uniform | p50 | p90
+    batch: int = BATCH
+
+    @property
+    def tokens(self) -> int:  # M: the group's tokens before top-k (the paper's B*S)
+        return self.batch * self.seq
+
+    def label(self) -> str:
+        return f"{self.model}/{self.layout}/S={self.seq}/{self.routing}"
+
+
+def rank_inputs(case: OpCase, rank: int, device, dtype=torch.bfloat16, seed: int = 0) -> dict:
+    """x [T, K], weight [E_local, N, K], counts, token_index for one rank of the group.
+
+    Ranks are ordered TP fastest inside the TP x EP group; EP rank e owns experts
+    [e*E/EP, (e+1)*E/EP), every TP rank holds a K/TP shard of them.
+    """
+    shape = SHAPES[case.model]
+    tp, ep = LAYOUTS[case.layout]
+    ep_rank = rank // tp
+    k_rank = shape.ffn_per_rank(tp)
+    e_local = shape.local_experts(ep)
+    topk_idx = route(case.tokens, shape.experts, shape.topk, case.routing, seed)  # [M, k]
+    skew = skew_ratio(expert_counts(topk_idx, shape.experts), case.tokens, shape.topk)
+    mine = (topk_idx // e_local) == ep_rank
+    flat_e = (topk_idx % e_local)[mine]
+    flat_t = torch.arange(case.tokens)[:, None].expand_as(topk_idx)[mine]
+    order = torch.argsort(flat_e * case.tokens + flat_t)
+    token_index = flat_t[order]
+    counts = torch.bincount(flat_e, minlength=e_local)
+    g = torch.Generator(device=device).manual_seed(seed * 7919 + rank + 1)
+    x = torch.randn(token_index.numel(), k_rank, generator=g, device=device, dtype=torch.float32)
+    w = torch.randn(e_local, shape.hidden, k_rank, generator=g, device=device,
+                    dtype=torch.float32) / k_rank ** 0.5
+    return dict(x=x.to(dtype), weight=w.to(dtype), counts=counts,
+                counts_list=counts.tolist(), token_index=token_index.to(device),
+                tokens=case.tokens, topk=shape.topk, hidden=shape.hidden, ffn=k_rank,
+                world=tp * ep, skew=skew)
