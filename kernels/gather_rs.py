@@ -73,7 +73,8 @@ def gather_rs_kernel(
     # strides (destination strides in elements of the partial dtype)
     stride_ym, stride_yn, dst_slot_stride, dst_row_stride,
     # meta-parameters
-    BLOCK_TM: tl.constexpr, BLOCK_TN: tl.constexpr, HAS_PROBS: tl.constexpr,
+    BLOCK_TM: tl.constexpr, BLOCK_TN: tl.constexpr, TOPK_POW2: tl.constexpr,
+    HAS_PROBS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
@@ -83,6 +84,7 @@ def gather_rs_kernel(
     # GEMM2 tiles per split, read from the device: exact even when the host planned
     # from an estimate of the routed counts.
     expected = tl.load(tile_start_ptr + num_experts) * gemm_col_tiles
+    slots = tl.arange(0, TOPK_POW2)
     alive = pid * 0 + 1  # int32 0/1: after a time-out later splits are not waited for
     for split in range(num_splits):
         if (pid < items) & (alive == 1):
@@ -101,17 +103,21 @@ def gather_rs_kernel(
             tok_ok = local < tokens_per_rank
             col_ok = cols < end_col
             tokens = (dst * tokens_per_rank + local).to(tl.int64)
-            acc = tl.zeros((BLOCK_TM, BLOCK_TN), dtype=tl.float32)
-            for j in range(topk):
-                row = tl.load(table_ptr + tokens * topk + j, mask=tok_ok, other=-1)
-                has = row >= 0
-                vals = tl.load(y_ptr + row[:, None].to(tl.int64) * stride_ym
-                               + cols[None, :] * stride_yn,
-                               mask=has[:, None] & col_ok[None, :], other=0.0)
-                vals = vals.to(tl.float32)
-                if HAS_PROBS:
-                    vals *= tl.load(prob_ptr + row, mask=has, other=0.0).to(tl.float32)[:, None]
-                acc += vals
+            # All k rows of the block's tokens are gathered at once ([TM, k, TN]) so
+            # their loads are in flight together; the sum over k is in fp32 and in a
+            # fixed order, whatever C and L are.
+            slot_ok = slots < topk
+            rows = tl.load(table_ptr + tokens[:, None] * topk + slots[None, :],
+                           mask=tok_ok[:, None] & slot_ok[None, :], other=-1)  # [TM, k]
+            has = rows >= 0
+            vals = tl.load(y_ptr + rows[:, :, None].to(tl.int64) * stride_ym
+                           + cols[None, None, :] * stride_yn,
+                           mask=has[:, :, None] & col_ok[None, None, :], other=0.0)
+            vals = vals.to(tl.float32)
+            if HAS_PROBS:
+                w = tl.load(prob_ptr + rows, mask=has, other=0.0).to(tl.float32)
+                vals = vals * w[:, :, None]
+            acc = tl.sum(vals, axis=1)  # [TM, TN]
             # peers' buffers arrive as int64 addresses; typed like `partial_like_ptr`
             base = tl.load(dst_ptrs + dst).to(partial_like_ptr.dtype)
             out = base + rank * dst_slot_stride + local[:, None].to(tl.int64) * dst_row_stride \
@@ -152,18 +158,20 @@ def launch_gather_rs(
     tile_start: torch.Tensor, *, tokens_per_rank: int, splits: int, rank: int, world: int,
     gemm_col_tiles: int, epoch: int, max_spins: int, partial_like: torch.Tensor,
     dst_slot_stride: int, dst_row_stride: int, programs: int, block_tm: int, block_tn: int,
-    num_warps: int = 16, kernel=gather_rs_kernel,
+    num_warps: int = 16, kernel=gather_rs_kernel, warmup: bool = False,
 ):
     """Launch exactly `programs` communication CTAs. y [T, N]; table [M, k] int32;
     `partial_like`: any tensor of the partial sums' dtype (gives the peer pointer type)."""
     hidden = y.shape[1]
-    return kernel[(programs,)](
+    launcher = kernel.warmup if warmup else kernel[(programs,)]
+    extra = dict(grid=(1,)) if warmup else {}
+    return launcher(
         y, table, probs if probs is not None else y, dst_ptrs, signal_ptrs, ready, done,
         error, tile_start, partial_like, tokens_per_rank, hidden, -(-hidden // splits), splits, rank,
         world, table.shape[1], tile_start.numel() - 1, gemm_col_tiles, epoch, max_spins,
         y.stride(0), y.stride(1), dst_slot_stride, dst_row_stride,
-        BLOCK_TM=block_tm, BLOCK_TN=block_tn, HAS_PROBS=probs is not None,
-        num_warps=num_warps, num_stages=1,
+        BLOCK_TM=block_tm, BLOCK_TN=block_tn, TOPK_POW2=triton.next_power_of_2(table.shape[1]),
+        HAS_PROBS=probs is not None, num_warps=num_warps, num_stages=1, **extra,
     )
 
 

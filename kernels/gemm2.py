@@ -28,16 +28,17 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 
 @triton.jit(do_not_specialize=["num_experts", "K", "N", "split_width", "num_splits"])
 def grouped_gemm2_kernel(
-    # pointers
-    x_ptr, w_ptr, y_ptr, row_start_ptr, tile_start_ptr, ready_ptr,
+    # tensor descriptors (TMA on Hopper) and pointers
+    x_desc, w_desc, y_ptr, row_start_ptr, tile_start_ptr, ready_ptr,
     # sizes
     num_experts, K, N, split_width, num_splits,
     # strides
-    stride_xm, stride_xk, stride_we, stride_wn, stride_wk, stride_ym, stride_yn,
+    stride_ym, stride_yn,
     # meta-parameters
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EXPERTS_POW2: tl.constexpr, UPCAST: tl.constexpr,
@@ -48,8 +49,8 @@ def grouped_gemm2_kernel(
     col_tiles = tl.cdiv(split_width, BLOCK_N)
     tiles_per_split = row_tiles * col_tiles
     experts = tl.arange(0, EXPERTS_POW2)
-    # tile_start[e+1] for every expert, +inf past the last: expert of a row tile is the
-    # number of experts whose tiles end at or before it.
+    # tile_start[e+1] for every expert, +inf past the last: the expert of a row tile is
+    # the number of experts whose tiles end at or before it.
     tile_ends = tl.load(tile_start_ptr + 1 + experts, mask=experts < num_experts,
                         other=2147483647)
     for tile in range(pid, tiles_per_split * num_splits, num_programs):
@@ -58,33 +59,28 @@ def grouped_gemm2_kernel(
         row_tile = in_split // col_tiles
         col_tile = in_split - row_tile * col_tiles
         expert = tl.sum((tile_ends <= row_tile).to(tl.int32))
-        first_row = tl.load(row_start_ptr + expert)
+        first_row = tl.load(row_start_ptr + expert) \
+            + (row_tile - tl.load(tile_start_ptr + expert)) * BLOCK_M
         end_row = tl.load(row_start_ptr + expert + 1)
-        rows = first_row + (row_tile - tl.load(tile_start_ptr + expert)) * BLOCK_M \
-            + tl.arange(0, BLOCK_M)
         col0 = split * split_width + col_tile * BLOCK_N
         end_col = tl.minimum(N, (split + 1) * split_width)
-        cols = col0 + tl.arange(0, BLOCK_N)
-        row_ok = rows < end_row
-        col_ok = cols < end_col
-        ks = tl.arange(0, BLOCK_K)
-        x_tile = x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :] * stride_xk
-        w_tile = w_ptr + expert.to(tl.int64) * stride_we + cols[None, :].to(tl.int64) \
-            * stride_wn + ks[:, None] * stride_wk
+        # Whole-tile loads: rows past the expert's end (the next expert's) and columns
+        # past the split feed only outputs that the masked store below drops; the
+        # descriptors zero-fill past the tensors' ends.
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            k_ok = ks < K - k0
-            a = tl.load(x_tile, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(w_tile, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+            a = x_desc.load([first_row, k0])
+            b = w_desc.load([expert * N + col0, k0])
             if UPCAST:  # the interpreter's bf16 dot is wrong; fp32 there is exact enough
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc)
-            x_tile += BLOCK_K * stride_xk
-            w_tile += BLOCK_K * stride_wk
+            acc = tl.dot(a, b.T, acc)
+        rows = first_row + tl.arange(0, BLOCK_M)
+        cols = col0 + tl.arange(0, BLOCK_N)
         y_tile = y_ptr + rows[:, None].to(tl.int64) * stride_ym + cols[None, :] * stride_yn
-        tl.store(y_tile, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
-        tl.debug_barrier()
+        tl.store(y_tile, acc.to(y_ptr.dtype.element_ty),
+                 mask=(rows < end_row)[:, None] & (cols < end_col)[None, :])
+        tl.debug_barrier()  # every thread's stores are issued before the release below
         tl.atomic_add(ready_ptr + split, 1, sem="release", scope="gpu")
 
 
@@ -107,23 +103,27 @@ def launch_grouped_gemm2(
     x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, row_start: torch.Tensor,
     tile_start: torch.Tensor, ready: torch.Tensor, *, splits: int, programs: int,
     block_m: int, block_n: int, block_k: int, num_warps: int = 4, num_stages: int = 3,
-    kernel=grouped_gemm2_kernel, upcast: bool = False,
+    kernel=grouped_gemm2_kernel, upcast: bool = False, warmup: bool = False,
 ):
     """Launch with exactly `programs` persistent CTAs. x [T, K], weight [E, N, K], y [T, N].
 
-    Checks belong to the caller (the op validates once per call); this only launches and
-    returns the compiled kernel handle (None under the interpreter).
+    x and weight must be contiguous with 16-byte aligned rows (the op checks). With
+    `warmup` it compiles without launching and returns the compiled kernel.
     """
     num_experts, hidden, k = weight.shape
-    return kernel[(programs,)](
-        x, weight, y, row_start, tile_start, ready,
-        num_experts, k, hidden, split_width(hidden, splits), splits,
-        x.stride(0), x.stride(1), weight.stride(0), weight.stride(1), weight.stride(2),
-        y.stride(0), y.stride(1),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        EXPERTS_POW2=triton.next_power_of_2(num_experts), UPCAST=upcast,
-        num_warps=num_warps, num_stages=num_stages,
-    )
+    if x.shape[0] == 0:
+        return None  # no rows, no tiles: every split is ready with zero tiles
+    x_desc = TensorDescriptor.from_tensor(x, [block_m, block_k])
+    w_desc = TensorDescriptor.from_tensor(weight.view(num_experts * hidden, k),
+                                          [block_n, block_k])
+    args = (x_desc, w_desc, y, row_start, tile_start, ready, num_experts, k, hidden,
+            split_width(hidden, splits), splits, y.stride(0), y.stride(1))
+    meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                EXPERTS_POW2=triton.next_power_of_2(num_experts), UPCAST=upcast,
+                num_warps=num_warps, num_stages=num_stages)
+    if warmup:
+        return kernel.warmup(*args, grid=(1,), **meta)
+    return kernel[(programs,)](*args, **meta)
 
 
 def grouped_gemm2_reference(x: torch.Tensor, weight: torch.Tensor,

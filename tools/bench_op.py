@@ -20,19 +20,20 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 from benchlib import abba, env_info, smoke_setup, summarize, write_json  # noqa: E402
+from tune_tiles import tiles_from_json  # noqa: E402
 from workloads import OpCase, rank_inputs  # noqa: E402
 
 from megatron_overlap.ops import OverlapConfig, gemm2_gather_rs  # noqa: E402
-from megatron_overlap.ops.op import grouped_mm, prepare  # noqa: E402
+from megatron_overlap.ops.op import plan_cache_of, grouped_mm, prepare  # noqa: E402
 from megatron_overlap.planner import compute_slots  # noqa: E402
 
 REFERENCE = OverlapConfig(backend="reference")
 
 
 def policies_for(inp: dict, group, c_values, preset: str | None,
-                 backend: str) -> tuple[dict, dict]:
+                 backend: str, tiles=None) -> tuple[dict, dict]:
     """The timed callables of one workload, and facts about them."""
-    cfg = OverlapConfig(backend=backend, preset=preset)
+    cfg = OverlapConfig(backend=backend, preset=preset, tiles=tiles)
     args = (inp["x"], inp["weight"], inp["counts_list"], inp["token_index"], inp["tokens"],
             inp["topk"], None, group)
 
@@ -47,7 +48,7 @@ def policies_for(inp: dict, group, c_values, preset: str | None,
     y = torch.randn(inp["x"].shape[0], inp["hidden"], device=inp["x"].device).to(inp["x"].dtype)
     counts_dev = launch.counts_dev
     w_t = inp["weight"].transpose(1, 2)
-    cache = buf.plan_cache(cfg, launch.kwargs["comm_tn"])
+    cache = plan_cache_of(launch)
     all_sms = plan._replace(compute_slots=cache.kernel.o_comp * cache.device.available_sms)
     pol = {
         "reference": op(REFERENCE),
@@ -72,14 +73,14 @@ def policies_for(inp: dict, group, c_values, preset: str | None,
     return pol, facts
 
 
-def check_against_reference(inp, group, c_values, backend: str) -> float:
+def check_against_reference(inp, group, c_values, backend: str, tiles=None) -> float:
     args = (inp["x"], inp["weight"], inp["counts_list"], inp["token_index"], inp["tokens"],
             inp["topk"], None, group)
     ref = gemm2_gather_rs(*args, config=REFERENCE).float()
     worst = 0.0
     for c in (None, 3, max(c_values)):
-        out = gemm2_gather_rs(*args, comm_ctas=c, config=OverlapConfig(backend=backend,
-                                                                        sync_errors=True))
+        out = gemm2_gather_rs(*args, comm_ctas=c, config=OverlapConfig(
+            backend=backend, sync_errors=True, tiles=tiles))
         worst = max(worst, float((out.float() - ref).norm() / ref.norm()))
     return worst
 
@@ -95,6 +96,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--preset", default=None, help="calibration preset name or JSON path")
     ap.add_argument("--json", default="")
+    ap.add_argument("--tiles", default=None, help="tune_tiles.py JSON whose `best` to use")
     ap.add_argument("--smoke", action="store_true",
                     help="CPU check of this script: gloo, the interpreter, the tiny shape")
     args = ap.parse_args()
@@ -102,13 +104,14 @@ def main() -> int:
     rank = dist.get_rank()
     group = dist.group.WORLD
     c_values = list(range(1, args.cmax + 1))
+    tiles = tiles_from_json(args.tiles)
     results = []
     for seq in map(int, args.seqs.split(",")):
         for routing in args.routing.split(","):
             case = OpCase(args.model, args.layout, seq, routing)
             inp = rank_inputs(case, rank, device)
-            err = check_against_reference(inp, group, c_values, backend)
-            pol, facts = policies_for(inp, group, c_values, args.preset, backend)
+            err = check_against_reference(inp, group, c_values, backend, tiles)
+            pol, facts = policies_for(inp, group, c_values, args.preset, backend, tiles)
             per = abba(pol, args.samples, args.warmup, group, progress=case.label())
             stats = summarize(per)
             gemm_flops = 2 * inp["x"].shape[0] * inp["hidden"] * inp["ffn"]

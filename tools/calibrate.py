@@ -25,16 +25,17 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 from benchlib import abba, env_info, smoke_setup, write_json  # noqa: E402
+from tune_tiles import tiles_from_json  # noqa: E402
 from workloads import OpCase, rank_inputs  # noqa: E402
 
 from megatron_overlap.ops import OverlapConfig  # noqa: E402
-from megatron_overlap.ops.op import prepare  # noqa: E402
+from megatron_overlap.ops.op import plan_cache_of, prepare  # noqa: E402
 from megatron_overlap.planner import Calibration, KernelSpec, Preset  # noqa: E402
 from megatron_overlap.planner.model import DeviceSpec  # noqa: E402
 
 
-def phase_timer(inp, group, c: int, phases, splits: int, backend: str):
-    cfg = OverlapConfig(backend=backend)
+def phase_timer(inp, group, c: int, phases, splits: int, backend: str, tiles=None):
+    cfg = OverlapConfig(backend=backend, tiles=tiles)
     launch = prepare(inp["x"], inp["weight"], inp["counts_list"], inp["token_index"],
                      inp["tokens"], inp["topk"], None, group, comm_ctas=c, splits=splits,
                      config=cfg)
@@ -66,6 +67,7 @@ def main() -> int:
     ap.add_argument("--samples", type=int, default=20)
     ap.add_argument("--name", default="h200")
     ap.add_argument("--json", default="")
+    ap.add_argument("--tiles", default=None, help="tune_tiles.py JSON whose `best` to use")
     ap.add_argument("--smoke", action="store_true",
                     help="CPU check of this script: gloo, the interpreter, the tiny shape")
     args = ap.parse_args()
@@ -75,15 +77,16 @@ def main() -> int:
     case = OpCase(args.model, args.layout, args.seq, "uniform")
     inp = rank_inputs(case, rank, device)
 
-    comp_fn, launch = phase_timer(inp, group, args.c_cal, ("gemm2",), args.splits, backend)
-    comm_fn, _ = phase_timer(inp, group, args.c_cal, ("comm",), args.splits, backend)
-    sweep = {c: phase_timer(inp, group, c, ("comm",), args.splits, backend)[0]
+    tiles = tiles_from_json(args.tiles)
+    comp_fn, launch = phase_timer(inp, group, args.c_cal, ("gemm2",), args.splits, backend, tiles)
+    comm_fn, _ = phase_timer(inp, group, args.c_cal, ("comm",), args.splits, backend, tiles)
+    sweep = {c: phase_timer(inp, group, c, ("comm",), args.splits, backend, tiles)[0]
              for c in range(1, args.c_sweep + 1)}
     pol = {"comp": comp_fn, "comm": comm_fn, **{f"comm C={c}": f for c, f in sweep.items()}}
     per = abba(pol, args.samples, 3, group, progress="calibrate")
     med = {n: statistics.median(v) for n, v in per.items()}
 
-    plan, cache = launch.plan, launch.buffer.plan_cache(launch.config, launch.kwargs["comm_tn"])
+    plan, cache = launch.plan, plan_cache_of(launch)
     kernel = cache.kernel
     comp_waves = math.ceil(args.splits * plan.w_comp / plan.compute_slots)
     t_comp = med["comp"] / comp_waves

@@ -23,18 +23,21 @@ stage() {  # stage NAME SECONDS CMD...
     timeout "$secs" "$@" >>"$LOG" 2>&1
     local rc=$?
     echo "=== $name rc=$rc ($(date +%T))" | tee -a "$LOG"
-    grep -E "^(rho_ref|comm alone|[a-z]+/TP|PASS|FAIL|[0-9]+ (passed|failed))|passed|failed|Error" "$LOG" | tail -n 40 >/dev/null
 }
 
 for s in "$@"; do
   case $s in
     env) stage env 60 bash -c "nvidia-smi; nvidia-smi topo -m; python3 -c 'import torch,triton; print(torch.__version__, triton.__version__, torch.cuda.device_count())'" ;;
-    gpu_tests) stage gpu_tests 200 python3 -m pytest -q -x -m gpu -p no:cacheprovider \
+    gpu_tests) stage gpu_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider \
         --rootdir "$REPO" -c "$REPO/pyproject.toml" "$REPO/tests/test_op_gpu.py" ;;
-    calibrate) stage calibrate 150 $TR "$REPO/tools/calibrate.py" --json "$OUT/h200.json" ;;
-    bench_op) stage bench_op 300 $TR "$REPO/tools/bench_op.py" --model qwen --layout TP2EP1 \
-        --seqs 1024,4096,16384 --routing uniform --preset "$OUT/h200.json" --json "$OUT/op_qwen_tp2ep1.json" ;;
+    tune) stage tune 130 $TR "$REPO/tools/tune_tiles.py" --json "$OUT/tiles.json" ;;
+    calibrate) stage calibrate 100 $TR "$REPO/tools/calibrate.py" --tiles "$OUT/tiles.json" \
+        --json "$OUT/h200.json" ;;
+    bench_op) for lay in TP2EP1 TP1EP2; do
+        stage bench_op_$lay 110 $TR "$REPO/tools/bench_op.py" --model qwen --layout $lay \
+          --seqs 1024,4096,16384 --routing uniform,p90 --samples 15 --warmup 3 \
+          --tiles "$OUT/tiles.json" --preset "$OUT/h200.json" --json "$OUT/op_qwen_$lay.json"; done ;;
     *) echo "unknown stage $s" ;;
   esac
 done
-grep -E "^===|rho_ref|^comm alone|^[a-z]+/TP|passed|failed|Error|error" "$LOG" | tail -n 60
+grep -E "^===|rho_ref|^comm alone|^[a-z]+/TP|^chosen|^gemm2 |^comm rows|^torch._grouped|passed|failed|Error|error" "$LOG" | grep -v Warning | tail -n 80

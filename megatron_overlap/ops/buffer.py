@@ -19,8 +19,8 @@ import triton
 from ..kernels import gather_rs as grs
 from ..kernels import gemm2
 from ..planner import PlanCache, resident_ctas
-from .config import (GPU_TILES, INTERPRET_TILES, OverlapConfig, calibration_for, device_spec,
-                     kernel_spec)
+from .config import (GPU_TILES, INTERPRET_TILES, OverlapConfig, TileConfig, calibration_for,
+                     device_spec, kernel_spec)
 from .peer_memory import PeerMemory
 
 L_MAX = 64
@@ -64,7 +64,7 @@ class OverlapBuffer:
         distributed = group is not None and dist.is_initialized()
         self.world = dist.get_world_size(group) if distributed else 1
         self.rank = dist.get_rank(group) if distributed else 0
-        self.tiles = INTERPRET_TILES if backend == "interpret" else GPU_TILES
+        self._compiled: set = set()
         self.ready = torch.zeros(L_MAX, dtype=torch.int32, device=device)
         self.done = torch.zeros(1, dtype=torch.int32, device=device)
         self.error = torch.zeros(1, dtype=torch.int32, device=device)
@@ -113,44 +113,50 @@ class OverlapBuffer:
         return raw.view(dtype).view(self.world, cap, hidden)
 
     # ---------------------------------------------------------------- planning
-    def plan_cache(self, config: OverlapConfig, comm_tn: int) -> PlanCache:
-        key = (config.sm_margin, config.preset, comm_tn)
+    def default_tiles(self) -> TileConfig:
+        return INTERPRET_TILES if self.backend == "interpret" else GPU_TILES
+
+    def plan_cache(self, config: OverlapConfig, tiles: TileConfig, comm_tm: int,
+                   comm_tn: int, topk: int) -> PlanCache:
+        """The decision cache for one kernel family; o_comp / o_comm from its binaries."""
+        slots = triton.next_power_of_2(topk)
+        key = (config.sm_margin, config.preset, tiles, comm_tm, comm_tn, slots)
         cache = self._caches.get(key)
         if cache is None:
             device = device_spec(self.device, config.sm_margin)
-            o_comp, o_comm = self._occupancies(comm_tn)
-            cache = PlanCache(kernel_spec(self.tiles, comm_tn, o_comp, o_comm), device,
+            o_comp, o_comm = self._occupancies(tiles, comm_tm, comm_tn, slots)
+            cache = PlanCache(kernel_spec(tiles, comm_tm, comm_tn, o_comp, o_comm), device,
                               calibration_for(device, config.preset))
             self._caches[key] = cache
         return cache
 
-    def _occupancies(self, comm_tn: int) -> tuple[int, int]:
+    def _occupancies(self, t: TileConfig, comm_tm: int, comm_tn: int,
+                     slots: int) -> tuple[int, int]:
         """o_comp, o_comm from the compiled kernels' registers and shared memory."""
         if self.backend != "triton":
             return 2, 1  # the interpreter has no binary; any residency plans correctly
-        t = self.tiles
-        x = torch.empty(t.block_m, t.block_k, dtype=torch.bfloat16, device=self.device)
-        w = torch.empty(1, t.block_n, t.block_k, dtype=torch.bfloat16, device=self.device)
-        y = torch.empty(t.block_m, t.block_n, dtype=torch.bfloat16, device=self.device)
-        idx = torch.zeros(2, dtype=torch.int32, device=self.device)
-        gk = gemm2.grouped_gemm2_kernel.warmup(
-            x, w, y, idx, idx, self.ready, 1, t.block_k, t.block_n, t.block_n, 1,
-            *x.stride(), *w.stride(), *y.stride(), BLOCK_M=t.block_m, BLOCK_N=t.block_n,
-            BLOCK_K=t.block_k, EXPERTS_POW2=1, UPCAST=False, num_warps=t.gemm_warps,
-            num_stages=t.gemm_stages, grid=(1,))
-        table = torch.zeros(1, 1, dtype=torch.int32, device=self.device)
-        ptrs = torch.zeros(1, dtype=torch.int64, device=self.device)
-        ck = grs.gather_rs_kernel.warmup(
-            y, table, y, ptrs, ptrs, self.ready, self.done, self.error, idx, y, 1, t.block_n,
-            t.block_n, 1, 0, 1, 1, 1, 1, 1, 1, *y.stride(), 0, 1, BLOCK_TM=t.comm_tm,
-            BLOCK_TN=comm_tn, HAS_PROBS=False, num_warps=t.comm_warps, num_stages=1,
-            grid=(1,))
-        occ = []
-        for k, warps in ((gk, t.gemm_warps), (ck, t.comm_warps)):
+        dev = self.device
+        x = torch.empty(t.block_m, t.block_k, dtype=torch.bfloat16, device=dev)
+        w = torch.empty(1, t.block_n, t.block_k, dtype=torch.bfloat16, device=dev)
+        y = torch.empty(t.block_m, t.block_n, dtype=torch.bfloat16, device=dev)
+        idx = torch.zeros(2, dtype=torch.int32, device=dev)
+        gk = gemm2.launch_grouped_gemm2(
+            x, w, y, idx, idx, self.ready, splits=1, programs=1, block_m=t.block_m,
+            block_n=t.block_n, block_k=t.block_k, num_warps=t.gemm_warps,
+            num_stages=t.gemm_stages, warmup=True)
+        table = torch.zeros(1, slots, dtype=torch.int32, device=dev)
+        ptrs = torch.zeros(1, dtype=torch.int64, device=dev)
+        ck = grs.launch_gather_rs(
+            y, table, None, ptrs, ptrs, self.ready, self.done, self.error, idx,
+            tokens_per_rank=1, splits=1, rank=0, world=1, gemm_col_tiles=1, epoch=1,
+            max_spins=1, partial_like=y, dst_slot_stride=0, dst_row_stride=1, programs=1,
+            block_tm=comm_tm, block_tn=comm_tn, num_warps=t.comm_warps, warmup=True)
+        occ, self.compiled_resources = [], {}
+        for name, k, warps in (("gemm2", gk, t.gemm_warps), ("gather_rs", ck, t.comm_warps)):
             k._init_handles()
             occ.append(resident_ctas(k.n_regs, warps * 32, k.metadata.shared).ctas_per_sm)
-        self.compiled_resources = {"gemm2": (gk.n_regs, gk.metadata.shared, gk.n_spills),
-                                   "gather_rs": (ck.n_regs, ck.metadata.shared, ck.n_spills)}
+            self.compiled_resources[name] = dict(registers=k.n_regs, shared=k.metadata.shared,
+                                                 spills=k.n_spills, ctas_per_sm=occ[-1])
         return occ[0], occ[1]
 
     # ---------------------------------------------------------------- errors
@@ -198,69 +204,63 @@ class OverlapBuffer:
             self.ensure(*layout)
 
     # ---------------------------------------------------------------- launch
-    def launch(self, x, weight, counts_dev, table, probs, out, *, plan, splits, topk,
-               tokens_per_rank, partial_dtype, comm_tn, max_spins,
-               phases=("gemm2", "comm"), y=None):
+    def launch(self, x, weight, counts_dev, table, probs, out, *, plan, splits, tiles,
+               comm_tm, comm_tn, tokens_per_rank, max_spins, phases=("gemm2", "comm"),
+               y=None):
         """GEMM2 (P programs) and GatherRS (C programs), then the local sum over ranks.
 
         `phases` runs one side alone for calibration: without "gemm2" the readiness
         flags are preset and GatherRS reads the given `y`; without "comm" only GEMM2
         runs and the flags are cleared after it.
         """
-        t = self.tiles
+        t = tiles
         hidden = weight.shape[1]
         row_start, tile_start = gemm2.expert_offsets(counts_dev, t.block_m)
-        col_tiles = triton.cdiv(gemm2.split_width(hidden, splits), t.block_n)
         if y is None:
             y = torch.empty(x.shape[0], hidden, dtype=out.dtype, device=x.device)
+        gemm_args = dict(splits=splits, programs=plan.compute_slots, block_m=t.block_m,
+                         block_n=t.block_n, block_k=t.block_k, num_warps=t.gemm_warps,
+                         num_stages=t.gemm_stages, upcast=self.backend == "interpret")
+        if self.backend == "triton":
+            self._compile_before_launch(x, weight, y, row_start, tile_start, gemm_args)
         if "comm" not in phases:
             gemm2.launch_grouped_gemm2(x, weight, y, row_start, tile_start, self.ready,
-                                       splits=splits, programs=plan.compute_slots,
-                                       block_m=t.block_m, block_n=t.block_n,
-                                       block_k=t.block_k, num_warps=t.gemm_warps,
-                                       num_stages=t.gemm_stages,
-                                       upcast=self.backend == "interpret")
+                                       **gemm_args)
             self.ready.zero_()
             return y
         if "gemm2" not in phases:
             self.ready[:splits].fill_(1 << 30)
         self.epoch += 1
         parity = self.epoch % 2
-        if self.world == 1:
-            dst, slot_stride, row_stride = (torch.tensor([out.data_ptr()], dtype=torch.int64,
-                                                         device=x.device), 0, out.stride(0))
-            signals = dst
+        if self.world == 1:  # no peers: the one "slot" is the output itself
+            dst = torch.tensor([out.data_ptr()], dtype=torch.int64, device=x.device)
+            signals, slot_stride, row_stride, partial_like = dst, 0, out.stride(0), out
         else:
-            dst, slot_stride, row_stride = self._ptr_tables[parity], \
-                self._layout[0] * hidden, hidden
-            signals = self._signal_ptrs
-        gemm_args = dict(splits=splits, programs=plan.compute_slots, block_m=t.block_m,
-                         block_n=t.block_n, block_k=t.block_k, num_warps=t.gemm_warps,
-                         num_stages=t.gemm_stages, upcast=self.backend == "interpret")
-        comm_args = dict(tokens_per_rank=tokens_per_rank, splits=splits, rank=self.rank,
-                         world=self.world, gemm_col_tiles=col_tiles, epoch=self.epoch,
-                         max_spins=max_spins,
-                         partial_like=out if self.world == 1 else self.recv(parity),
-                         dst_slot_stride=slot_stride, dst_row_stride=row_stride,
-                         programs=plan.comm_ctas, block_tm=t.comm_tm, block_tn=comm_tn,
-                         num_warps=t.comm_warps)
+            dst, signals = self._ptr_tables[parity], self._signal_ptrs
+            slot_stride, row_stride = self._layout[0] * hidden, hidden
+            partial_like = self.recv(parity)
+        comm = dict(tokens_per_rank=tokens_per_rank, splits=splits, rank=self.rank,
+                    world=self.world,
+                    gemm_col_tiles=triton.cdiv(gemm2.split_width(hidden, splits), t.block_n),
+                    epoch=self.epoch, max_spins=max_spins, partial_like=partial_like,
+                    dst_slot_stride=slot_stride, dst_row_stride=row_stride,
+                    programs=plan.comm_ctas, block_tm=comm_tm, block_tn=comm_tn,
+                    num_warps=t.comm_warps)
+        flags = (y, table, probs, dst, signals, self.ready, self.done, self.error, tile_start)
         if "gemm2" not in phases:
-            grs.launch_gather_rs(y, table, probs, dst, signals, self.ready, self.done,
-                                 self.error, tile_start, **comm_args)
+            grs.launch_gather_rs(*flags, **comm)
         elif self.backend == "interpret":
             # Programs of one launch run one after another here: GEMM2 must finish first.
             gemm2.launch_grouped_gemm2(x, weight, y, row_start, tile_start, self.ready,
                                        **gemm_args)
-            grs.launch_gather_rs(y, table, probs, dst, signals, self.ready, self.done,
-                                 self.error, tile_start, **comm_args)
+            grs.launch_gather_rs(*flags, **comm)
         else:
             main = torch.cuda.current_stream(self.device)
             side = self.side_stream
             side.wait_stream(main)
             # Communication first: its C programs take their SMs before GEMM2 fills the
             # rest, so both grids are co-resident (P(C) + R(C) fit by construction).
-            grs.launch_gather_rs(y, table, probs, dst, signals, self.ready, self.done,
-                                 self.error, tile_start, **comm_args)
+            grs.launch_gather_rs(*flags, **comm)
             with torch.cuda.stream(side):
                 gemm2.launch_grouped_gemm2(x, weight, y, row_start, tile_start, self.ready,
                                            **gemm_args)
@@ -268,3 +268,16 @@ class OverlapBuffer:
         if self.world > 1:
             grs.launch_sum_partials(self.recv(parity), out, self.world)
         return y
+
+    def _compile_before_launch(self, x, weight, y, row_start, tile_start, gemm_args):
+        """Compile GEMM2 for this signature before GatherRS starts spinning on it.
+
+        A first-launch JIT compile takes seconds; if it happened after GatherRS was
+        launched, the spinning waits would run out. Keyed on what Triton specializes on.
+        """
+        key = (x.dtype, x.shape[1], x.stride(), weight.shape, y.stride(),
+               tuple(sorted(gemm_args.items())))
+        if key not in self._compiled:
+            gemm2.launch_grouped_gemm2(x, weight, y, row_start, tile_start, self.ready,
+                                       warmup=True, **gemm_args)
+            self._compiled.add(key)

@@ -34,6 +34,7 @@ class OverlapConfig:
     partial_dtype: dtype of the pushed partial sums; None = the output dtype.
     sync_errors: check the kernels' error word right after every call (a host sync);
         otherwise it is checked at the next call or at `OverlapBuffer.check()`.
+    tiles: kernel tile shapes; None = the backend's default (`GPU_TILES`).
     """
 
     backend: str = "auto"
@@ -45,6 +46,7 @@ class OverlapConfig:
     max_spins: int = int(os.environ.get("MEGATRON_OVERLAP_MAX_SPINS", 1 << 24))
     partial_dtype: torch.dtype | None = None
     sync_errors: bool = False
+    tiles: "TileConfig | None" = None
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -60,23 +62,33 @@ class OverlapConfig:
 
 @dataclass(frozen=True)
 class TileConfig:
-    """Compile-time tile shapes of the two kernels."""
+    """Compile-time shapes of the two kernels.
+
+    GEMM2: BLOCK_M x BLOCK_N x BLOCK_K tiles, warps, pipeline stages. GatherRS: a CTA
+    gathers [comm_rows // pow2(k) tokens, pow2(k) slots, comm_tn columns] at once, so the
+    registers per thread stay the same whatever top-k is; comm_tn is capped at the split
+    width (rounded up to a power of two).
+    """
 
     block_m: int
     block_n: int
     block_k: int
     gemm_warps: int
     gemm_stages: int
-    comm_tm: int
+    comm_rows: int
     comm_tn: int
     comm_warps: int
 
+    def comm_shape(self, topk: int, split_width: int) -> tuple[int, int]:
+        """(TMc, TNc) of the communication tile for this top-k and split width."""
+        slots = 1 << max(0, (topk - 1).bit_length())
+        return max(1, self.comm_rows // slots), min(self.comm_tn, 1 << max(0, (split_width - 1).bit_length()))
 
-#: Hopper: a 128x128x64 bf16 tile with 4 warps, 3 stages (2 resident per SM); wide
-#: communication CTAs (DESIGN.md: narrow ones move a fraction of the bandwidth).
-GPU_TILES = TileConfig(128, 128, 64, 4, 3, 16, 1024, 16)
+
+#: Hopper defaults, chosen by `tools/tune_tiles.py` on H200 (docs/RESULTS.md).
+GPU_TILES = TileConfig(128, 128, 64, 4, 3, 32, 1024, 32)
 #: The interpreter: small tiles so tiny test shapes still span many tiles and splits.
-INTERPRET_TILES = TileConfig(16, 16, 16, 4, 1, 8, 16, 4)
+INTERPRET_TILES = TileConfig(16, 16, 16, 4, 1, 16, 16, 4)
 #: SMs of the virtual device the interpreter plans for (small, so P stays small).
 INTERPRET_SMS = int(os.environ.get("MEGATRON_OVERLAP_INTERPRET_SMS", 20))
 
@@ -130,5 +142,6 @@ def calibration_for(device: DeviceSpec, preset: str | None) -> Calibration:
     return A100_PAPER.calibration
 
 
-def kernel_spec(tiles: TileConfig, comm_tn: int, o_comp: int, o_comm: int) -> KernelSpec:
-    return KernelSpec(tiles.block_m, tiles.block_n, tiles.comm_tm, comm_tn, o_comp, o_comm)
+def kernel_spec(tiles: TileConfig, comm_tm: int, comm_tn: int, o_comp: int,
+                o_comm: int) -> KernelSpec:
+    return KernelSpec(tiles.block_m, tiles.block_n, comm_tm, comm_tn, o_comp, o_comm)

@@ -138,6 +138,12 @@ def _reference_forward(x, weight, counts_dev, counts, table, probs, group, world
     return out, y
 
 
+def _aligned(t: torch.Tensor) -> torch.Tensor:
+    """Contiguous with a 16-byte aligned base: what the TMA descriptors need."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
 class _Gemm2GatherRS(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, probs, counts_dev, token_index, table, launch):
@@ -148,8 +154,8 @@ class _Gemm2GatherRS(torch.autograd.Function):
         else:
             md = table.shape[0] // world
             out = torch.empty(md, weight.shape[1], dtype=x.dtype, device=x.device)
-            y = launch.buffer.launch(x, weight, counts_dev, table, probs, out,
-                                     plan=launch.plan, **launch.kwargs)
+            y = launch.buffer.launch(_aligned(x), _aligned(weight), counts_dev, table, probs,
+                                     out, plan=launch.plan, **launch.kwargs)
         ctx.meta = (counts, group, world)
         keep_y = probs is not None and probs.requires_grad
         ctx.save_for_backward(x, weight, probs, counts_dev, token_index, y if keep_y else None)
@@ -292,11 +298,16 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
                     table, None, None, {})
     if backend == "reference":
         return launch
+    if x.shape[1] * x.element_size() % 16:
+        raise ValueError(f"the {backend} backend needs 16-byte rows for its tensor "
+                         f"descriptors: K * itemsize = {x.shape[1]} * {x.element_size()} "
+                         f"is not a multiple of 16 (K % 8 == 0 for bf16)")
     buf = launch.buffer = OverlapBuffer.get(group, x.device, backend)
     buf.check(sync=False)
     partial = config.partial_dtype or x.dtype
-    comm_tn = min(buf.tiles.comm_tn, _pow2_at_least(-(-hidden // num_splits)))
-    cache = buf.plan_cache(config, comm_tn)
+    tiles = config.tiles or buf.default_tiles()
+    comm_tm, comm_tn = tiles.comm_shape(topk, -(-hidden // num_splits))
+    cache = buf.plan_cache(config, tiles, comm_tm, comm_tn, topk)
     md = num_tokens // world
     c = comm_ctas or config.comm_ctas
     if counts is not None:
@@ -311,14 +322,17 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
                                   experts, comm_ctas=c, enabled=config.planner)
     buf.ensure(md, hidden, partial)
     launch.plan = plan
-    launch.kwargs = dict(splits=num_splits, topk=topk, tokens_per_rank=md,
-                         partial_dtype=partial, comm_tn=comm_tn, max_spins=config.max_spins)
+    launch.kwargs = dict(splits=num_splits, tiles=tiles, comm_tm=comm_tm, comm_tn=comm_tn,
+                         tokens_per_rank=md, max_spins=config.max_spins)
     _log_decision(buf, plan, num_tokens, hidden, x.shape[1], world, num_splits)
     return launch
 
 
-def _pow2_at_least(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
+def plan_cache_of(launch: Launch):
+    """The PlanCache a prepared launch was planned with (tools read its kernel/device)."""
+    kw = launch.kwargs
+    return launch.buffer.plan_cache(launch.config, kw["tiles"], kw["comm_tm"], kw["comm_tn"],
+                                    launch.table.shape[1])
 
 
 def _log_decision(buf, plan, m, n, k, d, splits):

@@ -1,0 +1,142 @@
+"""Choose the kernels' tile shapes once per device (not per shape): GEMM2 alone on the
+whole GPU and GatherRS alone at fixed C, for candidate shapes, with compiled resources.
+
+    torchrun --nproc-per-node 2 tools/tune_tiles.py --json out/tiles.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+from benchlib import abba, env_info, smoke_setup, summarize, write_json  # noqa: E402
+from workloads import OpCase, rank_inputs  # noqa: E402
+
+from megatron_overlap.ops import OverlapConfig  # noqa: E402
+from megatron_overlap.ops.config import GPU_TILES, INTERPRET_TILES, TileConfig  # noqa: E402
+from megatron_overlap.ops.op import grouped_mm, plan_cache_of, prepare  # noqa: E402
+
+GEMM_CANDIDATES = [(128, 128, 64, 4, 3), (128, 128, 64, 4, 4), (128, 128, 64, 8, 3),
+                   (128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (64, 128, 64, 4, 4),
+                   (128, 128, 128, 8, 3), (128, 128, 64, 4, 2)]
+COMM_CANDIDATES = [(32, 1024, 32), (64, 1024, 32), (32, 1024, 16), (16, 1024, 16),
+                   (32, 2048, 32), (64, 512, 16), (16, 512, 8), (128, 1024, 32)]
+
+
+def phase(inp, group, tiles, backend, c, phases):
+    launch = prepare(inp["x"], inp["weight"], inp["counts_list"], inp["token_index"],
+                     inp["tokens"], inp["topk"], None, group, comm_ctas=c,
+                     config=OverlapConfig(backend=backend, tiles=tiles))
+    cache = plan_cache_of(launch)
+    plan = launch.plan
+    if phases == ("gemm2",):  # the whole GPU: every SM's o_comp slots
+        plan = plan._replace(compute_slots=cache.kernel.o_comp * cache.device.available_sms)
+    out = torch.empty(inp["tokens"] // launch.world, inp["hidden"], dtype=inp["x"].dtype,
+                      device=inp["x"].device)
+    y = torch.randn(inp["x"].shape[0], inp["hidden"], device=inp["x"].device).to(inp["x"].dtype)
+    fn = lambda: launch.buffer.launch(  # noqa: E731
+        inp["x"], inp["weight"], launch.counts_dev, launch.table, None, out, plan=plan,
+        phases=phases, y=y, **launch.kwargs)
+    return fn, dict(getattr(launch.buffer, "compiled_resources", {}) or {},
+                    o_comp=cache.kernel.o_comp, o_comm=cache.kernel.o_comm,
+                    comm_tile=(cache.kernel.comm_tile_m, cache.kernel.comm_tile_n))
+
+
+def choose(stats, info, gemm, comm) -> dict:
+    """The fastest GEMM2 alone; the GatherRS with the least SM-time at C=32
+    (its time x the SMs its 32 CTAs reserve, ceil(32 / o_comm))."""
+    def med(name):
+        return stats[name]["median"] if name in stats else float("inf")
+
+    g = min(gemm, key=lambda t: med(f"gemm2 {t.block_m}x{t.block_n}x{t.block_k} "
+                                    f"w{t.gemm_warps} s{t.gemm_stages}"))
+
+    def sm_time(t):
+        name = f"comm rows{t.comm_rows} tn{t.comm_tn} w{t.comm_warps} C=32"
+        return med(name) * -(-32 // info.get(name, {}).get("o_comm", 1))
+
+    c = min(comm, key=sm_time)
+    return {"gemm": [g.block_m, g.block_n, g.block_k, g.gemm_warps, g.gemm_stages],
+            "comm": [c.comm_rows, c.comm_tn, c.comm_warps]}
+
+
+def tiles_from_json(path: str | None):
+    """A TileConfig from `best` of a tune_tiles JSON (None: the defaults)."""
+    if not path:
+        return None
+    import json
+
+    with open(path) as f:
+        best = json.load(f)["best"]
+    m, n, k, w, s = best["gemm"]
+    r, tn, cw = best["comm"]
+    return TileConfig(m, n, k, w, s, r, tn, cw)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="qwen")
+    ap.add_argument("--layout", default="TP2EP1")
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--samples", type=int, default=10)
+    ap.add_argument("--json", default="")
+    ap.add_argument("--smoke", action="store_true")
+    args = ap.parse_args()
+    backend, device = smoke_setup(args)
+    rank = dist.get_rank()
+    group = dist.group.WORLD
+    inp = rank_inputs(OpCase(args.model, args.layout, args.seq, "uniform"), rank, device)
+    base = INTERPRET_TILES if backend == "interpret" else GPU_TILES
+    gemm = [dataclasses.replace(base, block_m=m, block_n=n, block_k=k, gemm_warps=w,
+                                gemm_stages=s) for m, n, k, w, s in GEMM_CANDIDATES]
+    comm = [dataclasses.replace(base, comm_rows=r, comm_tn=tn, comm_warps=w)
+            for r, tn, w in COMM_CANDIDATES]
+    if backend == "interpret":
+        gemm, comm = gemm[:1], comm[:1]
+    pol, info = {}, {}
+    counts_dev = torch.tensor(inp["counts_list"], device=device)
+    w_t = inp["weight"].transpose(1, 2)
+    pol["torch._grouped_mm"] = lambda: grouped_mm(inp["x"], w_t, counts_dev, inp["counts_list"])
+    for t in gemm:
+        name = f"gemm2 {t.block_m}x{t.block_n}x{t.block_k} w{t.gemm_warps} s{t.gemm_stages}"
+        try:
+            pol[name], info[name] = phase(inp, group, t, backend, 16, ("gemm2",))
+        except Exception as err:  # noqa: BLE001 - a candidate that does not compile
+            info[name] = {"error": repr(err)[:300]}
+    for t in comm:
+        for c in (16, 32):
+            name = f"comm rows{t.comm_rows} tn{t.comm_tn} w{t.comm_warps} C={c}"
+            try:
+                pol[name], info[name] = phase(inp, group, t, backend, c, ("comm",))
+            except Exception as err:  # noqa: BLE001
+                info[name] = {"error": repr(err)[:300]}
+    stats = summarize(abba(pol, args.samples, 3, group, progress="tiles"))
+    flops = 2 * inp["x"].shape[0] * inp["hidden"] * inp["ffn"]
+    read_bytes = inp["x"].shape[0] * inp["hidden"] * inp["x"].element_size()
+    best = choose(stats, info, gemm, comm)
+    if rank == 0:
+        print("chosen:", best)
+        for name, s in stats.items():
+            ms = s["median"]
+            rate = (f"{flops / ms / 1e9:.0f} TFLOP/s" if not name.startswith("comm")
+                    else f"{read_bytes / ms / 1e6:.0f} GB/s gathered")
+            print(f"{name:<42} {ms:8.3f} ms  {rate:>18}  {info.get(name, '')}")
+        for name, i in info.items():
+            if "error" in i:
+                print(f"{name:<42} FAILED {i['error']}")
+        write_json(args.json, dict(env=env_info(), command=" ".join(sys.argv), best=best,
+                                   info=info,
+                                   stats={n: {k: v for k, v in s.items() if k != "samples"}
+                                          for n, s in stats.items()}))
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
