@@ -44,6 +44,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .gemm2 import column_alignment
+
 ERR_READY_TIMEOUT = 1
 ERR_BARRIER_TIMEOUT = 2
 
@@ -59,10 +61,8 @@ def _wait_at_least(ptr, target, max_spins, SCOPE: tl.constexpr):
     return (seen >= target).to(tl.int32)
 
 
-@triton.jit(do_not_specialize=["tokens_per_rank", "N", "split_width", "num_splits",
-                               "rank", "world", "topk", "num_experts", "gemm_col_tiles",
-                               "epoch", "max_spins",
-                               "dst_slot_stride", "dst_row_stride"])
+@triton.jit(do_not_specialize=["tokens_per_rank", "num_splits", "rank", "world", "topk",
+                               "num_experts", "gemm_col_tiles", "epoch", "max_spins"])
 def gather_rs_kernel(
     # pointers
     y_ptr, table_ptr, prob_ptr, dst_ptrs, signal_ptrs, ready_ptr, done_ptr, error_ptr,
@@ -70,11 +70,12 @@ def gather_rs_kernel(
     # sizes and protocol values
     tokens_per_rank, N, split_width, num_splits, rank, world, topk, num_experts,
     gemm_col_tiles, epoch, max_spins,
-    # strides (destination strides in elements of the partial dtype)
+    # strides (destination strides in elements of the partial dtype); these, N and the
+    # split width are specialized so the column-contiguous accesses vectorize
     stride_ym, stride_yn, dst_slot_stride, dst_row_stride,
     # meta-parameters
     BLOCK_TM: tl.constexpr, BLOCK_TN: tl.constexpr, TOPK_POW2: tl.constexpr,
-    HAS_PROBS: tl.constexpr,
+    HAS_PROBS: tl.constexpr, COL_ALIGN: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
@@ -92,7 +93,7 @@ def gather_rs_kernel(
             if ok == 0:
                 tl.atomic_cas(error_ptr, 0, (1 << 24) | split)
                 alive = alive * 0
-        end_col = tl.minimum(N, (split + 1) * split_width)
+        end_col = tl.multiple_of(tl.minimum(N, (split + 1) * split_width), COL_ALIGN)
         for item in range(pid, items, num_programs):
             dst = item % world
             rest = item // world
@@ -119,7 +120,8 @@ def gather_rs_kernel(
                 vals = vals * w[:, :, None]
             acc = tl.sum(vals, axis=1)  # [TM, TN]
             # peers' buffers arrive as int64 addresses; typed like `partial_like_ptr`
-            base = tl.load(dst_ptrs + dst).to(partial_like_ptr.dtype)
+            # (symmetric-memory buffers and our slot offsets are 16-byte aligned)
+            base = tl.multiple_of(tl.load(dst_ptrs + dst).to(partial_like_ptr.dtype), 16)
             out = base + rank * dst_slot_stride + local[:, None].to(tl.int64) * dst_row_stride \
                 + cols[None, :]
             tl.store(out, acc.to(partial_like_ptr.dtype.element_ty),
@@ -141,7 +143,7 @@ def gather_rs_kernel(
             tl.store(ready_ptr + split, 0)
 
 
-@triton.jit(do_not_specialize=["numel", "world", "slot_stride"])
+@triton.jit(do_not_specialize=["numel", "world"])
 def sum_partials_kernel(recv_ptr, out_ptr, numel, world, slot_stride, BLOCK: tl.constexpr):
     """out[i] = sum over src of recv[src, i], in fp32 (recv slots are contiguous)."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -171,7 +173,8 @@ def launch_gather_rs(
         world, table.shape[1], tile_start.numel() - 1, gemm_col_tiles, epoch, max_spins,
         y.stride(0), y.stride(1), dst_slot_stride, dst_row_stride,
         BLOCK_TM=block_tm, BLOCK_TN=block_tn, TOPK_POW2=triton.next_power_of_2(table.shape[1]),
-        HAS_PROBS=probs is not None, num_warps=num_warps, num_stages=1, **extra,
+        HAS_PROBS=probs is not None, COL_ALIGN=column_alignment(hidden, splits),
+        num_warps=num_warps, num_stages=1, **extra,
     )
 
 

@@ -31,39 +31,46 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 
-@triton.jit(do_not_specialize=["num_experts", "K", "N", "split_width", "num_splits"])
+@triton.jit(do_not_specialize=["num_experts", "K", "num_splits"])
 def grouped_gemm2_kernel(
     # tensor descriptors (TMA on Hopper) and pointers
     x_desc, w_desc, y_ptr, row_start_ptr, tile_start_ptr, ready_ptr,
-    # sizes
+    # sizes (N and split_width are specialized: their divisibility lets the stores
+    # vectorize; they change only with the model)
     num_experts, K, N, split_width, num_splits,
     # strides
     stride_ym, stride_yn,
     # meta-parameters
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EXPERTS_POW2: tl.constexpr, UPCAST: tl.constexpr,
+    EXPERTS_POW2: tl.constexpr, UPCAST: tl.constexpr, COL_ALIGN: tl.constexpr,
+    FLATTEN: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     row_tiles = tl.load(tile_start_ptr + num_experts)
     col_tiles = tl.cdiv(split_width, BLOCK_N)
     tiles_per_split = row_tiles * col_tiles
+    # Every expert's tile and row ranges, loaded once into registers: a tile then finds
+    # its expert without a dependent global load in front of its first TMA load.
     experts = tl.arange(0, EXPERTS_POW2)
-    # tile_start[e+1] for every expert, +inf past the last: the expert of a row tile is
-    # the number of experts whose tiles end at or before it.
-    tile_ends = tl.load(tile_start_ptr + 1 + experts, mask=experts < num_experts,
-                        other=2147483647)
-    for tile in range(pid, tiles_per_split * num_splits, num_programs):
+    known = experts < num_experts
+    tile_begin = tl.load(tile_start_ptr + experts, mask=known, other=2147483647)
+    tile_end = tl.load(tile_start_ptr + 1 + experts, mask=known, other=2147483647)
+    row_begin = tl.load(row_start_ptr + experts, mask=known, other=0)
+    row_end = tl.load(row_start_ptr + 1 + experts, mask=known, other=0)
+    for tile in tl.range(pid, tiles_per_split * num_splits, num_programs, flatten=FLATTEN):
         split = tile // tiles_per_split
         in_split = tile - split * tiles_per_split
         row_tile = in_split // col_tiles
         col_tile = in_split - row_tile * col_tiles
-        expert = tl.sum((tile_ends <= row_tile).to(tl.int32))
-        first_row = tl.load(row_start_ptr + expert) \
-            + (row_tile - tl.load(tile_start_ptr + expert)) * BLOCK_M
-        end_row = tl.load(row_start_ptr + expert + 1)
+        # the expert of a row tile: the number of experts whose tiles end before it
+        expert = tl.sum((tile_end <= row_tile).to(tl.int32))
+        mine = experts == expert
+        first_row = tl.sum(tl.where(mine, row_begin, 0)) \
+            + (row_tile - tl.sum(tl.where(mine, tile_begin, 0))) * BLOCK_M
+        end_row = tl.sum(tl.where(mine, row_end, 0))
         col0 = split * split_width + col_tile * BLOCK_N
-        end_col = tl.minimum(N, (split + 1) * split_width)
+        end_col = tl.multiple_of(tl.minimum(N, (split + 1) * split_width), COL_ALIGN)
         # Whole-tile loads: rows past the expert's end (the next expert's) and columns
         # past the split feed only outputs that the masked store below drops; the
         # descriptors zero-fill past the tensors' ends.
@@ -82,6 +89,13 @@ def grouped_gemm2_kernel(
                  mask=(rows < end_row)[:, None] & (cols < end_col)[None, :])
         tl.debug_barrier()  # every thread's stores are issued before the release below
         tl.atomic_add(ready_ptr + split, 1, sem="release", scope="gpu")
+
+
+def column_alignment(hidden: int, splits: int) -> int:
+    """The largest power of two (<= 16) dividing N and the split width: the column
+    masks are constant over that many elements, so loads and stores vectorize."""
+    both = hidden | split_width(hidden, splits)
+    return min(16, both & -both)
 
 
 def expert_offsets(counts: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,6 +118,7 @@ def launch_grouped_gemm2(
     tile_start: torch.Tensor, ready: torch.Tensor, *, splits: int, programs: int,
     block_m: int, block_n: int, block_k: int, num_warps: int = 4, num_stages: int = 3,
     kernel=grouped_gemm2_kernel, upcast: bool = False, warmup: bool = False,
+    flatten: bool = False,
 ):
     """Launch with exactly `programs` persistent CTAs. x [T, K], weight [E, N, K], y [T, N].
 
@@ -120,6 +135,7 @@ def launch_grouped_gemm2(
             split_width(hidden, splits), splits, y.stride(0), y.stride(1))
     meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                 EXPERTS_POW2=triton.next_power_of_2(num_experts), UPCAST=upcast,
+                COL_ALIGN=column_alignment(hidden, splits), FLATTEN=flatten,
                 num_warps=num_warps, num_stages=num_stages)
     if warmup:
         return kernel.warmup(*args, grid=(1,), **meta)

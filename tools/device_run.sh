@@ -28,13 +28,13 @@ stage() {  # stage NAME SECONDS CMD...
 for s in "$@"; do
   case $s in
     env) stage env 60 bash -c "nvidia-smi; nvidia-smi topo -m; python3 -c 'import torch,triton; print(torch.__version__, triton.__version__, torch.cuda.device_count())'" ;;
-    gpu_tests) stage gpu_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider \
+    gpu_tests) stage gpu_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider \
         --rootdir "$REPO" -c "$REPO/pyproject.toml" "$REPO/tests/test_op_gpu.py" ;;
-    tune) stage tune 130 $TR "$REPO/tools/tune_tiles.py" --json "$OUT/tiles.json" ;;
-    calibrate) stage calibrate 100 $TR "$REPO/tools/calibrate.py" --tiles "$OUT/tiles.json" \
+    tune) stage tune 170 $TR "$REPO/tools/tune_tiles.py" --json "$OUT/tiles.json" ;;
+    calibrate) stage calibrate 80 $TR "$REPO/tools/calibrate.py" --tiles "$OUT/tiles.json" \
         --json "$OUT/h200.json" ;;
-    bench_op) for lay in TP2EP1 TP1EP2; do
-        stage bench_op_$lay 110 $TR "$REPO/tools/bench_op.py" --model qwen --layout $lay \
+    bench_op) for lay in ${LAYOUTS:-TP2EP1 TP1EP2}; do
+        stage bench_op_$lay ${BENCH_SECS:-110} $TR "$REPO/tools/bench_op.py" --model qwen --layout $lay \
           --seqs 1024,4096,16384 --routing uniform,p90 --samples 15 --warmup 3 \
           --tiles "$OUT/tiles.json" --preset "$OUT/h200.json" --json "$OUT/op_qwen_$lay.json"; done ;;
     *) echo "unknown stage $s" ;;

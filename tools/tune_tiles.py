@@ -22,11 +22,14 @@ from megatron_overlap.ops import OverlapConfig  # noqa: E402
 from megatron_overlap.ops.config import GPU_TILES, INTERPRET_TILES, TileConfig  # noqa: E402
 from megatron_overlap.ops.op import grouped_mm, plan_cache_of, prepare  # noqa: E402
 
-GEMM_CANDIDATES = [(128, 128, 64, 4, 3), (128, 128, 64, 4, 4), (128, 128, 64, 8, 3),
-                   (128, 256, 64, 8, 3), (128, 256, 64, 8, 4), (64, 128, 64, 4, 4),
-                   (128, 128, 128, 8, 3), (128, 128, 64, 4, 2)]
+GEMM_CANDIDATES = [(128, 128, 64, 4, 3, False), (128, 128, 64, 4, 3, True),
+                   (128, 128, 64, 8, 3, False), (128, 128, 64, 8, 3, True),
+                   (128, 256, 64, 8, 3, False), (128, 256, 64, 8, 3, True),
+                   (64, 128, 64, 4, 4, False), (64, 128, 64, 4, 4, True),
+                   (128, 128, 128, 8, 3, False), (128, 128, 64, 4, 2, False)]
 COMM_CANDIDATES = [(32, 1024, 32), (64, 1024, 32), (32, 1024, 16), (16, 1024, 16),
-                   (32, 2048, 32), (64, 512, 16), (16, 512, 8), (128, 1024, 32)]
+                   (32, 2048, 32), (64, 512, 16), (16, 512, 8), (32, 512, 8),
+                   (64, 1024, 16), (16, 1024, 8)]
 
 
 def phase(inp, group, tiles, backend, c, phases):
@@ -48,21 +51,26 @@ def phase(inp, group, tiles, backend, c, phases):
                     comm_tile=(cache.kernel.comm_tile_m, cache.kernel.comm_tile_n))
 
 
+def gemm_name(t: TileConfig) -> str:
+    return (f"gemm2 {t.block_m}x{t.block_n}x{t.block_k} w{t.gemm_warps} s{t.gemm_stages}"
+            + (" flat" if t.gemm_flatten else ""))
+
+
 def choose(stats, info, gemm, comm) -> dict:
     """The fastest GEMM2 alone; the GatherRS with the least SM-time at C=32
     (its time x the SMs its 32 CTAs reserve, ceil(32 / o_comm))."""
     def med(name):
         return stats[name]["median"] if name in stats else float("inf")
 
-    g = min(gemm, key=lambda t: med(f"gemm2 {t.block_m}x{t.block_n}x{t.block_k} "
-                                    f"w{t.gemm_warps} s{t.gemm_stages}"))
+    g = min(gemm, key=lambda t: med(gemm_name(t)))
 
     def sm_time(t):
         name = f"comm rows{t.comm_rows} tn{t.comm_tn} w{t.comm_warps} C=32"
         return med(name) * -(-32 // info.get(name, {}).get("o_comm", 1))
 
     c = min(comm, key=sm_time)
-    return {"gemm": [g.block_m, g.block_n, g.block_k, g.gemm_warps, g.gemm_stages],
+    return {"gemm": [g.block_m, g.block_n, g.block_k, g.gemm_warps, g.gemm_stages,
+                     g.gemm_flatten],
             "comm": [c.comm_rows, c.comm_tn, c.comm_warps]}
 
 
@@ -74,9 +82,9 @@ def tiles_from_json(path: str | None):
 
     with open(path) as f:
         best = json.load(f)["best"]
-    m, n, k, w, s = best["gemm"]
+    m, n, k, w, s, f = best["gemm"]
     r, tn, cw = best["comm"]
-    return TileConfig(m, n, k, w, s, r, tn, cw)
+    return TileConfig(m, n, k, w, s, r, tn, cw, f)
 
 
 def main() -> int:
@@ -94,7 +102,8 @@ def main() -> int:
     inp = rank_inputs(OpCase(args.model, args.layout, args.seq, "uniform"), rank, device)
     base = INTERPRET_TILES if backend == "interpret" else GPU_TILES
     gemm = [dataclasses.replace(base, block_m=m, block_n=n, block_k=k, gemm_warps=w,
-                                gemm_stages=s) for m, n, k, w, s in GEMM_CANDIDATES]
+                                gemm_stages=s, gemm_flatten=f)
+            for m, n, k, w, s, f in GEMM_CANDIDATES]
     comm = [dataclasses.replace(base, comm_rows=r, comm_tn=tn, comm_warps=w)
             for r, tn, w in COMM_CANDIDATES]
     if backend == "interpret":
@@ -104,7 +113,7 @@ def main() -> int:
     w_t = inp["weight"].transpose(1, 2)
     pol["torch._grouped_mm"] = lambda: grouped_mm(inp["x"], w_t, counts_dev, inp["counts_list"])
     for t in gemm:
-        name = f"gemm2 {t.block_m}x{t.block_n}x{t.block_k} w{t.gemm_warps} s{t.gemm_stages}"
+        name = gemm_name(t)
         try:
             pol[name], info[name] = phase(inp, group, t, backend, 16, ("gemm2",))
         except Exception as err:  # noqa: BLE001 - a candidate that does not compile

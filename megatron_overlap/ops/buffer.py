@@ -143,7 +143,7 @@ class OverlapBuffer:
         gk = gemm2.launch_grouped_gemm2(
             x, w, y, idx, idx, self.ready, splits=1, programs=1, block_m=t.block_m,
             block_n=t.block_n, block_k=t.block_k, num_warps=t.gemm_warps,
-            num_stages=t.gemm_stages, warmup=True)
+            num_stages=t.gemm_stages, flatten=t.gemm_flatten, warmup=True)
         table = torch.zeros(1, slots, dtype=torch.int32, device=dev)
         ptrs = torch.zeros(1, dtype=torch.int64, device=dev)
         ck = grs.launch_gather_rs(
@@ -220,7 +220,8 @@ class OverlapBuffer:
             y = torch.empty(x.shape[0], hidden, dtype=out.dtype, device=x.device)
         gemm_args = dict(splits=splits, programs=plan.compute_slots, block_m=t.block_m,
                          block_n=t.block_n, block_k=t.block_k, num_warps=t.gemm_warps,
-                         num_stages=t.gemm_stages, upcast=self.backend == "interpret")
+                         num_stages=t.gemm_stages, upcast=self.backend == "interpret",
+                         flatten=t.gemm_flatten)
         if self.backend == "triton":
             self._compile_before_launch(x, weight, y, row_start, tile_start, gemm_args)
         if "comm" not in phases:
@@ -272,12 +273,17 @@ class OverlapBuffer:
     def _compile_before_launch(self, x, weight, y, row_start, tile_start, gemm_args):
         """Compile GEMM2 for this signature before GatherRS starts spinning on it.
 
-        A first-launch JIT compile takes seconds; if it happened after GatherRS was
-        launched, the spinning waits would run out. Keyed on what Triton specializes on.
+        A first-launch JIT compile takes seconds, and CUDA's lazy module loading may
+        wait for running kernels: either, after GatherRS was launched, would leave it
+        spinning on a producer that cannot start. Keyed on what Triton specializes on.
         """
         key = (x.dtype, x.shape[1], x.stride(), weight.shape, y.stride(),
                tuple(sorted(gemm_args.items())))
         if key not in self._compiled:
-            gemm2.launch_grouped_gemm2(x, weight, y, row_start, tile_start, self.ready,
-                                       warmup=True, **gemm_args)
+            compiled = gemm2.launch_grouped_gemm2(x, weight, y, row_start, tile_start,
+                                                  self.ready, warmup=True, **gemm_args)
+            if compiled is not None:
+                # CUDA loads modules lazily, and loading one may wait for the running
+                # kernels: load it now, while nothing spins on it.
+                compiled._init_handles()
             self._compiled.add(key)

@@ -78,6 +78,7 @@ class TileConfig:
     comm_rows: int
     comm_tn: int
     comm_warps: int
+    gemm_flatten: bool = False  # let Triton pipeline across the persistent tile loop
 
     def comm_shape(self, topk: int, split_width: int) -> tuple[int, int]:
         """(TMc, TNc) of the communication tile for this top-k and split width."""
