@@ -52,12 +52,18 @@ ERR_BARRIER_TIMEOUT = 2
 
 @triton.jit
 def _wait_at_least(ptr, target, max_spins, SCOPE: tl.constexpr):
-    """Acquire-poll `*ptr` until it reaches `target` or `max_spins` polls pass."""
-    seen = tl.atomic_add(ptr, 0, sem="acquire", scope=SCOPE)
+    """Poll `*ptr` until it reaches `target` or `max_spins` polls pass; 1 if it did.
+
+    Polls are plain volatile loads, so dozens of waiting CTAs do not queue atomics on
+    the L2 line the producers increment; one acquire read after success orders
+    everything the producers released before it.
+    """
+    seen = tl.load(ptr, volatile=True)
     spins = 0
     while (seen < target) & (spins < max_spins):
-        seen = tl.atomic_add(ptr, 0, sem="acquire", scope=SCOPE)
+        seen = tl.load(ptr, volatile=True)
         spins += 1
+    seen = tl.atomic_add(ptr, 0, sem="acquire", scope=SCOPE)
     return (seen >= target).to(tl.int32)
 
 

@@ -111,7 +111,7 @@ def main() -> int:
                           kernel.o_comp, kernel.o_comm),
         device=DeviceSpec(cache.device.name, cache.device.sms),
         calibration=Calibration(rho_ref, inp["ffn"], kernel.tile_m, kernel.tile_n,
-                                launch.world, c_max),
+                                launch.world, c_max, kernel.comm_tile_m, kernel.comm_tile_n),
         default_splits=args.splits,
     )
     payload = dict(preset=preset.to_json(), measured=dict(

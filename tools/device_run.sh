@@ -31,12 +31,12 @@ for s in "$@"; do
     gpu_tests) stage gpu_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider \
         --rootdir "$REPO" -c "$REPO/pyproject.toml" "$REPO/tests/test_op_gpu.py" ;;
     tune) stage tune 170 $TR "$REPO/tools/tune_tiles.py" --json "$OUT/tiles.json" ;;
-    calibrate) stage calibrate 80 $TR "$REPO/tools/calibrate.py" --tiles "$OUT/tiles.json" \
+    calibrate) stage calibrate 80 $TR "$REPO/tools/calibrate.py" ${TILES:+--tiles $TILES} \
         --json "$OUT/h200.json" ;;
     bench_op) for lay in ${LAYOUTS:-TP2EP1 TP1EP2}; do
         stage bench_op_$lay ${BENCH_SECS:-110} $TR "$REPO/tools/bench_op.py" --model qwen --layout $lay \
           --seqs 1024,4096,16384 --routing uniform,p90 --samples 15 --warmup 3 \
-          --tiles "$OUT/tiles.json" --preset "$OUT/h200.json" --json "$OUT/op_qwen_$lay.json"; done ;;
+          ${TILES:+--tiles $TILES} --preset "$OUT/h200.json" --json "$OUT/op_qwen_$lay.json"; done ;;
     *) echo "unknown stage $s" ;;
   esac
 done

@@ -87,7 +87,7 @@ class TileConfig:
 
 
 #: Hopper defaults, chosen by `tools/tune_tiles.py` on H200 (docs/RESULTS.md).
-GPU_TILES = TileConfig(128, 128, 64, 4, 3, 32, 1024, 32)
+GPU_TILES = TileConfig(128, 128, 64, 4, 3, 64, 1024, 32)
 #: The interpreter: small tiles so tiny test shapes still span many tiles and splits.
 INTERPRET_TILES = TileConfig(16, 16, 16, 4, 1, 16, 16, 4)
 #: SMs of the virtual device the interpreter plans for (small, so P stays small).

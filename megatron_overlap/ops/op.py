@@ -17,6 +17,7 @@ On rank r the result equals what Megatron's allgather dispatcher computes with F
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import warnings
 from dataclasses import dataclass
@@ -116,16 +117,26 @@ def grouped_mm(a: torch.Tensor, b: torch.Tensor, counts_dev: torch.Tensor,
     return out
 
 
-def combine_rows(y: torch.Tensor, table: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:
-    """[M, N] in y's dtype: fp32 sum of each token's rows (fixed order), one gather pass."""
+def combine_rows(y: torch.Tensor, table: torch.Tensor, probs: torch.Tensor | None,
+                 token_index: torch.Tensor | None = None) -> torch.Tensor:
+    """[M, N] in y's dtype: the sum of each token's rows.
+
+    On CUDA with `token_index`: one `index_add_` in y's dtype, what Megatron's stock
+    unpermute does and the fastest combine torch offers (atomic, so the order of the
+    k terms varies). Otherwise an fp32 sum in a fixed order through one gather.
+    """
     rows = y if probs is None else y * probs.to(y.dtype)[:, None]
+    if y.is_cuda and token_index is not None:
+        full = torch.zeros(table.shape[0], y.shape[1], dtype=y.dtype, device=y.device)
+        return full.index_add_(0, token_index, rows)
     padded = torch.cat([rows, rows.new_zeros(1, rows.shape[1])])  # row -1 reads zeros
     return padded[table.long()].sum(dim=1, dtype=torch.float32).to(y.dtype)
 
 
-def _reference_forward(x, weight, counts_dev, counts, table, probs, group, world, rank):
+def _reference_forward(x, weight, counts_dev, counts, table, probs, group, world, rank,
+                       token_index=None):
     y = grouped_mm(x, weight.transpose(1, 2), counts_dev, counts)
-    full = combine_rows(y, table, probs)
+    full = combine_rows(y, table, probs, token_index)
     if world == 1:
         return full, y
     out = full.new_empty(full.shape[0] // world, full.shape[1])
@@ -150,7 +161,7 @@ class _Gemm2GatherRS(torch.autograd.Function):
         counts, group, world = launch.counts, launch.group, launch.world
         if launch.buffer is None:
             out, y = _reference_forward(x, weight, counts_dev, counts, table, probs, group,
-                                        world, launch.rank)
+                                        world, launch.rank, token_index)
         else:
             md = table.shape[0] // world
             out = torch.empty(md, weight.shape[1], dtype=x.dtype, device=x.device)
@@ -290,26 +301,49 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
                           "cannot reach every rank, using the reference path")
         backend = "reference"
     hidden = weight.shape[1]
-    num_splits = splits or config.splits or default_splits(hidden)
-    if num_splits > hidden:
+    num_splits = splits or config.splits
+    if num_splits is not None and num_splits > hidden:
         raise ValueError(f"splits ({num_splits}) must be <= hidden ({hidden})")
     table = combine_table(token_index.to(torch.int64), num_tokens, topk)
     launch = Launch(config, backend, group, world, rank, counts, counts_dev.to(x.device),
                     table, None, None, {})
     if backend == "reference":
         return launch
+    c = comm_ctas or config.comm_ctas
+    if num_splits is not None:
+        best = _plan_launch(launch, x, weight, num_tokens, topk, num_splits, c)
+        _log_decision(best, num_tokens, hidden, x.shape[1])
+        return best
+    # L chosen jointly with C: the candidate with the least predicted T (in compute
+    # waves, the same unit for every L); ties go to fewer splits.
+    best = None
+    for cand in SPLIT_CANDIDATES:
+        if cand > default_splits(hidden) * 2 or cand > hidden:
+            continue
+        trial = _plan_launch(dataclasses.replace(launch), x, weight, num_tokens, topk, cand, c)
+        if best is None or trial.plan.predicted < best.plan.predicted * (1 - 1e-9):
+            best = trial
+    _log_decision(best, num_tokens, hidden, x.shape[1])
+    return best
+
+
+SPLIT_CANDIDATES = (1, 2, 4)
+
+
+def _plan_launch(launch: Launch, x, weight, num_tokens, topk, num_splits, c) -> Launch:
+    config, backend, world = launch.config, launch.backend, launch.world
+    counts, experts, hidden = launch.counts, weight.shape[0], weight.shape[1]
     if x.shape[1] * x.element_size() % 16:
         raise ValueError(f"the {backend} backend needs 16-byte rows for its tensor "
                          f"descriptors: K * itemsize = {x.shape[1]} * {x.element_size()} "
                          f"is not a multiple of 16 (K % 8 == 0 for bf16)")
-    buf = launch.buffer = OverlapBuffer.get(group, x.device, backend)
+    buf = launch.buffer = OverlapBuffer.get(launch.group, x.device, backend)
     buf.check(sync=False)
     partial = config.partial_dtype or x.dtype
     tiles = config.tiles or buf.default_tiles()
     comm_tm, comm_tn = tiles.comm_shape(topk, -(-hidden // num_splits))
     cache = buf.plan_cache(config, tiles, comm_tm, comm_tn, topk)
     md = num_tokens // world
-    c = comm_ctas or config.comm_ctas
     if counts is not None:
         plan = cache.decide(num_tokens, hidden, x.shape[1], world, num_splits, counts,
                             comm_ctas=c, enabled=config.planner)
@@ -324,7 +358,6 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
     launch.plan = plan
     launch.kwargs = dict(splits=num_splits, tiles=tiles, comm_tm=comm_tm, comm_tn=comm_tn,
                          tokens_per_rank=md, max_spins=config.max_spins)
-    _log_decision(buf, plan, num_tokens, hidden, x.shape[1], world, num_splits)
     return launch
 
 
@@ -335,11 +368,12 @@ def plan_cache_of(launch: Launch):
                                     launch.table.shape[1])
 
 
-def _log_decision(buf, plan, m, n, k, d, splits):
-    sig = (plan.comm_ctas, splits, m, n, k, d)
+def _log_decision(launch: Launch, m: int, n: int, k: int) -> None:
+    plan, buf = launch.plan, launch.buffer
+    sig = (plan.comm_ctas, plan.splits, m, n, k, launch.world)
     if getattr(buf, "_last_logged", None) != sig:
         buf._last_logged = sig
         log.debug("gemm2_gather_rs: C=%d P=%d L=%d T=%.1f (M=%d N=%d K=%d D=%d, %s)",
-                  plan.comm_ctas, plan.compute_slots, splits, plan.predicted, m, n, k, d,
-                  plan.source)
+                  plan.comm_ctas, plan.compute_slots, plan.splits, plan.predicted, m, n, k,
+                  launch.world, plan.source)
 

@@ -151,12 +151,21 @@ class Calibration:
     tn_ref: int
     d_ref: int
     c_max: int
+    # Communication tile of the measurement. The paper's model has one comm tile shape;
+    # with these set, rho also scales with the comm tile area TMc*TNc / (TMc_ref*TNc_ref)
+    # (a wave of bigger tiles moves more bytes), so shapes whose top-k or split width
+    # change the comm tile are compared fairly. None (the paper's preset): no scaling.
+    tmc_ref: int | None = None
+    tnc_ref: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.rho_ref, (int, float)) or not self.rho_ref > 0:
             raise ValueError(f"Calibration.rho_ref must be > 0, got {self.rho_ref!r}")
         for name in ("k_ref", "tm_ref", "tn_ref", "d_ref", "c_max"):
             _require_int(self, name, 1)
+        for name in ("tmc_ref", "tnc_ref"):
+            if getattr(self, name) is not None:
+                _require_int(self, name, 1)
 
     @staticmethod
     def rho_from_measurement(
@@ -218,13 +227,17 @@ def comm_tiles(w: Workload, kernel: KernelSpec) -> int:
 
 
 def service_ratio(w: Workload, kernel: KernelSpec, calib: Calibration) -> float:
-    """rho = rho_ref (K_ref/K) (TM_ref TN_ref)/(TM TN) (D/D_ref) (eq. 15)."""
-    return (
+    """rho = rho_ref (K_ref/K) (TM_ref TN_ref)/(TM TN) (D/D_ref) (eq. 15), times
+    (TMc TNc)/(TMc_ref TNc_ref) when the calibration records its comm tile."""
+    rho = (
         calib.rho_ref
         * (calib.k_ref / w.ffn)
         * (calib.tm_ref * calib.tn_ref) / (kernel.tile_m * kernel.tile_n)
         * (w.world / calib.d_ref)
     )
+    if calib.tmc_ref is not None and calib.tnc_ref is not None:
+        rho *= (kernel.comm_tile_m * kernel.comm_tile_n) / (calib.tmc_ref * calib.tnc_ref)
+    return rho
 
 
 def makespan(w_comp: int, w_comm: int, p: int, c: int, splits: int, rho: float) -> float:
