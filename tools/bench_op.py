@@ -92,6 +92,7 @@ def main() -> int:
     ap.add_argument("--seqs", default="1024,4096,16384")
     ap.add_argument("--routing", default="uniform,p90")
     ap.add_argument("--cmax", type=int, default=48, help="largest C of the sweep")
+    ap.add_argument("--cset", default="", help="comma list of C for the sweep instead")
     ap.add_argument("--samples", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--preset", default=None, help="calibration preset name or JSON path")
@@ -103,35 +104,36 @@ def main() -> int:
     backend, device = smoke_setup(args)
     rank = dist.get_rank()
     group = dist.group.WORLD
-    c_values = list(range(1, args.cmax + 1))
+    c_values = ([int(c) for c in args.cset.split(",")] if args.cset
+                else list(range(1, args.cmax + 1)))
     tiles = tiles_from_json(args.tiles)
     results = []
-    for seq in map(int, args.seqs.split(",")):
-        for routing in args.routing.split(","):
-            case = OpCase(args.model, args.layout, seq, routing)
-            inp = rank_inputs(case, rank, device)
-            err = check_against_reference(inp, group, c_values, backend, tiles)
-            pol, facts = policies_for(inp, group, c_values, args.preset, backend, tiles)
-            per = abba(pol, args.samples, args.warmup, group, progress=case.label())
-            stats = summarize(per)
-            gemm_flops = 2 * inp["x"].shape[0] * inp["hidden"] * inp["ffn"]
-            sweep = {int(n.split("=")[1]): s["median"] for n, s in stats.items()
-                     if n.startswith("sweep")}
-            oracle_c = min(sweep, key=sweep.get)
-            row = dict(case=case.label(), model=case.model, layout=case.layout, seq=seq,
-                       routing=routing, skew=inp["skew"], rel_err=err, gemm_flops=gemm_flops,
-                       oracle_c=oracle_c, oracle_ms=sweep[oracle_c], **facts,
-                       stats={n: {k: v for k, v in s.items() if k != "samples"}
-                              for n, s in stats.items()},
-                       samples={n: s["samples"] for n, s in stats.items()})
-            results.append(row)
-            if rank == 0:
-                med = {n: s["median"] for n, s in stats.items()}
-                print(f"{case.label():<28} err={err:.1e} C*={facts['comm_ctas']:>2} "
-                      f"oracle C={oracle_c:>2} | ref {med['reference']:.3f} planner "
-                      f"{med['planner']:.3f} C3 {med['C=3']:.3f} C28 {med.get('C=28', float('nan')):.3f} "
-                      f"oracle {sweep[oracle_c]:.3f} gemm(torch) {med['gemm2_alone(torch)']:.3f}"
-                      f" gemm(ours) {med['gemm2_alone(ours,P=all)']:.3f} ms", flush=True)
+    for model, seq, routing in [(m, int(s), r) for m in args.model.split(",")
+                                for s in args.seqs.split(",") for r in args.routing.split(",")]:
+        case = OpCase(model, args.layout, seq, routing)
+        inp = rank_inputs(case, rank, device)
+        err = check_against_reference(inp, group, c_values, backend, tiles)
+        pol, facts = policies_for(inp, group, c_values, args.preset, backend, tiles)
+        per = abba(pol, args.samples, args.warmup, group, progress=case.label())
+        stats = summarize(per)
+        gemm_flops = 2 * inp["x"].shape[0] * inp["hidden"] * inp["ffn"]
+        sweep = {int(n.split("=")[1]): s["median"] for n, s in stats.items()
+                 if n.startswith("sweep")}
+        oracle_c = min(sweep, key=sweep.get)
+        row = dict(case=case.label(), model=model, layout=case.layout, seq=seq,
+                   routing=routing, skew=inp["skew"], rel_err=err, gemm_flops=gemm_flops,
+                   oracle_c=oracle_c, oracle_ms=sweep[oracle_c], **facts,
+                   stats={n: {k: v for k, v in s.items() if k != "samples"}
+                          for n, s in stats.items()},
+                   samples={n: s["samples"] for n, s in stats.items()})
+        results.append(row)
+        if rank == 0:
+            med = {n: s["median"] for n, s in stats.items()}
+            print(f"{case.label():<28} err={err:.1e} C*={facts['comm_ctas']:>2} "
+                  f"oracle C={oracle_c:>2} | ref {med['reference']:.3f} planner "
+                  f"{med['planner']:.3f} C3 {med['C=3']:.3f} C28 {med.get('C=28', float('nan')):.3f} "
+                  f"oracle {sweep[oracle_c]:.3f} gemm(torch) {med['gemm2_alone(torch)']:.3f}"
+                  f" gemm(ours) {med['gemm2_alone(ours,P=all)']:.3f} ms", flush=True)
     if rank == 0:
         write_json(args.json, dict(env=env_info(), command=" ".join(sys.argv), results=results))
     dist.destroy_process_group()
