@@ -42,7 +42,22 @@ for s in "$@"; do
           --model granite,qwen,deepseek --layout $lay --seqs 1024,4096,16384 \
           --routing uniform,p90 --cset 1,2,3,4,6,8,10,12,14,16,18,20,22,24,28,32,40,48 \
           --samples 12 --warmup 2 --preset "$OUT/h200.json" --json "$OUT/op_all_$lay.json"; done ;;
+    x4_op) for lay in TP4EP1 TP2EP2 TP1EP4; do
+        stage x4_op_$lay 60 torchrun --nproc-per-node 4 "$REPO/tools/bench_op.py" \
+          --model granite,qwen,deepseek --layout $lay --seqs ${X4_SEQS:-1024,4096,16384} \
+          --routing p90 --cset 2,4,8,12,16,20,24,32,40,48 --samples 10 --warmup 2 \
+          --json "$OUT/op_x4_$lay.json"; done ;;
+    x4_layer) stage x4_layer 80 torchrun --nproc-per-node 4 "$REPO/tools/bench_layer.py" \
+        --models granite,qwen,deepseek --tp 2 --ep 2 --seqs 4096,16384 --samples 12 \
+        --json "$OUT/layer_TP2EP2.json" ;;
+    x2_layer) stage x2_layer 75 torchrun --nproc-per-node 2 "$REPO/tools/bench_layer.py" \
+        --models granite,qwen,deepseek --tp 2 --ep 1 --seqs 4096,16384 --samples 12 \
+        --json "$OUT/layer_TP2EP1.json" ;;
+    x4_prefill) for m in ${PREFILL_MODELS:-qwen}; do
+        stage x4_prefill_$m 65 torchrun --nproc-per-node 4 -m megatron_overlap.mcore.prefill \
+          --model $m --tp 2 --ep 2 --batch 4 --seq 4096 --iters 5 --warmup 2 --abba \
+          --json "$OUT/prefill_${m}_TP2EP2.json"; done ;;
     *) echo "unknown stage $s" ;;
   esac
 done
-grep -E "^===|rho_ref|^comm alone|^[a-z]+/TP|^chosen|^gemm2 |^comm rows|^torch._grouped|passed|failed|Error|error" "$LOG" | grep -v Warning | tail -n 80
+grep -E "^===|rho_ref|^comm alone|^[a-z]+/TP|^chosen|^gemm2 |^comm rows|^torch._grouped|^layer |^prefill|^  (stock|overlap|speedup)|passed|failed|Error|error" "$LOG" | grep -v Warning | tail -n 80

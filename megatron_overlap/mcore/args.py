@@ -1,0 +1,69 @@
+"""`--moe-overlap` flags for Megatron launch scripts, and the OverlapConfig they describe.
+
+Megatron-LM scripts take an `extra_args_provider(parser)`; pass `add_moe_overlap_args`
+(or call it from your own provider). `overlap_config_from_args(args)` turns the parsed
+flags into the OverlapConfig the spec helpers hand to every OverlapMoELayer; without
+`--moe-overlap` it returns None and the spec helpers leave the model stock.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from ..ops import OverlapConfig
+
+BACKEND_CHOICES = ("auto", "triton", "interpret", "reference")
+
+
+def _auto_or_positive_int(text: str) -> int | None:
+    if text == "auto":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or a positive integer, got {text!r}")
+    return value
+
+
+def add_moe_overlap_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the `--moe-overlap*` flags to `parser` and return it (extra_args_provider form)."""
+    group = parser.add_argument_group(
+        "moe overlap", "Overlapped GEMM2 + combine + reduce-scatter for allgather MoE layers "
+                       "(megatron-overlap)")
+    group.add_argument("--moe-overlap", action="store_true",
+                       help="Replace MoELayer by OverlapMoELayer; without it the model is stock.")
+    group.add_argument("--moe-overlap-comm-ctas", type=_auto_or_positive_int, default=None,
+                       metavar="auto|N", help="Communication CTAs C; auto (default) lets the "
+                       "planner choose before every launch; an explicit N wins.")
+    group.add_argument("--moe-overlap-splits", type=_auto_or_positive_int, default=None,
+                       metavar="auto|N", help="Column splits L; auto = max(1, hidden // 1024).")
+    group.add_argument("--moe-overlap-backend", choices=BACKEND_CHOICES, default="auto",
+                       help="triton (CUDA), reference (non-overlapped torch path), interpret "
+                       "(Triton interpreter on CPU) or auto (triton on CUDA).")
+    group.add_argument("--moe-overlap-calibration", default=None, metavar="FILE",
+                       help="Calibration JSON (tools/calibrate.py) or preset name; default: the "
+                       "shipped calibration for this device.")
+    return parser
+
+
+def overlap_config_from_args(args) -> OverlapConfig | None:
+    """OverlapConfig from parsed `--moe-overlap*` flags; None without `--moe-overlap`.
+
+    Missing attributes (a parser without these flags) mean "off". Raises ValueError for a
+    calibration file that does not exist.
+    """
+    if not getattr(args, "moe_overlap", False):
+        return None
+    calibration = getattr(args, "moe_overlap_calibration", None)
+    if calibration is not None and (calibration.endswith(".json") or os.sep in calibration) \
+            and not os.path.isfile(calibration):
+        raise ValueError(f"--moe-overlap-calibration: no such file {calibration!r}")
+    return OverlapConfig(
+        backend=getattr(args, "moe_overlap_backend", "auto"),
+        comm_ctas=getattr(args, "moe_overlap_comm_ctas", None),
+        splits=getattr(args, "moe_overlap_splits", None),
+        preset=calibration,
+    )

@@ -1,0 +1,231 @@
+"""Grouped-GEMM experts for Megatron-Core MoE layers, and the FC1 / FC2 views the overlap needs.
+
+Glossary (as in the op):
+    T  rows of the expert-sorted activations (sum of tokens_per_expert)
+    H  hidden size (= N, GEMM2's output width);  F  expert FFN size
+    K  = F / expert-TP, the FC2 reduction dim on this rank;  E  local experts
+
+`GroupedGemmExperts` is the fair non-TE stock baseline (DESIGN.md): megatron-core 0.19 has
+no grouped experts without Transformer Engine, and `SequentialMLP` runs a Python loop of
+per-expert linears. It is a drop-in for Megatron's experts interface
+(`forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs) -> (output,
+None)`), runs FC1 and FC2 through `torch._grouped_mm` on CUDA bf16 (a per-expert loop
+elsewhere), applies the routing probabilities in the activation exactly like Megatron's
+`MLP` (SequentialMLP's expert), and initializes its weights like SequentialMLP's linears
+so the same seed gives the same weights.
+
+`fc1_and_fc2_weight(experts, ...)` is what `OverlapMoELayer` calls: FC1 + activation output
+[T, K] and the FC2 weight as [E, H, K], for GroupedGemmExperts and for stock SequentialMLP.
+"""
+
+from __future__ import annotations
+
+from itertools import accumulate
+
+import torch
+import torch.nn.functional as F
+from megatron.core.fusions.fused_bias_geglu import quick_gelu, weighted_bias_quick_geglu_impl
+from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
+from megatron.core.tensor_parallel.layers import (
+    _initialize_affine_weight_cpu,
+    set_tensor_model_parallel_attributes,
+)
+from megatron.core.tensor_parallel.random import (
+    get_cuda_rng_tracker,
+    get_expert_parallel_rng_tracker_name,
+)
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+from megatron.core.utils import get_pg_rank, get_pg_size
+
+
+def _grouped_mm_ok(x: torch.Tensor) -> bool:
+    """torch._grouped_mm runs bf16 on Hopper and newer; elsewhere the loop is the path."""
+    return (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+            and torch.cuda.get_device_capability(x.device)[0] >= 9)
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    """y[rows of e] = x[rows of e] @ weight[e]^T, autograd-aware.
+
+    x: [T, in] expert-sorted rows; weight: [E, out, in] (nn.Linear layout); counts: host
+    list of rows per expert (sum T). Returns [T, out] in x's dtype.
+    """
+    if _grouped_mm_ok(x) and x.shape[0]:  # no rows: the loop keeps the autograd graph
+        offs = torch.tensor(list(accumulate(counts)), dtype=torch.int32)
+        offs = offs.to(x.device, non_blocking=True)
+        return torch._grouped_mm(x, weight.transpose(1, 2), offs=offs)
+    parts, start = [], 0
+    for e, n in enumerate(counts):
+        # torch.matmul(x, w.t()) is what Megatron's linears compute: same bits as SequentialMLP.
+        parts.append(torch.matmul(x[start:start + n], weight[e].t()))
+        start += n
+    return torch.cat(parts) if parts else x.new_zeros(0, weight.shape[1])
+
+
+def mlp_activation(mlp, intermediate: torch.Tensor, bias: torch.Tensor | None,
+                   probs: torch.Tensor) -> torch.Tensor:
+    """Megatron `MLP.forward`'s activation with per-token scale (0.19), for expert rows.
+
+    mlp: anything with `.config` and `.activation_func` (an MLP expert or GroupedGemmExperts).
+    intermediate: [T, ffn_out] FC1 output; probs: [T] routing probabilities. Returns [T, K]
+    in intermediate's dtype; the probabilities are multiplied in here, before FC2.
+    """
+    config = mlp.config
+    scale = probs.unsqueeze(-1)
+    if config.use_te_activation_func:
+        if bias is not None:
+            intermediate = intermediate + bias
+        out = mlp.activation_func(intermediate)
+        return (out * scale).to(out.dtype)
+    if config.bias_activation_fusion:
+        if mlp.activation_func == F.silu and config.gated_linear_unit:
+            return weighted_bias_swiglu_impl(intermediate, bias, scale,
+                                             config.activation_func_fp8_input_store)
+        if mlp.activation_func == quick_gelu and config.gated_linear_unit:
+            return weighted_bias_quick_geglu_impl(
+                intermediate, bias, scale, config.activation_func_fp8_input_store,
+                config.glu_linear_offset, config.activation_func_clamp_value)
+        raise ValueError("bias_activation_fusion with routing probabilities supports swiglu "
+                         "and quick_geglu only (as Megatron's MLP)")
+    if bias is not None:
+        intermediate = intermediate + bias
+    if config.gated_linear_unit:
+        x_glu, x_linear = torch.chunk(intermediate, 2, dim=-1)
+        if (val := config.activation_func_clamp_value) is not None:
+            x_glu = x_glu.clamp(min=None, max=val)
+            x_linear = x_linear.clamp(min=-val, max=val)
+        out = config.activation_func(x_glu) * (x_linear + config.glu_linear_offset)
+    else:
+        out = mlp.activation_func(intermediate)
+    return (out * scale).to(out.dtype)
+
+
+def _apply_probs_on_input(config, x: torch.Tensor, probs: torch.Tensor):
+    """`moe_apply_probs_on_input`: scale the input rows and reset probs to 1, as 0.19 does."""
+    if not config.moe_apply_probs_on_input:
+        return x, probs
+    if config.moe_router_topk != 1:
+        raise ValueError("moe_apply_probs_on_input only works with moe_router_topk = 1")
+    return (probs.unsqueeze(-1) * x).to(x.dtype), torch.ones_like(probs)
+
+
+class GroupedGemmExperts(MegatronModule):
+    """E local experts as two stacked weights; FC1 and FC2 as grouped GEMMs.
+
+    Parameters (expert-TP shards of F across `pg_collection.expt_tp`):
+        fc1_weight: [E, G*F/tp, H], G = 2 for gated units ([gate_shard; up_shard] per
+            expert, Megatron's stride-2 layout), else 1; params_dtype.
+        fc2_weight: [E, H, F/tp]; FC2 returns a partial sum over expert-TP ranks, reduced
+            by the dispatcher's combine (as Megatron's expert linears do).
+    Same builder signature as Megatron's experts: (num_local_experts, config, *,
+    pg_collection=None, name=None). No expert biases, no fp8 (ValueError).
+    """
+
+    def __init__(self, num_local_experts: int, config, pg_collection=None, name: str | None = None):
+        super().__init__(config=config)
+        if config.add_bias_linear:
+            raise ValueError("GroupedGemmExperts has no expert biases (add_bias_linear=True); "
+                             "use SequentialMLP experts")
+        if config.fp8 or config.fp4:
+            raise ValueError("GroupedGemmExperts runs bf16/fp16/fp32 only; fp8/fp4 need TE experts")
+        if config.moe_latent_size:
+            raise ValueError("GroupedGemmExperts does not support moe_latent_size")
+        if pg_collection is None:
+            pg_collection = get_default_pg_collection()
+        self.num_local_experts = num_local_experts
+        self.tp_group = pg_collection.expt_tp
+        self.ep_group = pg_collection.ep
+        tp, rank = get_pg_size(self.tp_group), get_pg_rank(self.tp_group)
+        ffn = config.moe_ffn_hidden_size
+        if ffn % tp:
+            raise ValueError(f"expert-TP size {tp} must divide moe_ffn_hidden_size {ffn}")
+        glu = 2 if config.gated_linear_unit else 1
+        self.activation_func = config.activation_func
+        hidden, k = config.hidden_size, ffn // tp
+        device = None if config.use_cpu_initialization else torch.cuda.current_device()
+        self.fc1_weight = torch.nn.Parameter(torch.empty(
+            num_local_experts, glu * k, hidden, dtype=config.params_dtype, device=device))
+        self.fc2_weight = torch.nn.Parameter(torch.empty(
+            num_local_experts, hidden, k, dtype=config.params_dtype, device=device))
+        if config.perform_initialization:
+            self._initialize(glu, ffn, hidden, tp, rank)
+        # Megatron's conventions: tensor-parallel along F, expert params (not all-reduced
+        # over the dense DP group but over expert-DP).
+        set_tensor_model_parallel_attributes(self.fc1_weight, True, 1, glu)
+        set_tensor_model_parallel_attributes(self.fc2_weight, True, 2, 1)
+        for p in (self.fc1_weight, self.fc2_weight):
+            p.allreduce = False
+
+    def _initialize(self, glu: int, ffn: int, hidden: int, tp: int, rank: int) -> None:
+        """Expert by expert, FC1 then FC2, as SequentialMLP's linears draw their numbers."""
+        config = self.config
+        if config.use_cpu_initialization:
+            for e in range(self.num_local_experts):
+                w1 = torch.empty(self.fc1_weight.shape[1:], dtype=config.params_dtype)
+                _initialize_affine_weight_cpu(
+                    w1, glu * ffn, hidden, glu * ffn // tp, 0, config.init_method, stride=glu,
+                    rank=rank, world_size=tp, skip_set_tensor_parallel_attributes=True)
+                w2 = torch.empty(self.fc2_weight.shape[1:], dtype=config.params_dtype)
+                _initialize_affine_weight_cpu(
+                    w2, hidden, ffn, ffn // tp, 1, config.output_layer_init_method,
+                    params_dtype=config.params_dtype, rank=rank, world_size=tp,
+                    skip_set_tensor_parallel_attributes=True)
+                with torch.no_grad():
+                    self.fc1_weight[e].copy_(w1)
+                    self.fc2_weight[e].copy_(w2)
+            return
+        with torch.no_grad(), get_cuda_rng_tracker().fork(get_expert_parallel_rng_tracker_name()):
+            for e in range(self.num_local_experts):
+                config.init_method(self.fc1_weight[e])
+                config.output_layer_init_method(self.fc2_weight[e])
+
+    def fc1_activation(self, x: torch.Tensor, tokens_per_expert,
+                       probs: torch.Tensor) -> torch.Tensor:
+        """FC1 + activation with probs: x [T, H] -> [T, K] (x's dtype)."""
+        x, probs = _apply_probs_on_input(self.config, x, probs)
+        counts = host_counts(tokens_per_expert)
+        return mlp_activation(self, grouped_linear(x, self.fc1_weight, counts), None, probs)
+
+    def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert,
+                permuted_probs: torch.Tensor):
+        """[T, H] expert-sorted rows -> ([T, H] FC2 partial sums, None)."""
+        h = self.fc1_activation(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
+        return grouped_linear(h, self.fc2_weight, host_counts(tokens_per_expert)), None
+
+    def backward_dw(self) -> None:
+        """Weight gradients are computed in the backward pass itself (no delayed wgrad)."""
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
+        raise NotImplementedError(
+            "GroupedGemmExperts has no distributed-checkpoint mapping yet; build the model "
+            "with SequentialMLP experts (--moe-overlap works with both) to save checkpoints")
+
+
+def host_counts(tokens_per_expert) -> list[int]:
+    if isinstance(tokens_per_expert, torch.Tensor):
+        return tokens_per_expert.tolist()
+    return list(tokens_per_expert)
+
+
+def fc1_and_fc2_weight(experts, x: torch.Tensor, tokens_per_expert, probs: torch.Tensor):
+    """(h [T, K], w [E, H, K]): FC1 + activation output and the FC2 weight of `experts`.
+
+    Supports GroupedGemmExperts (its stacked weight, no copy) and Megatron's SequentialMLP
+    (the per-expert FC2 weights stacked with torch.stack, so gradients reach each expert's
+    own parameter). Raises TypeError for other experts modules.
+    """
+    if isinstance(experts, GroupedGemmExperts):
+        return experts.fc1_activation(x, tokens_per_expert, probs), experts.fc2_weight
+    if isinstance(experts, SequentialMLP):
+        x, probs = _apply_probs_on_input(experts.config, x, probs)
+        counts = host_counts(tokens_per_expert)
+        hs = []
+        for expert, xe, pe in zip(experts.local_experts, torch.split(x, counts),
+                                  torch.split(probs, counts)):
+            intermediate, bias = expert.linear_fc1(xe)
+            hs.append(mlp_activation(expert, intermediate, bias, pe))
+        weight = torch.stack([expert.linear_fc2.weight for expert in experts.local_experts])
+        return torch.cat(hs), weight
+    raise TypeError(f"no FC1/FC2 view for experts of type {type(experts).__name__}")

@@ -1,0 +1,148 @@
+"""OverlapMoELayer: Megatron-Core's MoELayer with FC2 + unpermute + reduce-scatter fused.
+
+With the allgather token dispatcher, stock `MoELayer.forward` runs
+    routed_experts_compute: dispatch_postprocess -> experts (FC1, act, FC2) -> combine_preprocess
+    combine:                token_combine (reduce-scatter over tp_ep_group)
+This subclass overrides exactly those two steps: FC1 + activation stay the experts' own
+(stock SequentialMLP or GroupedGemmExperts), and FC2, the top-k unpermute and the
+reduce-scatter become one `gemm2_gather_rs` call whose output is what `token_combine`
+returns. Router, dispatch, shared experts and `postprocess` are untouched.
+
+Anything else (another dispatcher, TE experts, fp8, expert biases, latent MoE, the
+inference dispatcher) runs the stock path after one warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+
+from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
+
+from ..ops import OverlapConfig, gemm2_gather_rs
+from .experts import GroupedGemmExperts, fc1_and_fc2_weight, host_counts
+
+log = logging.getLogger("megatron_overlap.mcore")
+_warned: set[str] = set()
+
+
+class OverlapMoELayer(MoELayer):
+    """MoELayer whose GEMM2 + combine + reduce-scatter run overlapped (see module doc).
+
+    Args: those of MoELayer (passed through unchanged), plus
+        overlap_config: the OverlapConfig every launch of this layer uses (backend,
+            explicit C / L, calibration preset); None = OverlapConfig() (planner, auto
+            backend). The spec helpers put it here from the `--moe-overlap-*` flags.
+
+    Attributes:
+        overlap_enabled: set False to run the stock path (same weights), e.g. for A/B runs.
+        last_plan: the planner's decision of the latest launch (None on the reference
+            backend or before the first launch).
+        decisions: how many distinct (C, L) decisions this layer has logged.
+    """
+
+    def __init__(self, *args, overlap_config: OverlapConfig | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        if overlap_config is not None and not isinstance(overlap_config, OverlapConfig):
+            raise ValueError("overlap_config must be an OverlapConfig, got "
+                             f"{type(overlap_config).__name__}")
+        self.overlap_config = overlap_config or OverlapConfig()
+        self.overlap_enabled = True
+        self.last_plan = None
+        self.decisions = 0
+        self._unsupported = self._why_unsupported()
+        self._fused_pending = False  # routed_experts_compute already did the combine
+        self._last_key = None
+
+    def _why_unsupported(self) -> str | None:
+        c = self.config
+        if not isinstance(self.token_dispatcher, MoEAllGatherTokenDispatcher):
+            name = type(self.token_dispatcher).__name__
+            return f"the {name} dispatcher (only allgather is fused)"
+        if hasattr(self, "_inference_token_dispatcher"):
+            return "transformer_impl='inference_optimized' (its own dispatcher)"
+        if not isinstance(self.experts, (GroupedGemmExperts, SequentialMLP)):
+            return f"{type(self.experts).__name__} experts (GroupedGemmExperts or SequentialMLP)"
+        if c.fp8 or c.fp4:
+            return "fp8/fp4 experts"
+        if c.add_bias_linear:
+            return "expert biases (add_bias_linear)"
+        if c.moe_latent_size:
+            return "latent MoE projections"
+        if c.overlap_dispatch_backward_with_experts_wgrad:
+            return "overlap_dispatch_backward_with_experts_wgrad"
+        return None
+
+    def _use_overlap(self) -> bool:
+        if not self.overlap_enabled:
+            return False
+        if self._unsupported is not None:
+            if self._unsupported not in _warned:
+                _warned.add(self._unsupported)
+                warnings.warn(f"megatron-overlap: {self._unsupported} is not supported; "
+                              "those MoE layers run the stock Megatron path")
+            return False
+        return True
+
+    def routed_experts_compute(self, hidden_states, probs):
+        """Stock: expert output before combine. Overlapped: the combined [M/D, H] rows."""
+        if not self._use_overlap():
+            self._fused_pending = False
+            return super().routed_experts_compute(hidden_states, probs)
+        disp = self.token_dispatcher
+        x, tokens_per_expert, permuted_probs = disp.dispatch_postprocess(hidden_states, probs)
+        h, weight = fc1_and_fc2_weight(self.experts, x, tokens_per_expert, permuted_probs)
+        if self.config.moe_permute_fusion:
+            # TE's fused permute keeps a row-id map, not the token of each row: rebuild the
+            # expert-major, token-ascending order it permuted in.
+            token_index = disp.local_map.T.nonzero()[:, 1]
+        else:
+            token_index = disp.reversed_local_input_permutation_mapping
+        num_tokens = disp.hidden_shape_before_permute[0]
+        # probs are already in h (the activation applied them, as Megatron's experts do).
+        out, plan = gemm2_gather_rs(h, weight.to(h.dtype), tokens_per_expert, token_index,
+                                    num_tokens, self.config.moe_router_topk, None,
+                                    disp.tp_ep_group, config=self.overlap_config,
+                                    return_plan=True)
+        self._note_decision(plan, tokens_per_expert, num_tokens, weight, disp.tp_ep_group)
+        self._fused_pending = True
+        return out, None
+
+    def combine(self, output):
+        """Stock reduce-scatter, unless routed_experts_compute already combined."""
+        if self._fused_pending:
+            self._fused_pending = False
+            return output
+        return super().combine(output)
+
+    def _note_decision(self, plan, tokens_per_expert, m, weight, group) -> None:
+        """INFO line on this layer's first launch and whenever (C, L) changes."""
+        self.last_plan = plan
+        key = ("reference",) if plan is None else (plan.comm_ctas, plan.splits)
+        if key == self._last_key:
+            return
+        self._last_key = key
+        self.decisions += 1
+        if not log.isEnabledFor(logging.INFO):
+            return
+        e, n, k = weight.shape
+        d = group.size() if group is not None else 1
+        counts = host_counts(tokens_per_expert)
+        sig = f"M={m} N={n} K={k} D={d} E={e} rows={sum(counts)} max_e={max(counts, default=0)}"
+        if plan is None:
+            log.info("moe-overlap layer %s: reference backend (not overlapped), %s",
+                     self.layer_number, sig)
+        else:
+            log.info("moe-overlap layer %s: C=%d L=%d P=%d predicted T=%.1f (%s), %s",
+                     self.layer_number, plan.comm_ctas, plan.splits, plan.compute_slots,
+                     plan.predicted, plan.source, sig)
+
+
+def set_overlap_enabled(model, enabled: bool) -> int:
+    """Turn the overlap of every OverlapMoELayer in `model` on or off; returns their count."""
+    layers = [m for m in model.modules() if isinstance(m, OverlapMoELayer)]
+    for layer in layers:
+        layer.overlap_enabled = enabled
+    return len(layers)

@@ -1,0 +1,240 @@
+"""Prefill launcher: B x S forward passes of a Megatron-Core MoE model, stock or overlapped.
+
+    torchrun --nproc-per-node 2 -m megatron_overlap.mcore.prefill --model qwen --tp 2 --ep 1 \
+        --batch 4 --seq 4096 --abba --moe-overlap-backend triton
+
+Without `--moe-overlap` the stock model runs; with it every MoE layer is an
+OverlapMoELayer; `--abba` builds the overlapped model once and times both policies
+ABBA-interleaved on the same weights (toggling the layers' overlap). Latency is the
+median over iterations of the slowest rank's time, with a 95% bootstrap interval.
+The B sequences are split over the attention data-parallel ranks (world / TP), so the
+TP x EP group of every MoE layer sees M = B * S tokens in every layout.
+
+CPU (gloo, tiny widths; Megatron's CUDA-only call sites need the test shims):
+    TRITON_INTERPRET=1 torchrun --nproc-per-node 2 -m megatron_overlap.mcore.prefill \
+        --tiny --tp 1 --ep 2 --batch 2 --seq 16 --abba --preload tests/mcore_shims.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import logging
+import os
+import random
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from .args import add_moe_overlap_args, overlap_config_from_args
+from .layer import OverlapMoELayer, set_overlap_enabled
+from .models import CONFIGS, build_model
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m megatron_overlap.mcore.prefill",
+                                description="Timed prefill of a Megatron-Core MoE model.")
+    p.add_argument("--model", choices=sorted(CONFIGS), default="qwen")
+    p.add_argument("--tp", type=int, default=1, help="tensor (and expert-tensor) parallel size")
+    p.add_argument("--ep", type=int, default=1, help="expert parallel size")
+    p.add_argument("--layers", type=int, default=None, help="number of layers (default: published)")
+    p.add_argument("--batch", type=int, default=4, help="B: sequences in the whole group")
+    p.add_argument("--seq", type=int, default=4096, help="S: tokens per sequence")
+    p.add_argument("--iters", type=int, default=10, help="timed iterations per policy")
+    p.add_argument("--warmup", type=int, default=2, help="untimed iterations per policy")
+    p.add_argument("--seed", type=int, default=0, help="weights and token ids")
+    p.add_argument("--experts", choices=("grouped", "sequential"), default="grouped")
+    p.add_argument("--tiny", action="store_true", help="CPU-sized widths (models.TINY)")
+    p.add_argument("--abba", action="store_true",
+                   help="time stock and overlapped ABBA-interleaved on the same weights")
+    p.add_argument("--json", default=None, metavar="FILE", help="write the results here (rank 0)")
+    p.add_argument("--preload", default=None, metavar="FILE.py|MODULE",
+                   help="imported (its install() called) before Megatron builds anything")
+    p.add_argument("--log-level", default="INFO", help="rank 0's level (decision lines at INFO)")
+    add_moe_overlap_args(p)
+    args = p.parse_args(argv)
+    for name in ("tp", "ep", "batch", "seq", "iters"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name} must be >= 1")
+    if args.warmup < 0:
+        raise ValueError("--warmup must be >= 0")
+    if args.abba:
+        args.moe_overlap = True
+    return args
+
+
+def _preload(target: str) -> None:
+    if target.endswith(".py") or os.sep in target:
+        spec = importlib.util.spec_from_file_location("_megatron_overlap_preload", target)
+        if spec is None:
+            raise ValueError(f"--preload: cannot load {target!r}")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(target)
+    if hasattr(module, "install"):
+        module.install()
+
+
+def _setup(args) -> torch.device:
+    """Process group, Megatron parallel state and seeds; returns this rank's device."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    cuda = torch.cuda.is_available()
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")  # multicast stays off
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo")
+    if cuda:
+        local = os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count())
+        torch.cuda.set_device(int(local))
+    elif args.preload is None:
+        raise ValueError("Megatron-Core MoE calls CUDA-only functions; on CPU pass "
+                         "--preload tests/mcore_shims.py (and TRITON_INTERPRET=1 for the "
+                         "interpret backend)")
+    world = dist.get_world_size()
+    if world % (args.tp * args.ep):
+        raise ValueError(f"world size {world} does not fit TP={args.tp} x EP={args.ep}")
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(args.tp, 1, expert_model_parallel_size=args.ep)
+    model_parallel_cuda_manual_seed(args.seed)
+    torch.manual_seed(args.seed)  # CPU initialization draws master weights identically everywhere
+    return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+
+
+def _inputs(args, vocab: int, device: torch.device):
+    """This attention-DP rank's [B/DP, S] token ids and positions (same on its TP peers)."""
+    from megatron.core import parallel_state as ps
+
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    if args.batch % dp:
+        raise ValueError(f"--batch {args.batch} must be divisible by the data-parallel size {dp} "
+                         f"(world / TP)")
+    gen = torch.Generator().manual_seed(args.seed * 1000 + dp_rank)
+    tokens = torch.randint(0, vocab, (args.batch // dp, args.seq), generator=gen)
+    positions = torch.arange(args.seq).expand_as(tokens)
+    return tokens.to(device), positions.contiguous().to(device)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_once(model, tokens, positions, device) -> float:
+    """Seconds of one forward on the slowest rank."""
+    dist.barrier()
+    _sync(device)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        model(tokens, positions, None)
+    _sync(device)
+    elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return float(elapsed)
+
+
+def bootstrap_ci(samples: list[float], reps: int = 1000, seed: int = 0) -> tuple[float, float]:
+    """95% bootstrap interval of the median."""
+    rng = random.Random(seed)
+    meds = sorted(statistics.median(rng.choices(samples, k=len(samples))) for _ in range(reps))
+    return meds[int(0.025 * reps)], meds[int(0.975 * reps) - 1]
+
+
+def _schedule(policies: list[str], iters: int) -> list[str]:
+    """ABBA order: A B B A A B B A ... (iters samples of each)."""
+    if len(policies) == 1:
+        return policies * iters
+    a, b = policies
+    return [(a, b, b, a)[i % 4] for i in range(2 * iters)]
+
+
+def decisions(model) -> list[dict]:
+    """The latest launch decision of every OverlapMoELayer (C, L, P, predicted T)."""
+    rows = []
+    for layer in (m for m in model.modules() if isinstance(m, OverlapMoELayer)):
+        plan = layer.last_plan
+        row = dict(layer=layer.layer_number, backend=layer.overlap_config.backend)
+        if plan is not None:
+            row.update(C=plan.comm_ctas, L=plan.splits, P=plan.compute_slots,
+                       T=round(plan.predicted, 2), source=plan.source)
+        rows.append(row)
+    return rows
+
+
+def run(args) -> dict:
+    """Build, time and report; returns the result dict (identical on every rank)."""
+    device = _setup(args)
+    overlap = overlap_config_from_args(args)
+    model = build_model(args.model, args.tp, args.ep, args.layers, experts=args.experts,
+                        overlap=overlap, tiny=args.tiny).to(device).eval()
+    vocab = model.vocab_size
+    tokens, positions = _inputs(args, vocab, device)
+    policies = ["stock", "overlap"] if args.abba else ["overlap" if overlap else "stock"]
+    for policy in policies:  # warm-up: compilation, buffers, plan caches
+        set_overlap_enabled(model, policy == "overlap")
+        for _ in range(args.warmup):
+            _time_once(model, tokens, positions, device)
+    samples = {p: [] for p in policies}
+    for policy in _schedule(policies, args.iters):
+        set_overlap_enabled(model, policy == "overlap")
+        samples[policy].append(_time_once(model, tokens, positions, device))
+    result = dict(model=args.model, tp=args.tp, ep=args.ep, world=dist.get_world_size(),
+                  batch=args.batch, seq=args.seq, tokens=args.batch * args.seq,
+                  experts=args.experts, tiny=args.tiny, device=str(device), policies={})
+    for policy, values in samples.items():
+        med = statistics.median(values)
+        lo, hi = bootstrap_ci(values)
+        result["policies"][policy] = dict(median_ms=med * 1e3, ci95_ms=(lo * 1e3, hi * 1e3),
+                                          tokens_per_s=args.batch * args.seq / med,
+                                          samples_ms=[v * 1e3 for v in values])
+    if len(policies) == 2:
+        result["speedup"] = (result["policies"]["stock"]["median_ms"]
+                             / result["policies"]["overlap"]["median_ms"])
+    result["decisions_rank0"] = decisions(model) if overlap else []
+    return result
+
+
+def report(result: dict) -> str:
+    lines = [f"prefill {result['model']} TP{result['tp']}EP{result['ep']} (world "
+             f"{result['world']}, {result['device']}), B*S = {result['batch']}x{result['seq']}"
+             f" = {result['tokens']} tokens, {result['experts']} experts"]
+    for policy, r in result["policies"].items():
+        lo, hi = r["ci95_ms"]
+        lines.append(f"  {policy:<8} median {r['median_ms']:9.2f} ms  [95% CI {lo:.2f}, {hi:.2f}]"
+                     f"  {r['tokens_per_s']:12.0f} tok/s")
+    if "speedup" in result:
+        lines.append(f"  speedup stock/overlap: {result['speedup']:.3f}x")
+    for row in result["decisions_rank0"]:
+        if "C" in row:
+            lines.append(f"  layer {row['layer']}: C={row['C']} L={row['L']} P={row['P']} "
+                         f"T={row['T']} ({row['source']})")
+        else:
+            lines.append(f"  layer {row['layer']}: {row['backend']} backend (no plan)")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.preload:
+        _preload(args.preload)
+    rank = int(os.environ.get("RANK", "0")) if not dist.is_initialized() else dist.get_rank()
+    logging.basicConfig(level=args.log_level if rank == 0 else logging.WARNING,
+                        format="%(name)s: %(message)s")
+    result = run(args)
+    if dist.get_rank() == 0:
+        print(report(result), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,223 @@
+"""Spec helpers: install OverlapMoELayer (and GroupedGemmExperts) in any GPT spec.
+
+A GPT layer or block spec is a tree of ModuleSpecs, functools.partials and submodule
+dataclasses. The MoE layer appears as `partial(MoELayer, submodules=MoESubmodules(...))`
+in megatron-core >= 0.18 and as `ModuleSpec(module=MoELayer, submodules=...)` in <= 0.17.
+The helpers walk the whole tree (block -> layer specs -> mlp, MTP blocks, anything nested),
+rebuild only the paths that change, and never modify the spec they are given.
+
+For Megatron-LM launch scripts (`pretrain_gpt.py`, whose gpt_builders pass the object
+named by `--spec` straight to GPTModel):
+
+    --spec megatron_overlap.mcore moe_overlap_gpt_spec  --moe-overlap ...
+    (with extra_args_provider=add_moe_overlap_args)
+
+`moe_overlap_gpt_spec` is a block spec that resolves itself from Megatron's global args
+on first use (the stock `get_gpt_decoder_block_spec`, swapped when `--moe-overlap` is
+set); frameworks that call a callable spec as `spec(args, config, vp_stage)` get the same.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+
+from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+
+from ..ops import OverlapConfig
+from .args import overlap_config_from_args
+from .experts import GroupedGemmExperts
+from .layer import OverlapMoELayer
+
+
+def _moe_class(obj):
+    """The MoELayer (sub)class `obj` builds, or None when it builds something else."""
+    target = obj.func if isinstance(obj, functools.partial) else getattr(obj, "module", None)
+    if isinstance(obj, ModuleSpec) and isinstance(target, tuple):  # ("pkg.module", "Name")
+        try:
+            target = getattr(__import__(target[0], fromlist=[target[1]]), target[1], None)
+        except ImportError:
+            return None
+    if isinstance(target, type) and issubclass(target, MoELayer):
+        return target
+    return None
+
+
+def _rewrite(obj, fn, memo: dict):
+    """A copy of the spec tree with every MoE node replaced by fn(node); shares the rest."""
+    key = id(obj)
+    if key in memo:
+        return memo[key]
+    if (isinstance(obj, (functools.partial, ModuleSpec))) and _moe_class(obj) is not None:
+        new = fn(obj)
+    elif isinstance(obj, functools.partial):
+        args = [_rewrite(a, fn, memo) for a in obj.args]
+        kwargs = {k: _rewrite(v, fn, memo) for k, v in obj.keywords.items()}
+        changed = any(a is not b for a, b in zip(args, obj.args)) or any(
+            kwargs[k] is not v for k, v in obj.keywords.items())
+        new = functools.partial(obj.func, *args, **kwargs) if changed else obj
+    elif isinstance(obj, dict):
+        items = {k: _rewrite(v, fn, memo) for k, v in obj.items()}
+        new = items if any(items[k] is not v for k, v in obj.items()) else obj
+    elif isinstance(obj, (list, tuple)):
+        items = [_rewrite(v, fn, memo) for v in obj]
+        changed = any(a is not b for a, b in zip(items, obj))
+        new = type(obj)(items) if changed else obj
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        updates = {}
+        for f in dataclasses.fields(obj):
+            value = getattr(obj, f.name)
+            replaced = _rewrite(value, fn, memo)
+            if replaced is not value:
+                updates[f.name] = replaced
+        new = obj
+        if updates:
+            new = copy.copy(obj)
+            for name, value in updates.items():
+                object.__setattr__(new, name, value)  # also works for frozen dataclasses
+    else:
+        new = obj
+    memo[key] = new
+    return new
+
+
+def _swap(node, cls, extra: dict, submodules_fn=None):
+    """`node` (partial or ModuleSpec building a MoELayer) rebuilt for `cls` with `extra`."""
+    if isinstance(node, functools.partial):
+        kwargs = dict(node.keywords, **extra)
+        if submodules_fn is not None:
+            kwargs["submodules"] = submodules_fn(kwargs.get("submodules"))
+        return functools.partial(cls, *node.args, **kwargs)
+    new = copy.copy(node)
+    new.module = cls
+    new.params = dict(node.params, **extra)
+    if submodules_fn is not None:
+        new.submodules = submodules_fn(node.submodules)
+    return new
+
+
+def with_overlap_moe(spec, overlap_config: OverlapConfig | None = None):
+    """A copy of `spec` whose MoE layers are OverlapMoELayer(overlap_config=overlap_config).
+
+    spec: any GPT layer spec (ModuleSpec), block spec (TransformerBlockSubmodules), list of
+    layer specs, or MoE spec itself, in the partial form (>= 0.18) or ModuleSpec form
+    (<= 0.17). A spec without MoE layers comes back unchanged. An OverlapMoELayer already
+    there gets the new config. A custom MoELayer subclass raises ValueError (we cannot
+    know it keeps the two override points intact).
+    """
+    if overlap_config is not None and not isinstance(overlap_config, OverlapConfig):
+        raise ValueError("overlap_config must be an OverlapConfig, got "
+                         f"{type(overlap_config).__name__}")
+
+    def swap(node):
+        cls = _moe_class(node)
+        if cls is not MoELayer and not issubclass(cls, OverlapMoELayer):
+            raise ValueError(f"cannot install OverlapMoELayer over the custom MoE class "
+                             f"{cls.__qualname__}; only megatron.core MoELayer is swapped")
+        return _swap(node, OverlapMoELayer, {"overlap_config": overlap_config})
+
+    return _rewrite(spec, swap, {})
+
+
+def with_grouped_experts(spec):
+    """A copy of `spec` whose MoE layers build GroupedGemmExperts (router and shared
+    experts kept), in both spec forms; for the non-TE baseline and the overlap."""
+
+    def submodules(old):
+        if old is None:
+            raise ValueError("a MoE spec without submodules cannot take GroupedGemmExperts")
+        if isinstance(old, MoESubmodules):
+            return dataclasses.replace(old, experts=GroupedGemmExperts)
+        new = copy.copy(old)  # <= 0.17: a MoESubmodules-like dataclass of ModuleSpecs
+        new.experts = GroupedGemmExperts
+        return new
+
+    return _rewrite(spec, lambda node: _swap(node, _moe_class(node), {}, submodules), {})
+
+
+def moe_layer_specs(spec) -> list:
+    """Every MoE node (partial or ModuleSpec) inside `spec`, in walk order (for checks)."""
+    found = []
+
+    def note(node):
+        found.append(node)
+        return node
+
+    _rewrite(spec, note, {})
+    return found
+
+
+# ---------------------------------------------------------------- Megatron-LM --spec
+def gpt_block_spec_from_args(args, config, vp_stage: int | None = None):
+    """The stock GPT spec Megatron-LM's gpt_builders picks, swapped if `--moe-overlap`."""
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+        get_gpt_layer_local_spec,
+        get_gpt_layer_with_transformer_engine_spec,
+    )
+
+    use_te = getattr(args, "transformer_impl", "local") == "transformer_engine"
+    if getattr(args, "num_experts", None):
+        spec = get_gpt_decoder_block_spec(
+            config, use_transformer_engine=use_te, normalization=args.normalization,
+            qk_l2_norm=getattr(args, "qk_l2_norm", False), vp_stage=vp_stage)
+    else:  # dense model: nothing to swap
+        build = get_gpt_layer_with_transformer_engine_spec if use_te else get_gpt_layer_local_spec
+        return build(num_experts=None, moe_grouped_gemm=False, qk_layernorm=args.qk_layernorm,
+                     multi_latent_attention=args.multi_latent_attention)
+    overlap = overlap_config_from_args(args)
+    return spec if overlap is None else with_overlap_moe(spec, overlap)
+
+
+def _megatron_args_and_config():
+    try:
+        from megatron.training import get_args
+        from megatron.training.arguments import core_transformer_config_from_args
+    except ImportError as err:  # megatron.training needs Python >= 3.12 in 0.19
+        raise RuntimeError("moe_overlap_gpt_spec resolves from Megatron-LM's global args "
+                           f"(megatron.training), which failed to import: {err}") from err
+    args = get_args()
+    return args, core_transformer_config_from_args(args)
+
+
+class _ArgsBlockSpec(TransformerBlockSubmodules):
+    """A TransformerBlockSubmodules that builds itself from Megatron's args when read.
+
+    Megatron-LM's builders give the `--spec` object to GPTModel unchanged, before any
+    config exists at import time; so the fields resolve lazily (once per process). Virtual
+    pipeline stages need the callable form: `moe_overlap_gpt_spec(args, config, vp_stage)`.
+    """
+
+    def __init__(self):  # no dataclass fields stored: they are the properties below
+        self._resolved = None
+
+    def _resolve(self) -> TransformerBlockSubmodules:
+        if self._resolved is None:
+            args, config = _megatron_args_and_config()
+            if getattr(args, "virtual_pipeline_model_parallel_size", None):
+                raise ValueError("moe_overlap_gpt_spec cannot know the virtual pipeline stage; "
+                                 "call moe_overlap_gpt_spec(args, config, vp_stage) from a model "
+                                 "provider instead")
+            spec = gpt_block_spec_from_args(args, config)
+            if not isinstance(spec, TransformerBlockSubmodules):  # dense: one layer spec
+                from megatron.core.transformer.transformer_block import _get_block_submodules
+
+                spec = _get_block_submodules(config, spec)
+            self._resolved = spec
+        return self._resolved
+
+    layer_specs = property(lambda self: self._resolve().layer_specs)
+    layer_norm = property(lambda self: self._resolve().layer_norm)
+
+    def __call__(self, args, config, vp_stage: int | None = None):
+        return gpt_block_spec_from_args(args, config, vp_stage)
+
+    def __repr__(self) -> str:
+        return "moe_overlap_gpt_spec (resolved from Megatron args on first use)"
+
+
+#: `--spec megatron_overlap.mcore moe_overlap_gpt_spec` (see the module docstring).
+moe_overlap_gpt_spec = _ArgsBlockSpec()

@@ -1,0 +1,238 @@
+"""OverlapMoELayer vs stock MoELayer on CPU ranks (gloo): same weights, same routing.
+
+One spawned group of 4 ranks runs every layout (TP1EP1, TP2EP1, TP1EP2 with data-parallel
+replicas, and TP2EP2), both experts modules, both CPU backends, so Megatron is imported
+once per rank (several seconds each).
+"""
+
+import pytest
+import torch
+
+from dist_harness import run_ranks
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU backends")
+
+LAYOUTS = {"TP1EP1": (1, 1), "TP2EP1": (2, 1), "TP1EP2": (1, 2), "TP2EP2": (2, 2)}
+EXPERTS = ("sequential", "grouped")
+BACKENDS = ("reference", "interpret")
+
+
+def _config(tp, ep, **overrides):
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    cfg = dict(num_layers=1, hidden_size=32, num_attention_heads=4, num_moe_experts=4,
+               moe_router_topk=2, moe_ffn_hidden_size=16, ffn_hidden_size=16,
+               moe_token_dispatcher_type="allgather", tensor_model_parallel_size=tp,
+               expert_model_parallel_size=ep, sequence_parallel=tp > 1,
+               use_cpu_initialization=True, gated_linear_unit=True, activation_func=F.silu,
+               add_bias_linear=False, params_dtype=torch.float32,
+               moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+               moe_shared_expert_intermediate_size=24, moe_router_pre_softmax=True)
+    cfg.update(overrides)
+    return TransformerConfig(**cfg)
+
+
+def _moe_spec(experts):
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    from megatron_overlap.mcore.spec import with_grouped_experts
+
+    spec = get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False).submodules.mlp
+    return with_grouped_experts(spec) if experts == "grouped" else spec
+
+
+def _run(layer, x, grad):
+    """Forward + backward; output, input grad and every parameter grad, detached."""
+    for p in layer.parameters():
+        p.grad = None
+    x = x.clone().requires_grad_(True)
+    out, bias = layer(x)
+    assert bias is None
+    out.backward(grad)
+    grads = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
+    return out.detach(), x.grad.clone(), grads
+
+
+def _rel_diff(a, b):
+    """max |a - b| / max |b| (0 for empty tensors)."""
+    if not b.numel():
+        return 0.0
+    return float((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30))
+
+
+def _layer_scenarios(rank, world):
+    import warnings
+
+    import mcore_shims
+
+    mcore_shims.install()
+    from megatron.core import parallel_state as ps
+
+    from megatron_overlap.mcore.layer import OverlapMoELayer
+    from megatron_overlap.mcore.spec import with_overlap_moe
+    from megatron_overlap.ops import OverlapConfig
+
+    results = {}
+    for name, (tp, ep) in LAYOUTS.items():
+        ps.destroy_model_parallel()
+        ps.initialize_model_parallel(tp, 1, expert_model_parallel_size=ep)
+        config = _config(tp, ep)
+        g = torch.Generator().manual_seed(100 + rank // tp)  # same tokens across a TP group
+        x = torch.randn(12 // tp, 2, 32, generator=g)  # [S/TP, B, H], sequence parallel
+        grad = torch.randn(12 // tp, 2, 32, generator=g)
+        for experts in EXPERTS:
+            spec = _moe_spec(experts)
+            torch.manual_seed(1234)
+            stock = spec(config=config)
+            ref = _run(stock, x, grad)
+            for backend in BACKENDS:
+                torch.manual_seed(1234)
+                layer = with_overlap_moe(spec, OverlapConfig(backend=backend))(config=config)
+                assert isinstance(layer, OverlapMoELayer)
+                same_init = all(torch.equal(a, b) for a, b in
+                                zip(stock.state_dict().values(), layer.state_dict().values())
+                                if isinstance(a, torch.Tensor))
+                with warnings.catch_warnings():
+                    # the supported path never warns
+                    warnings.filterwarnings("error", message="megatron-overlap")
+                    out, dx, grads = _run(layer, x, grad)
+                results[(name, experts, backend)] = dict(
+                    same_init=same_init, out=_rel_diff(out, ref[0]), dx=_rel_diff(dx, ref[1]),
+                    dw=max(_rel_diff(grads[k], ref[2][k]) for k in ref[2]),
+                    grad_names=sorted(grads) == sorted(ref[2]),
+                    plan=None if layer.last_plan is None else layer.last_plan.source)
+        if name == "TP2EP2":
+            results["bf16"] = _bf16_case(tp, ep, x, grad)
+        if name == "TP1EP2":  # Megatron allows expert biases only without expert TP
+            results["toggle"] = _toggle_and_fallback(config, x, grad)
+            results["log"] = _decision_log(config, x)
+    ps.destroy_model_parallel()
+    return results
+
+
+def _bf16_case(tp, ep, x, grad):
+    """bf16 parameters and activations: the overlapped op reduces in fp32 like the stock
+    reduce-scatter (which runs in the probs' fp32), so the two agree to bf16 rounding."""
+    from megatron_overlap.mcore.spec import with_overlap_moe
+    from megatron_overlap.ops import OverlapConfig
+
+    config = _config(tp, ep, params_dtype=torch.bfloat16, bf16=True)
+    spec = _moe_spec("grouped")
+    x, grad = x.bfloat16(), grad.bfloat16()
+    torch.manual_seed(1234)
+    ref = _run(spec(config=config), x, grad)
+    torch.manual_seed(1234)
+    out = _run(with_overlap_moe(spec, OverlapConfig(backend="interpret"))(config=config), x, grad)
+    return dict(dtype=str(out[0].dtype), out=_rel_diff(out[0], ref[0]),
+                dx=_rel_diff(out[1], ref[1]))
+
+
+def _decision_log(config, x):
+    """INFO lines of a layer over three launches: same decision twice, then a new C."""
+    import logging
+
+    from megatron_overlap.mcore.spec import with_overlap_moe
+    from megatron_overlap.ops import OverlapConfig
+
+    lines = []
+    handler = logging.Handler(level=logging.INFO)
+    handler.emit = lambda record: lines.append(record.getMessage())
+    log = logging.getLogger("megatron_overlap.mcore")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        layer = with_overlap_moe(_moe_spec("grouped"), OverlapConfig(backend="interpret"))(
+            config=config)
+        layer.set_layer_number(3)
+        with torch.no_grad():
+            layer(x)
+            layer(x)
+            layer.overlap_config = OverlapConfig(backend="interpret", comm_ctas=5)
+            layer(x)
+    finally:
+        log.removeHandler(handler)
+    return dict(lines=lines, decisions=layer.decisions)
+
+
+def _toggle_and_fallback(config, x, grad):
+    """overlap_enabled=False is the stock path; an unsupported config warns once, runs stock."""
+    import warnings
+
+    from megatron_overlap.mcore.layer import set_overlap_enabled
+    from megatron_overlap.mcore.spec import with_overlap_moe
+    from megatron_overlap.ops import OverlapConfig
+
+    spec = _moe_spec("sequential")
+    torch.manual_seed(1234)
+    stock = spec(config=config)
+    ref = _run(stock, x, grad)
+    torch.manual_seed(1234)
+    layer = with_overlap_moe(spec, OverlapConfig(backend="reference"))(config=config)
+    toggled = set_overlap_enabled(layer, False)
+    off = _run(layer, x, grad)
+    biased = _config(1, 2, add_bias_linear=True, moe_shared_expert_intermediate_size=None)
+    torch.manual_seed(1234)
+    stock_b = spec(config=biased)
+    ref_b = _run(stock_b, x, grad)
+    torch.manual_seed(1234)
+    layer_b = with_overlap_moe(spec, OverlapConfig(backend="reference"))(config=biased)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fb1 = _run(layer_b, x, grad)
+        _run(layer_b, x, grad)
+    ours = [str(w.message) for w in caught if "megatron-overlap" in str(w.message)]
+    return dict(toggled=toggled,
+                off_equal=torch.equal(off[0], ref[0]) and torch.equal(off[1], ref[1]),
+                fallback_equal=torch.equal(fb1[0], ref_b[0]), fallback_warnings=ours)
+
+
+@pytest.fixture(scope="module")
+def layer_runs():
+    return run_ranks(4, _layer_scenarios)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("experts", EXPERTS)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_overlap_layer_matches_stock_forward_and_gradients(layer_runs, layout, experts, backend):
+    for rank, res in enumerate(layer_runs):
+        r = res[(layout, experts, backend)]
+        assert r["same_init"], (rank, r)
+        assert r["grad_names"], (rank, r)
+        assert r["out"] < 1e-5 and r["dx"] < 1e-5 and r["dw"] < 1e-5, (rank, r)  # fp32
+
+
+def test_interpret_backend_plans_every_launch_and_reference_does_not(layer_runs):
+    for res in layer_runs:
+        for key, r in res.items():
+            if not isinstance(key, tuple):
+                continue
+            layout, experts, backend = key
+            assert r["plan"] == ("model" if backend == "interpret" else None), (layout, experts, r)
+
+
+def test_bf16_layer_matches_stock_to_bf16_rounding(layer_runs):
+    for rank, res in enumerate(layer_runs):
+        r = res["bf16"]
+        assert r["dtype"] == "torch.bfloat16" and r["out"] < 2e-2 and r["dx"] < 2e-2, (rank, r)
+
+
+def test_each_layer_logs_its_first_decision_and_each_change_at_info(layer_runs):
+    for res in layer_runs:
+        lines = res["log"]["lines"]
+        assert res["log"]["decisions"] == 2 and len(lines) == 2, lines
+        assert all(line.startswith("moe-overlap layer 3: C=") for line in lines)
+        assert "C=5 " in lines[1] and "M=48 N=32 K=16 D=2 E=2" in lines[1], lines
+
+
+def test_overlap_switched_off_is_the_stock_path(layer_runs):
+    for res in layer_runs:
+        assert res["toggle"]["toggled"] == 1 and res["toggle"]["off_equal"]
+
+
+def test_unsupported_config_runs_stock_after_one_warning(layer_runs):
+    for res in layer_runs:
+        t = res["toggle"]
+        assert t["fallback_equal"]
+        assert len(t["fallback_warnings"]) == 1 and "expert biases" in t["fallback_warnings"][0]

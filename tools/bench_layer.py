@@ -1,0 +1,108 @@
+"""MoE layer benchmark: one Megatron-Core MoE layer (router, allgather dispatch, FC1,
+activation, FC2, combine, reduce-scatter; shared experts where the model has them),
+stock vs overlapped on the same weights, ABBA-interleaved.
+
+    torchrun --nproc-per-node 2 tools/bench_layer.py --models granite,qwen,deepseek \
+        --tp 2 --ep 1 --seqs 4096,16384 --json out/layer_TP2EP1.json
+
+Stock = Megatron's MoELayer whose experts run FC1/FC2 through torch._grouped_mm
+(GroupedGemmExperts: megatron-core 0.19 has no non-TE grouped experts) followed by its
+unpermute and NCCL reduce-scatter; ours = OverlapMoELayer (planner-chosen C, L).
+Inputs are random hidden states [S/TP, B/DP, H] (sequence parallel when TP > 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+from benchlib import abba, env_info, summarize, write_json  # noqa: E402
+
+from megatron_overlap.mcore import prefill  # noqa: E402
+from megatron_overlap.mcore.layer import OverlapMoELayer  # noqa: E402
+from megatron_overlap.mcore.models import build_model  # noqa: E402
+from megatron_overlap.ops import OverlapConfig  # noqa: E402
+
+
+def layer_case(model_name, tp, ep, seq, batch, args, device):
+    from megatron.core import parallel_state as ps
+
+    depth = 2 if model_name == "deepseek" else 1  # its first layer is dense
+    model = build_model(model_name, tp, ep, depth, overlap=OverlapConfig(backend=args.backend),
+                        tiny=args.tiny).to(device).eval()
+    layer = next(m for m in model.modules() if isinstance(m, OverlapMoELayer))
+    dp = ps.get_data_parallel_world_size()
+    s_local = seq // tp if layer.config.sequence_parallel else seq
+    gen = torch.Generator(device=device).manual_seed(1234 + ps.get_data_parallel_rank())
+    hidden = torch.randn(s_local, batch // dp, layer.config.hidden_size, generator=gen,
+                         device=device, dtype=torch.float32).to(layer.config.params_dtype)
+
+    def run(overlap: bool):
+        def fn():
+            layer.overlap_enabled = overlap
+            with torch.no_grad():
+                layer(hidden)
+        return fn
+
+    with torch.no_grad():  # outputs agree before anything is timed
+        layer.overlap_enabled = False
+        ref = layer(hidden)[0].float()
+        layer.overlap_enabled = True
+        out = layer(hidden)[0].float()
+    err = float((out - ref).norm() / ref.norm())
+    per = abba({"stock": run(False), "overlap": run(True)}, args.samples, args.warmup,
+               progress=f"layer {model_name}")
+    stats = summarize(per)
+    plan = layer.last_plan
+    del model, layer
+    torch.cuda.empty_cache()
+    return dict(model=model_name, tp=tp, ep=ep, seq=seq, batch=batch, rel_err=err,
+                decision=None if plan is None else dict(C=plan.comm_ctas, L=plan.splits,
+                                                        P=plan.compute_slots),
+                stats={k: {a: b for a, b in v.items() if a != "samples"}
+                       for k, v in stats.items()},
+                samples={k: v["samples"] for k, v in stats.items()},
+                speedup=stats["stock"]["median"] / stats["overlap"]["median"])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="granite,qwen,deepseek")
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--seqs", default="4096,16384")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--samples", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--preload", default=None)
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+    if args.preload:
+        prefill._preload(args.preload)
+    setup_args = argparse.Namespace(tp=args.tp, ep=args.ep, seed=0, preload=args.preload)
+    device = prefill._setup(setup_args)
+    results = []
+    for name in args.models.split(","):
+        for seq in map(int, args.seqs.split(",")):
+            r = layer_case(name, args.tp, args.ep, seq, args.batch, args, device)
+            results.append(r)
+            if dist.get_rank() == 0:
+                st = r["stats"]
+                print(f"layer {name} TP{args.tp}EP{args.ep} S={seq}: stock "
+                      f"{st['stock']['median']:.3f} ms, overlap {st['overlap']['median']:.3f} ms,"
+                      f" speedup {r['speedup']:.2f}x, err {r['rel_err']:.1e}, {r['decision']}",
+                      flush=True)
+    if dist.get_rank() == 0:
+        write_json(args.json, dict(env=env_info(), command=" ".join(sys.argv), results=results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

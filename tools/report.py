@@ -1,0 +1,168 @@
+"""Regenerate the tables and plots of docs/RESULTS.md from the benchmark JSON files.
+
+    python tools/report.py --data docs/data --out docs
+
+Reads op_*.json (tools/bench_op.py), layer_*.json (tools/bench_layer.py) and
+prefill_*.json (megatron_overlap.mcore.prefill --json); writes docs/results_tables.md
+(included by RESULTS.md) and PNG plots. Regret is measured: T(C*) is the planner's own
+timed run, T_oracle the fastest point of the C sweep timed in the same ABBA rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+
+def geomean(xs):
+    xs = [x for x in xs if x and x > 0]
+    return math.exp(sum(map(math.log, xs)) / len(xs)) if xs else float("nan")
+
+
+def load(pattern):
+    rows = []
+    for path in sorted(glob.glob(pattern)):
+        with open(path) as f:
+            d = json.load(f)
+        for r in d.get("results", []):
+            r["_file"] = os.path.basename(path)
+            r["_env"] = d.get("env", {})
+            r["_command"] = d.get("command", "")
+            rows.append(r)
+    return rows
+
+
+def op_rows(rows):
+    out = []
+    for r in rows:
+        st = {k: v["median"] for k, v in r["stats"].items()}
+        ci = {k: (v["ci_low"], v["ci_high"]) for k, v in r["stats"].items()}
+        sweep = {int(k.split("=")[1]): v for k, v in st.items() if k.startswith("sweep")}
+        # the planner's own C can fall outside the swept set: it is a measured point too
+        oracle = min(min(sweep.values()), st["planner"])
+        comm = next((v for k, v in st.items() if k.startswith("comm_alone")), float("nan"))
+        gemm = st.get("gemm2_alone(torch)", float("nan"))
+        out.append(dict(
+            case=r["case"], model=r["model"], layout=r["layout"], seq=r["seq"],
+            routing=r["routing"], skew=r.get("skew"), c_star=r["comm_ctas"], L=r["splits"],
+            oracle_c=min(sweep, key=sweep.get), ref=st["reference"], ours=st["planner"],
+            ours_ci=ci["planner"], ref_ci=ci["reference"], c3=st.get("C=3"),
+            c28=st.get("C=28"), oracle=oracle, gemm=gemm,
+            gemm_ours=st.get("gemm2_alone(ours,P=all)"), comm=comm,
+            bound=max(gemm, comm), regret=(st["planner"] - oracle) / oracle,
+            tflops=r["gemm_flops"] / st["planner"] / 1e9, sweep=sweep,
+            predicted=dict((c, t) for c, t in r["predicted"]), file=r["_file"]))
+    return out
+
+
+def op_table(rows) -> str:
+    lines = ["| workload | R | C* | L | oracle C | reference ms | ours ms [95% CI] | "
+             "C=3 ms | C=28 ms | oracle ms | GEMM2 alone (torch) ms | speedup vs ref | "
+             "vs GEMM2 alone | regret |", "|" + "---|" * 14]
+    for r in rows:
+        lines.append(
+            f"| {r['case']} | {r['skew']:.2f} | {r['c_star']} | {r['L']} | {r['oracle_c']} | "
+            f"{r['ref']:.3f} | {r['ours']:.3f} [{r['ours_ci'][0]:.3f}, {r['ours_ci'][1]:.3f}] | "
+            f"{r['c3']:.3f} | {(r['c28'] or float('nan')):.3f} | {r['oracle']:.3f} | "
+            f"{r['gemm']:.3f} | {r['ref'] / r['ours']:.2f}x | {r['ours'] / r['gemm']:.2f}x | "
+            f"{100 * r['regret']:.1f}% |")
+    return "\n".join(lines)
+
+
+def summary(rows) -> str:
+    lines = ["| model | layout | geomean speedup vs reference (all S) | (S >= 4096) | "
+             "vs C=3 | mean regret | max regret |", "|---|---|---|---|---|---|---|"]
+    keys = sorted({(r["model"], r["layout"]) for r in rows})
+    for m, lay in keys:
+        sel = [r for r in rows if r["model"] == m and r["layout"] == lay]
+        big = [r for r in sel if r["seq"] >= 4096]
+        lines.append(
+            f"| {m} | {lay} | {geomean([r['ref'] / r['ours'] for r in sel]):.2f}x | "
+            f"{geomean([r['ref'] / r['ours'] for r in big]):.2f}x | "
+            f"{geomean([r['c3'] / r['ours'] for r in sel]):.2f}x | "
+            f"{100 * sum(r['regret'] for r in sel) / len(sel):.1f}% | "
+            f"{100 * max(r['regret'] for r in sel):.1f}% |")
+    return "\n".join(lines)
+
+
+def plots(rows, out_dir, tag):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = sorted({r["model"] for r in rows})
+    layouts = sorted({r["layout"] for r in rows})
+    fig, axes = plt.subplots(len(layouts), len(models), figsize=(4 * len(models),
+                             3.2 * len(layouts)), squeeze=False, dpi=110)
+    for i, lay in enumerate(layouts):
+        for j, m in enumerate(models):
+            ax = axes[i][j]
+            sel = sorted([r for r in rows if r["model"] == m and r["layout"] == lay
+                          and r["routing"] == "uniform"], key=lambda r: r["seq"])
+            s = [r["seq"] for r in sel]
+            for key, label in (("ref", "reference"), ("ours", "ours (planner)"),
+                               ("oracle", "oracle C"), ("c3", "C=3"), ("gemm", "GEMM2 alone")):
+                ax.plot(s, [r[key] for r in sel], "o-", label=label)
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.set_title(f"{m} {lay} (uniform)", fontsize=9)
+            ax.set_xlabel("S")
+            ax.set_ylabel("ms")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, f"{tag}_latency.png"))
+    plt.close(fig)
+    # predicted vs measured T(C), normalized to each curve's minimum
+    sel = [r for r in rows if r["routing"] == "uniform" and r["seq"] == 4096]
+    fig, axes = plt.subplots(1, max(1, len(sel)), figsize=(3.2 * max(1, len(sel)), 3),
+                             squeeze=False, dpi=110)
+    for ax, r in zip(axes[0], sel):
+        cs = sorted(r["sweep"])
+        meas = [r["sweep"][c] / r["oracle"] for c in cs]
+        pmin = min(r["predicted"][c] for c in cs if c in r["predicted"])
+        pred = [r["predicted"].get(c, float("nan")) / pmin for c in cs]
+        ax.plot(cs, meas, "s-", label="measured / min")
+        ax.plot(cs, pred, "o--", label="model / min")
+        ax.axvline(r["c_star"], color="tab:red", ls=":", label=f"C*={r['c_star']}")
+        ax.set_ylim(0.9, 3)
+        ax.set_title(r["case"], fontsize=8)
+        ax.set_xlabel("C")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, f"{tag}_curves.png"))
+    plt.close(fig)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--data", default="docs/data")
+    ap.add_argument("--out", default="docs")
+    args = ap.parse_args()
+    parts = []
+    for tag in sorted({os.path.basename(p).rsplit("_", 1)[0]
+                       for p in glob.glob(os.path.join(args.data, "op*_*.json"))}):
+        rows = op_rows(load(os.path.join(args.data, f"{tag}_*.json")))
+        if not rows:
+            continue
+        plots(rows, args.out, tag)
+        env = load(os.path.join(args.data, f"{tag}_*.json"))[0]["_env"]
+        parts.append(f"### {tag}\n\n{env.get('gpus')}x {env.get('gpu')}, torch "
+                     f"{env.get('torch')}, triton {env.get('triton')}, CUDA {env.get('cuda')}, "
+                     f"NCCL {env.get('nccl')}, {env.get('time')}\n\n"
+                     f"{summary(rows)}\n\n{op_table(rows)}\n\n"
+                     f"![latency]({tag}_latency.png)\n![curves]({tag}_curves.png)\n")
+    with open(os.path.join(args.out, "results_tables.md"), "w") as f:
+        f.write("<!-- generated by tools/report.py; do not edit -->\n\n" + "\n".join(parts))
+    print(f"wrote {args.out}/results_tables.md ({len(parts)} sections)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
