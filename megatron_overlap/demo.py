@@ -1,22 +1,37 @@
 """`make demo`: what a newcomer runs first.
 
-Prints the planner's decisions for the paper's three models over the evaluated layouts,
-sequence lengths and routings.
+1. The planner's decisions for the paper's three models over the evaluated layouts,
+   sequence lengths and routings (the paper's A100 preset, then the shipped H200 one).
+2. The overlapped MoE layer against the stock Megatron-Core layer:
+   * with 2+ GPUs: a torchrun complete-model prefill of Qwen1.5-MoE-A2.7B, TP2EP1,
+     B=4, S=4096, stock and --moe-overlap ABBA-interleaved on the same weights
+     (latency, speedup, each layer's decision);
+   * without GPUs: 2 CPU processes (gloo, the Triton interpreter), a tiny Qwen-shaped
+     MoE layer at TP1EP2, stock vs OverlapMoELayer (decision, max difference, time).
 """
 
 from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 from .planner import Preset, get_preset
 from .planner.cache import PlanCache
 from .routing import SKEW_TARGETS, expert_counts, route
 from .shapes import BATCH, LAYOUTS, MODELS, SEQUENCE_LENGTHS
 
+REPO = Path(__file__).resolve().parent.parent
 
-def decision_rows(preset: Preset, routings=("uniform", "p90"), seed: int = 0):
+
+def decision_rows(preset: Preset, layouts=tuple(LAYOUTS), routings=("uniform", "p90"),
+                  seed: int = 0):
     """One row per model x layout x S x routing: the counts of EP rank 0 and the plan."""
     cache = PlanCache(preset.kernel, preset.device, preset.calibration)
     for key, shape in MODELS.items():
-        for layout, (tp, ep) in LAYOUTS.items():
+        for layout in layouts:
+            tp, ep = LAYOUTS[layout]
             k_rank, e_local = shape.ffn_per_rank(tp), shape.local_experts(ep)
             for s in SEQUENCE_LENGTHS:
                 tokens = BATCH * s
@@ -29,7 +44,7 @@ def decision_rows(preset: Preset, routings=("uniform", "p90"), seed: int = 0):
                                counts=counts, plan=d)
 
 
-def print_decision_table(preset: Preset) -> None:
+def print_decision_table(preset: Preset, layouts=tuple(LAYOUTS)) -> None:
     print(f"Planner decisions, preset {preset.name} (G={preset.device.available_sms} SMs, "
           f"o_comp={preset.kernel.o_comp}, o_comm={preset.kernel.o_comm}, "
           f"C_max={preset.calibration.c_max}); B={BATCH}, counts of EP rank 0; skew targets "
@@ -38,15 +53,53 @@ def print_decision_table(preset: Preset) -> None:
              f"{'C*':>4}{'R':>4}{'P':>5}{'T(C*)':>9}{'T(3)':>9}{'T(3)/T*':>8}"
     print(header)
     print("-" * len(header))
-    for row in decision_rows(preset):
+    for row in decision_rows(preset, layouts):
         d = row["plan"]
-        t = dict(d.curve)
-        t3 = t.get(3, float("nan"))
+        t3 = dict(d.curve).get(3, float("nan"))
         print(f"{row['model']:<9}{row['layout']:<8}{row['S']:>6} {row['routing']:<8}"
               f"{d.w_comp:>7}{d.w_comm:>7}{d.comm_ctas:>4}{d.reservation:>4}"
               f"{d.compute_slots:>5}{d.predicted:>9.1f}{t3:>9.1f}{t3 / d.predicted:>8.2f}")
+    print()
+
+
+def _gpus() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except ImportError:
+        return 0
+
+
+def _torchrun(nproc: int, args: list[str], env: dict) -> int:
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", *args]
+    print("$", " ".join(cmd[1:]), flush=True)
+    return subprocess.call(cmd, env=env, cwd=REPO)
 
 
 def run_demo(nproc: int = 2, planner_only: bool = False) -> int:
     print_decision_table(get_preset("a100-paper"))
-    return 0
+    print_decision_table(get_preset("h200"), layouts=("TP2EP1", "TP1EP2"))
+    if planner_only:
+        return 0
+    env = dict(os.environ, TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NCCL_NVLS_ENABLE="0",
+               OMP_NUM_THREADS="1")
+    gpus = _gpus()
+    if gpus >= 2:
+        print("Complete-model prefill on GPUs, stock vs --moe-overlap (ABBA):", flush=True)
+        return _torchrun(2, ["-m", "megatron_overlap.mcore.prefill", "--model", "qwen",
+                             "--tp", "2", "--ep", "1", "--batch", "4", "--seq", "4096",
+                             "--iters", "5", "--warmup", "2", "--abba"], env)
+    shims, bench = REPO / "tests" / "mcore_shims.py", REPO / "tools" / "bench_layer.py"
+    if not (shims.exists() and bench.exists()):
+        print("the CPU layer comparison runs from a source checkout (tests/, tools/)")
+        return 0
+    print(f"No GPU: {nproc} CPU processes (gloo, Triton interpreter), a tiny Qwen-shaped MoE "
+          "layer at TP1EP2, stock Megatron-Core MoELayer vs OverlapMoELayer. It checks the "
+          "outputs agree and shows the decision; interpreter times say nothing about GPU "
+          "speed (docs/RESULTS.md has the H200 numbers):", flush=True)
+    env["TRITON_INTERPRET"] = "1"
+    return _torchrun(nproc, [str(bench), "--models", "qwen", "--tp", "1", "--ep", str(nproc),
+                             "--seqs", "32", "--batch", str(nproc), "--tiny", "--samples", "3",
+                             "--warmup", "1", "--backend", "interpret", "--preload",
+                             str(shims)], env)

@@ -55,6 +55,7 @@ def layer_case(model_name, tp, ep, seq, batch, args, device):
         layer.overlap_enabled = True
         out = layer(hidden)[0].float()
     err = float((out - ref).norm() / ref.norm())
+    max_diff = float((out - ref).abs().max())
     per = abba({"stock": run(False), "overlap": run(True)}, args.samples, args.warmup,
                progress=f"layer {model_name}")
     stats = summarize(per)
@@ -62,6 +63,7 @@ def layer_case(model_name, tp, ep, seq, batch, args, device):
     del model, layer
     torch.cuda.empty_cache()
     return dict(model=model_name, tp=tp, ep=ep, seq=seq, batch=batch, rel_err=err,
+                max_abs_diff=max_diff,
                 decision=None if plan is None else dict(C=plan.comm_ctas, L=plan.splits,
                                                         P=plan.compute_slots),
                 stats={k: {a: b for a, b in v.items() if a != "samples"}
@@ -97,7 +99,8 @@ def main() -> int:
                 st = r["stats"]
                 print(f"layer {name} TP{args.tp}EP{args.ep} S={seq}: stock "
                       f"{st['stock']['median']:.3f} ms, overlap {st['overlap']['median']:.3f} ms,"
-                      f" speedup {r['speedup']:.2f}x, err {r['rel_err']:.1e}, {r['decision']}",
+                      f" speedup {r['speedup']:.2f}x, rel. err {r['rel_err']:.1e}, max |diff| "
+                      f"{r['max_abs_diff']:.2e}, decision {r['decision']}",
                       flush=True)
     if dist.get_rank() == 0:
         write_json(args.json, dict(env=env_info(), command=" ".join(sys.argv), results=results))
