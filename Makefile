@@ -9,8 +9,10 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
-# Wheels placed in .whl/ (offline GPU machines) are preferred over the index.
+# Wheels placed in .whl/ are preferred over the index; on a GPU machine they are the only
+# source (offline machines) and the package builds with the environment's setuptools.
 FIND_LINKS := $(if $(wildcard .whl/*.whl),--find-links .whl,)
+OFFLINE := $(if $(and $(HAS_GPU),$(FIND_LINKS)),--no-index,)
 MCORE := megatron-core==0.19.2
 NPROC ?= $(if $(HAS_GPU),$(shell nvidia-smi -L | wc -l),2)
 
@@ -22,11 +24,17 @@ $(VENV)/.ready: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(if $(HAS_GPU),--system-site-packages,) $(VENV)
 ifeq ($(HAS_GPU),)
 	$(PIP) install -q torch==2.13.0 triton==3.7.1
+else
+	# The machine's CUDA torch may live in another venv (the one `python3` runs from):
+	# make its site-packages visible too, instead of downloading several GB of wheels.
+	$(PYTHON) -c "import site; print('\n'.join(site.getsitepackages()))" \
+	    > "$$($(PY) -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")/_machine_site.pth"
 endif
 	# megatron-core 0.19.x declares Python >= 3.12 but ships a cp311 wheel that works;
 	# without the flag pip silently picks 0.16.1, whose MoE spec API differs.
-	$(PIP) install -q $(FIND_LINKS) --no-deps --ignore-requires-python $(MCORE)
-	$(PIP) install -q $(FIND_LINKS) -e '.[test,bench]'
+	$(PIP) install -q $(FIND_LINKS) $(OFFLINE) --no-deps --ignore-requires-python $(MCORE)
+	$(PIP) install -q $(FIND_LINKS) $(OFFLINE) $(if $(OFFLINE),--no-build-isolation,) \
+	    -e '.[test,bench]'
 	touch $@
 
 demo: $(VENV)/.ready

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from benchlib import abba, env_info, smoke_setup, summarize, write_json  # noqa: E402
+from benchlib import abba, add_run_args, env_info, smoke_setup, summarize, write_json  # noqa: E402
 from tune_tiles import tiles_from_json  # noqa: E402
 from workloads import OpCase, rank_inputs  # noqa: E402
 
@@ -96,10 +96,7 @@ def main() -> int:
     ap.add_argument("--samples", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--preset", default=None, help="calibration preset name or JSON path")
-    ap.add_argument("--json", default="")
-    ap.add_argument("--tiles", default=None, help="tune_tiles.py JSON whose `best` to use")
-    ap.add_argument("--smoke", action="store_true",
-                    help="CPU check of this script: gloo, the interpreter, the tiny shape")
+    add_run_args(ap)
     args = ap.parse_args()
     backend, device = smoke_setup(args)
     rank = dist.get_rank()

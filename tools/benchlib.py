@@ -18,6 +18,14 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 
+def add_run_args(ap) -> None:
+    """The flags every GPU tool shares: output, tile choice, CPU smoke check."""
+    ap.add_argument("--json", default="", help="write the results here (rank 0)")
+    ap.add_argument("--tiles", default=None, help="tune_tiles.py JSON whose `best` to use")
+    ap.add_argument("--smoke", action="store_true",
+                    help="CPU check of this script: gloo, the interpreter, the tiny shape")
+
+
 def smoke_setup(args) -> tuple[str, str]:
     """Process group and (op backend, device) for a GPU run, or a `--smoke` CPU check."""
     if getattr(args, "smoke", False):
