@@ -12,7 +12,8 @@ from dist_harness import run_ranks
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU backends")
 
-LAYOUTS = {"TP1EP1": (1, 1), "TP2EP1": (2, 1), "TP1EP2": (1, 2), "TP2EP2": (2, 2)}
+LAYOUTS = {"TP1EP1": (1, 1), "TP2EP1": (2, 1), "TP1EP2": (1, 2), "TP2EP2": (2, 2),
+           "TP4EP1": (4, 1), "TP1EP4": (1, 4)}  # the last two: the paper's 4-GPU layouts
 EXPERTS = ("sequential", "grouped")
 BACKENDS = ("reference", "interpret")
 
