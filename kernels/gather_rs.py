@@ -166,7 +166,7 @@ def launch_gather_rs(
     tile_start: torch.Tensor, *, tokens_per_rank: int, splits: int, rank: int, world: int,
     gemm_col_tiles: int, epoch: int, max_spins: int, partial_like: torch.Tensor,
     dst_slot_stride: int, dst_row_stride: int, programs: int, block_tm: int, block_tn: int,
-    num_warps: int = 16, kernel=gather_rs_kernel, warmup: bool = False,
+    num_warps: int = 16, kernel=gather_rs_kernel, warmup: bool = False, num_stages: int = 1,
 ):
     """Launch exactly `programs` communication CTAs. y [T, N]; table [M, k] int32;
     `partial_like`: any tensor of the partial sums' dtype (gives the peer pointer type)."""
@@ -180,7 +180,7 @@ def launch_gather_rs(
         y.stride(0), y.stride(1), dst_slot_stride, dst_row_stride,
         BLOCK_TM=block_tm, BLOCK_TN=block_tn, TOPK_POW2=triton.next_power_of_2(table.shape[1]),
         HAS_PROBS=probs is not None, COL_ALIGN=column_alignment(hidden, splits),
-        num_warps=num_warps, num_stages=1, **extra,
+        num_warps=num_warps, num_stages=num_stages, **extra,
     )
 
 

@@ -79,6 +79,7 @@ class TileConfig:
     comm_tn: int
     comm_warps: int
     gemm_flatten: bool = False  # let Triton pipeline across the persistent tile loop
+    comm_stages: int = 1  # > 1 asks Triton to prefetch the next item's gathers
 
     def comm_shape(self, topk: int, split_width: int) -> tuple[int, int]:
         """(TMc, TNc) of the communication tile for this top-k and split width."""
