@@ -49,3 +49,11 @@ def test_plan_rejects_bad_input_with_a_clear_message(bad, message):
     assert out.returncode == 2
     assert message in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_package_import_is_light_and_exposes_the_public_names():
+    code = ("import sys, megatron_overlap as m; assert 'torch' not in sys.modules; "
+            "assert m.plan and m.Workload; "
+            "assert m.gemm2_gather_rs.__name__ == 'gemm2_gather_rs'; print('ok')")
+    out = run([sys.executable, "-c", code])
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
