@@ -60,8 +60,6 @@ def layer_case(model_name, tp, ep, seq, batch, args, device):
                progress=f"layer {model_name}")
     stats = summarize(per)
     plan = layer.last_plan
-    del model, layer
-    torch.cuda.empty_cache()
     return dict(model=model_name, tp=tp, ep=ep, seq=seq, batch=batch, rel_err=err,
                 max_abs_diff=max_diff,
                 decision=None if plan is None else dict(C=plan.comm_ctas, L=plan.splits,
@@ -94,6 +92,7 @@ def main() -> int:
     for name in args.models.split(","):
         for seq in map(int, args.seqs.split(",")):
             r = layer_case(name, args.tp, args.ep, seq, args.batch, args, device)
+            torch.cuda.empty_cache()  # this case's model is gone; hand its memory back
             results.append(r)
             if dist.get_rank() == 0:
                 st = r["stats"]

@@ -10,8 +10,6 @@ barrier words. Local flags: ready[L_MAX], done, error (int32).
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 import torch.distributed as dist
 import triton
@@ -45,16 +43,14 @@ def describe_error(code: int, rank: int, expected: int | None = None) -> str:
 class OverlapBuffer:
     """Workspace and launcher for `gemm2_gather_rs` on one group and device."""
 
-    _instances: "weakref.WeakValueDictionary[tuple, OverlapBuffer]" = weakref.WeakValueDictionary()
+    _instances: "dict[tuple, OverlapBuffer]" = {}  # one per group and device, for the process
 
     @classmethod
     def get(cls, group, device: torch.device, backend: str) -> "OverlapBuffer":
         key = (id(group), str(device), backend)
         buf = cls._instances.get(key)
         if buf is None:
-            buf = cls(group, device, backend)
-            cls._instances[key] = buf
-            cls._keep = getattr(cls, "_keep", []) + [buf]  # buffers live for the process
+            buf = cls._instances[key] = cls(group, device, backend)
         return buf
 
     def __init__(self, group, device: torch.device, backend: str):

@@ -17,7 +17,6 @@ On rank r the result equals what Megatron's allgather dispatcher computes with F
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import warnings
 from dataclasses import dataclass
@@ -304,56 +303,48 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
                     table, None, None, {})
     if backend == "reference":
         return launch
+    if x.shape[1] * x.element_size() % 16:
+        raise ValueError(f"the {backend} backend needs 16-byte rows for its tensor "
+                         f"descriptors: K * itemsize = {x.shape[1]} * {x.element_size()} "
+                         f"is not a multiple of 16 (K % 8 == 0 for bf16)")
+    buf = launch.buffer = OverlapBuffer.get(group, x.device, backend)
+    buf.check(sync=False)
+    tiles = config.tiles or buf.default_tiles()
+    # W_comp reads only sum_e ceil(M_e / TM): reduce the counts once for every L tried.
+    # With counts only on the device: section III-E, the T rows spread evenly.
+    row_counts = counts if counts is not None else Workload.from_total(
+        tokens=num_tokens, hidden=hidden, ffn=x.shape[1], world=world, splits=1,
+        total_assignments=x.shape[0], local_experts=experts).expert_counts
+    row_tiles = expert_row_tiles(row_counts, tiles.block_m)
+    sizes = (num_tokens, hidden, x.shape[1], world)
     c = comm_ctas or config.comm_ctas
-    if num_splits is not None:
-        best = _plan_launch(launch, x, weight, num_tokens, topk, num_splits, c)
-        _log_decision(best, num_tokens, hidden, x.shape[1])
-        return best
-    # L chosen jointly with C: the candidate with the least predicted T (in compute
-    # waves, the same unit for every L); ties go to fewer splits.
+    # L chosen jointly with C unless given: the candidate with the least predicted T (in
+    # compute waves, the same unit for every L); ties go to fewer splits.
+    candidates = [num_splits] if num_splits is not None else [
+        cand for cand in SPLIT_CANDIDATES if cand <= min(2 * default_splits(hidden), hidden)]
     best = None
-    for cand in SPLIT_CANDIDATES:
-        if cand > default_splits(hidden) * 2 or cand > hidden:
-            continue
-        trial = _plan_launch(dataclasses.replace(launch), x, weight, num_tokens, topk, cand, c)
-        if best is None or trial.plan.predicted < best.plan.predicted * (1 - 1e-9):
-            best = trial
-    _log_decision(best, num_tokens, hidden, x.shape[1])
-    return best
+    for cand in candidates:
+        plan, kwargs = _plan_splits(buf, config, tiles, row_tiles, experts, sizes, topk, cand, c)
+        if best is None or plan.predicted < best[0].predicted * (1 - 1e-9):
+            best = (plan, kwargs)
+    launch.plan, launch.kwargs = best
+    buf.ensure(num_tokens // world, hidden, config.partial_dtype or x.dtype)
+    _log_decision(launch, num_tokens, hidden, x.shape[1])
+    return launch
 
 
 SPLIT_CANDIDATES = (1, 2, 4)
 
 
-def _plan_launch(launch: Launch, x, weight, num_tokens, topk, num_splits, c) -> Launch:
-    config, backend, world = launch.config, launch.backend, launch.world
-    counts, experts, hidden = launch.counts, weight.shape[0], weight.shape[1]
-    if x.shape[1] * x.element_size() % 16:
-        raise ValueError(f"the {backend} backend needs 16-byte rows for its tensor "
-                         f"descriptors: K * itemsize = {x.shape[1]} * {x.element_size()} "
-                         f"is not a multiple of 16 (K % 8 == 0 for bf16)")
-    buf = launch.buffer = OverlapBuffer.get(launch.group, x.device, backend)
-    buf.check(sync=False)
-    partial = config.partial_dtype or x.dtype
-    tiles = config.tiles or buf.default_tiles()
-    comm_tm, comm_tn = tiles.comm_shape(topk, -(-hidden // num_splits))
+def _plan_splits(buf, config, tiles, row_tiles, experts, sizes, topk, splits, c):
+    """The cached plan for L = `splits` and the launch arguments that go with it."""
+    num_tokens, hidden, ffn, world = sizes
+    comm_tm, comm_tn = tiles.comm_shape(topk, -(-hidden // splits))
     cache = buf.plan_cache(config, tiles, comm_tm, comm_tn, topk)
-    md = num_tokens // world
-    if counts is not None:
-        plan = cache.decide(num_tokens, hidden, x.shape[1], world, num_splits, counts,
-                            comm_ctas=c, enabled=config.planner)
-    else:  # section III-E: counts only on the device, spread the T rows evenly
-        est = Workload.from_total(tokens=num_tokens, hidden=hidden, ffn=x.shape[1],
-                                  world=world, splits=num_splits,
-                                  total_assignments=x.shape[0], local_experts=experts)
-        plan = cache.decide_tiles(expert_row_tiles(est.expert_counts, cache.kernel.tile_m),
-                                  num_tokens, hidden, x.shape[1], world, num_splits,
-                                  experts, comm_ctas=c, enabled=config.planner)
-    buf.ensure(md, hidden, partial)
-    launch.plan = plan
-    launch.kwargs = dict(splits=num_splits, tiles=tiles, comm_tm=comm_tm, comm_tn=comm_tn,
-                         tokens_per_rank=md, max_spins=config.max_spins)
-    return launch
+    plan = cache.decide_tiles(row_tiles, num_tokens, hidden, ffn, world, splits, experts,
+                              comm_ctas=c, enabled=config.planner)
+    return plan, dict(splits=splits, tiles=tiles, comm_tm=comm_tm, comm_tn=comm_tn,
+                      tokens_per_rank=num_tokens // world, max_spins=config.max_spins)
 
 
 def plan_cache_of(launch: Launch):
