@@ -51,16 +51,21 @@ ERR_BARRIER_TIMEOUT = 2
 
 
 @triton.jit
-def _wait_at_least(ptr, target, max_spins, SCOPE: tl.constexpr):
+def _wait_at_least(ptr, target, max_spins, SCOPE: tl.constexpr, POLL_NS: tl.constexpr = 0):
     """Poll `*ptr` until it reaches `target` or `max_spins` polls pass; 1 if it did.
 
     Polls are plain volatile loads, so dozens of waiting CTAs do not queue atomics on
     the L2 line the producers increment; one acquire read after success orders
-    everything the producers released before it.
+    everything the producers released before it. POLL_NS > 0 sleeps that long between
+    polls (fewer requests on that L2 line while GEMM2 works; CUDA only).
     """
     seen = tl.load(ptr, volatile=True)
     spins = 0
     while (seen < target) & (spins < max_spins):
+        if POLL_NS > 0:
+            tl.inline_asm_elementwise("nanosleep.u32 $1;\n\tmov.u32 $0, 0;", "=r,r",
+                                      [spins * 0 + POLL_NS], dtype=tl.int32, is_pure=False,
+                                      pack=1)
         seen = tl.load(ptr, volatile=True)
         spins += 1
     seen = tl.atomic_add(ptr, 0, sem="acquire", scope=SCOPE)
@@ -81,7 +86,8 @@ def gather_rs_kernel(
     stride_ym, stride_yn, dst_slot_stride, dst_row_stride,
     # meta-parameters
     BLOCK_TM: tl.constexpr, BLOCK_TN: tl.constexpr, TOPK_POW2: tl.constexpr,
-    HAS_PROBS: tl.constexpr, COL_ALIGN: tl.constexpr,
+    HAS_PROBS: tl.constexpr, COL_ALIGN: tl.constexpr, SLOT_LOOP: tl.constexpr,
+    POLL_NS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
@@ -95,7 +101,7 @@ def gather_rs_kernel(
     alive = pid * 0 + 1  # int32 0/1: after a time-out later splits are not waited for
     for split in range(num_splits):
         if (pid < items) & (alive == 1):
-            ok = _wait_at_least(ready_ptr + split, expected, max_spins, "gpu")
+            ok = _wait_at_least(ready_ptr + split, expected, max_spins, "gpu", POLL_NS)
             if ok == 0:
                 tl.atomic_cas(error_ptr, 0, (1 << 24) | split)
                 alive = alive * 0
@@ -110,21 +116,36 @@ def gather_rs_kernel(
             tok_ok = local < tokens_per_rank
             col_ok = cols < end_col
             tokens = (dst * tokens_per_rank + local).to(tl.int64)
-            # All k rows of the block's tokens are gathered at once ([TM, k, TN]) so
-            # their loads are in flight together; the sum over k is in fp32 and in a
-            # fixed order, whatever C and L are.
-            slot_ok = slots < topk
-            rows = tl.load(table_ptr + tokens[:, None] * topk + slots[None, :],
-                           mask=tok_ok[:, None] & slot_ok[None, :], other=-1)  # [TM, k]
-            has = rows >= 0
-            vals = tl.load(y_ptr + rows[:, :, None].to(tl.int64) * stride_ym
-                           + cols[None, None, :] * stride_yn,
-                           mask=has[:, :, None] & col_ok[None, None, :], other=0.0)
-            vals = vals.to(tl.float32)
-            if HAS_PROBS:
-                w = tl.load(prob_ptr + rows, mask=has, other=0.0).to(tl.float32)
-                vals = vals * w[:, :, None]
-            acc = tl.sum(vals, axis=1)  # [TM, TN]
+            if SLOT_LOOP:
+                # One [TM, TN] gather per top-k slot, unrolled: no cross-thread reduction
+                # (the accumulator has the loads' layout) and all k loads can be issued
+                # before the first add. Slots are added in ascending order from 0.0.
+                acc = tl.zeros((BLOCK_TM, BLOCK_TN), dtype=tl.float32)
+                for j in tl.static_range(TOPK_POW2):
+                    row = tl.load(table_ptr + tokens * topk + j, mask=tok_ok & (j < topk),
+                                  other=-1)
+                    has = row >= 0
+                    val = tl.load(y_ptr + row[:, None].to(tl.int64) * stride_ym
+                                  + cols[None, :] * stride_yn,
+                                  mask=has[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+                    if HAS_PROBS:
+                        val = val * tl.load(prob_ptr + row, mask=has, other=0.0).to(tl.float32)[:, None]
+                    acc += val
+            else:
+                # All k rows of the block's tokens gathered at once ([TM, k, TN]), summed
+                # over k in fp32 in a fixed order, whatever C and L are.
+                slot_ok = slots < topk
+                rows = tl.load(table_ptr + tokens[:, None] * topk + slots[None, :],
+                               mask=tok_ok[:, None] & slot_ok[None, :], other=-1)  # [TM, k]
+                has = rows >= 0
+                vals = tl.load(y_ptr + rows[:, :, None].to(tl.int64) * stride_ym
+                               + cols[None, None, :] * stride_yn,
+                               mask=has[:, :, None] & col_ok[None, None, :], other=0.0)
+                vals = vals.to(tl.float32)
+                if HAS_PROBS:
+                    w = tl.load(prob_ptr + rows, mask=has, other=0.0).to(tl.float32)
+                    vals = vals * w[:, :, None]
+                acc = tl.sum(vals, axis=1)  # [TM, TN]
             # peers' buffers arrive as int64 addresses; typed like `partial_like_ptr`
             # (symmetric-memory buffers and our slot offsets are 16-byte aligned)
             base = tl.multiple_of(tl.load(dst_ptrs + dst).to(partial_like_ptr.dtype), 16)
@@ -167,6 +188,7 @@ def launch_gather_rs(
     gemm_col_tiles: int, epoch: int, max_spins: int, partial_like: torch.Tensor,
     dst_slot_stride: int, dst_row_stride: int, programs: int, block_tm: int, block_tn: int,
     num_warps: int = 16, kernel=gather_rs_kernel, warmup: bool = False, num_stages: int = 1,
+    slot_loop: bool = True, poll_ns: int = 0,
 ):
     """Launch exactly `programs` communication CTAs. y [T, N]; table [M, k] int32;
     `partial_like`: any tensor of the partial sums' dtype (gives the peer pointer type)."""
@@ -180,6 +202,7 @@ def launch_gather_rs(
         y.stride(0), y.stride(1), dst_slot_stride, dst_row_stride,
         BLOCK_TM=block_tm, BLOCK_TN=block_tn, TOPK_POW2=triton.next_power_of_2(table.shape[1]),
         HAS_PROBS=probs is not None, COL_ALIGN=column_alignment(hidden, splits),
+        SLOT_LOOP=slot_loop, POLL_NS=poll_ns,
         num_warps=num_warps, num_stages=num_stages, **extra,
     )
 

@@ -62,14 +62,19 @@ def gather_single_rank(p, y, tile_start, splits, programs, max_spins=100000, pro
                     num_warps=4))
 
 
-def test_gather_rs_single_rank_combines_topk_rows_with_probs():
+def combine_once(p, y, ready, tile_start, slot_loop, probs):
+    out, ready2, done, error, launch = gather_single_rank(p, y, tile_start, 2, 3, probs=probs)
+    ready2.copy_(ready)
+    grs.launch_gather_rs(*launch["args"], slot_loop=slot_loop, **launch["kwargs"])
+    assert int(error) == 0 and int(done) == 0 and ready2.abs().sum() == 0  # flags reset
+    return out
+
+
+@pytest.mark.parametrize("slot_loop", [True, False])
+def test_gather_rs_single_rank_combines_topk_rows_with_probs(slot_loop):
     p = routed_problem(0, 1, tokens=30, experts=5, topk=3, ffn=16, hidden=40)
     y, ready, tile_start = run_gemm2(p, splits=2, programs=3)
-    out, ready2, done, error, launch = gather_single_rank(p, y, tile_start, 2, 3,
-                                                          probs=p["probs"])
-    ready2.copy_(ready)
-    grs.launch_gather_rs(*launch["args"], **launch["kwargs"])
-    assert int(error) == 0 and int(done) == 0 and ready2.abs().sum() == 0  # flags reset
+    out = combine_once(p, y, ready, tile_start, slot_loop, p["probs"])
     ref = fp64_rank_partial(p, 30, with_probs=True)
     assert not torch.isnan(out).any()
     assert rel_err(out, ref) < 1e-2

@@ -16,6 +16,7 @@ from megatron_overlap.planner import (
     compute_slots,
     expert_row_tiles,
     makespan,
+    service_time,
     plan,
     resident_ctas,
 )
@@ -174,24 +175,45 @@ kernels = st.builds(KernelSpec, st.sampled_from([64, 128]), st.sampled_from([128
 
 
 @settings(max_examples=300, deadline=None)
-@given(workloads, kernels, st.integers(4, 140), st.integers(1, 40))
-def test_curve_properties(w, kernel, sms, c_max):
+@given(workloads, kernels, st.integers(4, 140), st.integers(1, 40),
+       st.one_of(st.none(), st.floats(0.5, 80)))
+def test_curve_properties(w, kernel, sms, c_max, c_sat):
     device = DeviceSpec("d", sms)
-    calib = Calibration(10.05, 352, 128, 128, 4, c_max)
+    calib = Calibration(10.05, 352, 128, 128, 4, c_max, c_sat=c_sat)
     d = plan(w, kernel, device, calib)
     slots = [compute_slots(c, kernel, device) for c, _ in d.curve]
     assert all(p > 0 for p in slots)
     assert all(a >= b for a, b in zip(slots, slots[1:]))  # P decreasing in C
     for (c, t), p in zip(d.curve, slots):
-        q = d.rho * math.ceil(d.w_comm / c)
+        q = d.rho * (math.ceil(d.w_comm / c) + d.w_comm / (c_sat or math.inf))
         a_last = math.ceil(w.splits * d.w_comp / p)
         assert t >= w.splits * q - 1e-9 * t  # T(C) >= L q(C)
         assert t >= a_last  # T(C) >= A_{L-1}(C)
         # the closed form used on the hot path equals the literal recurrence of eq. 12
-        assert t == pytest.approx(makespan(d.w_comp, d.w_comm, p, c, w.splits, d.rho),
+        assert t == pytest.approx(makespan(d.w_comp, d.w_comm, p, c, w.splits, d.rho, c_sat),
                                   rel=1e-12)
     t_min = min(t for _, t in d.curve)
     assert dict(d.curve)[d.comm_ctas] <= t_min * (1 + 1e-9)
     tied = [c for c, t in d.curve if t - t_min <= 1e-9 * t_min]
     delta = {c: math.ceil(d.w_comp / p) * p - d.w_comp for (c, _), p in zip(d.curve, slots)}
     assert d.comm_ctas == min(tied, key=lambda c: (delta[c], c))
+
+
+def test_saturation_term_adds_a_c_independent_service_floor():
+    """The bandwidth term lifts every q(C) by rho * W_comm / C_sat: T(C) >= L times it."""
+    kernel = KernelSpec(128, 128, 16, 1024, 2, 1)
+    device = DeviceSpec("h", 132)
+    w = Workload(16384, 2048, 704, 2, 2, (1092,) * 60)
+    free = plan(w, kernel, device, Calibration(3.0, 704, 128, 128, 2, 64))
+    capped = plan(w, kernel, device, Calibration(3.0, 704, 128, 128, 2, 64, c_sat=20))
+    assert free.comm_ctas == 57
+    for c, t in capped.curve:
+        assert t >= 2 * 3.0 * 512 / 20 * (1 - 1e-12)
+        assert t >= dict(free.curve)[c]
+    assert service_time(512, 64, 1.0, 20) == pytest.approx(8 + 512 / 20)
+    assert service_time(512, 16, 1.0, None) == 32  # the paper's waves
+
+
+def test_calibration_rejects_non_positive_c_sat():
+    with pytest.raises(ValueError, match="c_sat"):
+        Calibration(1.0, 1, 1, 1, 1, 1, c_sat=0)

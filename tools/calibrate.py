@@ -4,16 +4,17 @@
 
 At a fixed large C on one reference workload it times
   * GEMM2 alone on P(C) programs: t_comp, the time of one cumulative compute wave;
-  * the overlapped operator at that C and a fixed L: T_meas.
-  * GatherRS alone (flags preset, no waiting) for C = 1..64: its per-wave time is the
-    slope of time over waves (the intercept, the bandwidth floor, barrier and final
-    sum, is not a wave), and C_max is the smallest C within 3% of the fastest.
-rho_ref = t_comm / t_comp. For the record it also fits the rho for which the model's
-T(C) in compute waves times t_comp equals T_meas (the paper measures its rates inside
-the overlapped run); on H200 that fit absorbs the slowdown both kernels suffer when
-they share the GPU, which the model does not represent, and it planned worse
-(docs/RESULTS.md), so it is not the shipped value. o_comp / o_comm come from the compiled
-kernels' registers and shared memory. Never per shape: once per device and kernel family.
+  * the overlapped operator at that C and a fixed L: T_meas;
+  * GatherRS alone (flags preset, no waiting) for C = 1..64, fitted (weighted least
+    squares on relative error) as t(C) = t0 + t_comm * L * max(ceil(W_comm/C),
+    W_comm/C_sat): t_comm is one communication wave, t0 the part that is not a wave
+    (barrier, final sum, launch), C_sat the CTA count past which the traffic saturates.
+rho_ref is then the paper's: the rho for which the model's T(C_cal), with that C_sat,
+in compute waves times t_comp equals T_meas; it absorbs the slowdown both kernels
+suffer when they share the GPU, which a contention-free rho (t_comm / t_comp, also
+recorded) misses. C_max is the smallest C within 3% of the fastest GatherRS alone.
+o_comp / o_comm come from the compiled kernels' registers and shared memory. Never per
+shape: once per device and kernel family.
 """
 
 from __future__ import annotations
@@ -61,26 +62,45 @@ def overlap_timer(inp, group, c: int, splits: int, backend: str, tiles=None):
                                    group, comm_ctas=c, splits=splits, config=cfg)
 
 
-def solve_rho(t_waves: float, w_comp: int, w_comm: int, p: int, c: int, splits: int) -> float:
+def solve_rho(t_waves: float, w_comp: int, w_comm: int, p: int, c: int, splits: int,
+              c_sat: float | None = None) -> float:
     """The rho for which the model's T(c) equals `t_waves` (bisection; T grows with rho)."""
     lo, hi = 0.0, 1.0
-    while makespan(w_comp, w_comm, p, c, splits, hi) < t_waves and hi < 1e6:
+    while makespan(w_comp, w_comm, p, c, splits, hi, c_sat) < t_waves and hi < 1e6:
         hi *= 2
     for _ in range(60):
         mid = (lo + hi) / 2
-        if makespan(w_comp, w_comm, p, c, splits, mid) < t_waves:
+        if makespan(w_comp, w_comm, p, c, splits, mid, c_sat) < t_waves:
             lo = mid
         else:
             hi = mid
     return max(hi, 1e-6)
 
 
-def _slope(points) -> float:
-    n = len(points)
-    mx = sum(x for x, _ in points) / n
-    my = sum(y for _, y in points) / n
-    sxx = sum((x - mx) ** 2 for x, _ in points)
-    return sum((x - mx) * (y - my) for x, y in points) / sxx if sxx else my / mx
+def fit_saturation(times: dict[int, float], w_comm: int, splits: int):
+    """(t0, t_comm, C_sat) of t(C) = t0 + t_comm * L * max(ceil(W/C), W/C_sat), by
+    least squares on relative error for each candidate C_sat (the swept Cs, and none)."""
+    best = None
+    for c_sat in [*sorted(times), None]:
+        pts = [(splits * max(math.ceil(w_comm / c), w_comm / c_sat if c_sat else 0.0), t)
+               for c, t in times.items()]
+        wts = [1.0 / t ** 2 for _, t in pts]
+        sw = sum(wts)
+        mx = sum(w * x for w, (x, _) in zip(wts, pts)) / sw
+        my = sum(w * y for w, (_, y) in zip(wts, pts)) / sw
+        sxx = sum(w * (x - mx) ** 2 for w, (x, _) in zip(wts, pts))
+        if sxx <= 0:
+            continue
+        slope = sum(w * (x - mx) * (y - my) for w, (x, y) in zip(wts, pts)) / sxx
+        if slope <= 0:
+            continue
+        t0 = my - slope * mx
+        err = sum(w * (y - t0 - slope * x) ** 2 for w, (x, y) in zip(wts, pts))
+        if best is None or err < best[0]:
+            best = (err, t0, slope, c_sat)
+    if best is None:
+        raise RuntimeError(f"GatherRS times do not fall with C: {times}")
+    return best[1], best[2], best[3]
 
 
 def main() -> int:
@@ -123,42 +143,37 @@ def main() -> int:
     best = min(times.values())
     c_max = min(c for c, t in times.items() if t <= best * 1.03)
     per_wave = {c: t / (args.splits * math.ceil(plan.w_comm / c)) for c, t in times.items()}
-    # One communication wave's time is the slope of time over waves below saturation;
-    # the intercept (barrier, final sum, launch) is the same for every C and is not a
-    # wave. A single point at C_cal would fold it into rho.
-    lin = [(args.splits * math.ceil(plan.w_comm / c), t) for c, t in times.items() if c <= c_max]
-    t_comm = _slope(lin) if len(lin) >= 3 else 0.0
-    if t_comm <= 0:  # too few or too noisy points below saturation: the single point
-        t_comm = med["comm"] / comm_waves
-    rho_alone = Calibration.rho_from_measurement(t_comm * 1e3, 1, t_comp * 1e3, 1)
+    t0, t_comm, c_sat = fit_saturation(times, plan.w_comm, args.splits)
+    rho_alone = t_comm / t_comp
     t_waves = med["overlap"] / t_comp  # the overlapped run in compute waves
-    rho_overlap_fit = solve_rho(t_waves, plan.w_comp, plan.w_comm, plan.compute_slots,
-                                args.c_cal, args.splits)
-    rho_ref = rho_alone
+    rho_ref = solve_rho(t_waves, plan.w_comp, plan.w_comm, plan.compute_slots,
+                        args.c_cal, args.splits, c_sat)
     preset = Preset(
         name=args.name,
         kernel=KernelSpec(kernel.tile_m, kernel.tile_n, kernel.comm_tile_m, kernel.comm_tile_n,
                           kernel.o_comp, kernel.o_comm),
         device=DeviceSpec(cache.device.name, cache.device.sms),
         calibration=Calibration(rho_ref, inp["ffn"], kernel.tile_m, kernel.tile_n,
-                                launch.world, c_max, kernel.comm_tile_m, kernel.comm_tile_n),
+                                launch.world, c_max, kernel.comm_tile_m, kernel.comm_tile_n,
+                                c_sat),
         default_splits=args.splits,
     )
     payload = dict(preset=preset.to_json(), measured=dict(
         case=case.label(), c_cal=args.c_cal, comp_ms=med["comp"], comp_waves=comp_waves,
         t_comp_wave_us=t_comp * 1e3, comm_ms=med["comm"], comm_waves=comm_waves,
         t_comm_wave_us=t_comm * 1e3, t_comm_wave_single_point_us=med["comm"] / comm_waves * 1e3,
+        comm_intercept_us=t0 * 1e3, c_sat=c_sat,
         w_comp=plan.w_comp, w_comm=plan.w_comm, overlap_ms=med["overlap"],
-        overlap_waves=t_waves, rho_alone=rho_alone, rho_overlap_fit=rho_overlap_fit,
+        overlap_waves=t_waves, rho_alone=rho_alone, rho_overlap_fit=rho_ref,
         compute_slots=plan.compute_slots, comm_sweep_ms=times,
         comm_per_wave_us={c: v * 1e3 for c, v in per_wave.items()},
         resources=getattr(launch.buffer, "compiled_resources", None)), env=env_info(),
         command=" ".join(sys.argv))
     if rank == 0:
-        print(f"rho_ref={rho_ref:.3f} (GatherRS alone, t_comm/wave {t_comm * 1e3:.2f} us; "
-              f"the overlapped run, {med['overlap']:.3f} ms = {t_waves:.1f} compute waves, "
-              f"fits rho={rho_overlap_fit:.3f}; t_comp/wave {t_comp * 1e3:.2f} us over "
-              f"{comp_waves} waves), "
+        print(f"rho_ref={rho_ref:.3f} (the overlapped run, {med['overlap']:.3f} ms = "
+              f"{t_waves:.1f} compute waves; GatherRS alone: t_comm/wave "
+              f"{t_comm * 1e3:.2f} us + {t0 * 1e3:.1f} us, C_sat={c_sat}, rho={rho_alone:.3f}; "
+              f"t_comp/wave {t_comp * 1e3:.2f} us over {comp_waves} waves), "
               f"C_max={c_max}, o_comp={kernel.o_comp}, o_comm={kernel.o_comm}, "
               f"resources={payload['measured']['resources']}")
         print("comm alone vs C (ms):", {c: round(t, 4) for c, t in times.items()})

@@ -2,7 +2,7 @@
 # One call on the device machine (see /work/.library/device): install the carried wheels
 # (.whl/: megatron-core for py3.12 and this package), then run the named stages, each
 # bounded, logs appended to $OUT/log.txt. Usage: tools/device_run.sh STAGE...
-# Stages: env gpu_tests calibrate bench_op bench_op_full layer prefill regret
+# Stages: see the case below (env gpu_tests tune tune_comm calibrate ship_cal bench_op ...)
 set -u
 export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
@@ -31,6 +31,16 @@ for s in "$@"; do
     gpu_tests) stage gpu_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider \
         --rootdir "$REPO" -c "$REPO/pyproject.toml" "$REPO/tests/test_op_gpu.py" ;;
     tune) stage tune 170 $TR "$REPO/tools/tune_tiles.py" --json "$OUT/tiles.json" ;;
+    tune_comm)  # GatherRS candidates on one GPU (no NVLink pushes) and on all; later
+      # stages use the choice of the all-GPU run (MEGATRON_OVERLAP_TILES)
+      stage tune_comm_1gpu 100 torchrun --nproc-per-node 1 "$REPO/tools/tune_tiles.py" \
+        --comm-only --cset 4,16,32,64 --samples 8 --json "$OUT/tiles_1gpu.json"
+      stage tune_comm 120 $TR "$REPO/tools/tune_tiles.py" --comm-only --cset 4,16,32,64 \
+        --samples 8 --json "$OUT/tiles.json"
+      [ -f "$OUT/tiles.json" ] && export MEGATRON_OVERLAP_TILES=$OUT/tiles.json TILES=$OUT/tiles.json ;;
+    try_overlap) stage try_overlap 200 $TR "$REPO/tools/try_overlap.py" --json "$OUT/exp_overlap.json" ;;
+    ship_cal)  # later stages plan with the calibration just made, as if it were shipped
+      cp "$OUT/h200.json" /tmp/site/megatron_overlap/planner/calibrations/h200.json ;;
     calibrate) stage calibrate 80 $TR "$REPO/tools/calibrate.py" ${TILES:+--tiles $TILES} \
         --json "$OUT/h200.json" ;;
     bench_op) for lay in ${LAYOUTS:-TP2EP1 TP1EP2}; do
@@ -60,4 +70,4 @@ for s in "$@"; do
     *) echo "unknown stage $s" ;;
   esac
 done
-grep -E "^===|rho_ref|^comm alone|^[a-z]+/TP|^chosen|^gemm2 |^comm rows|^torch._grouped|^layer |^prefill|^  (stock|overlap|speedup)|passed|failed|Error|error" "$LOG" | grep -v Warning | tail -n 80
+grep -E "^===|rho_ref|^comm alone|^[a-z]+/TP|^chosen|^gemm2 |^comm rows|^torch._grouped|^torch gather|^(qwen|granite) |^torch copy|^layer |^prefill|^  (stock|overlap|speedup)|passed|failed|Error|error" "$LOG" | grep -v Warning | tail -n 80

@@ -19,7 +19,9 @@ from benchlib import abba, env_info, smoke_setup, summarize, write_json  # noqa:
 from workloads import OpCase, rank_inputs  # noqa: E402
 
 from megatron_overlap.ops import OverlapConfig  # noqa: E402
-from megatron_overlap.ops.config import GPU_TILES, INTERPRET_TILES, TileConfig  # noqa: E402
+from megatron_overlap.ops.config import (GPU_TILES, INTERPRET_TILES, TileConfig,  # noqa: E402
+                                         load_tiles)
+from megatron_overlap.kernels import gather_rs as grs  # noqa: E402
 from megatron_overlap.ops.op import grouped_mm, plan_cache_of, prepare  # noqa: E402
 
 GEMM_CANDIDATES = [(128, 128, 64, 4, 3, False), (128, 128, 64, 4, 3, True),
@@ -27,9 +29,11 @@ GEMM_CANDIDATES = [(128, 128, 64, 4, 3, False), (128, 128, 64, 4, 3, True),
                    (128, 256, 64, 8, 3, False), (128, 256, 64, 8, 3, True),
                    (64, 128, 64, 4, 4, False), (64, 128, 64, 4, 4, True),
                    (128, 128, 128, 8, 3, False), (128, 128, 64, 4, 2, False)]
-COMM_CANDIDATES = [(32, 1024, 32), (64, 1024, 32), (32, 1024, 16), (16, 1024, 16),
-                   (32, 2048, 32), (64, 512, 16), (16, 512, 8), (32, 512, 8),
-                   (64, 1024, 16), (16, 1024, 8)]
+# (rows gathered per item, TNc, warps, slot loop): rows = tokens x pow2(top-k)
+COMM_CANDIDATES = [(64, 1024, 32, False), (64, 1024, 16, False),
+                   (64, 1024, 8, True), (64, 1024, 16, True), (128, 1024, 16, True),
+                   (128, 1024, 32, True), (256, 1024, 32, True), (32, 1024, 4, True),
+                   (64, 512, 8, True), (128, 2048, 32, True)]
 
 
 def phase(inp, group, tiles, backend, c, phases):
@@ -65,26 +69,23 @@ def choose(stats, info, gemm, comm) -> dict:
     g = min(gemm, key=lambda t: med(gemm_name(t)))
 
     def sm_time(t):
-        name = f"comm rows{t.comm_rows} tn{t.comm_tn} w{t.comm_warps} C=32"
+        name = f"{comm_name(t)} C=32"
         return med(name) * -(-32 // info.get(name, {}).get("o_comm", 1))
 
     c = min(comm, key=sm_time)
     return {"gemm": [g.block_m, g.block_n, g.block_k, g.gemm_warps, g.gemm_stages,
                      g.gemm_flatten],
-            "comm": [c.comm_rows, c.comm_tn, c.comm_warps]}
+            "comm": [c.comm_rows, c.comm_tn, c.comm_warps, c.comm_slot_loop]}
+
+
+def comm_name(t: TileConfig) -> str:
+    return (f"comm rows{t.comm_rows} tn{t.comm_tn} w{t.comm_warps} "
+            + ("slots" if t.comm_slot_loop else "block"))
 
 
 def tiles_from_json(path: str | None):
     """A TileConfig from `best` of a tune_tiles JSON (None: the defaults)."""
-    if not path:
-        return None
-    import json
-
-    with open(path) as f:
-        best = json.load(f)["best"]
-    m, n, k, w, s, f = best["gemm"]
-    r, tn, cw = best["comm"]
-    return TileConfig(m, n, k, w, s, r, tn, cw, f)
+    return load_tiles(path) if path else None
 
 
 def main() -> int:
@@ -95,7 +96,10 @@ def main() -> int:
     ap.add_argument("--samples", type=int, default=10)
     ap.add_argument("--json", default="")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--comm-only", action="store_true", help="keep the GEMM2 tiles")
+    ap.add_argument("--cset", default="16,32", help="C values for the GatherRS candidates")
     args = ap.parse_args()
+    cset = [int(c) for c in args.cset.split(",")]
     backend, device = smoke_setup(args)
     rank = dist.get_rank()
     group = dist.group.WORLD
@@ -104,14 +108,23 @@ def main() -> int:
     gemm = [dataclasses.replace(base, block_m=m, block_n=n, block_k=k, gemm_warps=w,
                                 gemm_stages=s, gemm_flatten=f)
             for m, n, k, w, s, f in GEMM_CANDIDATES]
-    comm = [dataclasses.replace(base, comm_rows=r, comm_tn=tn, comm_warps=w)
-            for r, tn, w in COMM_CANDIDATES]
+    comm = [dataclasses.replace(base, comm_rows=r, comm_tn=tn, comm_warps=w, comm_slot_loop=sl)
+            for r, tn, w, sl in COMM_CANDIDATES]
+    if args.comm_only:
+        gemm = [base]
     if backend == "interpret":
-        gemm, comm = gemm[:1], comm[:1]
+        gemm, comm = gemm[:1], comm[:2]
     pol, info = {}, {}
     counts_dev = torch.tensor(inp["counts_list"], device=device)
     w_t = inp["weight"].transpose(1, 2)
     pol["torch._grouped_mm"] = lambda: grouped_mm(inp["x"], w_t, counts_dev, inp["counts_list"])
+    # What the memory system gives a gather of these rows on every SM (torch), and a
+    # plain copy of y: the ceilings a GatherRS CTA count is compared with.
+    y_all = torch.randn(inp["x"].shape[0], inp["hidden"], device=device).to(inp["x"].dtype)
+    table = grs.combine_table(inp["token_index"], inp["tokens"], inp["topk"]).long()
+    safe = table.clamp(min=0)
+    pol["torch gather-sum (all SMs)"] = lambda: y_all[safe].float().sum(1)
+    pol["torch copy of y (all SMs)"] = lambda: y_all.clone()
     for t in gemm:
         name = gemm_name(t)
         try:
@@ -119,22 +132,24 @@ def main() -> int:
         except Exception as err:  # noqa: BLE001 - a candidate that does not compile
             info[name] = {"error": repr(err)[:300]}
     for t in comm:
-        for c in (16, 32):
-            name = f"comm rows{t.comm_rows} tn{t.comm_tn} w{t.comm_warps} C={c}"
+        for c in sorted(set(cset) | {32}):
+            name = f"{comm_name(t)} C={c}"
             try:
                 pol[name], info[name] = phase(inp, group, t, backend, c, ("comm",))
             except Exception as err:  # noqa: BLE001
                 info[name] = {"error": repr(err)[:300]}
     stats = summarize(abba(pol, args.samples, 3, group, progress="tiles"))
     flops = 2 * inp["x"].shape[0] * inp["hidden"] * inp["ffn"]
+    # y has one row per token-expert assignment; a combine reads each once
     read_bytes = inp["x"].shape[0] * inp["hidden"] * inp["x"].element_size()
     best = choose(stats, info, gemm, comm)
     if rank == 0:
         print("chosen:", best)
         for name, s in stats.items():
             ms = s["median"]
-            rate = (f"{flops / ms / 1e9:.0f} TFLOP/s" if not name.startswith("comm")
-                    else f"{read_bytes / ms / 1e6:.0f} GB/s gathered")
+            rate = (f"{read_bytes / ms / 1e6:.0f} GB/s gathered"
+                    if name.startswith(("comm", "torch gather", "torch copy"))
+                    else f"{flops / ms / 1e9:.0f} TFLOP/s")
             print(f"{name:<42} {ms:8.3f} ms  {rate:>18}  {info.get(name, '')}")
         for name, i in info.items():
             if "error" in i:

@@ -17,8 +17,8 @@ import triton
 from ..kernels import gather_rs as grs
 from ..kernels import gemm2
 from ..planner import PlanCache, resident_ctas
-from .config import (GPU_TILES, INTERPRET_TILES, OverlapConfig, TileConfig, calibration_for,
-                     device_spec, kernel_spec)
+from .config import (INTERPRET_TILES, OverlapConfig, TileConfig, calibration_for, device_spec,
+                     gpu_tiles, kernel_spec)
 from .peer_memory import PeerMemory
 
 L_MAX = 64
@@ -110,7 +110,7 @@ class OverlapBuffer:
 
     # ---------------------------------------------------------------- planning
     def default_tiles(self) -> TileConfig:
-        return INTERPRET_TILES if self.backend == "interpret" else GPU_TILES
+        return INTERPRET_TILES if self.backend == "interpret" else gpu_tiles()
 
     def plan_cache(self, config: OverlapConfig, tiles: TileConfig, comm_tm: int,
                    comm_tn: int, topk: int) -> PlanCache:
@@ -147,7 +147,8 @@ class OverlapBuffer:
             tokens_per_rank=1, splits=1, rank=0, world=1, gemm_col_tiles=1, epoch=1,
             max_spins=1, partial_like=y, dst_slot_stride=0, dst_row_stride=1, programs=1,
             block_tm=comm_tm, block_tn=comm_tn, num_warps=t.comm_warps,
-            num_stages=t.comm_stages, warmup=True)
+            num_stages=t.comm_stages, slot_loop=t.comm_slot_loop, poll_ns=t.comm_poll_ns,
+            warmup=True)
         occ, self.compiled_resources = [], {}
         for name, k, warps in (("gemm2", gk, t.gemm_warps), ("gather_rs", ck, t.comm_warps)):
             k._init_handles()
@@ -243,7 +244,8 @@ class OverlapBuffer:
                     epoch=self.epoch, max_spins=max_spins, partial_like=partial_like,
                     dst_slot_stride=slot_stride, dst_row_stride=row_stride,
                     programs=plan.comm_ctas, block_tm=comm_tm, block_tn=comm_tn,
-                    num_warps=t.comm_warps, num_stages=t.comm_stages)
+                    num_warps=t.comm_warps, num_stages=t.comm_stages,
+                    slot_loop=t.comm_slot_loop, poll_ns=t.comm_poll_ns)
         flags = (y, table, probs, dst, signals, self.ready, self.done, self.error, tile_start)
         if "gemm2" not in phases:
             grs.launch_gather_rs(*flags, **comm)

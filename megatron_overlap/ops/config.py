@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -34,7 +35,9 @@ class OverlapConfig:
     partial_dtype: dtype of the pushed partial sums; None = the output dtype.
     sync_errors: check the kernels' error word right after every call (a host sync);
         otherwise it is checked at the next call or at `OverlapBuffer.check()`.
-    tiles: kernel tile shapes; None = the backend's default (`GPU_TILES`).
+    tiles: kernel tile shapes; None = the backend's default: `gpu_tiles()` on CUDA (the
+        file named by MEGATRON_OVERLAP_TILES, as `tools/tune_tiles.py` writes it, else
+        `GPU_TILES`), `INTERPRET_TILES` under the interpreter.
     """
 
     backend: str = "auto"
@@ -67,7 +70,9 @@ class TileConfig:
     GEMM2: BLOCK_M x BLOCK_N x BLOCK_K tiles, warps, pipeline stages. GatherRS: a CTA
     gathers [comm_rows // pow2(k) tokens, pow2(k) slots, comm_tn columns] at once, so the
     registers per thread stay the same whatever top-k is; comm_tn is capped at the split
-    width (rounded up to a power of two).
+    width (rounded up to a power of two). `comm_slot_loop` gathers that block as one
+    [TM, TN] tile per slot added into a register accumulator; without it as one
+    [TM, k, TN] tensor reduced over k (a cross-thread reduction through shared memory).
     """
 
     block_m: int
@@ -80,6 +85,8 @@ class TileConfig:
     comm_warps: int
     gemm_flatten: bool = False  # let Triton pipeline across the persistent tile loop
     comm_stages: int = 1  # > 1 asks Triton to prefetch the next item's gathers
+    comm_slot_loop: bool = True  # gather one [TM, TN] tile per top-k slot (else [TM, k, TN])
+    comm_poll_ns: int = 0  # sleep between readiness polls (0: spin); CUDA only
 
     def comm_shape(self, topk: int, split_width: int) -> tuple[int, int]:
         """(TMc, TNc) of the communication tile for this top-k and split width."""
@@ -89,6 +96,31 @@ class TileConfig:
 
 #: Hopper defaults, chosen by `tools/tune_tiles.py` on H200 (docs/RESULTS.md).
 GPU_TILES = TileConfig(128, 128, 64, 4, 3, 64, 1024, 32)
+_TILES_ENV = "MEGATRON_OVERLAP_TILES"
+
+
+@functools.lru_cache(maxsize=8)  # read once: the default is looked up on every launch
+def load_tiles(path: str) -> TileConfig:
+    """The tiles `tools/tune_tiles.py` chose (its JSON's `best`), on top of GPU_TILES."""
+    import json
+
+    try:
+        with open(path) as f:
+            best = json.load(f)["best"]
+        m, n, k, w, s, flat = best["gemm"]
+        rows, tn, cw, *mode = best["comm"]
+    except (OSError, KeyError, ValueError, TypeError) as err:
+        raise ValueError(f"{path}: not a tune_tiles result ({err})") from err
+    return TileConfig(m, n, k, w, s, rows, tn, cw, bool(flat),
+                      comm_slot_loop=bool(mode[0]) if mode else GPU_TILES.comm_slot_loop)
+
+
+def gpu_tiles() -> TileConfig:
+    """GPU_TILES, or the tune_tiles result named by MEGATRON_OVERLAP_TILES."""
+    path = os.environ.get(_TILES_ENV)
+    return load_tiles(path) if path else GPU_TILES
+
+
 #: The interpreter: small tiles so tiny test shapes still span many tiles and splits.
 INTERPRET_TILES = TileConfig(16, 16, 16, 4, 1, 16, 16, 4)
 #: SMs of the virtual device the interpreter plans for (small, so P stays small).

@@ -16,6 +16,7 @@ from .model import (
     plan,
     reservation,
     service_ratio,
+    service_time,
     timed_plan,
 )
 from .occupancy import AMPERE_A100, HOPPER, Occupancy, SMLimits, resident_ctas
@@ -26,5 +27,5 @@ __all__ = [
     "KernelSpec", "Occupancy", "Plan", "PlanCache", "Preset", "SMLimits", "Workload",
     "comm_tiles", "compute_slots", "compute_tiles", "expert_row_tiles", "get_preset", "load_preset_file",
     "makespan", "plan", "preset_for_device", "preset_names", "reservation",
-    "resident_ctas", "service_ratio", "timed_plan",
+    "resident_ctas", "service_ratio", "service_time", "timed_plan",
 ]

@@ -22,11 +22,21 @@ Glossary (names as in the paper, so this file reads beside section III):
     rho      communication-wave time over compute-wave time                 (eq. 15)
     A_s      readiness of split s = ceil((s+1) W_comp / P)                  (eq. 10)
     q        service time of one split = rho * V_comm                       (eq. 11)
+             with a calibrated C_sat (Hopper): rho * (V_comm + W_comm / C_sat)
     F_s      completion of split s = max(A_s, F_{s-1}) + q, F_{-1} = 0      (eq. 12)
     T(C)     F_{L-1}, in compute-wave units                                 (eq. 13)
 
 C* = argmin T(C) over 1..C_max with P(C) > 0; ties (|dT| <= 1e-9 T) go to the smaller
 Delta_comp = V_comp * P - W_comp (eq. 18), then to the smaller C.
+
+Beyond the paper: C_sat, the communication CTAs whose traffic saturates the memory
+system and the peer links. Eq. 11 assumes every CTA moves data at the rate of one
+alone; on H200 a wave slows as more CTAs share the bandwidth, and GatherRS alone fits
+t(C) = t_wave * (V_comm + W_comm / C_sat) (a latency term and a bandwidth term, the
+second independent of C). So q never falls below rho * W_comm / C_sat however many
+CTAs communicate, while P(C) keeps falling. C_sat is measured once per device and
+kernel family (tools/calibrate.py); without it (the paper's presets) the model is
+exactly section III's.
 """
 
 from __future__ import annotations
@@ -157,8 +167,15 @@ class Calibration:
     # change the comm tile are compared fairly. None (the paper's preset): no scaling.
     tmc_ref: int | None = None
     tnc_ref: int | None = None
+    # Saturation: q = rho * (ceil(W_comm / C) + W_comm / c_sat), so a split's service
+    # never drops below rho * W_comm / c_sat. None (the paper's presets): eq. 11 alone.
+    c_sat: float | None = None
 
     def __post_init__(self) -> None:
+        if self.c_sat is not None and (isinstance(self.c_sat, bool)
+                                       or not isinstance(self.c_sat, (int, float))
+                                       or not self.c_sat > 0):
+            raise ValueError(f"Calibration.c_sat must be > 0 or None, got {self.c_sat!r}")
         if not isinstance(self.rho_ref, (int, float)) or not self.rho_ref > 0:
             raise ValueError(f"Calibration.rho_ref must be > 0, got {self.rho_ref!r}")
         for name in ("k_ref", "tm_ref", "tn_ref", "d_ref", "c_max"):
@@ -240,9 +257,16 @@ def service_ratio(w: Workload, kernel: KernelSpec, calib: Calibration) -> float:
     return rho
 
 
-def makespan(w_comp: int, w_comm: int, p: int, c: int, splits: int, rho: float) -> float:
+def service_time(w_comm: int, c: int, rho: float, c_sat: float | None = None) -> float:
+    """q(C) = rho * ceil(W_comm / C) (eq. 11), plus rho * W_comm / C_sat when calibrated."""
+    waves = -(-w_comm // c)
+    return rho * (waves + w_comm / c_sat) if c_sat is not None else rho * waves
+
+
+def makespan(w_comp: int, w_comm: int, p: int, c: int, splits: int, rho: float,
+             c_sat: float | None = None) -> float:
     """T(C) = F_{L-1} of the split recurrence (eqs. 10-13), in compute waves."""
-    q = rho * -(-w_comm // c)
+    q = service_time(w_comm, c, rho, c_sat)
     f = 0.0
     for s in range(splits):
         a_s = -(-(s + 1) * w_comp // p)
@@ -251,7 +275,8 @@ def makespan(w_comp: int, w_comm: int, p: int, c: int, splits: int, rho: float) 
 
 
 def _curve(w_comp: int, w_comm: int, rho: float, splits: int,
-           g: int, o_comp: int, o_comm: int, c_top: int) -> list[float]:
+           g: int, o_comp: int, o_comm: int, c_top: int,
+           c_sat: float | None = None) -> list[float]:
     """T(C) for C = 1..c_top, equal to `makespan` for each C (tested), without its loop.
 
     Unrolled, F_{L-1} = max_s (A_s + (L - s) q), and A_s - A_{s-1} is floor(W_comp/P)
@@ -265,6 +290,9 @@ def _curve(w_comp: int, w_comm: int, rho: float, splits: int,
     else:
         ps = [o_comp * (g - (c + o_comm - 1) // o_comm) for c in cs]
     qs = [rho * ((w_comm + c - 1) // c) for c in cs]
+    if c_sat is not None:
+        floor = rho * w_comm / c_sat
+        qs = [q + floor for q in qs]
     lw = splits * w_comp
     if splits == 1:
         return [(lw + p - 1) // p + q for p, q in zip(ps, qs)]
@@ -274,13 +302,13 @@ def _curve(w_comp: int, w_comm: int, rho: float, splits: int,
     if splits > 2:
         for i, (p, q) in enumerate(zip(ps, qs)):
             if w_comp // p < q < (w_comp + p - 1) // p:
-                ts[i] = makespan(w_comp, w_comm, p, i + 1, splits, rho)
+                ts[i] = makespan(w_comp, w_comm, p, i + 1, splits, rho, c_sat)
     return ts
 
 
 def solve(
     w_comp: int, w_comm: int, rho: float, splits: int,
-    kernel: KernelSpec, device: DeviceSpec, c_max: int,
+    kernel: KernelSpec, device: DeviceSpec, c_max: int, c_sat: float | None = None,
 ) -> tuple[int, tuple[tuple[int, float], ...]]:
     """Algorithm 1 on precomputed tile counts: C* and the T(C) curve."""
     g, o_comp, o_comm = device.available_sms, kernel.o_comp, kernel.o_comm
@@ -290,7 +318,7 @@ def solve(
             f"DeviceSpec.sms: no legal C in 1..{c_max}: P(C) = {o_comp} * "
             f"({g} - R(C)) <= 0 for every C (G={g}, o_comm={o_comm})"
         )
-    ts = _curve(w_comp, w_comm, rho, splits, g, o_comp, o_comm, c_top)
+    ts = _curve(w_comp, w_comm, rho, splits, g, o_comp, o_comm, c_top, c_sat)
     t_min = min(ts)
     tol = _TIE_RTOL * t_min
     best = None  # (Delta_comp, C) over the tied candidates
@@ -321,7 +349,8 @@ def plan(
     w_comp = compute_tiles(workload, kernel)
     w_comm = comm_tiles(workload, kernel)
     rho = service_ratio(workload, kernel, calib)
-    best, curve = solve(w_comp, w_comm, rho, workload.splits, kernel, device, calib.c_max)
+    best, curve = solve(w_comp, w_comm, rho, workload.splits, kernel, device, calib.c_max,
+                        calib.c_sat)
     source = "model"
     if comm_ctas is not None or not enabled:
         chosen = comm_ctas if comm_ctas is not None else default_comm_ctas
@@ -337,7 +366,7 @@ def plan(
     if best <= len(curve):
         predicted = curve[best - 1][1]
     else:  # an explicit C above C_max
-        predicted = makespan(w_comp, w_comm, p, best, workload.splits, rho)
+        predicted = makespan(w_comp, w_comm, p, best, workload.splits, rho, calib.c_sat)
     return Plan(
         comm_ctas=best,
         reservation=reservation(best, kernel),

@@ -1,0 +1,89 @@
+"""Experiment: where does the overlapped operator lose its time? (GatherRS variants)
+
+    torchrun --nproc-per-node 2 tools/try_overlap.py --json out/exp_overlap.json
+
+For Qwen and Granite (TP2EP1, S = 4096, uniform), ABBA-interleaved in one run:
+  * the operator at C in --cset for each GatherRS variant (gather mode, tile, warps,
+    poll back-off), the planner choosing L;
+  * the same kernels back to back instead of overlapped (GEMM2 on P(C) programs, then
+    GatherRS alone with its flags preset): the sum of the two medians shows how much
+    co-residence costs;
+  * the reference (torch grouped GEMM + combine + NCCL reduce-scatter).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+from benchlib import abba, env_info, smoke_setup, summarize, write_json  # noqa: E402
+from tune_tiles import comm_name, phase  # noqa: E402
+from workloads import OpCase, rank_inputs  # noqa: E402
+
+from megatron_overlap.ops import OverlapConfig, gemm2_gather_rs  # noqa: E402
+from megatron_overlap.ops.config import GPU_TILES, INTERPRET_TILES  # noqa: E402
+
+# (rows, TNc, warps, slot loop, poll ns)
+VARIANTS = [(64, 1024, 32, False, 0), (64, 1024, 16, True, 0), (128, 1024, 16, True, 0),
+            (64, 1024, 8, True, 0), (64, 1024, 16, True, 400)]
+
+
+def variant_name(t) -> str:
+    return comm_name(t) + (f" poll{t.comm_poll_ns}" if t.comm_poll_ns else "")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="qwen,granite")
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--cset", default="12,20,32")
+    ap.add_argument("--samples", type=int, default=8)
+    ap.add_argument("--json", default="")
+    ap.add_argument("--smoke", action="store_true")
+    args = ap.parse_args()
+    backend, device = smoke_setup(args)
+    group = dist.group.WORLD
+    base = INTERPRET_TILES if backend == "interpret" else GPU_TILES
+    variants = [dataclasses.replace(base, comm_rows=r, comm_tn=tn, comm_warps=w,
+                                    comm_slot_loop=sl, comm_poll_ns=ns)
+                for r, tn, w, sl, ns in VARIANTS]
+    cset = [int(c) for c in args.cset.split(",")]
+    models = args.models.split(",")
+    if backend == "interpret":
+        variants, cset, models = variants[:2], [2], ["tiny"]
+    pol = {}
+    for model in models:
+        inp = rank_inputs(OpCase(model, "TP2EP1", args.seq, "uniform"), dist.get_rank(), device)
+        run = dict(x=inp["x"], weight=inp["weight"], tokens_per_expert=inp["counts_list"],
+                   token_index=inp["token_index"], num_tokens=inp["tokens"],
+                   topk=inp["topk"], probs=None, group=group)
+        ref = OverlapConfig(backend="reference" if backend == "triton" else backend)
+        pol[f"{model} reference"] = lambda run=run, ref=ref: gemm2_gather_rs(**run, config=ref)
+        for t in variants:
+            cfg = OverlapConfig(backend=backend, tiles=t)
+            for c in cset:
+                pol[f"{model} {variant_name(t)} C={c} overlapped"] = (
+                    lambda run=run, cfg=cfg, c=c: gemm2_gather_rs(**run, comm_ctas=c, config=cfg))
+            c = cset[len(cset) // 2]
+            pol[f"{model} {variant_name(t)} C={c} gemm2 alone"] = phase(
+                inp, group, t, backend, c, ("gemm2",))[0]
+            pol[f"{model} {variant_name(t)} C={c} comm alone"] = phase(
+                inp, group, t, backend, c, ("comm",))[0]
+    stats = summarize(abba(pol, args.samples, 3, group, progress="overlap"))
+    if dist.get_rank() == 0:
+        for n, s in stats.items():
+            print(f"{n:<58} {s['median']:.3f} ms [{s['ci_low']:.3f}, {s['ci_high']:.3f}]")
+        write_json(args.json, dict(env=env_info(), command=" ".join(sys.argv),
+                                   stats={n: {k: v for k, v in s.items() if k != "samples"}
+                                          for n, s in stats.items()}))
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
