@@ -29,8 +29,8 @@ from megatron_overlap.ops import OverlapConfig, gemm2_gather_rs  # noqa: E402
 from megatron_overlap.ops.config import GPU_TILES, INTERPRET_TILES  # noqa: E402
 
 # (rows, TNc, warps, slot loop, poll ns)
-VARIANTS = [(64, 1024, 32, False, 0), (64, 1024, 16, True, 0), (128, 1024, 16, True, 0),
-            (64, 1024, 8, True, 0), (64, 1024, 16, True, 400)]
+VARIANTS = [(64, 1024, 32, False, 0), (64, 1024, 32, False, 400), (256, 1024, 32, True, 0),
+            (128, 1024, 32, True, 0), (128, 1024, 32, True, 400)]
 
 
 def variant_name(t) -> str:

@@ -69,6 +69,7 @@ class OverlapBuffer:
         self._memory: PeerMemory | None = None
         self._layout: tuple | None = None  # (cap rows, hidden, partial dtype)
         self._ptr_tables: list[torch.Tensor] = []
+        self._slots_at = (0, 0)  # (byte offset of the slots, bytes per parity)
         self._signal_ptrs: torch.Tensor | None = None
         self._caches: dict[tuple, PlanCache] = {}
         self._occupancy: dict[tuple, int] = {}
@@ -79,33 +80,49 @@ class OverlapBuffer:
 
     # ---------------------------------------------------------------- memory
     def ensure(self, rows: int, hidden: int, dtype: torch.dtype) -> None:
-        """Receive slots for `rows` tokens per rank x `hidden` columns of `dtype`."""
+        """Receive slots for `rows` tokens per rank x `hidden` columns of `dtype`.
+
+        Memory: [barrier words, 128-byte padded][parity 0 slots][parity 1 slots]. The
+        allocation only grows (a process that alternates models does not reallocate
+        collective memory per call); a new slot geometry inside it first waits until no
+        rank is inside a call, since double buffering assumes a fixed geometry.
+        """
         if self._layout is not None:
             cap, n, dt = self._layout
             if n == hidden and dt == dtype and cap >= rows:
                 return
             rows = max(rows, cap) if (n == hidden and dt == dtype) else rows
         esize = torch.finfo(dtype).bits // 8
-        slots = 2 * self.world * rows * hidden * esize
-        slots = -(-slots // 128) * 128
-        self._memory = PeerMemory.allocate(slots + 4 * self.world, self.device, self.group,
-                                           self.rank, self.world)
+        half = -(-self.world * rows * hidden * esize // 128) * 128
+        signal_bytes = -(-4 * self.world // 128) * 128
+        if self._memory is None or signal_bytes + 2 * half > self._memory.local.numel():
+            self._memory = PeerMemory.allocate(signal_bytes + 2 * half, self.device,
+                                               self.group, self.rank, self.world)
+            self._signal_ptrs = torch.tensor(self._memory.peer_ptrs, dtype=torch.int64,
+                                             device=self.device)
+            self.epoch = 0  # fresh barrier words are zero on every rank
+        else:
+            self._quiesce()
         self._layout = (rows, hidden, dtype)
-        half = self.world * rows * hidden * esize
+        self._slots_at = (signal_bytes, half)
         self._ptr_tables = [
-            torch.tensor([p + parity * half for p in self._memory.peer_ptrs],
+            torch.tensor([p + signal_bytes + parity * half for p in self._memory.peer_ptrs],
                          dtype=torch.int64, device=self.device)
             for parity in (0, 1)
         ]
-        self._signal_ptrs = torch.tensor([p + slots for p in self._memory.peer_ptrs],
-                                         dtype=torch.int64, device=self.device)
-        self.epoch = 0  # fresh barrier words are zero on every rank
+
+    def _quiesce(self) -> None:
+        """Return when no rank of the group has a launch in flight."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        if self.world > 1:
+            dist.barrier(group=self.group)
 
     def recv(self, parity: int) -> torch.Tensor:
         cap, hidden, dtype = self._layout
-        esize = torch.finfo(dtype).bits // 8
-        half = self.world * cap * hidden * esize
-        raw = self._memory.local[parity * half:(parity + 1) * half]
+        start, half = self._slots_at
+        raw = self._memory.local[start + parity * half:start + parity * half
+                                 + self.world * cap * hidden * torch.finfo(dtype).bits // 8]
         return raw.view(dtype).view(self.world, cap, hidden)
 
     # ---------------------------------------------------------------- planning
@@ -197,7 +214,7 @@ class OverlapBuffer:
         self.ready.zero_()
         self.done.zero_()
         self.error.zero_()
-        layout, self._layout = self._layout, None
+        layout, self._layout, self._memory = self._layout, None, None
         if layout is not None:
             self.ensure(*layout)
 

@@ -53,6 +53,10 @@ class PeerMemory:
         local.zero_()
         torch.cuda.synchronize(device)
         handle.barrier()
+        # The barrier is a kernel: wait for it, so that every rank's device has finished
+        # with any previous allocation before the caller frees it (a peer's kernel may
+        # still be writing into ours until then).
+        torch.cuda.synchronize(device)
         return cls(local, [int(p) for p in handle.buffer_ptrs], [handle])
 
     @classmethod
