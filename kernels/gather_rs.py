@@ -51,21 +51,17 @@ ERR_BARRIER_TIMEOUT = 2
 
 
 @triton.jit
-def _wait_at_least(ptr, target, max_spins, SCOPE: tl.constexpr, POLL_NS: tl.constexpr = 0):
+def _wait_at_least(ptr, target, max_spins, SCOPE: tl.constexpr):
     """Poll `*ptr` until it reaches `target` or `max_spins` polls pass; 1 if it did.
 
     Polls are plain volatile loads, so dozens of waiting CTAs do not queue atomics on
     the L2 line the producers increment; one acquire read after success orders
-    everything the producers released before it. POLL_NS > 0 sleeps that long between
-    polls (fewer requests on that L2 line while GEMM2 works; CUDA only).
+    everything the producers released before it. (Sleeping between polls, nanosleep
+    400 ns, measured no faster: docs/RESULTS.md.)
     """
     seen = tl.load(ptr, volatile=True)
     spins = 0
     while (seen < target) & (spins < max_spins):
-        if POLL_NS > 0:
-            tl.inline_asm_elementwise("nanosleep.u32 $1;\n\tmov.u32 $0, 0;", "=r,r",
-                                      [spins * 0 + POLL_NS], dtype=tl.int32, is_pure=False,
-                                      pack=1)
         seen = tl.load(ptr, volatile=True)
         spins += 1
     seen = tl.atomic_add(ptr, 0, sem="acquire", scope=SCOPE)
@@ -87,7 +83,6 @@ def gather_rs_kernel(
     # meta-parameters
     BLOCK_TM: tl.constexpr, BLOCK_TN: tl.constexpr, TOPK_POW2: tl.constexpr,
     HAS_PROBS: tl.constexpr, COL_ALIGN: tl.constexpr, SLOT_LOOP: tl.constexpr,
-    POLL_NS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
@@ -101,7 +96,7 @@ def gather_rs_kernel(
     alive = pid * 0 + 1  # int32 0/1: after a time-out later splits are not waited for
     for split in range(num_splits):
         if (pid < items) & (alive == 1):
-            ok = _wait_at_least(ready_ptr + split, expected, max_spins, "gpu", POLL_NS)
+            ok = _wait_at_least(ready_ptr + split, expected, max_spins, "gpu")
             if ok == 0:
                 tl.atomic_cas(error_ptr, 0, (1 << 24) | split)
                 alive = alive * 0
@@ -188,7 +183,7 @@ def launch_gather_rs(
     gemm_col_tiles: int, epoch: int, max_spins: int, partial_like: torch.Tensor,
     dst_slot_stride: int, dst_row_stride: int, programs: int, block_tm: int, block_tn: int,
     num_warps: int = 16, kernel=gather_rs_kernel, warmup: bool = False, num_stages: int = 1,
-    slot_loop: bool = True, poll_ns: int = 0,
+    slot_loop: bool = True,
 ):
     """Launch exactly `programs` communication CTAs. y [T, N]; table [M, k] int32;
     `partial_like`: any tensor of the partial sums' dtype (gives the peer pointer type)."""
@@ -202,7 +197,7 @@ def launch_gather_rs(
         y.stride(0), y.stride(1), dst_slot_stride, dst_row_stride,
         BLOCK_TM=block_tm, BLOCK_TN=block_tn, TOPK_POW2=triton.next_power_of_2(table.shape[1]),
         HAS_PROBS=probs is not None, COL_ALIGN=column_alignment(hidden, splits),
-        SLOT_LOOP=slot_loop, POLL_NS=poll_ns,
+        SLOT_LOOP=slot_loop,
         num_warps=num_warps, num_stages=num_stages, **extra,
     )
 
@@ -221,7 +216,7 @@ def combine_table(token_index: torch.Tensor, num_tokens: int, topk: int) -> torc
 
     token_index[j] is the global token of row j (Megatron's sorted_indices). Row order
     within a token is ascending, so the fp32 sum order is fixed by the routing alone and
-    the output does not depend on C or L. No host synchronization.
+    the output does not depend on C or L. No host synchronization (a few small kernels).
     """
     rows = token_index.numel()
     table = torch.full((num_tokens, topk), -1, dtype=torch.int32, device=token_index.device)
@@ -229,9 +224,10 @@ def combine_table(token_index: torch.Tensor, num_tokens: int, topk: int) -> torc
         return table
     order = torch.argsort(token_index, stable=True)
     sorted_tokens = token_index[order]
-    per_token = torch.bincount(token_index, minlength=num_tokens)
-    first = torch.cumsum(per_token, 0) - per_token
-    slot = torch.arange(rows, device=token_index.device) - first[sorted_tokens]
+    # a row's slot is its rank among its token's rows: its position minus the position
+    # of the token's first row (searchsorted, not bincount: that syncs on CUDA)
+    first = torch.searchsorted(sorted_tokens, sorted_tokens)
+    slot = torch.arange(rows, device=token_index.device) - first
     table[sorted_tokens, slot] = order.to(torch.int32)
     return table
 

@@ -108,6 +108,20 @@ def expert_offsets(counts: torch.Tensor, block_m: int) -> tuple[torch.Tensor, to
     return row_start, tile_start
 
 
+def expert_offsets_host(counts: list[int], block_m: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """`expert_offsets` from host counts: built on the host and copied in one
+    non-blocking transfer (from pinned memory on CUDA), so the host never waits."""
+    rows, tiles = [0], [0]
+    for c in counts:
+        rows.append(rows[-1] + c)
+        tiles.append(tiles[-1] + (c + block_m - 1) // block_m)
+    host = torch.tensor([rows, tiles], dtype=torch.int32)
+    if torch.device(device).type == "cuda":
+        host = host.pin_memory()
+    both = host.to(device, non_blocking=True)
+    return both[0], both[1]
+
+
 def split_width(hidden: int, splits: int) -> int:
     """sw = ceil(N / L), the model's split width."""
     return -(-hidden // splits)

@@ -2,9 +2,12 @@
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from megatron_overlap.kernels import gather_rs as grs
 from megatron_overlap.kernels import gemm2
+from megatron_overlap.kernels import routing_table as rt
 from routing_cases import fp64_rank_partial, rel_err, routed_problem
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests")
@@ -87,3 +90,44 @@ def test_missing_producer_times_out_with_split_code_instead_of_hanging():
     ready[1] = 10 ** 6  # split 1 is ready, split 0's producers never ran
     grs.launch_gather_rs(*launch["args"], **launch["kwargs"])
     assert int(error) == (grs.ERR_READY_TIMEOUT << 24) | 0
+
+
+# ----------------------------------------------------------------- routing table kernel
+def _megatron_rows(seed, tokens, experts, local, topk):
+    """token_index and counts of one EP rank, in Megatron's permutation order."""
+    g = torch.Generator().manual_seed(seed)
+    topk_idx = torch.stack([torch.randperm(experts, generator=g)[:topk] for _ in range(tokens)])
+    mine = topk_idx < local
+    flat_e = topk_idx[mine]
+    flat_t = torch.arange(tokens)[:, None].expand_as(topk_idx)[mine]
+    order = torch.argsort(flat_e * tokens + flat_t)
+    return flat_t[order], torch.bincount(flat_e, minlength=local).tolist()
+
+
+@settings(max_examples=12, deadline=None)
+@given(st.integers(0, 10**6), st.integers(1, 40), st.integers(1, 9), st.integers(1, 4))
+def test_routing_table_kernel_equals_the_argsort_reference(seed, tokens, experts, topk):
+    topk = min(topk, experts)
+    local = max(1, experts // 2) if seed % 2 else experts  # EP: some rows elsewhere
+    token_index, counts = _megatron_rows(seed, tokens, experts, local, topk)
+    row_start, _ = gemm2.expert_offsets_host(counts, 16, "cpu")
+    error = torch.zeros(1, dtype=torch.int32)
+    table = rt.launch_routing_table(token_index, row_start, tokens, topk, error)
+    assert torch.equal(table, grs.combine_table(token_index, tokens, topk))
+    assert int(error) == 0
+
+
+@pytest.mark.parametrize("damage", ["swap", "out_of_range", "duplicate"])
+def test_routing_table_kernel_flags_rows_out_of_megatron_order(damage):
+    token_index, counts = _megatron_rows(3, 30, 6, 6, 2)
+    bad = token_index.clone()
+    if damage == "swap":
+        bad[[0, 1]] = bad[[1, 0]]
+    elif damage == "out_of_range":
+        bad[-1] = 30
+    else:
+        bad[1] = bad[0]
+    row_start, _ = gemm2.expert_offsets_host(counts, 16, "cpu")
+    error = torch.zeros(1, dtype=torch.int32)
+    rt.launch_routing_table(bad, row_start, 30, 2, error)
+    assert int(error) >> 24 == rt.ERR_UNSORTED

@@ -71,6 +71,7 @@ def test_planner_decision_is_returned_and_explicit_c_wins():
     (dict(token_index=lambda p: p["token_index"] + 100), "must lie in"),
     (dict(token_index=lambda p: p["token_index"].float()), "int32 or int64"),
     (dict(x=lambda p: p["x"].to(torch.int32)), "share a dtype"),
+    (dict(token_index=lambda p: p["token_index"].flip(0)), "permutation order"),
 ])
 def test_bad_input_raises_a_clear_value_error(change, message):
     p = routed_problem(0, 1, tokens=30, experts=3, topk=2, ffn=16, hidden=32)

@@ -50,8 +50,16 @@ for s in "$@"; do
     bench_all) for lay in TP2EP1 TP1EP2; do
         stage bench_all_$lay ${BENCH_SECS:-170} $TR "$REPO/tools/bench_op.py" \
           --model granite,qwen,deepseek --layout $lay --seqs 1024,4096,16384 \
-          --routing uniform,p90 --cset 1,2,3,4,6,8,10,12,14,16,18,20,22,24,28,32,40,48 \
-          --samples 12 --warmup 2 --preset "$OUT/h200.json" --json "$OUT/op_all_$lay.json"; done ;;
+          --routing uniform,p90 --cset 1,2,3,4,6,8,12,16,20,24,28,32,40,48 \
+          --samples 10 --warmup 2 --preset "$OUT/h200.json" --json "$OUT/op_all_$lay.json"; done ;;
+    host) stage host 60 $TR "$REPO/tools/host_overhead.py" --json "$OUT/host_TP2EP1.json" ;;
+    layers) for lay in "2 1" "1 2"; do set -- $lay
+        stage layer_TP$1EP$2 100 $TR "$REPO/tools/bench_layer.py" --models granite,qwen,deepseek \
+          --tp $1 --ep $2 --seqs 4096,16384 --samples 12 --json "$OUT/layer_TP$1EP$2.json"; done ;;
+    prefill_sweep) for lay in "2 1" "1 2"; do for m in granite qwen deepseek; do set -- $lay
+        stage prefill_${m}_TP$1EP$2 ${PREFILL_SECS:-75} $TR -m megatron_overlap.mcore.prefill \
+          --model $m --tp $1 --ep $2 --batch 4 --seqs ${PREFILL_SEQS:-1024,2048,4096,8192,16384} \
+          --iters 4 --warmup 1 --abba --json "$OUT/prefill_${m}_TP$1EP$2.json"; done; done ;;
     x4_op) for lay in TP4EP1 TP2EP2 TP1EP4; do
         stage x4_op_$lay 60 torchrun --nproc-per-node 4 "$REPO/tools/bench_op.py" \
           --model granite,qwen,deepseek --layout $lay --seqs ${X4_SEQS:-1024,4096,16384} \

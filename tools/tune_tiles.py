@@ -36,13 +36,13 @@ COMM_CANDIDATES = [(64, 1024, 32, False), (64, 1024, 16, False),
                    (64, 512, 8, True), (128, 2048, 32, True)]
 
 
-def phase(inp, group, tiles, backend, c, phases):
+def phase(inp, group, tiles, backend, c, phases, all_sms=True):
     launch = prepare(inp["x"], inp["weight"], inp["counts_list"], inp["token_index"],
                      inp["tokens"], inp["topk"], None, group, comm_ctas=c,
                      config=OverlapConfig(backend=backend, tiles=tiles))
     cache = plan_cache_of(launch)
     plan = launch.plan
-    if phases == ("gemm2",):  # the whole GPU: every SM's o_comp slots
+    if phases == ("gemm2",) and all_sms:  # the whole GPU: every SM's o_comp slots
         plan = plan._replace(compute_slots=cache.kernel.o_comp * cache.device.available_sms)
     out = torch.empty(inp["tokens"] // launch.world, inp["hidden"], dtype=inp["x"].dtype,
                       device=inp["x"].device)

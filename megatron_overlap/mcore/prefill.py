@@ -45,6 +45,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=None, help="number of layers (default: published)")
     p.add_argument("--batch", type=int, default=4, help="B: sequences in the whole group")
     p.add_argument("--seq", type=int, default=4096, help="S: tokens per sequence")
+    p.add_argument("--seqs", default=None, metavar="S1,S2,...",
+                   help="several S on one model build (a sweep; an S that runs out of "
+                        "memory is recorded as OOM); overrides --seq")
     p.add_argument("--iters", type=int, default=10, help="timed iterations per policy")
     p.add_argument("--warmup", type=int, default=2, help="untimed iterations per policy")
     p.add_argument("--seed", type=int, default=0, help="weights and token ids")
@@ -58,6 +61,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--log-level", default="INFO", help="rank 0's level (decision lines at INFO)")
     add_moe_overlap_args(p)
     args = p.parse_args(argv)
+    try:
+        args.seq_list = ([int(v) for v in args.seqs.split(",")] if args.seqs else [args.seq])
+    except ValueError:
+        raise ValueError(f"--seqs must be comma-separated ints, got {args.seqs!r}") from None
+    if any(v < 1 for v in args.seq_list):
+        raise ValueError("--seqs values must be >= 1")
     for name in ("tp", "ep", "batch", "seq", "iters"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name} must be >= 1")
@@ -108,7 +117,7 @@ def _setup(args) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
 
 
-def _inputs(args, vocab: int, device: torch.device):
+def _inputs(args, seq: int, vocab: int, device: torch.device):
     """This attention-DP rank's [B/DP, S] token ids and positions (same on its TP peers)."""
     from megatron.core import parallel_state as ps
 
@@ -117,8 +126,8 @@ def _inputs(args, vocab: int, device: torch.device):
         raise ValueError(f"--batch {args.batch} must be divisible by the data-parallel size {dp} "
                          f"(world / TP)")
     gen = torch.Generator().manual_seed(args.seed * 1000 + dp_rank)
-    tokens = torch.randint(0, vocab, (args.batch // dp, args.seq), generator=gen)
-    positions = torch.arange(args.seq).expand_as(tokens)
+    tokens = torch.randint(0, vocab, (args.batch // dp, seq), generator=gen)
+    positions = torch.arange(seq).expand_as(tokens)
     return tokens.to(device), positions.contiguous().to(device)
 
 
@@ -169,13 +178,35 @@ def decisions(model) -> list[dict]:
 
 
 def run(args) -> dict:
-    """Build, time and report; returns the result dict (identical on every rank)."""
+    """Build once, time every S; returns the result of the last S (identical on every
+    rank). `run_all` returns one per S."""
+    return run_all(args)[-1]
+
+
+def run_all(args) -> list[dict]:
     device = _setup(args)
     overlap = overlap_config_from_args(args)
     model = build_model(args.model, args.tp, args.ep, args.layers, experts=args.experts,
                         overlap=overlap, tiny=args.tiny).to(device).eval()
-    vocab = model.vocab_size
-    tokens, positions = _inputs(args, vocab, device)
+    results = []
+    for seq in args.seq_list:
+        try:
+            results.append(_run_seq(args, model, seq, overlap, device))
+        except torch.OutOfMemoryError:
+            # an S that does not fit is a result (recorded as OOM), not a crash of the sweep
+            torch.cuda.empty_cache()
+            results.append(_header(args, seq, device) | dict(oom=True, policies={}))
+    return results
+
+
+def _header(args, seq: int, device) -> dict:
+    return dict(model=args.model, tp=args.tp, ep=args.ep, world=dist.get_world_size(),
+                batch=args.batch, seq=seq, tokens=args.batch * seq, experts=args.experts,
+                tiny=args.tiny, device=str(device))
+
+
+def _run_seq(args, model, seq: int, overlap, device) -> dict:
+    tokens, positions = _inputs(args, seq, model.vocab_size, device)
     policies = ["stock", "overlap"] if args.abba else ["overlap" if overlap else "stock"]
     for policy in policies:  # warm-up: compilation, buffers, plan caches
         set_overlap_enabled(model, policy == "overlap")
@@ -185,14 +216,12 @@ def run(args) -> dict:
     for policy in _schedule(policies, args.iters):
         set_overlap_enabled(model, policy == "overlap")
         samples[policy].append(_time_once(model, tokens, positions, device))
-    result = dict(model=args.model, tp=args.tp, ep=args.ep, world=dist.get_world_size(),
-                  batch=args.batch, seq=args.seq, tokens=args.batch * args.seq,
-                  experts=args.experts, tiny=args.tiny, device=str(device), policies={})
+    result = _header(args, seq, device) | dict(policies={})
     for policy, values in samples.items():
         med = statistics.median(values)
         lo, hi = bootstrap_ci(values)
         result["policies"][policy] = dict(median_ms=med * 1e3, ci95_ms=(lo * 1e3, hi * 1e3),
-                                          tokens_per_s=args.batch * args.seq / med,
+                                          tokens_per_s=args.batch * seq / med,
                                           samples_ms=[v * 1e3 for v in values])
     if len(policies) == 2:
         result["speedup"] = (result["policies"]["stock"]["median_ms"]
@@ -204,7 +233,8 @@ def run(args) -> dict:
 def report(result: dict) -> str:
     lines = [f"prefill {result['model']} TP{result['tp']}EP{result['ep']} (world "
              f"{result['world']}, {result['device']}), B*S = {result['batch']}x{result['seq']}"
-             f" = {result['tokens']} tokens, {result['experts']} experts"]
+             f" = {result['tokens']} tokens, {result['experts']} experts"
+             + (": OOM" if result.get("oom") else "")]
     for policy, r in result["policies"].items():
         lo, hi = r["ci95_ms"]
         lines.append(f"  {policy:<8} median {r['median_ms']:9.2f} ms  [95% CI {lo:.2f}, {hi:.2f}]"
@@ -227,12 +257,13 @@ def main(argv=None) -> int:
     rank = int(os.environ.get("RANK", "0")) if not dist.is_initialized() else dist.get_rank()
     logging.basicConfig(level=args.log_level if rank == 0 else logging.WARNING,
                         format="%(name)s: %(message)s")
-    result = run(args)
+    results = run_all(args)
     if dist.get_rank() == 0:
-        print(report(result), flush=True)
-        if args.json:
+        for result in results:
+            print(report(result), flush=True)
+        if args.json:  # one object for one S (the format report.py has always read)
             with open(args.json, "w") as f:
-                json.dump(result, f, indent=1)
+                json.dump(results[0] if len(results) == 1 else results, f, indent=1)
     return 0
 
 

@@ -16,6 +16,7 @@ import triton
 
 from ..kernels import gather_rs as grs
 from ..kernels import gemm2
+from ..kernels.routing_table import ERR_UNSORTED
 from ..planner import PlanCache, resident_ctas
 from .config import (INTERPRET_TILES, OverlapConfig, TileConfig, calibration_for, device_spec,
                      gpu_tiles, kernel_spec)
@@ -34,6 +35,10 @@ def describe_error(code: int, rank: int, expected: int | None = None) -> str:
         more = f" (expected {expected} GEMM2 tiles)" if expected is not None else ""
         return (f"GatherRS on rank {rank} timed out waiting for split {value} to become "
                 f"ready{more}: a GEMM2 producer never published it")
+    if kind == ERR_UNSORTED:
+        return (f"token_index on rank {rank} is not in Megatron-Core's permutation order "
+                f"(rows grouped by local expert, tokens strictly ascending inside each, all "
+                f"in [0, num_tokens)); that call's output is wrong")
     if kind == grs.ERR_BARRIER_TIMEOUT:
         return (f"GatherRS on rank {rank} timed out at the cross-rank barrier waiting for "
                 f"rank {value}")
@@ -164,8 +169,7 @@ class OverlapBuffer:
             tokens_per_rank=1, splits=1, rank=0, world=1, gemm_col_tiles=1, epoch=1,
             max_spins=1, partial_like=y, dst_slot_stride=0, dst_row_stride=1, programs=1,
             block_tm=comm_tm, block_tn=comm_tn, num_warps=t.comm_warps,
-            num_stages=t.comm_stages, slot_loop=t.comm_slot_loop, poll_ns=t.comm_poll_ns,
-            warmup=True)
+            num_stages=t.comm_stages, slot_loop=t.comm_slot_loop, warmup=True)
         occ, self.compiled_resources = [], {}
         for name, k, warps in (("gemm2", gk, t.gemm_warps), ("gather_rs", ck, t.comm_warps)):
             k._init_handles()
@@ -189,6 +193,9 @@ class OverlapBuffer:
             event.synchronize()
         self._pending = None
         code = int(word[0])
+        if code >> 24 == ERR_UNSORTED:  # bad input, not a broken buffer
+            self.error.zero_()
+            raise ValueError(describe_error(code, self.rank))
         if code:
             self.broken = describe_error(code, self.rank, expected)
             self.ready.zero_()
@@ -221,16 +228,18 @@ class OverlapBuffer:
     # ---------------------------------------------------------------- launch
     def launch(self, x, weight, counts_dev, table, probs, out, *, plan, splits, tiles,
                comm_tm, comm_tn, tokens_per_rank, max_spins, phases=("gemm2", "comm"),
-               y=None):
+               y=None, offsets=None):
         """GEMM2 (P programs) and GatherRS (C programs), then the local sum over ranks.
 
+        `offsets` (row_start, tile_start), when the caller has them, saves recomputing.
         `phases` runs one side alone for calibration: without "gemm2" the readiness
         flags are preset and GatherRS reads the given `y`; without "comm" only GEMM2
         runs and the flags are cleared after it.
         """
         t = tiles
         hidden = weight.shape[1]
-        row_start, tile_start = gemm2.expert_offsets(counts_dev, t.block_m)
+        row_start, tile_start = (offsets if offsets is not None
+                                 else gemm2.expert_offsets(counts_dev, t.block_m))
         if y is None:
             y = torch.empty(x.shape[0], hidden, dtype=out.dtype, device=x.device)
         gemm_args = dict(splits=splits, programs=plan.compute_slots, block_m=t.block_m,
@@ -249,7 +258,9 @@ class OverlapBuffer:
         self.epoch += 1
         parity = self.epoch % 2
         if self.world == 1:  # no peers: the one "slot" is the output itself
-            dst = torch.tensor([out.data_ptr()], dtype=torch.int64, device=x.device)
+            dst = torch.tensor([out.data_ptr()], dtype=torch.int64)
+            # pinned and non-blocking: a pageable copy would wait for all queued work
+            dst = (dst.pin_memory() if x.is_cuda else dst).to(x.device, non_blocking=True)
             signals, slot_stride, row_stride, partial_like = dst, 0, out.stride(0), out
         else:
             dst, signals = self._ptr_tables[parity], self._signal_ptrs
@@ -262,7 +273,7 @@ class OverlapBuffer:
                     dst_slot_stride=slot_stride, dst_row_stride=row_stride,
                     programs=plan.comm_ctas, block_tm=comm_tm, block_tn=comm_tn,
                     num_warps=t.comm_warps, num_stages=t.comm_stages,
-                    slot_loop=t.comm_slot_loop, poll_ns=t.comm_poll_ns)
+                    slot_loop=t.comm_slot_loop)
         flags = (y, table, probs, dst, signals, self.ready, self.done, self.error, tile_start)
         if "gemm2" not in phases:
             grs.launch_gather_rs(*flags, **comm)

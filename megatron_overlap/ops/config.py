@@ -86,7 +86,6 @@ class TileConfig:
     gemm_flatten: bool = False  # let Triton pipeline across the persistent tile loop
     comm_stages: int = 1  # > 1 asks Triton to prefetch the next item's gathers
     comm_slot_loop: bool = True  # gather one [TM, TN] tile per top-k slot (else [TM, k, TN])
-    comm_poll_ns: int = 0  # sleep between readiness polls (0: spin); CUDA only
 
     def comm_shape(self, topk: int, split_width: int) -> tuple[int, int]:
         """(TMc, TNc) of the communication tile for this top-k and split width."""
@@ -94,8 +93,10 @@ class TileConfig:
         return max(1, self.comm_rows // slots), min(self.comm_tn, 1 << max(0, (split_width - 1).bit_length()))
 
 
-#: Hopper defaults, chosen by `tools/tune_tiles.py` on H200 (docs/RESULTS.md).
-GPU_TILES = TileConfig(128, 128, 64, 4, 3, 64, 1024, 32)
+#: Hopper defaults, chosen with `tools/tune_tiles.py` and `tools/try_overlap.py` on H200
+#: (docs/RESULTS.md): 32-warp GatherRS CTAs (one per SM, so R(C) = C holds), each
+#: gathering 256 rows x 1024 columns per item, one top-k slot at a time.
+GPU_TILES = TileConfig(128, 128, 64, 4, 3, 256, 1024, 32)
 _TILES_ENV = "MEGATRON_OVERLAP_TILES"
 
 

@@ -24,7 +24,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from ..kernels import gemm2
 from ..kernels.gather_rs import combine_table
+from ..kernels.routing_table import launch_routing_table
 from ..planner import Workload, expert_row_tiles
 from .buffer import OverlapBuffer
 from .config import OverlapConfig, default_splits, resolve_backend
@@ -58,6 +60,16 @@ def _host_counts(tokens_per_expert, rows: int, experts: int):
         raise ValueError(f"tokens_per_expert must have {experts} entries (one per local "
                          f"expert), got {len(counts)}")
     return counts, torch.tensor(counts, dtype=torch.int64)
+
+
+def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without making the host wait for the stream (a
+    pageable copy would: it synchronizes with all queued work)."""
+    if t.device == device:
+        return t
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
 
 
 def validate(x, weight, counts, token_index, num_tokens, topk, probs, world):
@@ -97,6 +109,12 @@ def validate(x, weight, counts, token_index, num_tokens, topk, probs, world):
         most = int(torch.bincount(token_index, minlength=num_tokens).max())
         if most > topk:
             raise ValueError(f"a token has {most} rows but topk is {topk}")
+        if counts is not None:  # Megatron's permutation order (on CUDA the kernel checks)
+            expert = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+            key = expert * num_tokens + token_index.long()
+            if not bool((key[1:] > key[:-1]).all()):
+                raise ValueError("token_index must list each expert's rows with tokens in "
+                                 "strictly ascending order (Megatron-Core's permutation order)")
 
 
 def grouped_mm(a: torch.Tensor, b: torch.Tensor, counts_dev: torch.Tensor,
@@ -241,7 +259,10 @@ def gemm2_gather_rs(
         tokens_per_expert: [E] rows per local expert: a host list / CPU tensor (exact
             planning) or a CUDA tensor (the planner's normalized-load estimate, no sync).
         token_index: [T] int, the global token (0..M-1) of each row (Megatron's
-            `reversed_local_input_permutation_mapping`).
+            `reversed_local_input_permutation_mapping`), in Megatron's permutation
+            order: strictly ascending inside each expert's rows. Checked on CPU at the
+            call; on CUDA by the routing-table kernel, raised (ValueError) at the next
+            call or `OverlapBuffer.check()` (at once with `sync_errors=True`).
         num_tokens: M, tokens of the whole group; must be divisible by the group size.
         topk: most rows a token can have on this rank (the router's top-k).
         probs: optional [T] weight of each row, applied before the combine (Megatron
@@ -298,18 +319,24 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
     num_splits = splits or config.splits
     if num_splits is not None and num_splits > hidden:
         raise ValueError(f"splits ({num_splits}) must be <= hidden ({hidden})")
-    table = combine_table(token_index.to(torch.int64), num_tokens, topk)
-    launch = Launch(config, backend, group, world, rank, counts, counts_dev.to(x.device),
-                    table, None, None, {})
-    if backend == "reference":
-        return launch
+    counts_dev = _to_device(counts_dev, x.device)
+    if backend == "reference":  # the baseline builds its table with torch alone
+        table = combine_table(token_index.to(torch.int64), num_tokens, topk)
+        return Launch(config, backend, group, world, rank, counts, counts_dev, table, None,
+                      None, {})
     if x.shape[1] * x.element_size() % 16:
         raise ValueError(f"the {backend} backend needs 16-byte rows for its tensor "
                          f"descriptors: K * itemsize = {x.shape[1]} * {x.element_size()} "
                          f"is not a multiple of 16 (K % 8 == 0 for bf16)")
-    buf = launch.buffer = OverlapBuffer.get(group, x.device, backend)
+    buf = OverlapBuffer.get(group, x.device, backend)
     buf.check(sync=False)
     tiles = config.tiles or buf.default_tiles()
+    # expert row / tile offsets (from the host counts without device work when known)
+    # and the combine table in one kernel that also checks the row order
+    offsets = (gemm2.expert_offsets_host(counts, tiles.block_m, x.device) if counts is not None
+               else gemm2.expert_offsets(counts_dev, tiles.block_m))
+    table = launch_routing_table(token_index, offsets[0], num_tokens, topk, buf.error)
+    launch = Launch(config, backend, group, world, rank, counts, counts_dev, table, buf, None, {})
     # W_comp reads only sum_e ceil(M_e / TM): reduce the counts once for every L tried.
     # With counts only on the device: section III-E, the T rows spread evenly.
     row_counts = counts if counts is not None else Workload.from_total(
@@ -328,6 +355,7 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
         if best is None or plan.predicted < best[0].predicted * (1 - 1e-9):
             best = (plan, kwargs)
     launch.plan, launch.kwargs = best
+    launch.kwargs["offsets"] = offsets
     buf.ensure(num_tokens // world, hidden, config.partial_dtype or x.dtype)
     _log_decision(launch, num_tokens, hidden, x.shape[1])
     return launch

@@ -1,0 +1,109 @@
+"""The combine table in one kernel: for every token, the rows of y that belong to it.
+
+    table[t, :] = the rows j with token_index[j] == t, in ascending j, -1 padded to top-k
+
+GEMM2's rows come grouped by local expert (rows [row_start[e], row_start[e+1]) belong
+to expert e) and, inside an expert, in ascending token order: the order of
+Megatron-Core's `permute` (a masked_select over the [experts, tokens] routing map).
+A token has at most one row per expert, so each of its rows is found by a binary
+search of the token in one expert's segment: program p takes BLOCK_T tokens x every
+local expert, searches all of them at once, and a running count over the experts gives
+each found row its slot. Expert order is row order, so the slots come out in ascending
+row order: the same table as `gather_rs.combine_table` (the pure-torch reference,
+an argsort) and therefore the same fp32 sum order in GatherRS.
+
+One launch instead of the reference's ten small torch ops, and no host sync: this
+runs on the host's critical path after the dispatcher's sync in every MoE layer.
+
+The order is the kernel's input contract; the same program also checks it for a
+slice of the rows (token_index[j] < token_index[j+1] inside every segment) and
+records ERR_UNSORTED in the error word on a violation, which the host raises as a
+ValueError at its next check: a wrong order cannot pass silently.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+ERR_UNSORTED = 3
+
+
+@triton.jit(do_not_specialize=["num_rows", "num_tokens", "topk", "num_experts"])
+def routing_table_kernel(
+    token_index_ptr, row_start_ptr, table_ptr, error_ptr,
+    num_rows, num_tokens, topk, num_experts,
+    BLOCK_T: tl.constexpr, EXPERTS_POW2: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+    TOPK_POW2: tl.constexpr, CHECK_ROWS: tl.constexpr, EXPERT_STEPS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    tokens = pid * BLOCK_T + tl.arange(0, BLOCK_T)
+    experts = tl.arange(0, EXPERTS_POW2)
+    known = experts < num_experts
+    begin = tl.load(row_start_ptr + experts, mask=known, other=0)
+    end = tl.load(row_start_ptr + experts + 1, mask=known, other=0)
+    want = tokens[:, None] + experts[None, :] * 0  # [T, E]
+    lo = begin[None, :] + want * 0
+    hi = end[None, :] + want * 0
+    # lower_bound of each token in each expert's segment, all [T, E] searches in step
+    for _ in range(SEARCH_STEPS):
+        active = lo < hi
+        mid = (lo + hi) // 2
+        seen = tl.load(token_index_ptr + mid, mask=active, other=0)
+        right = active & (seen < want)
+        lo = tl.where(right, mid + 1, lo)
+        hi = tl.where(active & (seen >= want), mid, hi)
+    inside = lo < end[None, :]
+    found = inside & (tl.load(token_index_ptr + lo, mask=inside, other=-1) == want)
+    slot = tl.cumsum(found.to(tl.int32), axis=1) - 1  # rank among the token's rows
+    ok = tokens < num_tokens
+    for s in tl.static_range(TOPK_POW2):
+        row = tl.max(tl.where(found & (slot == s), lo, -1), axis=1)
+        tl.store(table_ptr + tokens.to(tl.int64) * topk + s, row, mask=ok & (s < topk))
+    # the contract, for this program's share of the rows: tokens in [0, M), strictly
+    # ascending inside each expert's segment
+    rows = pid * CHECK_ROWS + tl.arange(0, CHECK_ROWS)
+    real = rows < num_rows
+    pair = rows + 1 < num_rows
+    a = tl.load(token_index_ptr + rows, mask=real, other=0)
+    b = tl.load(token_index_ptr + rows + 1, mask=pair, other=num_tokens)
+    # row+1 starts a segment iff it equals some row_start[e]: lower_bound over row_start
+    nxt = rows + 1
+    slo = rows * 0
+    shi = slo + num_experts + 1
+    for _ in range(EXPERT_STEPS):
+        act = slo < shi
+        mid = (slo + shi) // 2
+        val = tl.load(row_start_ptr + mid, mask=act, other=0)
+        slo = tl.where(act & (val < nxt), mid + 1, slo)
+        shi = tl.where(act & (val >= nxt), mid, shi)
+    starts = tl.load(row_start_ptr + slo, mask=slo <= num_experts, other=-1) == nxt
+    bad = (real & ((a < 0) | (a >= num_tokens))) | (pair & (a >= b) & ~starts)
+    if tl.max(bad.to(tl.int32), axis=0) > 0:
+        tl.atomic_cas(error_ptr, 0, ERR_UNSORTED << 24)
+
+
+def launch_routing_table(token_index: torch.Tensor, row_start: torch.Tensor, num_tokens: int,
+                         topk: int, error: torch.Tensor) -> torch.Tensor:
+    """[M, topk] int32 table from rows grouped by expert, ascending token inside each.
+
+    token_index [T] (int32/int64), row_start [E+1] int32 on the same device; `error` is
+    an int32 word that receives ERR_UNSORTED << 24 if the order does not hold.
+    """
+    table = torch.empty(num_tokens, topk, dtype=torch.int32, device=token_index.device)
+    rows, experts = token_index.numel(), row_start.numel() - 1
+    if num_tokens == 0:
+        return table
+    if rows == 0 or experts == 0:
+        return table.fill_(-1)
+    experts_pow2 = triton.next_power_of_2(experts)
+    block_t = max(1, min(128, 4096 // experts_pow2))
+    programs = triton.cdiv(num_tokens, block_t)
+    check_rows = triton.next_power_of_2(triton.cdiv(rows, programs))
+    routing_table_kernel[(programs,)](
+        token_index, row_start, table, error, rows, num_tokens, topk, experts,
+        BLOCK_T=block_t, EXPERTS_POW2=experts_pow2, SEARCH_STEPS=rows.bit_length(),
+        TOPK_POW2=triton.next_power_of_2(topk), CHECK_ROWS=check_rows,
+        EXPERT_STEPS=(experts + 1).bit_length(), num_warps=4)
+    return table

@@ -1,0 +1,99 @@
+"""Host (CPU) microseconds per call of each step of one operator launch.
+
+    torchrun --nproc-per-node 1 tools/host_overhead.py --json out/host.json
+
+In a Megatron forward the host syncs once per MoE layer (the dispatcher's expert
+counts), so every microsecond the operator spends on the host after that point is a
+microsecond the GPU waits. Each step is called `--reps` times without synchronizing
+(the GPU work queues up) and the median host time per call is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+from benchlib import env_info, smoke_setup, write_json  # noqa: E402
+from workloads import OpCase, rank_inputs  # noqa: E402
+
+from megatron_overlap.kernels import gather_rs as grs  # noqa: E402
+from megatron_overlap.kernels import gemm2  # noqa: E402
+from megatron_overlap.kernels.routing_table import launch_routing_table  # noqa: E402
+from megatron_overlap.ops import OverlapConfig, gemm2_gather_rs  # noqa: E402
+from megatron_overlap.ops.op import prepare  # noqa: E402
+
+
+def host_us(fn, reps: int) -> float:
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append((time.perf_counter() - t0) * 1e6)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return round(statistics.median(ts), 1)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="qwen")
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--json", default="")
+    ap.add_argument("--smoke", action="store_true")
+    args = ap.parse_args()
+    backend, device = smoke_setup(args)
+    group = dist.group.WORLD
+    inp = rank_inputs(OpCase(args.model, "TP2EP1", args.seq, "uniform"), dist.get_rank(), device)
+    run = dict(x=inp["x"], weight=inp["weight"], tokens_per_expert=inp["counts_list"],
+               token_index=inp["token_index"], num_tokens=inp["tokens"], topk=inp["topk"],
+               probs=None, group=group)
+    cfg = OverlapConfig(backend=backend)
+    ref = OverlapConfig(backend="reference")
+    launch = prepare(**run, config=cfg)
+    for _ in range(3):
+        gemm2_gather_rs(**run, config=cfg)
+        gemm2_gather_rs(**run, config=ref)
+    buf, kw = launch.buffer, launch.kwargs
+    out = torch.empty(inp["tokens"] // launch.world, inp["hidden"], dtype=inp["x"].dtype,
+                      device=device)
+    counts = inp["counts_list"]
+    y = torch.randn(inp["x"].shape[0], inp["hidden"], device=device).to(inp["x"].dtype)
+    steps = {
+        "whole op (ours)": lambda: gemm2_gather_rs(**run, config=cfg),
+        "whole op (reference)": lambda: gemm2_gather_rs(**run, config=ref),
+        "prepare": lambda: prepare(**run, config=cfg),
+        "combine_table (torch, the reference's)": lambda: grs.combine_table(
+            inp["token_index"], inp["tokens"], inp["topk"]),
+        "routing_table kernel": lambda: launch_routing_table(
+            inp["token_index"], kw["offsets"][0], inp["tokens"], inp["topk"], buf.error),
+        "expert_offsets_host": lambda: gemm2.expert_offsets_host(counts, 128, device),
+        "buffer.launch (3 kernels)": lambda: buf.launch(
+            inp["x"], inp["weight"], launch.counts_dev, launch.table, None, out,
+            plan=launch.plan, **kw),
+        "buffer.launch GEMM2 only": lambda: buf.launch(
+            inp["x"], inp["weight"], launch.counts_dev, launch.table, None, out,
+            plan=launch.plan, phases=("gemm2",), **kw),
+        "buffer.launch GatherRS only": lambda: buf.launch(
+            inp["x"], inp["weight"], launch.counts_dev, launch.table, None, out,
+            plan=launch.plan, phases=("comm",), y=y, **kw),
+        "torch.empty": lambda: torch.empty(inp["x"].shape[0], inp["hidden"], device=device),
+    }
+    res = {name: host_us(fn, args.reps) for name, fn in steps.items()}
+    if dist.get_rank() == 0:
+        for name, us in res.items():
+            print(f"host {name:<28} {us:9.1f} us")
+        write_json(args.json, dict(env=env_info(), command=" ".join(sys.argv), host_us=res))
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
