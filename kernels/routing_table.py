@@ -81,7 +81,7 @@ def routing_table_kernel(
     starts = tl.load(row_start_ptr + slo, mask=slo <= num_experts, other=-1) == nxt
     bad = (real & ((a < 0) | (a >= num_tokens))) | (pair & (a >= b) & ~starts)
     if tl.max(bad.to(tl.int32), axis=0) > 0:
-        tl.atomic_cas(error_ptr, 0, ERR_UNSORTED << 24)
+        tl.atomic_cas(error_ptr, 0, 3 << 24)  # ERR_UNSORTED (jit code sees no globals)
 
 
 def launch_routing_table(token_index: torch.Tensor, row_start: torch.Tensor, num_tokens: int,
