@@ -51,7 +51,7 @@ for s in "$@"; do
         stage bench_all_$lay ${BENCH_SECS:-170} $TR "$REPO/tools/bench_op.py" \
           --model granite,qwen,deepseek --layout $lay --seqs 1024,4096,16384 \
           --routing uniform,p90 --cset 1,2,3,4,6,8,12,16,20,24,28,32,40,48 \
-          --samples 10 --warmup 2 --preset "$OUT/h200.json" --json "$OUT/op_all_$lay.json"; done ;;
+          --samples 10 --warmup 2 --preset "${PRESET:-$OUT/h200.json}" --json "$OUT/op_all_$lay.json"; done ;;
     host) stage host 60 $TR "$REPO/tools/host_overhead.py" --json "$OUT/host_TP2EP1.json" ;;
     layers) for lay in "2 1" "1 2"; do set -- $lay
         stage layer_TP$1EP$2 100 $TR "$REPO/tools/bench_layer.py" --models granite,qwen,deepseek \
