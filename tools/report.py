@@ -141,13 +141,34 @@ def plots(rows, out_dir, tag):
     plt.close(fig)
 
 
-def prefill_section(prefill, out_dir) -> str:
+def layer_section(tag, layer) -> str:
+    lines = [f"### MoE layer, {tag} (tools/bench_layer.py)\n", "| model | layout | S | stock ms "
+             "[95% CI] | overlap ms [95% CI] | speedup | C, L, P | rel. err |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in layer:
+        st = r["stats"]
+        lines.append(
+            f"| {r['model']} | TP{r['tp']}EP{r['ep']} | {r['seq']} | "
+            f"{st['stock']['median']:.3f} [{st['stock']['ci_low']:.3f}, "
+            f"{st['stock']['ci_high']:.3f}] | {st['overlap']['median']:.3f} "
+            f"[{st['overlap']['ci_low']:.3f}, {st['overlap']['ci_high']:.3f}] | "
+            f"{r['speedup']:.2f}x | {r['decision']} | {r['rel_err']:.1e} |")
+    lines.append(f"\ngeomean speedup: {geomean([r['speedup'] for r in layer]):.2f}x over "
+                 f"{len(layer)} workloads (min {min(r['speedup'] for r in layer):.2f}x); "
+                 f"{layer[0]['_env'].get('gpu')}, torch {layer[0]['_env'].get('torch')}, "
+                 f"triton {layer[0]['_env'].get('triton')}\n")
+    return "\n".join(lines)
+
+
+def prefill_section(tag, prefill, out_dir) -> str:
     """Table, geomeans and a speedup-vs-S plot of complete-model prefill runs."""
-    lines = ["### Complete-model prefill (python -m megatron_overlap.mcore.prefill --abba)\n",
+    lines = [f"### Complete-model prefill, {tag} (python -m megatron_overlap.mcore.prefill "
+             "--abba)\n",
              "| model | layout | B x S | stock ms [95% CI] | overlap ms [95% CI] | speedup |",
              "|---|---|---|---|---|---|"]
     for r in sorted(prefill, key=lambda r: (r["model"], r["tp"], r["ep"], r["seq"])):
-        head = f"| {r['model']} | TP{r['tp']}EP{r['ep']} | {r['batch']}x{r['seq']} | "
+        head = (f"| {r['model']} | TP{r['tp']}EP{r['ep']} | {r['batch']}x{r['seq']}"
+                + ("*" if "source" in r else "") + " | ")
         if r.get("oom"):
             lines.append(head + "OOM | OOM | - |")
             continue
@@ -155,6 +176,9 @@ def prefill_section(prefill, out_dir) -> str:
         lines.append(head + f"{st['median_ms']:.2f} [{st['ci95_ms'][0]:.2f}, {st['ci95_ms'][1]:.2f}]"
                      f" | {ov['median_ms']:.2f} [{ov['ci95_ms'][0]:.2f}, "
                      f"{ov['ci95_ms'][1]:.2f}] | {r['speedup']:.3f}x |")
+    if any("source" in r for r in prefill):
+        lines.append("\n\\* parsed from the run's printed report (its JSON did not come back "
+                     "from the device machine; see the file's `source`)")
     done = [r for r in prefill if not r.get("oom")]
     groups = sorted({(r["model"], r["tp"], r["ep"]) for r in done})
     lines.append("\n| model | layout | geomean speedup (all S) | (S >= 4096) | min |")
@@ -186,9 +210,9 @@ def prefill_section(prefill, out_dir) -> str:
     axes[1].axhline(1.0, color="gray", lw=0.8)
     axes[1].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, "prefill_speedup.png"))
+    fig.savefig(os.path.join(out_dir, f"prefill_{tag}_speedup.png"))
     plt.close(fig)
-    lines.append("\n![prefill](prefill_speedup.png)")
+    lines.append(f"\n![prefill](prefill_{tag}_speedup.png)")
     return "\n".join(lines) + "\n"
 
 
@@ -210,30 +234,20 @@ def main() -> int:
                      f"NCCL {env.get('nccl')}, {env.get('time')}\n\n"
                      f"{summary(rows)}\n\n{op_table(rows)}\n\n"
                      f"![latency]({tag}_latency.png)\n![curves]({tag}_curves.png)\n")
-    layer = load(os.path.join(args.data, "layer_*.json"))
-    if layer:
-        lines = ["### MoE layer (tools/bench_layer.py)\n", "| model | layout | S | stock ms "
-                 "[95% CI] | overlap ms [95% CI] | speedup | C, L, P | rel. err |",
-                 "|---|---|---|---|---|---|---|---|"]
-        for r in layer:
-            st = r["stats"]
-            lines.append(
-                f"| {r['model']} | TP{r['tp']}EP{r['ep']} | {r['seq']} | "
-                f"{st['stock']['median']:.3f} [{st['stock']['ci_low']:.3f}, "
-                f"{st['stock']['ci_high']:.3f}] | {st['overlap']['median']:.3f} "
-                f"[{st['overlap']['ci_low']:.3f}, {st['overlap']['ci_high']:.3f}] | "
-                f"{r['speedup']:.2f}x | {r['decision']} | {r['rel_err']:.1e} |")
-        lines.append(f"\ngeomean speedup: {geomean([r['speedup'] for r in layer]):.2f}x over "
-                     f"{len(layer)} workloads; {layer[0]['_env'].get('gpu')}, torch "
-                     f"{layer[0]['_env'].get('torch')}, triton {layer[0]['_env'].get('triton')}\n")
-        parts.append("\n".join(lines))
-    prefill = []
-    for path in sorted(glob.glob(os.path.join(args.data, "prefill_*.json"))):
-        with open(path) as f:
-            data = json.load(f)
-        prefill.extend(data if isinstance(data, list) else [data])  # a --seqs sweep is a list
-    if prefill:
-        parts.append(prefill_section(prefill, args.out))
+    for tag in sorted({os.path.basename(p).rsplit("_", 1)[0]
+                       for p in glob.glob(os.path.join(args.data, "layer_*_*.json"))}):
+        layer = load(os.path.join(args.data, f"{tag}_*.json"))
+        if layer:
+            parts.append(layer_section(tag, layer))
+    for tag in sorted({os.path.basename(p).split("_")[1]
+                       for p in glob.glob(os.path.join(args.data, "prefill_*_*_*.json"))}):
+        prefill = []
+        for path in sorted(glob.glob(os.path.join(args.data, f"prefill_{tag}_*.json"))):
+            with open(path) as f:
+                data = json.load(f)
+            prefill.extend(data if isinstance(data, list) else [data])  # --seqs: a list
+        if prefill:
+            parts.append(prefill_section(tag, prefill, args.out))
     with open(os.path.join(args.out, "results_tables.md"), "w") as f:
         f.write("<!-- generated by tools/report.py; do not edit -->\n\n" + "\n".join(parts))
     print(f"wrote {args.out}/results_tables.md ({len(parts)} sections)")
