@@ -19,7 +19,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from benchlib import abba, add_run_args, env_info, smoke_setup, summarize, write_json  # noqa: E402
+from benchlib import (abba, add_run_args, env_info,  # noqa: E402
+                      smoke_setup, summarize, without_samples, write_json)
 from tune_tiles import tiles_from_json  # noqa: E402
 from workloads import OpCase, rank_inputs  # noqa: E402
 
@@ -130,8 +131,7 @@ def main() -> int:
         row = dict(case=case.label(), model=model, layout=case.layout, seq=seq,
                    routing=routing, skew=inp["skew"], rel_err=err, gemm_flops=gemm_flops,
                    oracle_c=oracle_c, oracle_ms=sweep[oracle_c], **facts,
-                   stats={n: {k: v for k, v in s.items() if k != "samples"}
-                          for n, s in stats.items()},
+                   stats=without_samples(stats),
                    samples={n: s["samples"] for n, s in stats.items()})
         results.append(row)
         if rank == 0:

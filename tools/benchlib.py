@@ -151,3 +151,8 @@ def write_json(path: str, payload: dict) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump(payload, f, indent=1)
+
+
+def without_samples(stats: dict) -> dict:
+    """`summarize` output for a JSON file: every statistic but the raw samples."""
+    return {n: {k: v for k, v in s.items() if k != "samples"} for n, s in stats.items()}

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 from benchlib import env_info, smoke_setup, write_json  # noqa: E402
-from workloads import OpCase, rank_inputs  # noqa: E402
+from workloads import OpCase, op_kwargs, rank_inputs  # noqa: E402
 
 from megatron_overlap.kernels import gather_rs as grs  # noqa: E402
 from megatron_overlap.kernels import gemm2  # noqa: E402
@@ -52,9 +52,7 @@ def main() -> int:
     backend, device = smoke_setup(args)
     group = dist.group.WORLD
     inp = rank_inputs(OpCase(args.model, "TP2EP1", args.seq, "uniform"), dist.get_rank(), device)
-    run = dict(x=inp["x"], weight=inp["weight"], tokens_per_expert=inp["counts_list"],
-               token_index=inp["token_index"], num_tokens=inp["tokens"], topk=inp["topk"],
-               probs=None, group=group)
+    run = op_kwargs(inp, group)
     cfg = OverlapConfig(backend=backend)
     ref = OverlapConfig(backend="reference")
     launch = prepare(**run, config=cfg)

@@ -14,7 +14,8 @@ import sys
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from benchlib import abba, add_run_args, smoke_setup, summarize, write_json  # noqa: E402
+from benchlib import (abba, add_run_args, smoke_setup,  # noqa: E402
+                      summarize, without_samples, write_json)
 from tune_tiles import phase  # noqa: E402
 from workloads import OpCase, rank_inputs  # noqa: E402
 
@@ -46,8 +47,7 @@ def main() -> int:
     if dist.get_rank() == 0:
         for n, s in stats.items():
             print(f"{n:<28} {s['median']:.3f} ms [{s['ci_low']:.3f}, {s['ci_high']:.3f}]")
-        write_json(args.json, {n: {k: v for k, v in s.items() if k != "samples"}
-                               for n, s in stats.items()})
+        write_json(args.json, without_samples(stats))
     return 0
 
 

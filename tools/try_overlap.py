@@ -23,9 +23,10 @@ import sys
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from benchlib import abba, env_info, smoke_setup, summarize, write_json  # noqa: E402
+from benchlib import (abba, env_info, smoke_setup,  # noqa: E402
+                      summarize, without_samples, write_json)
 from tune_tiles import comm_name, phase  # noqa: E402
-from workloads import OpCase, rank_inputs  # noqa: E402
+from workloads import OpCase, op_kwargs, rank_inputs  # noqa: E402
 
 from megatron_overlap.ops import OverlapConfig, gemm2_gather_rs  # noqa: E402
 from megatron_overlap.ops.config import GPU_TILES, INTERPRET_TILES  # noqa: E402
@@ -104,9 +105,7 @@ def main() -> int:
     pol = {}
     for model in models:
         inp = rank_inputs(OpCase(model, "TP2EP1", args.seq, "uniform"), dist.get_rank(), device)
-        run = dict(x=inp["x"], weight=inp["weight"], tokens_per_expert=inp["counts_list"],
-                   token_index=inp["token_index"], num_tokens=inp["tokens"],
-                   topk=inp["topk"], probs=None, group=group)
+        run = op_kwargs(inp, group)
         ref = OverlapConfig(backend="reference" if backend == "triton" else backend)
         pol[f"{model} reference"] = lambda run=run, ref=ref: gemm2_gather_rs(**run, config=ref)
         for t in variants:
@@ -133,8 +132,7 @@ def main() -> int:
         for n, s in stats.items():
             print(f"{n:<58} {s['median']:.3f} ms [{s['ci_low']:.3f}, {s['ci_high']:.3f}]")
         write_json(args.json, dict(env=env_info(), command=" ".join(sys.argv),
-                                   stats={n: {k: v for k, v in s.items() if k != "samples"}
-                                          for n, s in stats.items()}))
+                                   stats=without_samples(stats)))
     dist.destroy_process_group()
     return 0
 

@@ -15,7 +15,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from benchlib import abba, env_info, smoke_setup, summarize, write_json  # noqa: E402
+from benchlib import (abba, env_info, smoke_setup,  # noqa: E402
+                      summarize, without_samples, write_json)
 from workloads import OpCase, rank_inputs  # noqa: E402
 
 from megatron_overlap.ops import OverlapConfig  # noqa: E402
@@ -156,8 +157,7 @@ def main() -> int:
                 print(f"{name:<42} FAILED {i['error']}")
         write_json(args.json, dict(env=env_info(), command=" ".join(sys.argv), best=best,
                                    info=info,
-                                   stats={n: {k: v for k, v in s.items() if k != "samples"}
-                                          for n, s in stats.items()}))
+                                   stats=without_samples(stats)))
     dist.destroy_process_group()
     return 0
 

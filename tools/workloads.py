@@ -56,3 +56,10 @@ def rank_inputs(case: OpCase, rank: int, device, dtype=torch.bfloat16, seed: int
                 counts_list=counts.tolist(), token_index=token_index.to(device),
                 tokens=case.tokens, topk=shape.topk, hidden=shape.hidden, ffn=k_rank,
                 world=tp * ep, skew=skew)
+
+
+def op_kwargs(inp: dict, group) -> dict:
+    """Keyword arguments of `gemm2_gather_rs` / `prepare` for `rank_inputs` output."""
+    return dict(x=inp["x"], weight=inp["weight"], tokens_per_expert=inp["counts_list"],
+                token_index=inp["token_index"], num_tokens=inp["tokens"], topk=inp["topk"],
+                probs=None, group=group)

@@ -1,0 +1,75 @@
+"""The pieces of the evaluation tools that decide what is reported: fits, sweeps, tables."""
+
+import argparse
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
+
+import calibrate  # noqa: E402
+import report  # noqa: E402
+from megatron_overlap.mcore import prefill  # noqa: E402
+
+
+def test_calibration_fit_recovers_wave_time_intercept_and_saturation():
+    w, splits, t0, wave = 128, 2, 0.3, 0.02
+    times = {c: t0 + wave * splits * math.ceil(w / c) for c in range(1, 65)}
+    fit_t0, fit_wave, c_sat = calibrate.fit_saturation(times, w, splits)
+    assert fit_t0 == pytest.approx(t0, rel=1e-6) and fit_wave == pytest.approx(wave, rel=1e-6)
+    # the planner's form: t(C) = t_wave * L * (ceil(W/C) + W/C_sat)
+    assert c_sat == pytest.approx(wave * splits * w / t0)
+    no_floor = {c: wave * splits * math.ceil(w / c) for c in range(1, 65)}
+    assert calibrate.fit_saturation(no_floor, w, splits)[2] is None
+
+
+def test_calibration_fit_refuses_times_that_do_not_fall_with_c():
+    with pytest.raises(RuntimeError, match="do not fall"):
+        calibrate.fit_saturation({1: 1.0, 2: 1.1, 4: 1.2}, 64, 1)
+
+
+def _result(model, seq, speedup, oom=False):
+    base = dict(model=model, tp=2, ep=1, batch=4, seq=seq)
+    if oom:
+        return dict(base, oom=True, policies={})
+    pol = dict(median_ms=10.0, ci95_ms=[9.0, 11.0])
+    return dict(base, speedup=speedup, policies=dict(stock=pol, overlap=pol))
+
+
+def test_report_prefill_section_keeps_oom_rows_and_geomeans_over_the_rest(tmp_path):
+    rows = [_result("qwen", 1024, 0.9), _result("qwen", 4096, 1.1),
+            _result("qwen", 16384, 1.21), _result("qwen", 8192, 0, oom=True)]
+    text = report.prefill_section("t", rows, str(tmp_path))
+    assert "| qwen | TP2EP1 | 4x8192 | OOM | OOM | - |" in text
+    big = math.sqrt(1.1 * 1.21)
+    assert f"| qwen | TP2EP1 | {(0.9 * 1.1 * 1.21) ** (1 / 3):.3f}x | {big:.3f}x | 0.900x |" in text
+
+
+def test_prefill_sweep_records_an_out_of_memory_length_and_goes_on(monkeypatch):
+    class Model(torch.nn.Module):
+        vocab_size = 8
+
+    monkeypatch.setattr(prefill, "_setup", lambda args: torch.device("cpu"))
+    monkeypatch.setattr(prefill, "build_model", lambda *a, **k: Model())
+    monkeypatch.setattr(prefill.dist, "get_world_size", lambda: 1)
+
+    def run_seq(args, model, seq, overlap, device):
+        if seq == 64:
+            raise torch.OutOfMemoryError("too long")
+        return dict(seq=seq, policies={"stock": {}})
+
+    monkeypatch.setattr(prefill, "_run_seq", run_seq)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    args = prefill.parse_args(["--model", "qwen", "--seqs", "16,64,32"])
+    results = prefill.run_all(args)
+    assert [r["seq"] for r in results] == [16, 64, 32]
+    assert results[1]["oom"] and not results[2].get("oom")
+
+
+@pytest.mark.parametrize("bad", ["16,x", "0,16"])
+def test_prefill_rejects_bad_sequence_lists(bad):
+    with pytest.raises((ValueError, argparse.ArgumentError)):
+        prefill.parse_args(["--seqs", bad])
