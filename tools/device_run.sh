@@ -50,7 +50,7 @@ for s in "$@"; do
     bench_all) for lay in TP2EP1 TP1EP2; do
         stage bench_all_$lay ${BENCH_SECS:-170} $TR "$REPO/tools/bench_op.py" \
           --model granite,qwen,deepseek --layout $lay --seqs 1024,4096,16384 \
-          --routing uniform,p90 --cset 1,2,3,4,6,8,12,16,20,24,28,32,40,48 \
+          --routing ${ROUTING:-uniform,p90} --cset 1,2,3,4,6,8,12,16,20,24,28,32,40,48 \
           --samples 10 --warmup 2 --preset "${PRESET:-$OUT/h200.json}" --json "$OUT/op_all_$lay.json"; done ;;
     host) stage host 60 $TR "$REPO/tools/host_overhead.py" --json "$OUT/host_TP2EP1.json" ;;
     layers) for lay in "2 1" "1 2"; do set -- $lay
