@@ -139,6 +139,29 @@ def plots(rows, out_dir, tag):
     fig.tight_layout()
     fig.savefig(os.path.join(out_dir, f"{tag}_curves.png"))
     plt.close(fig)
+    # speedup over the reference and regret against S, every routing
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), dpi=110)
+    for m in models:
+        for lay in layouts:
+            for rt in sorted({r["routing"] for r in rows}):
+                sel = sorted([r for r in rows if (r["model"], r["layout"], r["routing"])
+                              == (m, lay, rt)], key=lambda r: r["seq"])
+                if not sel:
+                    continue
+                s = [r["seq"] for r in sel]
+                label = f"{m} {lay} {rt}"
+                axes[0].plot(s, [r["ref"] / r["ours"] for r in sel], "o-", label=label)
+                axes[1].plot(s, [100 * r["regret"] for r in sel], "o-", label=label)
+    for ax, ylabel in zip(axes, ("speedup over the reference", "regret (%)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("S (B = 4)")
+        ax.set_ylabel(ylabel)
+    axes[0].axhline(1.0, color="gray", lw=0.8)
+    axes[1].axhline(2.0, color="gray", lw=0.8, ls=":")
+    axes[1].legend(fontsize=6, ncol=2)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out_dir, f"{tag}_speedup_regret.png"))
+    plt.close(fig)
 
 
 def layer_section(tag, layer) -> str:
@@ -233,7 +256,8 @@ def main() -> int:
                      f"{env.get('torch')}, triton {env.get('triton')}, CUDA {env.get('cuda')}, "
                      f"NCCL {env.get('nccl')}, {env.get('time')}\n\n"
                      f"{summary(rows)}\n\n{op_table(rows)}\n\n"
-                     f"![latency]({tag}_latency.png)\n![curves]({tag}_curves.png)\n")
+                     f"![latency]({tag}_latency.png)\n![curves]({tag}_curves.png)\n"
+                     f"![speedup and regret]({tag}_speedup_regret.png)\n")
     for tag in sorted({os.path.basename(p).rsplit("_", 1)[0]
                        for p in glob.glob(os.path.join(args.data, "layer_*_*.json"))}):
         layer = load(os.path.join(args.data, f"{tag}_*.json"))
