@@ -61,21 +61,27 @@ for s in "$@"; do
           --model $m --tp $1 --ep $2 --batch 4 --seqs ${PREFILL_SEQS:-1024,2048,4096,8192,16384} \
           --iters 4 --warmup 1 --abba --json "$OUT/prefill_${m}_TP$1EP$2.json"; done; done ;;
     x4_op) for lay in TP4EP1 TP2EP2 TP1EP4; do
-        stage x4_op_$lay 60 torchrun --nproc-per-node 4 "$REPO/tools/bench_op.py" \
-          --model granite,qwen,deepseek --layout $lay --seqs ${X4_SEQS:-1024,4096,16384} \
-          --routing p90 --cset 2,4,8,12,16,20,24,32,40,48 --samples 10 --warmup 2 \
+        stage x4_op_$lay ${X4_OP_SECS:-150} torchrun --nproc-per-node 4 "$REPO/tools/bench_op.py" \
+          --model granite,qwen,deepseek --layout $lay \
+          --seqs ${X4_SEQS:-1024,2048,4096,8192,16384} --routing ${ROUTING:-p90} \
+          --cset 2,4,8,12,16,20,24,32,40,48 --samples 10 --warmup 2 --preset "${PRESET:-h200}" \
           --json "$OUT/op_x4_$lay.json"; done ;;
-    x4_layer) stage x4_layer 80 torchrun --nproc-per-node 4 "$REPO/tools/bench_layer.py" \
-        --models granite,qwen,deepseek --tp 2 --ep 2 --seqs 4096,16384 --samples 12 \
-        --json "$OUT/layer_TP2EP2.json" ;;
-    x2_layer) stage x2_layer 75 torchrun --nproc-per-node 2 "$REPO/tools/bench_layer.py" \
-        --models granite,qwen,deepseek --tp 2 --ep 1 --seqs 4096,16384 --samples 12 \
-        --json "$OUT/layer_TP2EP1.json" ;;
-    x4_prefill) for m in ${PREFILL_MODELS:-qwen}; do
-        stage x4_prefill_$m 65 torchrun --nproc-per-node 4 -m megatron_overlap.mcore.prefill \
-          --model $m --tp 2 --ep 2 --batch 4 --seq 4096 --iters 5 --warmup 2 --abba \
-          --json "$OUT/prefill_${m}_TP2EP2.json"; done ;;
+    x4_layer) for lay in "4 1" "2 2" "1 4"; do set -- $lay
+        stage x4_layer_TP$1EP$2 100 torchrun --nproc-per-node 4 "$REPO/tools/bench_layer.py" \
+          --models granite,qwen,deepseek --tp $1 --ep $2 --seqs 4096,16384 --samples 12 \
+          --json "$OUT/layer_TP$1EP$2.json"; done ;;
+    x4_prefill) for lay in "4 1" "2 2" "1 4"; do for m in ${PREFILL_MODELS:-granite qwen deepseek}; do
+        set -- $lay
+        stage x4_prefill_${m}_TP$1EP$2 ${PREFILL_SECS:-75} torchrun --nproc-per-node 4 \
+          -m megatron_overlap.mcore.prefill --model $m --tp $1 --ep $2 --batch 4 \
+          --seqs ${PREFILL_SEQS:-1024,2048,4096,8192,16384} --iters 4 --warmup 1 --abba \
+          --json "$OUT/prefill_${m}_TP$1EP$2.json"; done; done ;;
     *) echo "unknown stage $s" ;;
   esac
 done
+# The device tool brings back a limited number of files (run 9 lost three of eleven):
+# one archive of every JSON instead (unpack with tar xzf results.tgz).
+if compgen -G "$OUT/*.json" > /dev/null; then
+  (cd "$OUT" && tar czf results.tgz ./*.json && rm -f ./*.json)
+fi
 grep -E "^===|rho_ref|^comm alone|^[a-z]+/TP|^chosen|^gemm2 |^comm rows|^torch._grouped|^torch gather|^(qwen|granite) |^torch copy|^layer |^prefill|^  (stock|overlap|speedup)|passed|failed|Error|error" "$LOG" | grep -v Warning | tail -n 80
