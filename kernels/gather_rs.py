@@ -211,27 +211,6 @@ def launch_sum_partials(recv: torch.Tensor, out: torch.Tensor, world: int,
     return kernel[grid](recv, out, numel, world, slot_stride, BLOCK=block, num_warps=num_warps)
 
 
-def combine_table(token_index: torch.Tensor, num_tokens: int, topk: int) -> torch.Tensor:
-    """[M, k] int32: the rows of y belonging to each token, in row order, -1 padded.
-
-    token_index[j] is the global token of row j (Megatron's sorted_indices). Row order
-    within a token is ascending, so the fp32 sum order is fixed by the routing alone and
-    the output does not depend on C or L. No host synchronization (a few small kernels).
-    """
-    rows = token_index.numel()
-    table = torch.full((num_tokens, topk), -1, dtype=torch.int32, device=token_index.device)
-    if rows == 0:
-        return table
-    order = torch.argsort(token_index, stable=True)
-    sorted_tokens = token_index[order]
-    # a row's slot is its rank among its token's rows: its position minus the position
-    # of the token's first row (searchsorted, not bincount: that syncs on CUDA)
-    first = torch.searchsorted(sorted_tokens, sorted_tokens)
-    slot = torch.arange(rows, device=token_index.device) - first
-    table[sorted_tokens, slot] = order.to(torch.int32)
-    return table
-
-
 def gather_rs_reference(y: torch.Tensor, token_index: torch.Tensor, num_tokens: int,
                         probs: torch.Tensor | None = None) -> torch.Tensor:
     """Pure torch, one rank: [M, N] fp32 = sum of y rows per token (times probs)."""

@@ -9,8 +9,8 @@ A token has at most one row per expert, so each of its rows is found by a binary
 search of the token in one expert's segment: program p takes BLOCK_T tokens x every
 local expert, searches all of them at once, and a running count over the experts gives
 each found row its slot. Expert order is row order, so the slots come out in ascending
-row order: the same table as `gather_rs.combine_table` (the pure-torch reference,
-an argsort) and therefore the same fp32 sum order in GatherRS.
+row order: the same table as `combine_table` below (the pure-torch reference, an
+argsort) and therefore the same fp32 sum order in GatherRS.
 
 One launch instead of the reference's ten small torch ops, and no host sync: this
 runs on the host's critical path after the dispatcher's sync in every MoE layer.
@@ -106,4 +106,25 @@ def launch_routing_table(token_index: torch.Tensor, row_start: torch.Tensor, num
         BLOCK_T=block_t, EXPERTS_POW2=experts_pow2, SEARCH_STEPS=rows.bit_length(),
         TOPK_POW2=triton.next_power_of_2(topk), CHECK_ROWS=check_rows,
         EXPERT_STEPS=(experts + 1).bit_length(), num_warps=4)
+    return table
+
+
+def combine_table(token_index: torch.Tensor, num_tokens: int, topk: int) -> torch.Tensor:
+    """[M, k] int32: the rows of y belonging to each token, in row order, -1 padded.
+
+    token_index[j] is the global token of row j (Megatron's sorted_indices). Row order
+    within a token is ascending, so the fp32 sum order is fixed by the routing alone and
+    the output does not depend on C or L. No host synchronization (a few small kernels).
+    """
+    rows = token_index.numel()
+    table = torch.full((num_tokens, topk), -1, dtype=torch.int32, device=token_index.device)
+    if rows == 0:
+        return table
+    order = torch.argsort(token_index, stable=True)
+    sorted_tokens = token_index[order]
+    # a row's slot is its rank among its token's rows: its position minus the position
+    # of the token's first row (searchsorted, not bincount: that syncs on CUDA)
+    first = torch.searchsorted(sorted_tokens, sorted_tokens)
+    slot = torch.arange(rows, device=token_index.device) - first
+    table[sorted_tokens, slot] = order.to(torch.int32)
     return table

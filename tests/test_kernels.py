@@ -45,13 +45,13 @@ def test_gemm2_publishes_every_tile_of_every_split():
 
 def test_combine_table_lists_each_tokens_rows_in_row_order():
     token_index = torch.tensor([3, 0, 3, 1, 0, 3])
-    table = grs.combine_table(token_index, num_tokens=5, topk=3)
+    table = rt.combine_table(token_index, num_tokens=5, topk=3)
     assert table.tolist() == [[1, 4, -1], [3, -1, -1], [-1, -1, -1], [0, 2, 5], [-1, -1, -1]]
 
 
 def gather_single_rank(p, y, tile_start, splits, programs, max_spins=100000, probs=None):
     tokens = int(p["token_index"].max()) + 1
-    table = grs.combine_table(p["token_index"], tokens, 3)
+    table = rt.combine_table(p["token_index"], tokens, 3)
     out = torch.full((tokens, y.shape[1]), float("nan"), dtype=y.dtype)
     dst = torch.tensor([out.data_ptr()], dtype=torch.int64)
     ready = torch.zeros(8, dtype=torch.int32)
@@ -113,7 +113,7 @@ def test_routing_table_kernel_equals_the_argsort_reference(seed, tokens, experts
     row_start, _ = gemm2.expert_offsets_host(counts, 16, "cpu")
     error = torch.zeros(1, dtype=torch.int32)
     table = rt.launch_routing_table(token_index, row_start, tokens, topk, error)
-    assert torch.equal(table, grs.combine_table(token_index, tokens, topk))
+    assert torch.equal(table, rt.combine_table(token_index, tokens, topk))
     assert int(error) == 0
 
 

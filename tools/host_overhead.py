@@ -23,9 +23,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from benchlib import env_info, smoke_setup, write_json  # noqa: E402
 from workloads import OpCase, op_kwargs, rank_inputs  # noqa: E402
 
-from megatron_overlap.kernels import gather_rs as grs  # noqa: E402
+from megatron_overlap.kernels import routing_table as rt  # noqa: E402
 from megatron_overlap.kernels import gemm2  # noqa: E402
-from megatron_overlap.kernels.routing_table import launch_routing_table  # noqa: E402
 from megatron_overlap.ops import OverlapConfig, gemm2_gather_rs  # noqa: E402
 from megatron_overlap.ops.op import prepare  # noqa: E402
 
@@ -68,9 +67,9 @@ def main() -> int:
         "whole op (ours)": lambda: gemm2_gather_rs(**run, config=cfg),
         "whole op (reference)": lambda: gemm2_gather_rs(**run, config=ref),
         "prepare": lambda: prepare(**run, config=cfg),
-        "combine_table (torch, the reference's)": lambda: grs.combine_table(
+        "combine_table (torch, the reference's)": lambda: rt.combine_table(
             inp["token_index"], inp["tokens"], inp["topk"]),
-        "routing_table kernel": lambda: launch_routing_table(
+        "routing_table kernel": lambda: rt.launch_routing_table(
             inp["token_index"], kw["offsets"][0], inp["tokens"], inp["topk"], buf.error),
         "expert_offsets_host": lambda: gemm2.expert_offsets_host(counts, 128, device),
         "buffer.launch (3 kernels)": lambda: buf.launch(

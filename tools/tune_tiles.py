@@ -22,7 +22,7 @@ from workloads import OpCase, rank_inputs  # noqa: E402
 from megatron_overlap.ops import OverlapConfig  # noqa: E402
 from megatron_overlap.ops.config import (GPU_TILES, INTERPRET_TILES, TileConfig,  # noqa: E402
                                          load_tiles)
-from megatron_overlap.kernels import gather_rs as grs  # noqa: E402
+from megatron_overlap.kernels import routing_table as rt  # noqa: E402
 from megatron_overlap.ops.op import grouped_mm, plan_cache_of, prepare  # noqa: E402
 
 GEMM_CANDIDATES = [(128, 128, 64, 4, 3, False), (128, 128, 64, 4, 3, True),
@@ -122,7 +122,7 @@ def main() -> int:
     # What the memory system gives a gather of these rows on every SM (torch), and a
     # plain copy of y: the ceilings a GatherRS CTA count is compared with.
     y_all = torch.randn(inp["x"].shape[0], inp["hidden"], device=device).to(inp["x"].dtype)
-    table = grs.combine_table(inp["token_index"], inp["tokens"], inp["topk"]).long()
+    table = rt.combine_table(inp["token_index"], inp["tokens"], inp["topk"]).long()
     safe = table.clamp(min=0)
     pol["torch gather-sum (all SMs)"] = lambda: y_all[safe].float().sum(1)
     pol["torch copy of y (all SMs)"] = lambda: y_all.clone()

@@ -25,8 +25,7 @@ import torch
 import torch.distributed as dist
 
 from ..kernels import gemm2
-from ..kernels.gather_rs import combine_table
-from ..kernels.routing_table import launch_routing_table
+from ..kernels.routing_table import combine_table, launch_routing_table
 from ..planner import Workload, expert_row_tiles
 from .buffer import OverlapBuffer
 from .config import OverlapConfig, default_splits, resolve_backend
