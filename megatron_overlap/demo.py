@@ -73,7 +73,7 @@ def _gpus() -> int:
 
 def _torchrun(nproc: int, args: list[str], env: dict) -> int:
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", *args]
-    print("$", " ".join(cmd[1:]), flush=True)
+    print("$ python", " ".join(cmd[1:]), flush=True)
     return subprocess.call(cmd, env=env, cwd=REPO)
 
 
@@ -82,8 +82,10 @@ def run_demo(nproc: int = 2, planner_only: bool = False) -> int:
     print_decision_table(get_preset("h200"), layouts=("TP2EP1", "TP1EP2"))
     if planner_only:
         return 0
+    # PYTHONWARNINGS: Megatron-Core warns about every optional package it misses (TE,
+    # Apex, absl) once per process; the demo's own lines are what a newcomer should read.
     env = dict(os.environ, TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NCCL_NVLS_ENABLE="0",
-               OMP_NUM_THREADS="1")
+               OMP_NUM_THREADS="1", PYTHONWARNINGS=os.environ.get("PYTHONWARNINGS", "ignore"))
     gpus = _gpus()
     if gpus >= 2:
         print("Complete-model prefill on GPUs, stock vs --moe-overlap (ABBA):", flush=True)
