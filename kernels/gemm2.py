@@ -108,18 +108,20 @@ def expert_offsets(counts: torch.Tensor, block_m: int) -> tuple[torch.Tensor, to
     return row_start, tile_start
 
 
-def expert_offsets_host(counts: list[int], block_m: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-    """`expert_offsets` from host counts: built on the host and copied in one
-    non-blocking transfer (from pinned memory on CUDA), so the host never waits."""
+def expert_offsets_host(counts: list[int], block_m: int,
+                        device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(row_start, tile_start, counts) of `expert_offsets` from host counts, int32: built
+    on the host and copied in one non-blocking transfer (from pinned memory on CUDA), so
+    the host never waits and the counts need no copy of their own."""
     rows, tiles = [0], [0]
     for c in counts:
         rows.append(rows[-1] + c)
         tiles.append(tiles[-1] + (c + block_m - 1) // block_m)
-    host = torch.tensor([rows, tiles], dtype=torch.int32)
+    host = torch.tensor([rows, tiles, [*counts, 0]], dtype=torch.int32)
     if torch.device(device).type == "cuda":
         host = host.pin_memory()
-    both = host.to(device, non_blocking=True)
-    return both[0], both[1]
+    packed = host.to(device, non_blocking=True)
+    return packed[0], packed[1], packed[2, :len(counts)]
 
 
 def split_width(hidden: int, splits: int) -> int:

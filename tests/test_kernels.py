@@ -110,7 +110,7 @@ def test_routing_table_kernel_equals_the_argsort_reference(seed, tokens, experts
     topk = min(topk, experts)
     local = max(1, experts // 2) if seed % 2 else experts  # EP: some rows elsewhere
     token_index, counts = _megatron_rows(seed, tokens, experts, local, topk)
-    row_start, _ = gemm2.expert_offsets_host(counts, 16, "cpu")
+    row_start, _, _ = gemm2.expert_offsets_host(counts, 16, "cpu")
     error = torch.zeros(1, dtype=torch.int32)
     table = rt.launch_routing_table(token_index, row_start, tokens, topk, error)
     assert torch.equal(table, rt.combine_table(token_index, tokens, topk))
@@ -127,7 +127,7 @@ def test_routing_table_kernel_flags_rows_out_of_megatron_order(damage):
         bad[-1] = 30
     else:
         bad[1] = bad[0]
-    row_start, _ = gemm2.expert_offsets_host(counts, 16, "cpu")
+    row_start, _, _ = gemm2.expert_offsets_host(counts, 16, "cpu")
     error = torch.zeros(1, dtype=torch.int32)
     rt.launch_routing_table(bad, row_start, 30, 2, error)
     assert int(error) >> 24 == rt.ERR_UNSORTED

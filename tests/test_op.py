@@ -93,6 +93,28 @@ def test_bad_sizes_and_backends_raise_clear_errors():
         OverlapConfig(backend="cuda")
 
 
+def test_tiles_file_from_the_environment_replaces_the_gpu_defaults(tmp_path, monkeypatch):
+    import json
+
+    from megatron_overlap.ops import config
+
+    good = tmp_path / "tiles.json"
+    good.write_text(json.dumps({"best": {"gemm": [64, 128, 64, 4, 3, False],
+                                         "comm": [128, 512, 16, False]}}))
+    monkeypatch.setenv("MEGATRON_OVERLAP_TILES", str(good))
+    tiles = config.gpu_tiles()
+    assert (tiles.block_m, tiles.comm_rows, tiles.comm_tn, tiles.comm_slot_loop) == (
+        64, 128, 512, False)
+    for bad, text in (("missing.json", None), ("broken.json", "{"),
+                      ("wrong.json", json.dumps({"best": {"gemm": [1, 2]}}))):
+        path = tmp_path / bad
+        if text is not None:
+            path.write_text(text)
+        monkeypatch.setenv("MEGATRON_OVERLAP_TILES", str(path))
+        with pytest.raises(ValueError, match=f"{bad}: not a tune_tiles result"):
+            config.gpu_tiles()
+
+
 def test_peerless_group_falls_back_to_reference_with_one_warning(monkeypatch):
     monkeypatch.setattr(op_module, "_peer_capable", lambda group, world: False)
     monkeypatch.setattr(op_module, "_fallback_warned", False)

@@ -318,11 +318,10 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
     num_splits = splits or config.splits
     if num_splits is not None and num_splits > hidden:
         raise ValueError(f"splits ({num_splits}) must be <= hidden ({hidden})")
-    counts_dev = _to_device(counts_dev, x.device)
     if backend == "reference":  # the baseline builds its table with torch alone
         table = combine_table(token_index.to(torch.int64), num_tokens, topk)
-        return Launch(config, backend, group, world, rank, counts, counts_dev, table, None,
-                      None, {})
+        return Launch(config, backend, group, world, rank, counts,
+                      _to_device(counts_dev, x.device), table, None, None, {})
     if x.shape[1] * x.element_size() % 16:
         raise ValueError(f"the {backend} backend needs 16-byte rows for its tensor "
                          f"descriptors: K * itemsize = {x.shape[1]} * {x.element_size()} "
@@ -330,10 +329,13 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
     buf = OverlapBuffer.get(group, x.device, backend)
     buf.check(sync=False)
     tiles = config.tiles or buf.default_tiles()
-    # expert row / tile offsets (from the host counts without device work when known)
+    # expert row / tile offsets (with host counts: one copy that also carries the counts)
     # and the combine table in one kernel that also checks the row order
-    offsets = (gemm2.expert_offsets_host(counts, tiles.block_m, x.device) if counts is not None
-               else gemm2.expert_offsets(counts_dev, tiles.block_m))
+    if counts is not None:
+        *offsets, counts_dev = gemm2.expert_offsets_host(counts, tiles.block_m, x.device)
+    else:
+        counts_dev = _to_device(counts_dev, x.device)
+        offsets = gemm2.expert_offsets(counts_dev, tiles.block_m)
     table = launch_routing_table(token_index, offsets[0], num_tokens, topk, buf.error)
     launch = Launch(config, backend, group, world, rank, counts, counts_dev, table, buf, None, {})
     # W_comp reads only sum_e ceil(M_e / TM): reduce the counts once for every L tried.
