@@ -38,7 +38,7 @@ for s in "$@"; do
       stage tune_comm 120 $TR "$REPO/tools/tune_tiles.py" --comm-only --cset 4,16,32,64 \
         --samples 8 --json "$OUT/tiles.json"
       [ -f "$OUT/tiles.json" ] && export MEGATRON_OVERLAP_TILES=$OUT/tiles.json TILES=$OUT/tiles.json ;;
-    try_overlap) stage try_overlap 200 $TR "$REPO/tools/try_overlap.py" --json "$OUT/exp_overlap.json" ;;
+    try_overlap) PROFILE_HOST=1 stage try_overlap 240 $TR "$REPO/tools/try_overlap.py" --cset ${CSET:-16,24,32} --json "$OUT/exp_overlap.json" ;;
     ship_cal)  # later stages plan with the calibration just made, as if it were shipped
       cp "$OUT/h200.json" /tmp/site/megatron_overlap/planner/calibrations/h200.json ;;
     calibrate) stage calibrate 80 $TR "$REPO/tools/calibrate.py" ${TILES:+--tiles $TILES} \

@@ -24,6 +24,7 @@ from benchlib import env_info, smoke_setup, write_json  # noqa: E402
 from workloads import OpCase, op_kwargs, rank_inputs  # noqa: E402
 
 from megatron_overlap.kernels import routing_table as rt  # noqa: E402
+from megatron_overlap.kernels import gather_rs as grs  # noqa: E402
 from megatron_overlap.kernels import gemm2  # noqa: E402
 from megatron_overlap.ops import OverlapConfig, gemm2_gather_rs  # noqa: E402
 from megatron_overlap.ops.op import prepare  # noqa: E402
@@ -83,6 +84,8 @@ def main() -> int:
             plan=launch.plan, phases=("comm",), y=y, **kw),
         "torch.empty": lambda: torch.empty(inp["x"].shape[0], inp["hidden"], device=device),
     }
+    if backend == "triton":
+        triton_steps(steps, inp, launch, out, y)
     res = {name: host_us(fn, args.reps) for name, fn in steps.items()}
     if dist.get_rank() == 0:
         for name, us in res.items():
@@ -90,6 +93,24 @@ def main() -> int:
         write_json(args.json, dict(env=env_info(), command=" ".join(sys.argv), host_us=res))
     dist.destroy_process_group()
     return 0
+
+
+def triton_steps(steps, inp, launch, out, y) -> None:
+    """Triton's per-call cost: its JIT path up to (not including) the launch, and a small
+    kernel launched through the JIT path and through the compiled kernel directly."""
+    buf, kw, t = launch.buffer, launch.kwargs, launch.kwargs["tiles"]
+    gemm_kw = dict(splits=kw["splits"], programs=launch.plan.compute_slots, block_m=t.block_m,
+                   block_n=t.block_n, block_k=t.block_k, num_warps=t.gemm_warps,
+                   num_stages=t.gemm_stages)
+    steps["GEMM2 JIT path, no launch"] = lambda: gemm2.launch_grouped_gemm2(
+        inp["x"], inp["weight"], y, *kw["offsets"], buf.ready, warmup=True, **gemm_kw)
+    recv = torch.zeros(launch.world, out.shape[0], out.shape[1], dtype=out.dtype,
+                       device=out.device)
+    steps["sum_partials JIT launch"] = lambda: grs.launch_sum_partials(recv, out, launch.world)
+    compiled = grs.launch_sum_partials(recv, out, launch.world)
+    grid = (-(-out.numel() // 4096), 1, 1)
+    steps["sum_partials compiled launch"] = lambda: compiled[grid](
+        recv, out, out.numel(), launch.world, recv.stride(0), 4096)
 
 
 if __name__ == "__main__":
