@@ -68,45 +68,6 @@ def _wait_at_least(ptr, target, max_spins, SCOPE: tl.constexpr):
     return (seen >= target).to(tl.int32)
 
 
-@triton.jit
-def _prefetch_item_rows(y_ptr, table_ptr, item, items, world, col_blocks, tokens_per_rank,
-                        topk, split, split_width, end_col, stride_ym,
-                        BLOCK_TM: tl.constexpr, BLOCK_TN: tl.constexpr,
-                        TOPK_POW2: tl.constexpr, PF_CHUNKS: tl.constexpr):
-    """Ask L2 for the y rows of `item` (one bulk prefetch per row chunk, no registers).
-
-    The gathers of an item are a chain of dependent, register-limited loads from DRAM
-    (table, then rows); with the next item's rows already in L2 each CTA's loads wait
-    for L2 instead of DRAM. Hopper's `cp.async.bulk.prefetch.L2` takes a 16-byte aligned
-    address and a size that is a multiple of 16 (the host enables it only then); a chunk
-    past the split's end is skipped, as is an absent row (-1). Only a hint: a row that
-    a producer is still writing is simply fetched again by the real load.
-    """
-    if item < items:
-        dst = item % world
-        rest = item // world
-        col_block = rest % col_blocks
-        token_block = rest // col_blocks
-        local = token_block * BLOCK_TM + tl.arange(0, BLOCK_TM)
-        tokens = (dst * tokens_per_rank + local).to(tl.int64)
-        slots = tl.arange(0, TOPK_POW2)
-        rows = tl.load(table_ptr + tokens[:, None] * topk + slots[None, :],
-                       mask=(local < tokens_per_rank)[:, None] & (slots < topk)[None, :],
-                       other=-1)  # [TM, k]
-        chunk: tl.constexpr = BLOCK_TN // PF_CHUNKS
-        parts = tl.arange(0, PF_CHUNKS)
-        col0 = split * split_width + col_block * BLOCK_TN + parts * chunk  # [CH]
-        ok = (rows[:, :, None] >= 0) & (col0 + chunk <= end_col)[None, None, :]
-        ptrs = y_ptr + rows[:, :, None].to(tl.int64) * stride_ym + col0[None, None, :]
-        addr = tl.where(ok, ptrs.to(tl.int64, bitcast=True), 0)
-        nbytes = tl.full(addr.shape, chunk * y_ptr.dtype.element_ty.primitive_bitwidth // 8,
-                         tl.int32)
-        tl.inline_asm_elementwise(
-            "{ .reg .pred p; setp.ne.b64 p, $1, 0; "
-            "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-            "=r,l,r", [addr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
-
-
 @triton.jit(do_not_specialize=["tokens_per_rank", "num_splits", "rank", "world", "topk",
                                "num_experts", "gemm_col_tiles", "epoch", "max_spins"])
 def gather_rs_kernel(
@@ -122,7 +83,6 @@ def gather_rs_kernel(
     # meta-parameters
     BLOCK_TM: tl.constexpr, BLOCK_TN: tl.constexpr, TOPK_POW2: tl.constexpr,
     HAS_PROBS: tl.constexpr, COL_ALIGN: tl.constexpr, SLOT_LOOP: tl.constexpr,
-    PF_CHUNKS: tl.constexpr = 0,  # > 0: prefetch the next item's rows into L2 in chunks
 ):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
@@ -141,16 +101,7 @@ def gather_rs_kernel(
                 tl.atomic_cas(error_ptr, 0, (1 << 24) | split)
                 alive = alive * 0
         end_col = tl.multiple_of(tl.minimum(N, (split + 1) * split_width), COL_ALIGN)
-        if PF_CHUNKS > 0:
-            _prefetch_item_rows(y_ptr, table_ptr, pid, items, world, col_blocks,
-                                tokens_per_rank, topk, split, split_width, end_col,
-                                stride_ym, BLOCK_TM, BLOCK_TN, TOPK_POW2, PF_CHUNKS)
         for item in range(pid, items, num_programs):
-            if PF_CHUNKS > 0:  # one item ahead, inside the split (later ones aren't ready)
-                _prefetch_item_rows(y_ptr, table_ptr, item + num_programs, items, world,
-                                    col_blocks, tokens_per_rank, topk, split, split_width,
-                                    end_col, stride_ym, BLOCK_TM, BLOCK_TN, TOPK_POW2,
-                                    PF_CHUNKS)
             dst = item % world
             rest = item // world
             col_block = rest % col_blocks
@@ -232,14 +183,11 @@ def launch_gather_rs(
     gemm_col_tiles: int, epoch: int, max_spins: int, partial_like: torch.Tensor,
     dst_slot_stride: int, dst_row_stride: int, programs: int, block_tm: int, block_tn: int,
     num_warps: int = 16, kernel=gather_rs_kernel, warmup: bool = False, num_stages: int = 1,
-    slot_loop: bool = True, prefetch: bool = False,
+    slot_loop: bool = True,
 ):
     """Launch exactly `programs` communication CTAs. y [T, N]; table [M, k] int32;
-    `partial_like`: any tensor of the partial sums' dtype (gives the peer pointer type).
-    `prefetch`: L2 prefetch of the next item's rows (CUDA, sm_90+), where the rows allow."""
+    `partial_like`: any tensor of the partial sums' dtype (gives the peer pointer type)."""
     hidden = y.shape[1]
-    chunks = prefetch_chunks(y, splits, block_tm, block_tn, table.shape[1], num_warps) \
-        if prefetch else 0
     launcher = kernel.warmup if warmup else kernel[(programs,)]
     extra = dict(grid=(1,)) if warmup else {}
     return launcher(
@@ -249,24 +197,9 @@ def launch_gather_rs(
         y.stride(0), y.stride(1), dst_slot_stride, dst_row_stride,
         BLOCK_TM=block_tm, BLOCK_TN=block_tn, TOPK_POW2=triton.next_power_of_2(table.shape[1]),
         HAS_PROBS=probs is not None, COL_ALIGN=column_alignment(hidden, splits),
-        SLOT_LOOP=slot_loop, PF_CHUNKS=chunks,
+        SLOT_LOOP=slot_loop,
         num_warps=num_warps, num_stages=num_stages, **extra,
     )
-
-
-def prefetch_chunks(y: torch.Tensor, splits: int, block_tm: int, block_tn: int, topk: int,
-                    num_warps: int) -> int:
-    """Chunks per row of the L2 prefetch: about one prefetch per thread, each chunk at
-    least 256 bytes; 0 (no prefetch) where an address or a size would not be a multiple
-    of 16 bytes, as `cp.async.bulk.prefetch` requires."""
-    esize = y.element_size()
-    sw = -(-y.shape[1] // splits)
-    if (y.data_ptr() % 16 or y.stride(1) != 1 or (y.stride(0) * esize) % 16
-            or (sw * esize) % 16 or (block_tn * esize) % 256):
-        return 0
-    rows = block_tm * triton.next_power_of_2(topk)
-    chunks = max(1, num_warps * 32 // rows)
-    return min(triton.next_power_of_2(chunks), block_tn * esize // 256)
 
 
 def launch_sum_partials(recv: torch.Tensor, out: torch.Tensor, world: int,

@@ -83,19 +83,6 @@ def test_gather_rs_single_rank_combines_topk_rows_with_probs(slot_loop):
     assert rel_err(out, ref) < 1e-2
 
 
-def test_l2_prefetch_runs_only_where_bulk_prefetch_alignment_holds():
-    y = torch.empty(64, 2048, dtype=torch.bfloat16)
-    # one prefetch per thread: 1024 threads / (32 tokens x 4 slots) = 8 chunks of 256 B
-    assert grs.prefetch_chunks(y, 2, 32, 1024, 4, 32) == 8
-    assert grs.prefetch_chunks(y, 2, 64, 1024, 8, 32) == 2
-    assert grs.prefetch_chunks(y, 2, 64, 128, 8, 32) == 1  # rows of 256 B: one chunk
-    assert grs.prefetch_chunks(y, 2, 2, 1024, 2, 32) == 8  # at most 256 B per chunk
-    odd = torch.empty(64, 2040, dtype=torch.bfloat16)  # split width 1020 x 2 B
-    assert grs.prefetch_chunks(odd, 2, 32, 1024, 4, 32) == 0
-    assert grs.prefetch_chunks(y[:, 1:], 1, 32, 1024, 4, 32) == 0  # base not 16-aligned
-    assert grs.prefetch_chunks(y, 2, 32, 64, 4, 32) == 0  # 128 B rows: below one chunk
-
-
 def test_missing_producer_times_out_with_split_code_instead_of_hanging():
     p = routed_problem(0, 1, tokens=20, experts=3, topk=2, ffn=16, hidden=32)
     y, _, tile_start = run_gemm2(p, splits=2, programs=2)
@@ -163,4 +150,4 @@ def test_every_kernel_compiles_for_hopper_without_a_gpu():
     done = subprocess.run([sys.executable, str(tool)], env=env, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count("ok ") == 6, done.stdout
+    assert done.stdout.count("ok ") == 5, done.stdout

@@ -37,10 +37,10 @@ def kernels():
                                     "world", "topk", "num_experts", "gemm_col_tiles", "epoch",
                                     "max_spins", "stride_ym", "stride_yn")}
     comm_ints.update(dst_slot_stride="i64", dst_row_stride="i32")
-    for slot_loop, chunks in ((True, 8), (True, 0), (False, 0)):
+    for slot_loop in (True, False):
         meta = dict(BLOCK_TM=64, BLOCK_TN=1024, TOPK_POW2=4, HAS_PROBS=False, COL_ALIGN=16,
-                    SLOT_LOOP=slot_loop, PF_CHUNKS=chunks)
-        yield (f"gather_rs slot_loop={slot_loop} prefetch_chunks={chunks}", grs.gather_rs_kernel,
+                    SLOT_LOOP=slot_loop)
+        yield (f"gather_rs slot_loop={slot_loop}", grs.gather_rs_kernel,
                _signature(comm_ptrs, comm_ints, meta), meta, dict(num_warps=32))
     yield ("sum_partials", grs.sum_partials_kernel,
            _signature({"recv_ptr": "*bf16", "out_ptr": "*bf16"},

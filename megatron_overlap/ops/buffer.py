@@ -79,7 +79,6 @@ class OverlapBuffer:
         self._caches: dict[tuple, PlanCache] = {}
         self._occupancy: dict[tuple, int] = {}
         self._pending: tuple | None = None  # (event, pinned error word, expected)
-        self._sm90: bool | None = None
         if device.type == "cuda":
             self.side_stream = torch.cuda.Stream(device)
             self._pinned = torch.zeros(1, dtype=torch.int32, pin_memory=True)
@@ -170,8 +169,7 @@ class OverlapBuffer:
             tokens_per_rank=1, splits=1, rank=0, world=1, gemm_col_tiles=1, epoch=1,
             max_spins=1, partial_like=y, dst_slot_stride=0, dst_row_stride=1, programs=1,
             block_tm=comm_tm, block_tn=comm_tn, num_warps=t.comm_warps,
-            num_stages=t.comm_stages, slot_loop=t.comm_slot_loop,
-            prefetch=self._prefetch(t), warmup=True)
+            num_stages=t.comm_stages, slot_loop=t.comm_slot_loop, warmup=True)
         occ, self.compiled_resources = [], {}
         for name, k, warps in (("gemm2", gk, t.gemm_warps), ("gather_rs", ck, t.comm_warps)):
             k._init_handles()
@@ -179,14 +177,6 @@ class OverlapBuffer:
             self.compiled_resources[name] = dict(registers=k.n_regs, shared=k.metadata.shared,
                                                  spills=k.n_spills, ctas_per_sm=occ[-1])
         return occ[0], occ[1]
-
-    def _prefetch(self, t: TileConfig) -> bool:
-        """The L2 bulk prefetch needs a compiled kernel on sm_90 or newer."""
-        if not t.comm_prefetch or self.backend != "triton":
-            return False
-        if self._sm90 is None:
-            self._sm90 = torch.cuda.get_device_capability(self.device)[0] >= 9
-        return self._sm90
 
     # ---------------------------------------------------------------- errors
     def check(self, sync: bool = True) -> None:
@@ -283,7 +273,7 @@ class OverlapBuffer:
                     dst_slot_stride=slot_stride, dst_row_stride=row_stride,
                     programs=plan.comm_ctas, block_tm=comm_tm, block_tn=comm_tn,
                     num_warps=t.comm_warps, num_stages=t.comm_stages,
-                    slot_loop=t.comm_slot_loop, prefetch=self._prefetch(t))
+                    slot_loop=t.comm_slot_loop)
         flags = (y, table, probs, dst, signals, self.ready, self.done, self.error, tile_start)
         if "gemm2" not in phases:
             grs.launch_gather_rs(*flags, **comm)

@@ -86,7 +86,6 @@ class TileConfig:
     gemm_flatten: bool = False  # let Triton pipeline across the persistent tile loop
     comm_stages: int = 1  # > 1 asks Triton to prefetch the next item's gathers
     comm_slot_loop: bool = True  # gather one [TM, TN] tile per top-k slot (else [TM, k, TN])
-    comm_prefetch: bool = True  # L2 bulk prefetch of the next item's rows (CUDA sm_90+ only)
 
     def comm_shape(self, topk: int, split_width: int) -> tuple[int, int]:
         """(TMc, TNc) of the communication tile for this top-k and split width."""
@@ -114,8 +113,7 @@ def load_tiles(path: str) -> TileConfig:
     except (OSError, KeyError, ValueError, TypeError) as err:
         raise ValueError(f"{path}: not a tune_tiles result ({err})") from err
     return TileConfig(m, n, k, w, s, rows, tn, cw, bool(flat),
-                      comm_slot_loop=bool(mode[0]) if mode else GPU_TILES.comm_slot_loop,
-                      comm_prefetch=bool(mode[1]) if len(mode) > 1 else GPU_TILES.comm_prefetch)
+                      comm_slot_loop=bool(mode[0]) if mode else GPU_TILES.comm_slot_loop)
 
 
 def gpu_tiles() -> TileConfig:
@@ -125,7 +123,7 @@ def gpu_tiles() -> TileConfig:
 
 
 #: The interpreter: small tiles so tiny test shapes still span many tiles and splits.
-INTERPRET_TILES = TileConfig(16, 16, 16, 4, 1, 16, 16, 4, comm_prefetch=False)
+INTERPRET_TILES = TileConfig(16, 16, 16, 4, 1, 16, 16, 4)
 #: SMs of the virtual device the interpreter plans for (small, so P stays small).
 INTERPRET_SMS = int(os.environ.get("MEGATRON_OVERLAP_INTERPRET_SMS", 20))
 
