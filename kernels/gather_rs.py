@@ -45,6 +45,7 @@ import triton
 import triton.language as tl
 
 from .gemm2 import column_alignment
+from .launch_cache import LaunchCache
 
 ERR_READY_TIMEOUT = 1
 ERR_BARRIER_TIMEOUT = 2
@@ -176,6 +177,10 @@ def sum_partials_kernel(recv_ptr, out_ptr, numel, world, slot_stride, BLOCK: tl.
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
+_GATHER_RS = LaunchCache(gather_rs_kernel)
+_SUM_PARTIALS = LaunchCache(sum_partials_kernel)
+
+
 def launch_gather_rs(
     y: torch.Tensor, table: torch.Tensor, probs: torch.Tensor | None, dst_ptrs: torch.Tensor,
     signal_ptrs: torch.Tensor, ready: torch.Tensor, done: torch.Tensor, error: torch.Tensor,
@@ -188,27 +193,33 @@ def launch_gather_rs(
     """Launch exactly `programs` communication CTAs. y [T, N]; table [M, k] int32;
     `partial_like`: any tensor of the partial sums' dtype (gives the peer pointer type)."""
     hidden = y.shape[1]
-    launcher = kernel.warmup if warmup else kernel[(programs,)]
-    extra = dict(grid=(1,)) if warmup else {}
-    return launcher(
-        y, table, probs if probs is not None else y, dst_ptrs, signal_ptrs, ready, done,
-        error, tile_start, partial_like, tokens_per_rank, hidden, -(-hidden // splits), splits, rank,
-        world, table.shape[1], tile_start.numel() - 1, gemm_col_tiles, epoch, max_spins,
-        y.stride(0), y.stride(1), dst_slot_stride, dst_row_stride,
-        BLOCK_TM=block_tm, BLOCK_TN=block_tn, TOPK_POW2=triton.next_power_of_2(table.shape[1]),
-        HAS_PROBS=probs is not None, COL_ALIGN=column_alignment(hidden, splits),
-        SLOT_LOOP=slot_loop,
-        num_warps=num_warps, num_stages=num_stages, **extra,
-    )
+    args = (y, table, probs if probs is not None else y, dst_ptrs, signal_ptrs, ready, done,
+            error, tile_start, partial_like, tokens_per_rank, hidden, -(-hidden // splits),
+            splits, rank, world, table.shape[1], tile_start.numel() - 1, gemm_col_tiles, epoch,
+            max_spins, y.stride(0), y.stride(1), dst_slot_stride, dst_row_stride)
+    meta = dict(BLOCK_TM=block_tm, BLOCK_TN=block_tn, TOPK_POW2=_pow2(table.shape[1]),
+                HAS_PROBS=probs is not None, COL_ALIGN=column_alignment(hidden, splits),
+                SLOT_LOOP=slot_loop, num_warps=num_warps, num_stages=num_stages)
+    if warmup:
+        return kernel.warmup(*args, grid=(1,), **meta)
+    if kernel is gather_rs_kernel:
+        return _GATHER_RS.launch((programs,), args, meta)
+    return kernel[(programs,)](*args, **meta)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
 
 
 def launch_sum_partials(recv: torch.Tensor, out: torch.Tensor, world: int,
                         block: int = 4096, num_warps: int = 8, kernel=sum_partials_kernel):
     """recv [world, >=Md, N] contiguous slots -> out [Md, N] contiguous."""
-    numel = out.numel()
-    slot_stride = recv.stride(0)
-    grid = (triton.cdiv(numel, block),)
-    return kernel[grid](recv, out, numel, world, slot_stride, BLOCK=block, num_warps=num_warps)
+    args = (recv, out, out.numel(), world, recv.stride(0))
+    meta = dict(BLOCK=block, num_warps=num_warps)
+    grid = (triton.cdiv(out.numel(), block),)
+    if kernel is sum_partials_kernel:
+        return _SUM_PARTIALS.launch(grid, args, meta)
+    return kernel[grid](*args, **meta)
 
 
 def gather_rs_reference(y: torch.Tensor, token_index: torch.Tensor, num_tokens: int,

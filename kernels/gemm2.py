@@ -25,10 +25,14 @@ all; tile 37 is split 1, row tile 0 (expert 0, rows 0..127), columns 1664..1791.
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import torch
 import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
+
+from .launch_cache import LaunchCache
 
 
 @triton.jit(do_not_specialize=["num_experts", "K", "num_splits"])
@@ -113,13 +117,10 @@ def expert_offsets_host(counts: list[int], block_m: int,
     """(row_start, tile_start, counts) of `expert_offsets` from host counts, int32: built
     on the host and copied in one non-blocking transfer (from pinned memory on CUDA), so
     the host never waits and the counts need no copy of their own."""
-    rows, tiles = [0], [0]
-    for c in counts:
-        rows.append(rows[-1] + c)
-        tiles.append(tiles[-1] + (c + block_m - 1) // block_m)
-    host = torch.tensor([rows, tiles, [*counts, 0]], dtype=torch.int32)
-    if torch.device(device).type == "cuda":
-        host = host.pin_memory()
+    rows = [0, *accumulate(counts)]
+    tiles = [0, *accumulate([(c + block_m - 1) // block_m for c in counts])]
+    on_cuda = getattr(device, "type", device) == "cuda" or str(device).startswith("cuda")
+    host = torch.tensor([rows, tiles, [*counts, 0]], dtype=torch.int32, pin_memory=on_cuda)
     packed = host.to(device, non_blocking=True)
     return packed[0], packed[1], packed[2, :len(counts)]
 
@@ -127,6 +128,21 @@ def expert_offsets_host(counts: list[int], block_m: int,
 def split_width(hidden: int, splits: int) -> int:
     """sw = ceil(N / L), the model's split width."""
     return -(-hidden // splits)
+
+
+def _gemm2_args(x, weight, y, row_start, tile_start, ready, splits, block_m, block_n,
+                block_k, num_warps, num_stages, upcast, flatten):
+    num_experts, hidden, k = weight.shape
+    x_desc = TensorDescriptor.from_tensor(x, [block_m, block_k])
+    w_desc = TensorDescriptor.from_tensor(weight.view(num_experts * hidden, k),
+                                          [block_n, block_k])
+    args = (x_desc, w_desc, y, row_start, tile_start, ready, num_experts, k, hidden,
+            split_width(hidden, splits), splits, y.stride(0), y.stride(1))
+    meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                EXPERTS_POW2=1 << max(0, (num_experts - 1).bit_length()), UPCAST=upcast,
+                COL_ALIGN=column_alignment(hidden, splits), FLATTEN=flatten,
+                num_warps=num_warps, num_stages=num_stages)
+    return args, meta
 
 
 def launch_grouped_gemm2(
@@ -141,21 +157,33 @@ def launch_grouped_gemm2(
     x and weight must be contiguous with 16-byte aligned rows (the op checks). With
     `warmup` it compiles without launching and returns the compiled kernel.
     """
-    num_experts, hidden, k = weight.shape
     if x.shape[0] == 0:
         return None  # no rows, no tiles: every split is ready with zero tiles
-    x_desc = TensorDescriptor.from_tensor(x, [block_m, block_k])
-    w_desc = TensorDescriptor.from_tensor(weight.view(num_experts * hidden, k),
-                                          [block_n, block_k])
-    args = (x_desc, w_desc, y, row_start, tile_start, ready, num_experts, k, hidden,
-            split_width(hidden, splits), splits, y.stride(0), y.stride(1))
-    meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                EXPERTS_POW2=triton.next_power_of_2(num_experts), UPCAST=upcast,
-                COL_ALIGN=column_alignment(hidden, splits), FLATTEN=flatten,
-                num_warps=num_warps, num_stages=num_stages)
+    args, meta = _gemm2_args(x, weight, y, row_start, tile_start, ready, splits, block_m,
+                             block_n, block_k, num_warps, num_stages, upcast, flatten)
     if warmup:
         return kernel.warmup(*args, grid=(1,), **meta)
+    if kernel is grouped_gemm2_kernel:
+        return _GEMM2.launch((programs,), args, meta)
     return kernel[(programs,)](*args, **meta)
+
+
+def grouped_gemm2_launcher(x, weight, y, row_start, tile_start, ready, *, splits: int,
+                           programs: int, block_m: int, block_n: int, block_k: int,
+                           num_warps: int = 4, num_stages: int = 3, upcast: bool = False,
+                           flatten: bool = False):
+    """A no-argument callable that launches GEMM2 (as `launch_grouped_gemm2`), with its
+    kernel compiled and loaded now: launched after GatherRS, GEMM2 must not wait for a
+    JIT compile or a lazy module load while communication CTAs spin on its flags."""
+    if x.shape[0] == 0:
+        return lambda: None
+    args, meta = _gemm2_args(x, weight, y, row_start, tile_start, ready, splits, block_m,
+                             block_n, block_k, num_warps, num_stages, upcast, flatten)
+    hit = _GEMM2.compiled(args, meta)
+    return lambda: _GEMM2.launch((programs,), args, meta, hit)
+
+
+_GEMM2 = LaunchCache(grouped_gemm2_kernel)
 
 
 def grouped_gemm2_reference(x: torch.Tensor, weight: torch.Tensor,

@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch_cache import LaunchCache
+
 ERR_UNSORTED = 3
 
 
@@ -84,6 +86,9 @@ def routing_table_kernel(
         tl.atomic_cas(error_ptr, 0, 3 << 24)  # ERR_UNSORTED (jit code sees no globals)
 
 
+_ROUTING_TABLE = LaunchCache(routing_table_kernel)
+
+
 def launch_routing_table(token_index: torch.Tensor, row_start: torch.Tensor, num_tokens: int,
                          topk: int, error: torch.Tensor) -> torch.Tensor:
     """[M, topk] int32 table from rows grouped by expert, ascending token inside each.
@@ -101,11 +106,11 @@ def launch_routing_table(token_index: torch.Tensor, row_start: torch.Tensor, num
     block_t = max(1, min(128, 4096 // experts_pow2))
     programs = triton.cdiv(num_tokens, block_t)
     check_rows = triton.next_power_of_2(triton.cdiv(rows, programs))
-    routing_table_kernel[(programs,)](
-        token_index, row_start, table, error, rows, num_tokens, topk, experts,
-        BLOCK_T=block_t, EXPERTS_POW2=experts_pow2, SEARCH_STEPS=rows.bit_length(),
-        TOPK_POW2=triton.next_power_of_2(topk), CHECK_ROWS=check_rows,
-        EXPERT_STEPS=(experts + 1).bit_length(), num_warps=4)
+    _ROUTING_TABLE.launch(
+        (programs,), (token_index, row_start, table, error, rows, num_tokens, topk, experts),
+        dict(BLOCK_T=block_t, EXPERTS_POW2=experts_pow2, SEARCH_STEPS=rows.bit_length(),
+             TOPK_POW2=triton.next_power_of_2(topk), CHECK_ROWS=check_rows,
+             EXPERT_STEPS=(experts + 1).bit_length(), num_warps=4))
     return table
 
 

@@ -151,3 +151,83 @@ def test_every_kernel_compiles_for_hopper_without_a_gpu():
                           text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.count("ok ") == 5, done.stdout
+
+
+class _RecordedTriton:
+    """Triton's compile (`warmup`) and JIT launch (`kernel[grid]`) of one kernel, recorded."""
+
+    def __init__(self, jit_function):
+        self.params = jit_function.params
+        self.__name__ = "recorded"
+        self.compiles, self.jit_launches, self.binary_launches = [], [], []
+
+    def warmup(self, *args, grid, **meta):
+        self.compiles.append(meta)
+        launches = self.binary_launches
+
+        class Binary:
+            def _init_handles(self):
+                pass
+
+            def __getitem__(self, grid):
+                return lambda *full_args: launches.append((grid, full_args))
+
+        return Binary()
+
+    def __getitem__(self, grid):
+        return lambda *args, **meta: self.jit_launches.append((grid, args, meta))
+
+
+def test_launch_cache_reuses_a_binary_only_for_the_same_specialization(monkeypatch):
+    from triton.runtime.jit import JITFunction
+
+    from megatron_overlap.kernels.launch_cache import LaunchCache
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # what a GPU process has
+    # sum_partials as the GPU sees it: numel and world unspecialized, slot_stride specialized
+    triton_side = _RecordedTriton(JITFunction(grs.sum_partials_kernel.fn,
+                                              do_not_specialize=["numel", "world"]))
+    cache = LaunchCache(triton_side)
+    recv, out = torch.zeros(2, 64, 32), torch.zeros(64, 32)
+    meta = dict(BLOCK=4096, num_warps=8)
+    cache.launch((4,), (recv, out, 2048, 2, 2048), meta)
+    cache.launch((4,), (recv, out, 4096, 2, 2048), meta)  # numel: same binary
+    assert len(triton_side.compiles) == 1 and not triton_side.jit_launches
+    grid, full = triton_side.binary_launches[1]
+    assert grid == (4, 1, 1) and full[2:] == (4096, 2, 2048, 4096)  # constexpr BLOCK last
+    assert full[0] is recv and full[1] is out
+    cache.launch((4,), (recv, out, 2048, 2, 1024), meta)  # slot_stride is specialized
+    cache.launch((4,), (recv, out, 2048, 2, 1024), dict(meta, num_warps=4))
+    cache.launch((4,), (recv.view(-1)[1:], out, 2048, 2, 1024), meta)  # not 16-byte aligned
+    cache.launch((4,), (recv, out, 1 << 40, 2, 1024), meta)  # numel past int32
+    assert len(triton_side.compiles) == 5
+    monkeypatch.setenv("MEGATRON_OVERLAP_FAST_LAUNCH", "0")
+    cache.launch((4,), (recv, out, 2048, 2, 2048), meta)
+    assert triton_side.jit_launches == [((4,), (recv, out, 2048, 2, 2048), meta)]
+    with pytest.raises(TypeError, match="expected the 5 non-constexpr"):
+        cache.launch((4,), (recv, out, 2048, 2), meta)
+
+
+def test_launch_cache_keys_descriptors_on_layout_not_on_row_count(monkeypatch):
+    from triton.runtime.jit import JITFunction
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from megatron_overlap.kernels.launch_cache import LaunchCache
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    cache = LaunchCache(_RecordedTriton(JITFunction(
+        gemm2.grouped_gemm2_kernel.fn, do_not_specialize=["num_experts", "K", "num_splits"])))
+    w = torch.zeros(4 * 64, 32, dtype=torch.bfloat16)
+    meta = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, EXPERTS_POW2=4, UPCAST=False,
+                COL_ALIGN=16, FLATTEN=False, num_warps=4, num_stages=3)
+
+    def args(rows):
+        x = torch.zeros(rows, 32, dtype=torch.bfloat16)
+        y = torch.zeros(rows, 64, dtype=torch.bfloat16)
+        idx = torch.zeros(5, dtype=torch.int32)
+        return (TensorDescriptor.from_tensor(x, [16, 16]), TensorDescriptor.from_tensor(w, [16, 16]),
+                y, idx, idx, idx, 4, 32, 64, 64, 1, 64, 1)
+
+    for rows in (32, 48, 40):  # row counts that keep / break divisibility by 16
+        cache.launch((8,), args(rows), meta)
+    assert len(cache.kernel.compiles) == 2 and len(cache.kernel.binary_launches) == 3

@@ -45,6 +45,15 @@ def test_single_gpu_matches_fp32_and_is_bitwise_stable_over_c_and_l():
     assert all(torch.equal(o, first) for o in outs.values())
 
 
+def test_cached_binary_launches_give_the_bits_of_tritons_own_launches(monkeypatch):
+    p = routed_problem(0, 1, device="cuda", **SHAPE)
+    fast = [_poisoned_call(p, SHAPE["tokens"], SHAPE["topk"], comm_ctas=8) for _ in range(3)]
+    monkeypatch.setenv("MEGATRON_OVERLAP_FAST_LAUNCH", "0")
+    jit = _poisoned_call(p, SHAPE["tokens"], SHAPE["topk"], comm_ctas=8)
+    assert not torch.isnan(jit).any()
+    assert all(torch.equal(f, jit) for f in fast)
+
+
 def test_single_gpu_hot_expert_and_planner_choice():
     p = routed_problem(0, 1, device="cuda", hot=True, **SHAPE)
     out, plan = gemm2_gather_rs(p["x"], p["weight"], p["counts"], p["token_index"],
@@ -60,7 +69,7 @@ def test_missing_producer_raises_instead_of_hanging(monkeypatch):
     p = routed_problem(0, 1, device="cuda", tokens=512, experts=4, topk=2, ffn=128, hidden=256)
     cfg = OverlapConfig(backend="triton", sync_errors=True, max_spins=10000)
     gemm2_gather_rs(p["x"], p["weight"], p["counts"], p["token_index"], 512, 2, config=cfg)
-    monkeypatch.setattr(gemm2, "launch_grouped_gemm2", lambda *a, **k: None)
+    monkeypatch.setattr(gemm2, "grouped_gemm2_launcher", lambda *a, **k: (lambda: None))
     with pytest.raises(OverlapTimeoutError, match="split 0"):
         gemm2_gather_rs(p["x"], p["weight"], p["counts"], p["token_index"], 512, 2, config=cfg)
     OverlapBuffer.get(None, torch.device("cuda", torch.cuda.current_device()), "triton").reset()

@@ -23,13 +23,17 @@ stage() {  # stage NAME SECONDS CMD...
     timeout "$secs" "$@" >>"$LOG" 2>&1
     local rc=$?
     echo "=== $name rc=$rc ($(date +%T))" | tee -a "$LOG"
+    return $rc
 }
 
 for s in "$@"; do
   case $s in
     env) stage env 60 bash -c "nvidia-smi; nvidia-smi topo -m; python3 -c 'import torch,triton; print(torch.__version__, triton.__version__, torch.cuda.device_count())'" ;;
     gpu_tests) stage gpu_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider \
-        --rootdir "$REPO" -c "$REPO/pyproject.toml" "$REPO/tests/test_op_gpu.py" ;;
+        --rootdir "$REPO" -c "$REPO/pyproject.toml" "$REPO/tests/test_op_gpu.py" || {
+        # later stages measure through Triton's own launch path rather than not at all
+        echo "gpu_tests failed: MEGATRON_OVERLAP_FAST_LAUNCH=0 from here on" | tee -a "$LOG"
+        export MEGATRON_OVERLAP_FAST_LAUNCH=0; } ;;
     tune) stage tune 170 $TR "$REPO/tools/tune_tiles.py" --json "$OUT/tiles.json" ;;
     tune_comm)  # GatherRS candidates on one GPU (no NVLink pushes) and on all; later
       # stages use the choice of the all-GPU run (MEGATRON_OVERLAP_TILES)

@@ -65,7 +65,6 @@ class OverlapBuffer:
         distributed = group is not None and dist.is_initialized()
         self.world = dist.get_world_size(group) if distributed else 1
         self.rank = dist.get_rank(group) if distributed else 0
-        self._compiled: set = set()
         self.ready = torch.zeros(L_MAX, dtype=torch.int32, device=device)
         self.done = torch.zeros(1, dtype=torch.int32, device=device)
         self.error = torch.zeros(1, dtype=torch.int32, device=device)
@@ -74,14 +73,17 @@ class OverlapBuffer:
         self._memory: PeerMemory | None = None
         self._layout: tuple | None = None  # (cap rows, hidden, partial dtype)
         self._ptr_tables: list[torch.Tensor] = []
+        self._recv_views: list[torch.Tensor] = []  # recv(0), recv(1)
         self._slots_at = (0, 0)  # (byte offset of the slots, bytes per parity)
         self._signal_ptrs: torch.Tensor | None = None
         self._caches: dict[tuple, PlanCache] = {}
+        self.decisions: dict[tuple, tuple] = {}  # the op's (plan, launch arguments) by key
         self._occupancy: dict[tuple, int] = {}
         self._pending: tuple | None = None  # (event, pinned error word, expected)
         if device.type == "cuda":
             self.side_stream = torch.cuda.Stream(device)
             self._pinned = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+            self._event = torch.cuda.Event()
 
     # ---------------------------------------------------------------- memory
     def ensure(self, rows: int, hidden: int, dtype: torch.dtype) -> None:
@@ -115,6 +117,7 @@ class OverlapBuffer:
                          dtype=torch.int64, device=self.device)
             for parity in (0, 1)
         ]
+        self._recv_views = [self.recv(parity) for parity in (0, 1)]
 
     def _quiesce(self) -> None:
         """Return when no rank of the group has a launch in flight."""
@@ -134,10 +137,16 @@ class OverlapBuffer:
     def default_tiles(self) -> TileConfig:
         return INTERPRET_TILES if self.backend == "interpret" else gpu_tiles()
 
+    def remember(self, key: tuple, decision: tuple) -> None:
+        """Keep an op decision (bounded: routing can make many distinct row-tile counts)."""
+        if len(self.decisions) >= 4096:
+            self.decisions.clear()
+        self.decisions[key] = decision
+
     def plan_cache(self, config: OverlapConfig, tiles: TileConfig, comm_tm: int,
                    comm_tn: int, topk: int) -> PlanCache:
         """The decision cache for one kernel family; o_comp / o_comm from its binaries."""
-        slots = triton.next_power_of_2(topk)
+        slots = 1 << max(0, (topk - 1).bit_length())
         key = (config.sm_margin, config.preset, tiles, comm_tm, comm_tn, slots)
         cache = self._caches.get(key)
         if cache is None:
@@ -206,9 +215,10 @@ class OverlapBuffer:
     def note_launch(self, expected: int, sync: bool) -> None:
         if self.device.type == "cuda":
             self._pinned.copy_(self.error, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            self._pending = (event, self._pinned, expected)
+            # one event, re-recorded: only the latest launch is pending (the error word
+            # is sticky, so it also carries any earlier launch's error)
+            self._event.record()
+            self._pending = (self._event, self._pinned, expected)
         else:
             self._pending = (None, self.error.clone(), expected)
         if sync or self.device.type != "cuda":
@@ -246,8 +256,6 @@ class OverlapBuffer:
                          block_n=t.block_n, block_k=t.block_k, num_warps=t.gemm_warps,
                          num_stages=t.gemm_stages, upcast=self.backend == "interpret",
                          flatten=t.gemm_flatten)
-        if self.backend == "triton":
-            self._compile_before_launch(x, weight, y, row_start, tile_start, gemm_args)
         if "comm" not in phases:
             gemm2.launch_grouped_gemm2(x, weight, y, row_start, tile_start, self.ready,
                                        **gemm_args)
@@ -265,7 +273,7 @@ class OverlapBuffer:
         else:
             dst, signals = self._ptr_tables[parity], self._signal_ptrs
             slot_stride, row_stride = self._layout[0] * hidden, hidden
-            partial_like = self.recv(parity)
+            partial_like = self._recv_views[parity]
         comm = dict(tokens_per_rank=tokens_per_rank, splits=splits, rank=self.rank,
                     world=self.world,
                     gemm_col_tiles=triton.cdiv(gemm2.split_width(hidden, splits), t.block_n),
@@ -283,6 +291,10 @@ class OverlapBuffer:
                                        **gemm_args)
             grs.launch_gather_rs(*flags, **comm)
         else:
+            # GEMM2 compiled and loaded before GatherRS starts spinning on its flags (a
+            # JIT compile or a lazy module load after that would leave it spinning).
+            launch_gemm2 = gemm2.grouped_gemm2_launcher(x, weight, y, row_start, tile_start,
+                                                        self.ready, **gemm_args)
             main = torch.cuda.current_stream(self.device)
             side = self.side_stream
             side.wait_stream(main)
@@ -290,27 +302,8 @@ class OverlapBuffer:
             # rest, so both grids are co-resident (P(C) + R(C) fit by construction).
             grs.launch_gather_rs(*flags, **comm)
             with torch.cuda.stream(side):
-                gemm2.launch_grouped_gemm2(x, weight, y, row_start, tile_start, self.ready,
-                                           **gemm_args)
+                launch_gemm2()
             main.wait_stream(side)
         if self.world > 1:
-            grs.launch_sum_partials(self.recv(parity), out, self.world)
+            grs.launch_sum_partials(self._recv_views[parity], out, self.world)
         return y
-
-    def _compile_before_launch(self, x, weight, y, row_start, tile_start, gemm_args):
-        """Compile GEMM2 for this signature before GatherRS starts spinning on it.
-
-        A first-launch JIT compile takes seconds, and CUDA's lazy module loading may
-        wait for running kernels: either, after GatherRS was launched, would leave it
-        spinning on a producer that cannot start. Keyed on what Triton specializes on.
-        """
-        key = (x.dtype, x.shape[1], x.stride(), weight.shape, y.stride(),
-               tuple(sorted(gemm_args.items())))
-        if key not in self._compiled:
-            compiled = gemm2.launch_grouped_gemm2(x, weight, y, row_start, tile_start,
-                                                  self.ready, warmup=True, **gemm_args)
-            if compiled is not None:
-                # CUDA loads modules lazily, and loading one may wait for the running
-                # kernels: load it now, while nothing spins on it.
-                compiled._init_handles()
-            self._compiled.add(key)

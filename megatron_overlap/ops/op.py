@@ -88,7 +88,7 @@ def validate(x, weight, counts, token_index, num_tokens, topk, probs, world):
     if token_index.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"token_index must be int32 or int64, got {token_index.dtype}")
     if counts is not None:
-        if any(c < 0 for c in counts):
+        if counts and min(counts) < 0:
             raise ValueError(f"tokens_per_expert must be non-negative, got {counts}")
         if sum(counts) != x.shape[0]:
             raise ValueError(f"tokens_per_expert sums to {sum(counts)} but x has {x.shape[0]} rows")
@@ -166,18 +166,23 @@ def _aligned(t: torch.Tensor) -> torch.Tensor:
     return t if t.data_ptr() % 16 == 0 else t.clone()
 
 
+def _forward(x, weight, probs, counts_dev, table, launch):
+    """(out, y) of a prepared launch: the overlapped kernels or the reference path."""
+    counts, group, world = launch.counts, launch.group, launch.world
+    if launch.buffer is None:
+        return _reference_forward(x, weight, counts_dev, counts, table, probs, group, world,
+                                  launch.rank)
+    out = torch.empty(table.shape[0] // world, weight.shape[1], dtype=x.dtype, device=x.device)
+    y = launch.buffer.launch(_aligned(x), _aligned(weight), counts_dev, table, probs, out,
+                             plan=launch.plan, **launch.kwargs)
+    return out, y
+
+
 class _Gemm2GatherRS(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, probs, counts_dev, token_index, table, launch):
         counts, group, world = launch.counts, launch.group, launch.world
-        if launch.buffer is None:
-            out, y = _reference_forward(x, weight, counts_dev, counts, table, probs, group,
-                                        world, launch.rank)
-        else:
-            md = table.shape[0] // world
-            out = torch.empty(md, weight.shape[1], dtype=x.dtype, device=x.device)
-            y = launch.buffer.launch(_aligned(x), _aligned(weight), counts_dev, table, probs,
-                                     out, plan=launch.plan, **launch.kwargs)
+        out, y = _forward(x, weight, probs, counts_dev, table, launch)
         ctx.meta = (counts, group, world)
         keep_y = probs is not None and probs.requires_grad
         ctx.save_for_backward(x, weight, probs, counts_dev, token_index, y if keep_y else None)
@@ -273,8 +278,12 @@ def gemm2_gather_rs(
     """
     launch = prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs,
                      group, comm_ctas=comm_ctas, splits=splits, config=config)
-    out = _Gemm2GatherRS.apply(x, weight, probs, launch.counts_dev, token_index, launch.table,
-                               launch)
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                    or (probs is not None and probs.requires_grad)):
+        out = _Gemm2GatherRS.apply(x, weight, probs, launch.counts_dev, token_index,
+                                   launch.table, launch)
+    else:  # inference and prefill: no autograd node to build
+        out = _forward(x, weight, probs, launch.counts_dev, launch.table, launch)[0]
     if launch.buffer is not None:
         launch.buffer.note_launch(launch.plan.w_comp if launch.counts is not None else None,
                                   sync=launch.config.sync_errors)
@@ -346,17 +355,23 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
     row_tiles = expert_row_tiles(row_counts, tiles.block_m)
     sizes = (num_tokens, hidden, x.shape[1], world)
     c = comm_ctas or config.comm_ctas
-    # L chosen jointly with C unless given: the candidate with the least predicted T (in
-    # compute waves, the same unit for every L); ties go to fewer splits.
-    candidates = [num_splits] if num_splits is not None else [
-        cand for cand in SPLIT_CANDIDATES if cand <= min(2 * default_splits(hidden), hidden)]
-    best = None
-    for cand in candidates:
-        plan, kwargs = _plan_splits(buf, config, tiles, row_tiles, experts, sizes, topk, cand, c)
-        if best is None or plan.predicted < best[0].predicted * (1 - 1e-9):
-            best = (plan, kwargs)
-    launch.plan, launch.kwargs = best
-    launch.kwargs["offsets"] = offsets
+    # The decision depends on the counts only through row_tiles: remembered per buffer
+    # (the host runs this after Megatron's sync, while the GPU waits).
+    key = (config, tiles, row_tiles, sizes, topk, num_splits, c, experts)
+    best = buf.decisions.get(key)
+    if best is None:
+        # L chosen jointly with C unless given: the candidate with the least predicted T
+        # (in compute waves, the same unit for every L); ties go to fewer splits.
+        candidates = [num_splits] if num_splits is not None else [
+            cand for cand in SPLIT_CANDIDATES if cand <= min(2 * default_splits(hidden), hidden)]
+        for cand in candidates:
+            plan, kwargs = _plan_splits(buf, config, tiles, row_tiles, experts, sizes, topk,
+                                        cand, c)
+            if best is None or plan.predicted < best[0].predicted * (1 - 1e-9):
+                best = (plan, kwargs)
+        buf.remember(key, best)
+    launch.plan = best[0]
+    launch.kwargs = dict(best[1], offsets=offsets)
     buf.ensure(num_tokens // world, hidden, config.partial_dtype or x.dtype)
     _log_decision(launch, num_tokens, hidden, x.shape[1])
     return launch

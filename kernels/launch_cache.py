@@ -1,0 +1,101 @@
+"""Launch a Triton kernel through the binary of an earlier launch with the same specialization.
+
+Triton's `kernel[grid](*args)` binds and specializes every argument on every call: 17 us
+of host time for a five-argument kernel on the H200 machines, against 10 us through the
+compiled kernel (docs/data/host_s3_run1.json), and more for the 27 arguments of
+GatherRS. The op makes four launches per call right after Megatron's host sync, while
+the GPU waits for them, so that time is latency.
+
+`LaunchCache(kernel)` keeps the compiled kernel of every specialization it has seen,
+keyed by a superset of what Triton specializes on: each tensor's dtype and 16-byte
+alignment, the exact value of every specialized integer, the i32 / i64 range of the
+others, and for tensor descriptors their dtype, block shape, strides, alignment and
+shapes' divisibility by 16, plus every constexpr and launch option. A miss compiles
+through Triton (`kernel.warmup`, so a first launch never waits inside a launch for the
+JIT) and then launches the binary it got; `TRITON_INTERPRET=1` or
+`MEGATRON_OVERLAP_FAST_LAUNCH=0` send every launch through `kernel[grid]` unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+
+def _fast_launch_enabled() -> bool:
+    return (os.environ.get("TRITON_INTERPRET", "0") != "1"
+            and os.environ.get("MEGATRON_OVERLAP_FAST_LAUNCH", "1") != "0")
+
+
+def _int_class(v: int) -> str:
+    """The type Triton gives an unspecialized integer argument."""
+    if -(1 << 31) <= v < (1 << 31):
+        return "i32"
+    return "i64" if -(1 << 63) <= v < (1 << 63) else "u64"
+
+
+class LaunchCache:
+    """Compiled-kernel launches of one `@triton.jit` kernel whose constexprs come last."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self._compiled: dict = {}
+        params = getattr(kernel, "params", None)  # the interpreter's functions have none
+        self.active = params is not None
+        if not self.active:
+            return
+        runtime = [p for p in params if not p.is_constexpr]
+        if any(p.is_constexpr for p in params[:len(runtime)]):
+            raise TypeError(f"{kernel.__name__}: constexpr parameters must come last")
+        self.num_runtime = len(runtime)
+        self.no_spec = tuple(p.do_not_specialize for p in runtime)
+        self.constexprs = tuple(p.name for p in params if p.is_constexpr)
+
+    def _key(self, args, meta: dict):
+        parts = []
+        for a, no_spec in zip(args, self.no_spec):
+            if isinstance(a, torch.Tensor):
+                parts.append((a.dtype, a.data_ptr() % 16 == 0))
+            elif isinstance(a, bool) or a is None:
+                parts.append(a)
+            elif isinstance(a, int):
+                parts.append(_int_class(a) if no_spec else a)
+            elif isinstance(a, TensorDescriptor):
+                parts.append((a.base.dtype, tuple(a.block_shape), a.base.data_ptr() % 16 == 0,
+                               tuple(a.strides), tuple(s % 16 == 0 for s in a.shape),
+                               a.padding))
+            else:  # a kind we do not know how Triton specializes: no fast path
+                return None
+        return tuple(parts), tuple(meta.items())
+
+    def compiled(self, args, meta: dict):
+        """The compiled kernel for these arguments (compiled and loaded now on a miss);
+        None under the interpreter or for arguments of an unknown kind."""
+        if not self.active:
+            return None
+        if len(args) != self.num_runtime:
+            raise TypeError(f"{self.kernel.__name__}: {len(args)} positional arguments, "
+                            f"expected the {self.num_runtime} non-constexpr ones")
+        key = self._key(args, meta)
+        if key is None:
+            return None
+        hit = self._compiled.get(key)
+        if hit is None:
+            binary = self.kernel.warmup(*args, grid=(1,), **meta)
+            # CUDA loads modules lazily, and loading may wait for running kernels (a
+            # spinning GatherRS among them): load it now.
+            binary._init_handles()
+            hit = self._compiled[key] = (binary, tuple(meta[n] for n in self.constexprs))
+        return hit
+
+    def launch(self, grid, args, meta: dict, compiled=None):
+        """`kernel[grid](*args, **meta)`, through the cached binary when there is one."""
+        hit = compiled or self.compiled(args, meta)
+        if hit is None or not _fast_launch_enabled():
+            return self.kernel[grid](*args, **meta)
+        binary, constexpr_values = hit
+        g = tuple(grid) + (1,) * (3 - len(grid))
+        binary[g](*args, *constexpr_values)
+        return binary
