@@ -56,6 +56,7 @@ for s in "$@"; do
           --model granite,qwen,deepseek --layout $lay --seqs 1024,4096,16384 \
           --routing ${ROUTING:-uniform,p90} --cset 1,2,3,4,6,8,12,16,20,24,28,32,40,48 \
           --samples 10 --warmup 2 --preset "${PRESET:-$OUT/h200.json}" --json "$OUT/op_all_$lay.json"; done ;;
+    demo) stage demo 240 bash -c "cd '$REPO' && make demo" ;;  # the README's main job, fresh venv
     host) stage host 60 $TR "$REPO/tools/host_overhead.py" --json "$OUT/host_TP2EP1.json" ;;
     layers) for lay in "2 1" "1 2"; do set -- $lay
         stage layer_TP$1EP$2 100 $TR "$REPO/tools/bench_layer.py" --models granite,qwen,deepseek \
@@ -88,4 +89,4 @@ done
 if compgen -G "$OUT/*.json" > /dev/null; then
   (cd "$OUT" && tar czf results.tgz ./*.json && rm -f ./*.json)
 fi
-grep -E "^===|rho_ref|^comm alone|^[a-z]+/TP|^chosen|^gemm2 |^comm rows|^torch._grouped|^torch gather|^(qwen|granite) |^torch copy|^layer |^prefill|^  (stock|overlap|speedup)|passed|failed|Error|error" "$LOG" | grep -v Warning | tail -n 80
+grep -E "^===|rho_ref|^comm alone|^[a-z]+/TP|^chosen|^gemm2 |^comm rows|^torch._grouped|^torch gather|^(qwen|granite) |^torch copy|^layer |^prefill|speedup|^moe-overlap|^  (stock|overlap|speedup)|passed|failed|Error|error" "$LOG" | grep -v Warning | tail -n 80
