@@ -183,9 +183,21 @@ def _toggle_and_fallback(config, x, grad):
         fb1 = _run(layer_b, x, grad)
         _run(layer_b, x, grad)
     ours = [str(w.message) for w in caught if "megatron-overlap" in str(w.message)]
+    # min_combine_elements: the gathered activations are 12 x 2 tokens x 2 ranks x 32 hidden
+    gathered = 12 * 2 * 2 * 32
+    small = {}
+    for threshold in (gathered + 1, gathered):
+        torch.manual_seed(1234)
+        layer_t = with_overlap_moe(spec, OverlapConfig(
+            backend="interpret", min_combine_elements=threshold))(config=config)
+        run_t = _run(layer_t, x, grad)
+        small[threshold] = dict(
+            equal=torch.equal(run_t[0], ref[0]) and torch.equal(run_t[1], ref[1]),
+            plan=None if layer_t.last_plan is None else layer_t.last_plan.source)
     return dict(toggled=toggled,
                 off_equal=torch.equal(off[0], ref[0]) and torch.equal(off[1], ref[1]),
-                fallback_equal=torch.equal(fb1[0], ref_b[0]), fallback_warnings=ours)
+                fallback_equal=torch.equal(fb1[0], ref_b[0]), fallback_warnings=ours,
+                below=small[gathered + 1], at=small[gathered])
 
 
 @pytest.fixture(scope="module")
@@ -237,3 +249,10 @@ def test_unsupported_config_runs_stock_after_one_warning(layer_runs):
         t = res["toggle"]
         assert t["fallback_equal"]
         assert len(t["fallback_warnings"]) == 1 and "expert biases" in t["fallback_warnings"][0]
+
+
+def test_layers_below_min_combine_elements_run_the_stock_path_bit_for_bit(layer_runs):
+    for res in layer_runs:
+        t = res["toggle"]
+        assert t["below"] == {"equal": True, "plan": None}
+        assert t["at"]["plan"] == "model"  # at the threshold: overlapped and planned

@@ -151,12 +151,16 @@ def test_flags_parse_into_the_overlap_config(tmp_path):
     assert (cfg.comm_ctas, cfg.splits, cfg.backend, cfg.preset) == (8, None, "reference", str(cal))
     auto = overlap_config_from_args(_parse(["--moe-overlap"]))
     assert (auto.comm_ctas, auto.splits, auto.backend, auto.preset) == (None, None, "auto", None)
+    assert auto.min_combine_elements is None  # the device calibration decides
+    always = overlap_config_from_args(_parse(["--moe-overlap", "--moe-overlap-min-elements", "0"]))
+    assert always.min_combine_elements == 0
     assert overlap_config_from_args(_parse(["--moe-overlap-comm-ctas", "4"])) is None
     assert overlap_config_from_args(argparse.Namespace()) is None
 
 
 @pytest.mark.parametrize("argv", [["--moe-overlap-comm-ctas", "0"], ["--moe-overlap-splits", "x"],
-                                  ["--moe-overlap-backend", "cuda"]])
+                                  ["--moe-overlap-backend", "cuda"],
+                                  ["--moe-overlap-min-elements", "-1"]])
 def test_bad_flag_values_are_rejected_by_the_parser(argv, capsys):
     with pytest.raises(SystemExit):
         _parse(argv)

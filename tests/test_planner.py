@@ -217,3 +217,29 @@ def test_saturation_term_adds_a_c_independent_service_floor():
 def test_calibration_rejects_non_positive_c_sat():
     with pytest.raises(ValueError, match="c_sat"):
         Calibration(1.0, 1, 1, 1, 1, 1, c_sat=0)
+
+
+def test_min_combine_elements_comes_from_the_config_then_the_calibration():
+    import json
+
+    import torch
+
+    from megatron_overlap.ops import OverlapConfig
+    from megatron_overlap.ops.config import min_combine_elements
+    from megatron_overlap.planner import get_preset
+    from megatron_overlap.planner.presets import Preset
+
+    cpu = torch.device("cpu")
+    assert get_preset("h200").min_combine_elements == 1 << 25
+    assert get_preset("a100-paper").min_combine_elements == 0
+    assert min_combine_elements(OverlapConfig(preset="h200"), cpu) == 1 << 25
+    assert min_combine_elements(OverlapConfig(preset="h200", min_combine_elements=7), cpu) == 7
+    assert min_combine_elements(OverlapConfig(), cpu) == 0  # no GPU calibration applies
+    data = get_preset("h200").to_json()
+    assert Preset.from_json(json.loads(json.dumps(data))) == get_preset("h200")
+    del data["min_combine_elements"]  # calibrations written before the field: never
+    assert Preset.from_json(data).min_combine_elements == 0
+    with pytest.raises(ValueError, match="min_combine_elements"):
+        Preset.from_json(dict(data, min_combine_elements=-1))
+    with pytest.raises(ValueError, match="min_combine_elements"):
+        OverlapConfig(min_combine_elements=-1)

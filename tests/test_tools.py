@@ -73,3 +73,18 @@ def test_prefill_sweep_records_an_out_of_memory_length_and_goes_on(monkeypatch):
 def test_prefill_rejects_bad_sequence_lists(bad):
     with pytest.raises((ValueError, argparse.ArgumentError)):
         prefill.parse_args(["--seqs", bad])
+
+
+def test_abba_rounds_pair_a_seeded_random_order_with_its_reverse():
+    from benchlib import abba
+
+    calls = []
+    policies = {n: (lambda n=n: calls.append(n)) for n in "abcdef"}
+    per = abba(policies, samples=8, warmup=0)
+    assert all(len(v) == 8 for v in per.values())
+    rounds = [calls[i:i + 6] for i in range(0, len(calls), 6)]
+    assert all(rounds[i + 1] == rounds[i][::-1] for i in range(0, 8, 2))
+    assert len({tuple(r) for r in rounds[::2]}) > 1  # the neighbours change between pairs
+    again = []
+    abba({n: (lambda n=n: again.append(n)) for n in "abcdef"}, samples=8, warmup=0)
+    assert again == calls  # the same order on every rank and every run

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -97,7 +98,14 @@ def time_once(fn, group=None) -> float:
 
 
 def abba(policies: dict, samples: int, warmup: int, group=None, progress: str = "") -> dict:
-    """{name: [ms per sample, max over ranks]}; rounds alternate forward/backward order."""
+    """{name: [ms per sample, max over ranks]}.
+
+    Rounds come in pairs: a random order of the policies (seeded by the pair, the same on
+    every rank), then that order reversed, so slow drift cancels (ABBA) and no policy
+    always runs next to the same neighbour. With a fixed order, a policy placed right
+    after the reference path measured up to 19% slower than the same policy placed among
+    the C sweep (run 11, docs/RESULTS.md).
+    """
     names = list(policies)
     for name in names:
         for _ in range(warmup):
@@ -114,7 +122,9 @@ def abba(policies: dict, samples: int, warmup: int, group=None, progress: str = 
         except ImportError:
             pass
     for r in rounds:
-        for n in (names if r % 2 == 0 else reversed(names)):
+        order = names[:]
+        random.Random(r // 2).shuffle(order)
+        for n in (order if r % 2 == 0 else reversed(order)):
             per[n].append(time_once(policies[n], group))
     if dist.is_initialized():  # the max-rank latency of every sample
         dev = "cuda" if torch.cuda.is_available() else "cpu"

@@ -38,7 +38,8 @@ from workloads import OpCase, rank_inputs  # noqa: E402
 
 from megatron_overlap.ops import OverlapConfig  # noqa: E402
 from megatron_overlap.ops.op import plan_cache_of, prepare  # noqa: E402
-from megatron_overlap.planner import Calibration, KernelSpec, Preset  # noqa: E402
+from megatron_overlap.planner import (Calibration, KernelSpec, Preset,  # noqa: E402
+                                      preset_for_device)
 from megatron_overlap.planner.model import DeviceSpec, makespan  # noqa: E402
 
 
@@ -153,6 +154,9 @@ def main() -> int:
                                 launch.world, c_max, kernel.comm_tile_m, kernel.comm_tile_n,
                                 c_sat if args.with_c_sat else None),
         default_splits=args.splits,
+        # measured by the prefill sweep, not here: kept from the shipped calibration
+        min_combine_elements=getattr(preset_for_device(cache.device.name),
+                                     "min_combine_elements", 0),
     )
     payload = dict(preset=preset.to_json(), measured=dict(
         case=case.label(), c_cal=args.c_cal, comp_ms=med["comp"], comp_waves=comp_waves,

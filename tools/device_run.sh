@@ -85,8 +85,9 @@ for s in "$@"; do
   esac
 done
 # The device tool brings back a limited number of files (run 9 lost three of eleven):
-# one archive of every JSON instead (unpack with tar xzf results.tgz).
+# one archive of every JSON instead (unpack with tar xzf results_*.tgz).
 if compgen -G "$OUT/*.json" > /dev/null; then
-  (cd "$OUT" && tar czf results.tgz ./*.json && rm -f ./*.json)
+  # one archive per invocation: a later call in the same device run must not replace it
+  (cd "$OUT" && tar czf "results_$(date +%H%M%S).tgz" ./*.json && rm -f ./*.json)
 fi
 grep -E "^===|rho_ref|^comm alone|^[a-z]+/TP|^chosen|^gemm2 |^comm rows|^torch._grouped|^torch gather|^(qwen|granite) |^torch copy|^layer |^prefill|speedup|^moe-overlap|^  (stock|overlap|speedup)|passed|failed|Error|error" "$LOG" | grep -v Warning | tail -n 80

@@ -28,6 +28,16 @@ def _auto_or_positive_int(text: str) -> int | None:
     return value
 
 
+def _non_negative_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return value
+
+
 def add_moe_overlap_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the `--moe-overlap*` flags to `parser` and return it (extra_args_provider form)."""
     group = parser.add_argument_group(
@@ -43,6 +53,11 @@ def add_moe_overlap_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     group.add_argument("--moe-overlap-backend", choices=BACKEND_CHOICES, default="auto",
                        help="triton (CUDA), reference (non-overlapped torch path), interpret "
                        "(Triton interpreter on CPU) or auto (triton on CUDA).")
+    group.add_argument("--moe-overlap-min-elements", type=_non_negative_int, default=None,
+                       metavar="N",
+                       help="Layers whose gathered tokens x hidden is below N run the stock "
+                       "path (host-bound there); default: the device calibration's (H200: "
+                       "33554432); 0 overlaps always.")
     group.add_argument("--moe-overlap-calibration", default=None, metavar="FILE",
                        help="Calibration JSON (tools/calibrate.py) or preset name; default: the "
                        "shipped calibration for this device.")
@@ -66,4 +81,5 @@ def overlap_config_from_args(args) -> OverlapConfig | None:
         comm_ctas=getattr(args, "moe_overlap_comm_ctas", None),
         splits=getattr(args, "moe_overlap_splits", None),
         preset=calibration,
+        min_combine_elements=getattr(args, "moe_overlap_min_elements", None),
     )

@@ -22,6 +22,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
 
 from ..ops import OverlapConfig, gemm2_gather_rs
+from ..ops.config import min_combine_elements
 from .experts import GroupedGemmExperts, fc1_and_fc2_weight, host_counts
 
 log = logging.getLogger("megatron_overlap.mcore")
@@ -39,7 +40,10 @@ class OverlapMoELayer(MoELayer):
     Attributes:
         overlap_enabled: set False to run the stock path (same weights), e.g. for A/B runs.
         last_plan: the planner's decision of the latest launch (None on the reference
-            backend or before the first launch).
+            backend, on the stock path or before the first launch).
+
+    Calls whose gathered activations (tokens x hidden) are smaller than the config's
+    `min_combine_elements` (by default the device calibration's) run the stock path.
         decisions: how many distinct (C, L) decisions this layer has logged.
     """
 
@@ -55,6 +59,7 @@ class OverlapMoELayer(MoELayer):
         self._unsupported = self._why_unsupported()
         self._fused_pending = False  # routed_experts_compute already did the combine
         self._last_key = None
+        self._min_elements: int | None = None  # min_combine_elements, resolved on first use
 
     def _why_unsupported(self) -> str | None:
         c = self.config
@@ -75,7 +80,9 @@ class OverlapMoELayer(MoELayer):
             return "overlap_dispatch_backward_with_experts_wgrad"
         return None
 
-    def _use_overlap(self) -> bool:
+    def _use_overlap(self, hidden_states) -> bool:
+        """Overlap this call? The same answer on every rank of the group: it reads only
+        the gathered [M, H] activations' size, the configuration and the device."""
         if not self.overlap_enabled:
             return False
         if self._unsupported is not None:
@@ -84,11 +91,29 @@ class OverlapMoELayer(MoELayer):
                 warnings.warn(f"megatron-overlap: {self._unsupported} is not supported; "
                               "those MoE layers run the stock Megatron path")
             return False
+        if self._min_elements is None:
+            self._min_elements = min_combine_elements(self.overlap_config, hidden_states.device)
+        if hidden_states.numel() < self._min_elements:
+            # Too small to gain: the model is host-bound there and the stock path has less
+            # host work (the threshold is the calibration's, docs/RESULTS.md).
+            self._note_stock(hidden_states)
+            return False
         return True
+
+    def _note_stock(self, hidden_states) -> None:
+        key = ("stock", hidden_states.numel())
+        if key == self._last_key:
+            return
+        self._last_key = key
+        self.last_plan = None
+        self.decisions += 1
+        log.info("moe-overlap layer %s: stock path, tokens x hidden = %d below %d "
+                 "(min_combine_elements)", self.layer_number, hidden_states.numel(),
+                 self._min_elements)
 
     def routed_experts_compute(self, hidden_states, probs):
         """Stock: expert output before combine. Overlapped: the combined [M/D, H] rows."""
-        if not self._use_overlap():
+        if not self._use_overlap(hidden_states):
             self._fused_pending = False
             return super().routed_experts_compute(hidden_states, probs)
         disp = self.token_dispatcher

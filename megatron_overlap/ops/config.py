@@ -38,6 +38,10 @@ class OverlapConfig:
     tiles: kernel tile shapes; None = the backend's default: `gpu_tiles()` on CUDA (the
         file named by MEGATRON_OVERLAP_TILES, as `tools/tune_tiles.py` writes it, else
         `GPU_TILES`), `INTERPRET_TILES` under the interpreter.
+    min_combine_elements: read by OverlapMoELayer, not by the op: a layer whose combined
+        output (tokens x hidden) has fewer elements runs the stock Megatron path, where the
+        overlap's extra host work costs more than it saves. None = the calibration's value
+        (H200: 2^25; 0 for devices without one and under the interpreter); 0 = never.
     """
 
     backend: str = "auto"
@@ -50,6 +54,7 @@ class OverlapConfig:
     partial_dtype: torch.dtype | None = None
     sync_errors: bool = False
     tiles: "TileConfig | None" = None
+    min_combine_elements: int | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -61,6 +66,10 @@ class OverlapConfig:
                 raise ValueError(f"OverlapConfig.{name} must be a positive int or None, got {value!r}")
         if self.sm_margin < 0 or self.max_spins < 1:
             raise ValueError("OverlapConfig.sm_margin must be >= 0 and max_spins >= 1")
+        m = self.min_combine_elements
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 0):
+            raise ValueError(f"OverlapConfig.min_combine_elements must be an int >= 0 or "
+                             f"None, got {m!r}")
 
 
 @dataclass(frozen=True)
@@ -175,6 +184,18 @@ def calibration_for(device: DeviceSpec, preset: str | None) -> Calibration:
         log.warning("no calibration shipped for %s; using the paper's A100 rho_ref (run "
                     "tools/calibrate.py to make one)", device.name)
     return A100_PAPER.calibration
+
+
+def min_combine_elements(config: OverlapConfig, device: torch.device) -> int:
+    """The layer's overlap threshold: the config's, else the calibration's for this device."""
+    if config.min_combine_elements is not None:
+        return config.min_combine_elements
+    if config.preset is not None:
+        return get_preset(config.preset).min_combine_elements
+    if device.type != "cuda":
+        return 0
+    found = preset_for_device(torch.cuda.get_device_properties(device).name)
+    return found.min_combine_elements if found is not None else 0
 
 
 def kernel_spec(tiles: TileConfig, comm_tm: int, comm_tn: int, o_comp: int,

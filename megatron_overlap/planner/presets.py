@@ -8,7 +8,7 @@ per shape) and shipped in `calibrations/`; they are found by name or by device n
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from .model import Calibration, DeviceSpec, KernelSpec
@@ -23,10 +23,12 @@ class Preset:
     device: DeviceSpec
     calibration: Calibration
     default_splits: int = 1
+    # Below this many elements of a layer's combined output (tokens x hidden), a Megatron
+    # MoE layer runs its stock path: measured per device (docs/RESULTS.md), 0 = never.
+    min_combine_elements: int = 0
 
     def with_sm_margin(self, sm_margin: int) -> "Preset":
-        device = DeviceSpec(self.device.name, self.device.sms, sm_margin)
-        return Preset(self.name, self.kernel, device, self.calibration, self.default_splits)
+        return replace(self, device=DeviceSpec(self.device.name, self.device.sms, sm_margin))
 
     def to_json(self) -> dict:
         return {
@@ -35,7 +37,13 @@ class Preset:
             "device": {"name": self.device.name, "sms": self.device.sms},
             "calibration": asdict(self.calibration),
             "default_splits": self.default_splits,
+            "min_combine_elements": self.min_combine_elements,
         }
+
+    def __post_init__(self) -> None:
+        m = self.min_combine_elements
+        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+            raise ValueError(f"Preset.min_combine_elements must be an int >= 0, got {m!r}")
 
     @classmethod
     def from_json(cls, data: dict) -> "Preset":
@@ -46,6 +54,7 @@ class Preset:
                 device=DeviceSpec(data["device"]["name"], data["device"]["sms"]),
                 calibration=Calibration(**data["calibration"]),
                 default_splits=data.get("default_splits", 1),
+                min_combine_elements=data.get("min_combine_elements", 0),
             )
         except (KeyError, TypeError) as err:
             raise ValueError(f"malformed calibration preset: {err}") from err
