@@ -33,6 +33,8 @@ def _add_plan_parser(sub) -> None:
     p.add_argument("--expert-counts", type=_counts, required=True,
                    help="M_e of each local expert, comma separated")
     p.add_argument("--groups", type=int, default=1, help="g: input groups")
+    p.add_argument("--topk", type=int, default=None,
+                   help="k: rows per token (read by calibrations that record topk_ref)")
     p.add_argument("--sm-margin", type=int, default=0, help="SMs left to other kernels")
     p.add_argument("--comm-ctas", type=int, default=None, help="explicit C (overrides)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -44,7 +46,7 @@ def _run_plan(args) -> int:
     workload = Workload(
         tokens=args.tokens, hidden=args.hidden, ffn=args.ffn, world=args.world,
         splits=args.splits if args.splits is not None else preset.default_splits,
-        expert_counts=args.expert_counts, groups=args.groups,
+        expert_counts=args.expert_counts, groups=args.groups, topk=args.topk,
     )
     decision, solver_us = timed_plan(
         workload, preset.kernel, preset.device, preset.calibration, comm_ctas=args.comm_ctas

@@ -39,7 +39,7 @@ def decision_rows(preset: Preset, layouts=tuple(LAYOUTS), routings=("uniform", "
                     idx = route(tokens, shape.experts, shape.topk, routing, seed)
                     counts = expert_counts(idx, shape.experts)[:e_local].tolist()
                     d = cache.decide(tokens, shape.hidden, k_rank, tp * ep,
-                                     shape.default_splits, counts)
+                                     shape.default_splits, counts, topk=shape.topk)
                     yield dict(model=key, layout=layout, S=s, routing=routing,
                                counts=counts, plan=d)
 

@@ -243,3 +243,29 @@ def test_min_combine_elements_comes_from_the_config_then_the_calibration():
         Preset.from_json(dict(data, min_combine_elements=-1))
     with pytest.raises(ValueError, match="min_combine_elements"):
         OverlapConfig(min_combine_elements=-1)
+
+
+def test_k_epi_and_topk_scale_rho_only_where_calibrated():
+    import dataclasses
+
+    from megatron_overlap.planner.model import Calibration, service_ratio
+
+    w4 = Workload(4096, 2048, 704, 2, 2, (512,) * 4, topk=4)
+    base = Calibration(rho_ref=1.6, k_ref=704, tm_ref=128, tn_ref=128, d_ref=2, c_max=56)
+    # uncalibrated (the paper's form): a workload's top-k changes nothing
+    assert service_ratio(w4, K, base) == service_ratio(dataclasses.replace(w4, topk=8), K, base)
+    cal = dataclasses.replace(base, k_epi=600, topk_ref=4)
+    assert service_ratio(w4, K, cal) == pytest.approx(service_ratio(w4, K, base))
+    small = dataclasses.replace(w4, ffn=256, topk=6)
+    # a K = 256 wave costs (256 + 600)/(704 + 600) of the reference one, not 256/704;
+    # a top-6 tile moves 7/5 of a top-4 tile's rows
+    assert service_ratio(small, K, cal) / service_ratio(w4, K, cal) == pytest.approx(
+        (1304 / 856) * 7 / 5)
+    big = Workload(16384, 2048, 704, 2, 2, (4096,) * 16)
+    strong = dataclasses.replace(cal, rho_ref=4.0)
+    cs = [plan(dataclasses.replace(big, topk=k), K, DEV, strong).comm_ctas for k in (2, 4, 8)]
+    assert cs[0] < cs[1] < cs[2]  # more rows per token: more communication CTAs
+    with pytest.raises(ValueError, match="k_epi"):
+        dataclasses.replace(base, k_epi=-1.0)
+    with pytest.raises(ValueError, match="topk"):
+        dataclasses.replace(w4, topk=0)

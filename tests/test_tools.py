@@ -88,3 +88,11 @@ def test_abba_rounds_pair_a_seeded_random_order_with_its_reverse():
     again = []
     abba({n: (lambda n=n: again.append(n)) for n in "abcdef"}, samples=8, warmup=0)
     assert again == calls  # the same order on every rank and every run
+
+
+def test_k_epi_fit_recovers_the_per_wave_part_that_does_not_scale_with_k():
+    b, k_epi = 0.02, 600.0
+    t = lambda k: b * (k + k_epi)  # noqa: E731
+    assert calibrate.fit_k_epi(704, t(704), 352, t(352)) == pytest.approx(k_epi)
+    assert calibrate.fit_k_epi(704, b * 704, 352, b * 352) == pytest.approx(0.0)  # the paper
+    assert calibrate.fit_k_epi(704, 1.0, 352, 1.2) is None  # slower at half K: no fit

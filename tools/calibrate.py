@@ -10,6 +10,10 @@ At a fixed large C on one reference workload it times
     communication wave, t0 the part more CTAs never remove (bandwidth, barrier, final
     sum), restated as the planner's C_sat = t_comm * L * W_comm / t0 (recorded; in the
     preset only with --with-c-sat).
+  * GEMM2 alone at K/2 (same tiles and waves): with the time at K, the per-wave part
+    that does not scale with K, K_epi (t = b (K + K_epi)), and the case's top-k as
+    topk_ref: the planner then scales rho with (K_ref + K_epi)/(K + K_epi) and with the
+    rows a communication tile moves, (k + 1)/(topk_ref + 1).
 rho_ref = t_comm / t_comp, the contention-free ratio. Also recorded, not shipped: the
 paper's in-overlap fit (the rho for which the model's T(C_cal) equals T_meas). On H200
 that fit is 3x larger, because it charges communication for the slowdown GEMM2 suffers
@@ -89,6 +93,14 @@ def fit_saturation(times: dict[int, float], w_comm: int, splits: int):
     return t0, slope, (slope * splits * w_comm / t0 if t0 > 1e-6 * my else None)
 
 
+def fit_k_epi(k1: int, t1: float, k2: int, t2: float) -> float | None:
+    """K_epi of t = b (K + K_epi) through two (K, time per compute wave) points: the part
+    of a wave that does not shrink with K, in units of K. None unless time grows with K."""
+    if (t1 - t2) * (k1 - k2) <= 0:
+        return None
+    return max(0.0, (t2 * k1 - t1 * k2) / (t1 - t2))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen")
@@ -112,6 +124,13 @@ def main() -> int:
 
     tiles = tiles_from_json(args.tiles)
     comp_fn, launch = phase_timer(inp, group, args.c_cal, ("gemm2",), args.splits, backend, tiles)
+    # the same GEMM2 at half the reduction dim: same tiles and waves, so the two times
+    # give the per-wave cost that does not scale with K (K_epi)
+    k_half = inp["ffn"] // 2 // 8 * 8
+    half = dict(inp, ffn=k_half, x=inp["x"][:, :k_half].contiguous(),
+                weight=inp["weight"][..., :k_half].contiguous())
+    comp_half_fn, _ = phase_timer(half, group, args.c_cal, ("gemm2",), args.splits, backend,
+                                  tiles)
     comm_fn, _ = phase_timer(inp, group, args.c_cal, ("comm",), args.splits, backend, tiles)
     sweep = {c: phase_timer(inp, group, c, ("comm",), args.splits, backend, tiles)[0]
              for c in range(1, args.c_sweep + 1)}
@@ -119,7 +138,7 @@ def main() -> int:
     # table and launches are not waves of either kernel and stay out of rho
     overlap, _ = phase_timer(inp, group, args.c_cal, ("gemm2", "comm"), args.splits, backend,
                              tiles)
-    pol = {"comp": comp_fn, "comm": comm_fn, "overlap": overlap,
+    pol = {"comp": comp_fn, "comp K/2": comp_half_fn, "comm": comm_fn, "overlap": overlap,
            **{f"comm C={c}": f for c, f in sweep.items()}}
     per = abba(pol, args.samples, 3, group, progress="calibrate")
     med = {n: statistics.median(v) for n, v in per.items()}
@@ -128,6 +147,7 @@ def main() -> int:
     kernel = cache.kernel
     comp_waves = math.ceil(args.splits * plan.w_comp / plan.compute_slots)
     t_comp = med["comp"] / comp_waves
+    k_epi = fit_k_epi(inp["ffn"], med["comp"], k_half, med["comp K/2"])
     comm_waves = args.splits * math.ceil(plan.w_comm / args.c_cal)
     # Saturation: C_max = the smallest C within 3% of the fastest communication time
     # (beyond it, more CTAs only take SMs from GEMM2).
@@ -152,7 +172,8 @@ def main() -> int:
         device=DeviceSpec(cache.device.name, cache.device.sms),
         calibration=Calibration(rho_ref, inp["ffn"], kernel.tile_m, kernel.tile_n,
                                 launch.world, c_max, kernel.comm_tile_m, kernel.comm_tile_n,
-                                c_sat if args.with_c_sat else None),
+                                c_sat if args.with_c_sat else None,
+                                None if k_epi is None else round(k_epi, 1), inp["topk"]),
         default_splits=args.splits,
         # measured by the prefill sweep, not here: kept from the shipped calibration
         min_combine_elements=getattr(preset_for_device(cache.device.name),
@@ -160,6 +181,7 @@ def main() -> int:
     )
     payload = dict(preset=preset.to_json(), measured=dict(
         case=case.label(), c_cal=args.c_cal, comp_ms=med["comp"], comp_waves=comp_waves,
+        comp_half_k_ms=med["comp K/2"], k_half=k_half, k_epi=k_epi,
         t_comp_wave_us=t_comp * 1e3, comm_ms=med["comm"], comm_waves=comm_waves,
         t_comm_wave_us=t_comm * 1e3, t_comm_wave_single_point_us=med["comm"] / comm_waves * 1e3,
         comm_intercept_us=t0 * 1e3, c_sat=c_sat,
@@ -173,7 +195,7 @@ def main() -> int:
         print(f"rho_ref={rho_ref:.3f} (GatherRS alone: t_comm/wave {t_comm * 1e3:.2f} us + "
               f"{t0 * 1e3:.1f} us, C_sat={c_sat}; the overlapped run, {med['overlap']:.3f} ms = "
               f"{t_waves:.1f} compute waves, fits rho={rho_overlap_fit:.3f}; "
-              f"t_comp/wave {t_comp * 1e3:.2f} us over {comp_waves} waves), "
+              f"t_comp/wave {t_comp * 1e3:.2f} us over {comp_waves} waves; K_epi={k_epi}), "
               f"C_max={c_max}, o_comp={kernel.o_comp}, o_comm={kernel.o_comm}, "
               f"resources={payload['measured']['resources']}")
         print("comm alone vs C (ms):", {c: round(t, 4) for c, t in times.items()})

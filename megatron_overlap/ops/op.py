@@ -386,7 +386,7 @@ def _plan_splits(buf, config, tiles, row_tiles, experts, sizes, topk, splits, c)
     comm_tm, comm_tn = tiles.comm_shape(topk, -(-hidden // splits))
     cache = buf.plan_cache(config, tiles, comm_tm, comm_tn, topk)
     plan = cache.decide_tiles(row_tiles, num_tokens, hidden, ffn, world, splits, experts,
-                              comm_ctas=c, enabled=config.planner)
+                              comm_ctas=c, enabled=config.planner, topk=topk)
     return plan, dict(splits=splits, tiles=tiles, comm_tm=comm_tm, comm_tn=comm_tn,
                       tokens_per_rank=num_tokens // world, max_spins=config.max_spins)
 

@@ -37,6 +37,14 @@ second independent of C). So q never falls below rho * W_comm / C_sat however ma
 CTAs communicate, while P(C) keeps falling. C_sat is measured once per device and
 kernel family (tools/calibrate.py); without it (the paper's presets) the model is
 exactly section III's.
+
+Also beyond the paper, two terms of rho's scaling (eq. 15), each off unless calibrated:
+  * K_epi: a compute wave costs t (K + K_epi), not t K: its prologue and epilogue (the
+    TM x TN store and the readiness flag) do not shrink with K. On H200 K_epi is about
+    600, so at K = 256 a wave takes 1.8x what K-proportional scaling says.
+  * top-k: a communication tile gathers k rows per token and writes one, so its bytes
+    scale with TMc * TNc * (k + 1), not with TMc * TNc alone; the reference is the
+    calibration case's k (topk_ref).
 """
 
 from __future__ import annotations
@@ -74,11 +82,14 @@ class Workload:
     splits: int  # L
     expert_counts: tuple[int, ...]  # M_e for each local expert
     groups: int = 1  # g
+    topk: int | None = None  # k, rows gathered per token (read only with Calibration.topk_ref)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "expert_counts", tuple(self.expert_counts))
         for name in ("tokens", "hidden", "ffn", "world", "splits", "groups"):
             _require_int(self, name, 1)
+        if self.topk is not None:
+            _require_int(self, "topk", 1)
         if self.splits > self.hidden:
             raise ValueError(
                 f"Workload.splits must be <= hidden ({self.hidden}), got {self.splits}"
@@ -170,6 +181,10 @@ class Calibration:
     # Saturation: q = rho * (ceil(W_comm / C) + W_comm / c_sat), so a split's service
     # never drops below rho * W_comm / c_sat. None (the paper's presets): eq. 11 alone.
     c_sat: float | None = None
+    # A compute wave's cost is t (K + k_epi) (module doc); None: t K, the paper's eq. 15.
+    k_epi: float | None = None
+    # The calibration case's top-k; set, rho scales with (k + 1) / (topk_ref + 1).
+    topk_ref: int | None = None
 
     def __post_init__(self) -> None:
         if self.c_sat is not None and (isinstance(self.c_sat, bool)
@@ -180,9 +195,13 @@ class Calibration:
             raise ValueError(f"Calibration.rho_ref must be > 0, got {self.rho_ref!r}")
         for name in ("k_ref", "tm_ref", "tn_ref", "d_ref", "c_max"):
             _require_int(self, name, 1)
-        for name in ("tmc_ref", "tnc_ref"):
+        for name in ("tmc_ref", "tnc_ref", "topk_ref"):
             if getattr(self, name) is not None:
                 _require_int(self, name, 1)
+        if self.k_epi is not None and (isinstance(self.k_epi, bool)
+                                       or not isinstance(self.k_epi, (int, float))
+                                       or not self.k_epi >= 0):
+            raise ValueError(f"Calibration.k_epi must be >= 0 or None, got {self.k_epi!r}")
 
     @staticmethod
     def rho_from_measurement(
@@ -245,15 +264,21 @@ def comm_tiles(w: Workload, kernel: KernelSpec) -> int:
 
 def service_ratio(w: Workload, kernel: KernelSpec, calib: Calibration) -> float:
     """rho = rho_ref (K_ref/K) (TM_ref TN_ref)/(TM TN) (D/D_ref) (eq. 15), times
-    (TMc TNc)/(TMc_ref TNc_ref) when the calibration records its comm tile."""
+    (TMc TNc)/(TMc_ref TNc_ref) when the calibration records its comm tile. Calibrated
+    K_epi replaces K_ref/K by (K_ref + K_epi)/(K + K_epi); a calibrated topk_ref (and a
+    workload top-k) multiplies by (k + 1)/(topk_ref + 1)."""
+    k_ratio = (calib.k_ref / w.ffn if calib.k_epi is None
+               else (calib.k_ref + calib.k_epi) / (w.ffn + calib.k_epi))
     rho = (
         calib.rho_ref
-        * (calib.k_ref / w.ffn)
+        * k_ratio
         * (calib.tm_ref * calib.tn_ref) / (kernel.tile_m * kernel.tile_n)
         * (w.world / calib.d_ref)
     )
     if calib.tmc_ref is not None and calib.tnc_ref is not None:
         rho *= (kernel.comm_tile_m * kernel.comm_tile_n) / (calib.tmc_ref * calib.tnc_ref)
+    if calib.topk_ref is not None and w.topk is not None:
+        rho *= (w.topk + 1) / (calib.topk_ref + 1)
     return rho
 
 
