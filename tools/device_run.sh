@@ -57,6 +57,11 @@ for s in "$@"; do
           --routing ${ROUTING:-uniform,p90} --cset 1,2,3,4,6,8,12,16,20,24,28,32,40,48 \
           --samples 10 --warmup 2 --preset "${PRESET:-$OUT/h200.json}" --json "$OUT/op_all_$lay.json"; done ;;
     demo) stage demo 240 bash -c "cd '$REPO' && make demo" ;;  # the README's main job, fresh venv
+    ncu_gather)  # hardware counters of GatherRS alone (Firecracker machines only)
+      stage ncu_gather 200 ncu --clock-control none --target-processes all \
+        -k regex:gather_rs_kernel -c 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+        --section WarpStateStats --section LaunchStats --section Occupancy \
+        python3 "$REPO/tools/profile_gather.py" --comm-ctas ${NCU_C:-16} ;;
     host) stage host 60 $TR "$REPO/tools/host_overhead.py" --json "$OUT/host_TP2EP1.json" ;;
     layers) for lay in "2 1" "1 2"; do set -- $lay
         stage layer_TP$1EP$2 100 $TR "$REPO/tools/bench_layer.py" --models granite,qwen,deepseek \
@@ -90,4 +95,4 @@ if compgen -G "$OUT/*.json" > /dev/null; then
   # one archive per invocation: a later call in the same device run must not replace it
   (cd "$OUT" && tar czf "results_$(date +%H%M%S).tgz" ./*.json && rm -f ./*.json)
 fi
-grep -E "^===|rho_ref|^comm alone|^[a-z]+/TP|^chosen|^gemm2 |^comm rows|^torch._grouped|^torch gather|^(qwen|granite) |^torch copy|^layer |^prefill|speedup|^moe-overlap|^  (stock|overlap|speedup)|passed|failed|Error|error" "$LOG" | grep -v Warning | tail -n 80
+grep -E "^===|rho_ref|^comm alone|^[a-z]+/TP|^chosen|^gemm2 |^comm rows|^torch._grouped|^torch gather|^(qwen|granite) |^torch copy|^layer |^prefill|speedup|^moe-overlap|^    [A-Z][a-zA-Z ]+ +[a-z%/]+ +[0-9]|^  (stock|overlap|speedup)|passed|failed|Error|error" "$LOG" | grep -v Warning | tail -n 80

@@ -1,0 +1,48 @@
+"""GatherRS alone on one GPU, as a target for a hardware-counter profile (Nsight Compute).
+
+    ncu --clock-control none -k regex:gather_rs_kernel -c 1 --section SpeedOfLight \
+        --section MemoryWorkloadAnalysis --section WarpStateStats \
+        python tools/profile_gather.py --model qwen --seq 4096 --comm-ctas 16
+
+The communication kernel runs with its readiness flags preset and GEMM2 does not run:
+under a profiler's serialized replay, GatherRS waiting for a concurrent producer would
+wait for one that cannot start. One rank (no process group): every push is local.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from tune_tiles import phase  # noqa: E402
+from workloads import OpCase, rank_inputs  # noqa: E402
+
+from megatron_overlap.ops.config import gpu_tiles  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="qwen")
+    ap.add_argument("--layout", default="TP2EP1", help="sets K and the local experts")
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--comm-ctas", type=int, default=16)
+    ap.add_argument("--launches", type=int, default=3)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("profile_gather: needs a CUDA GPU")
+        return 2
+    inp = rank_inputs(OpCase(args.model, args.layout, args.seq, "uniform"), 0, "cuda")
+    run, info = phase(inp, None, gpu_tiles(), "triton", args.comm_ctas, ("comm",))
+    for _ in range(args.launches):
+        run()
+    torch.cuda.synchronize()
+    print(f"profile_gather: {args.launches} GatherRS launches, C={args.comm_ctas}, {info}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
