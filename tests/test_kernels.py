@@ -231,3 +231,37 @@ def test_launch_cache_keys_descriptors_on_layout_not_on_row_count(monkeypatch):
     for rows in (32, 48, 40):  # row counts that keep / break divisibility by 16
         cache.launch((8,), args(rows), meta)
     assert len(cache.kernel.compiles) == 2 and len(cache.kernel.binary_launches) == 3
+
+
+def _triton_specialization(cache, args):
+    """What the installed Triton specializes these runtime arguments to (CPU-computable)."""
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.compiler import BaseBackend
+
+    return tuple(native_specialize_impl(BaseBackend, a, False, not no_spec, True)
+                 for a, no_spec in zip(args, cache.no_spec))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([torch.float32, torch.bfloat16, torch.int32]),
+                          st.integers(0, 3), st.integers(-3, 3), st.integers(0, 40),
+                          st.sampled_from([1, 2, 16, 17, 32, 4096, 4097])),
+                min_size=2, max_size=12))
+def test_launch_cache_key_separates_everything_triton_specializes_on(draws):
+    from triton.runtime.jit import JITFunction
+
+    from megatron_overlap.kernels.launch_cache import LaunchCache
+
+    # sum_partials' runtime arguments: two pointers, numel and world unspecialized,
+    # slot_stride specialized
+    cache = LaunchCache(JITFunction(grs.sum_partials_kernel.fn,
+                                    do_not_specialize=["numel", "world"]))
+    base = torch.zeros(64, dtype=torch.float32)
+    seen = {}
+    for dtype, offset, small, power, stride in draws:
+        recv = torch.zeros(80, dtype=dtype)[offset:]  # offsets 1-3 break 16-byte alignment
+        numel = small + (1 << power)  # crosses the int32 range for large powers
+        args = (recv, base, numel, 2, stride)
+        key = cache._key(args, {"BLOCK": 4096})
+        spec = _triton_specialization(cache, args)
+        assert seen.setdefault(key, spec) == spec, (key, spec, seen[key])
