@@ -33,7 +33,8 @@ def layer_case(model_name, tp, ep, seq, batch, args, device):
     from megatron.core import parallel_state as ps
 
     depth = 2 if model_name == "deepseek" else 1  # its first layer is dense
-    model = build_model(model_name, tp, ep, depth, overlap=OverlapConfig(backend=args.backend),
+    config = OverlapConfig(backend=args.backend, min_combine_elements=args.min_elements)
+    model = build_model(model_name, tp, ep, depth, overlap=config,
                         tiny=args.tiny).to(device).eval()
     layer = next(m for m in model.modules() if isinstance(m, OverlapMoELayer))
     dp = ps.get_data_parallel_world_size()
@@ -80,6 +81,9 @@ def main() -> int:
     ap.add_argument("--samples", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--backend", default="auto")
+    ap.add_argument("--min-elements", type=int, default=None,
+                    help="the layer's min_combine_elements (default: the calibration's; 0 "
+                         "compares the overlapped path at every size)")
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--preload", default=None)
     ap.add_argument("--json", default="")
