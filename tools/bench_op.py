@@ -25,8 +25,8 @@ from tune_tiles import tiles_from_json  # noqa: E402
 from workloads import OpCase, rank_inputs  # noqa: E402
 
 from megatron_overlap.ops import OverlapConfig, gemm2_gather_rs  # noqa: E402
-from megatron_overlap.ops.op import (_reference_forward, grouped_mm, plan_cache_of,  # noqa: E402
-                                      prepare)
+from megatron_overlap.ops.op import plan_cache_of, prepare  # noqa: E402
+from megatron_overlap.ops.reference import grouped_mm, reference_forward  # noqa: E402
 from megatron_overlap.planner import compute_slots  # noqa: E402
 
 REFERENCE = OverlapConfig(backend="reference")
@@ -65,9 +65,9 @@ def policies_for(inp: dict, group, c_values, preset: str | None,
         "planner(prepared)": lambda: buf.launch(
             inp["x"], inp["weight"], counts_dev, launch.table, None, out, plan=plan,
             **launch.kwargs),
-        "reference(prepared)": lambda: _reference_forward(
+        "reference(prepared)": lambda: reference_forward(
             inp["x"], inp["weight"], counts_dev, inp["counts_list"], launch.table, None, group,
-            launch.world, launch.rank),
+            launch.world),
         f"comm_alone(C={plan.comm_ctas})": lambda: buf.launch(
             inp["x"], inp["weight"], counts_dev, launch.table, None, out, plan=plan,
             phases=("comm",), y=y, **launch.kwargs),

@@ -23,7 +23,8 @@ from megatron_overlap.ops import OverlapConfig  # noqa: E402
 from megatron_overlap.ops.config import (GPU_TILES, INTERPRET_TILES, TileConfig,  # noqa: E402
                                          load_tiles)
 from megatron_overlap.kernels import routing_table as rt  # noqa: E402
-from megatron_overlap.ops.op import grouped_mm, plan_cache_of, prepare  # noqa: E402
+from megatron_overlap.ops.op import plan_cache_of, prepare  # noqa: E402
+from megatron_overlap.ops.reference import grouped_mm  # noqa: E402
 
 GEMM_CANDIDATES = [(128, 128, 64, 4, 3, False), (128, 128, 64, 4, 3, True),
                    (128, 128, 64, 8, 3, False), (128, 128, 64, 8, 3, True),

@@ -29,11 +29,9 @@ from ..kernels.routing_table import combine_table, launch_routing_table
 from ..planner import Workload, expert_row_tiles
 from .buffer import OverlapBuffer
 from .config import OverlapConfig, default_splits, resolve_backend
+from .reference import all_gather, grouped_mm, reference_forward
 
 log = logging.getLogger("megatron_overlap")
-# torch 2.13 renames the two collectives; 2.11 (the GPU machines) has only the old names.
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -116,50 +114,6 @@ def validate(x, weight, counts, token_index, num_tokens, topk, probs, world):
                                  "strictly ascending order (Megatron-Core's permutation order)")
 
 
-def grouped_mm(a: torch.Tensor, b: torch.Tensor, counts_dev: torch.Tensor,
-               counts: list[int] | None) -> torch.Tensor:
-    """out[rows of e] = a[rows of e] @ b[e]; b [E, K, N] (any strides)."""
-    if a.is_cuda and a.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
-        offs = counts_dev.to(device=a.device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        return torch._grouped_mm(a, b, offs=offs)
-    if counts is None:
-        counts = counts_dev.tolist()
-    out = a.new_empty(a.shape[0], b.shape[2])
-    start = 0
-    for e, n in enumerate(counts):
-        if n:
-            torch.matmul(a[start:start + n], b[e], out=out[start:start + n])
-        start += n
-    return out
-
-
-def combine_rows(y: torch.Tensor, table: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:
-    """[M, N] in y's dtype: the sum of each token's rows.
-
-    An fp32 sum in a fixed order through one gather. On H200 this measured faster
-    than `index_add_` in bf16 (Megatron's stock unpermute) for S >= 4096 and as fast at
-    S = 1024 (docs/RESULTS.md), and it is deterministic.
-    """
-    rows = y if probs is None else y * probs.to(y.dtype)[:, None]
-    padded = torch.cat([rows, rows.new_zeros(1, rows.shape[1])])  # row -1 reads zeros
-    return padded[table.long()].sum(dim=1, dtype=torch.float32).to(y.dtype)
-
-
-def _reference_forward(x, weight, counts_dev, counts, table, probs, group, world, rank):
-    y = grouped_mm(x, weight.transpose(1, 2), counts_dev, counts)
-    full = combine_rows(y, table, probs)
-    if world == 1:
-        return full, y
-    out = full.new_empty(full.shape[0] // world, full.shape[1])
-    if full.device.type == "cpu" and full.dtype != torch.float32:
-        # gloo reduces in fp32 only for fp32 tensors; keep the sum exact like NCCL's.
-        part = full.new_empty(out.shape, dtype=torch.float32)
-        _reduce_scatter(part, full.float(), group=group)
-        return part.to(full.dtype), y
-    _reduce_scatter(out, full, group=group)
-    return out, y
-
-
 def _aligned(t: torch.Tensor) -> torch.Tensor:
     """Contiguous with a 16-byte aligned base: what the TMA descriptors need."""
     t = t.contiguous()
@@ -170,8 +124,7 @@ def _forward(x, weight, probs, counts_dev, table, launch):
     """(out, y) of a prepared launch: the overlapped kernels or the reference path."""
     counts, group, world = launch.counts, launch.group, launch.world
     if launch.buffer is None:
-        return _reference_forward(x, weight, counts_dev, counts, table, probs, group, world,
-                                  launch.rank)
+        return reference_forward(x, weight, counts_dev, counts, table, probs, group, world)
     out = torch.empty(table.shape[0] // world, weight.shape[1], dtype=x.dtype, device=x.device)
     y = launch.buffer.launch(_aligned(x), _aligned(weight), counts_dev, table, probs, out,
                              plan=launch.plan, **launch.kwargs)
@@ -195,7 +148,7 @@ class _Gemm2GatherRS(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         if world > 1:  # the gradient of a reduce-scatter is an all-gather
             full = grad_out.new_empty(grad_out.shape[0] * world, grad_out.shape[1])
-            _all_gather(full, grad_out, group=group)
+            all_gather(full, grad_out, group=group)
         else:
             full = grad_out
         grad_rows = full[token_index.long()]  # [T, N]
