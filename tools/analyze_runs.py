@@ -1,0 +1,158 @@
+"""Analyses of recorded benchmark runs that docs/RESULTS.md quotes (CPU only, JSON in, text out).
+
+    python tools/analyze_runs.py replay --runs op12,op12p50 [--k-epi 600 --topk-ref 4]
+    python tools/analyze_runs.py k-epi --runs op12,op12p50
+    python tools/analyze_runs.py bias --runs op11,op11p50
+    python tools/analyze_runs.py amdahl --layer layer_s3 --op op13
+
+replay: the planner's C* for each recorded workload under a calibration (the shipped
+    one, optionally with K_epi / topk_ref replaced; `none` removes a term), timed by the
+    run's own measurement at that C (the planner's run where C* is unchanged, else the
+    nearest swept C), and its regret against the run's oracle. L stays as recorded.
+k-epi: least-squares fit of our GEMM2's time per compute wave, t = a + b K, over the
+    runs' `gemm2_alone(ours,P=all)` rows at S >= 4096; K_epi = a / b.
+bias: the same policy at two places in a round (`C=3` / `C=28` early, `sweep C=...`
+    among the sweep): the ratio of their medians (1.0 without a position effect).
+amdahl: the layer speedup an operator taking no time at all would give: stock layer
+    time / (stock layer time - the reference operator's GPU time) at the same shapes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+from report import load  # noqa: E402
+
+from megatron_overlap.ops.config import GPU_TILES  # noqa: E402
+from megatron_overlap.planner import DeviceSpec, KernelSpec, Workload, get_preset  # noqa: E402
+from megatron_overlap.planner.model import service_ratio, solve  # noqa: E402
+from megatron_overlap.shapes import BATCH, LAYOUTS, MODELS  # noqa: E402
+
+DATA = os.path.join(os.path.dirname(__file__), "..", "docs", "data")
+
+
+def _rows(runs: str, data: str) -> list[dict]:
+    rows = []
+    for tag in runs.split(","):
+        rows += load(os.path.join(data, f"{tag}_*.json"))
+    if not rows:
+        raise SystemExit(f"no results for {runs!r} in {data}")
+    return rows
+
+
+def _sweep(r: dict) -> dict[int, float]:
+    return {int(k.split("=")[1]): v["median"] for k, v in r["stats"].items()
+            if k.startswith("sweep")}
+
+
+def replay_c(r: dict, calib, kernel_tiles=GPU_TILES) -> int:
+    """C* for a recorded workload under `calib` (its recorded W_comp, W_comm and L)."""
+    shape = MODELS[r["model"]]
+    tp, ep = LAYOUTS[r["layout"]]
+    splits = r["splits"]
+    comm_tm, comm_tn = kernel_tiles.comm_shape(shape.topk, -(-shape.hidden // splits))
+    kernel = KernelSpec(kernel_tiles.block_m, kernel_tiles.block_n, comm_tm, comm_tn, 2, 1)
+    w = Workload(BATCH * r["seq"], shape.hidden, shape.ffn_per_rank(tp), tp * ep, splits, (1,),
+                 topk=shape.topk)
+    rho = service_ratio(w, kernel, calib)
+    c, _ = solve(r["w_comp"], r["w_comm"], rho, splits, kernel,
+                 DeviceSpec("H200", 132), calib.c_max, calib.c_sat)
+    return c
+
+
+def replay(args) -> None:
+    calib = get_preset(args.preset).calibration
+    for name in ("k_epi", "topk_ref"):
+        value = getattr(args, name)
+        if value is not None:
+            value = None if value == "none" else (float(value) if name == "k_epi" else int(value))
+            calib = dataclasses.replace(calib, **{name: value})
+    by, same = {}, 0
+    for r in _rows(args.runs, args.data):
+        sweep, own = _sweep(r), r["stats"]["planner"]["median"]
+        oracle = min(min(sweep.values()), own)
+        c = replay_c(r, calib)
+        same += c == r["comm_ctas"]
+        t = own if c == r["comm_ctas"] else sweep[min(sweep, key=lambda s: (abs(s - c), s))]
+        by.setdefault((r["model"], r["layout"]), []).append(t / oracle - 1)
+    print(f"calibration: k_epi={calib.k_epi} topk_ref={calib.topk_ref}; C* as recorded in "
+          f"{same} of {sum(map(len, by.values()))} workloads")
+    every = []
+    for (model, layout), v in sorted(by.items()):
+        every += v
+        print(f"  {model:9s} {layout}  regret mean {100 * statistics.mean(v):5.1f}%  "
+              f"max {100 * max(v):5.1f}%")
+    print(f"  all             mean {100 * statistics.mean(every):5.1f}%  max {100 * max(every):5.1f}%")
+
+
+def k_epi_fit(rows: list[dict], sms: int = 132, o_comp: int = 2) -> tuple[float, float, float]:
+    """(a, b, rms): t_wave = a + b K over `gemm2_alone(ours,P=all)` at S >= 4096 (us)."""
+    pts = []
+    for r in rows:
+        if r["seq"] < 4096 or "gemm2_alone(ours,P=all)" not in r["stats"]:
+            continue
+        k = MODELS[r["model"]].ffn_per_rank(LAYOUTS[r["layout"]][0])
+        waves = math.ceil(r["w_comp"] * r["splits"] / (o_comp * sms))
+        pts.append((k, r["stats"]["gemm2_alone(ours,P=all)"]["median"] * 1e3 / waves))
+    mx, my = statistics.mean(p[0] for p in pts), statistics.mean(p[1] for p in pts)
+    b = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
+    a = my - b * mx
+    rms = math.sqrt(statistics.mean((y - a - b * x) ** 2 for x, y in pts))
+    return a, b, rms
+
+
+def bias(args) -> None:
+    for c in (3, 28):
+        ratios = [r["stats"][f"C={c}"]["median"] / r["stats"][f"sweep C={c}"]["median"]
+                  for r in _rows(args.runs, args.data)
+                  if f"C={c}" in r["stats"] and f"sweep C={c}" in r["stats"]]
+        gm = math.exp(statistics.mean(map(math.log, ratios)))
+        print(f"C={c} / sweep C={c}: geomean {gm:.3f}, min {min(ratios):.3f}, "
+              f"max {max(ratios):.3f} over {len(ratios)} workloads")
+
+
+def amdahl(args) -> None:
+    ops = {(r["model"], r["layout"], r["seq"]): r for r in _rows(args.op, args.data)
+           if r["routing"] == "uniform"}
+    for r in _rows(args.layer, args.data):
+        r["layout"] = f"TP{r['tp']}EP{r['ep']}"
+        op = ops.get((r["model"], r["layout"], r["seq"]))
+        if op is None:
+            continue
+        stock = r["stats"]["stock"]["median"]
+        gpu = op["stats"]["reference(prepared)"]["median"]
+        print(f"  {r['model']:9s} {r['layout']} S={r['seq']:5d}: stock layer {stock:.2f} ms, "
+              f"reference operator {gpu:.2f} ms -> at most {stock / (stock - gpu):.2f}x")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("what", choices=("replay", "k-epi", "bias", "amdahl"))
+    ap.add_argument("--runs", default="op13,op13p50", help="run tags (file name prefixes)")
+    ap.add_argument("--preset", default="h200")
+    ap.add_argument("--k-epi", default=None, help="replace the calibration's (or 'none')")
+    ap.add_argument("--topk-ref", default=None, help="replace the calibration's (or 'none')")
+    ap.add_argument("--layer", default="layer_s3")
+    ap.add_argument("--op", default="op13")
+    ap.add_argument("--data", default=DATA)
+    args = ap.parse_args()
+    if args.what == "replay":
+        replay(args)
+    elif args.what == "k-epi":
+        a, b, rms = k_epi_fit(_rows(args.runs, args.data))
+        print(f"t_wave = {a:.2f} us + {b:.5f} us * K (rms {rms:.2f} us): K_epi = {a / b:.0f}")
+    elif args.what == "bias":
+        bias(args)
+    else:
+        amdahl(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
