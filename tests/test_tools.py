@@ -119,3 +119,12 @@ def test_k_epi_fit_of_run_12_is_what_the_calibration_ships():
 
     a, b, rms = analyze_runs.k_epi_fit(analyze_runs._rows("op12,op12p50", analyze_runs.DATA))
     assert 550 < a / b < 650 and rms < 4.0
+
+
+def test_the_shipped_size_threshold_separates_the_prefill_sweep_it_was_chosen_on(
+        monkeypatch, capsys):
+    import analyze_runs
+
+    monkeypatch.setattr(sys, "argv", ["analyze_runs.py", "threshold", "--prefill", "s3"])
+    assert analyze_runs.main() == 0
+    assert "30 of 30 workloads on the side" in capsys.readouterr().out

@@ -4,6 +4,7 @@
     python tools/analyze_runs.py k-epi --runs op12,op12p50
     python tools/analyze_runs.py bias --runs op11,op11p50
     python tools/analyze_runs.py amdahl --layer layer_s3 --op op13
+    python tools/analyze_runs.py threshold --prefill s3
 
 replay: the planner's C* for each recorded workload under a calibration (the shipped
     one, optionally with K_epi / topk_ref replaced; `none` removes a term), timed by the
@@ -15,12 +16,16 @@ bias: the same policy at two places in a round (`C=3` / `C=28` early, `sweep C=.
     among the sweep): the ratio of their medians (1.0 without a position effect).
 amdahl: the layer speedup an operator taking no time at all would give: stock layer
     time / (stock layer time - the reference operator's GPU time) at the same shapes.
+threshold: complete-model prefill speedups against a layer's gathered tokens x hidden,
+    and whether `--elements` (default 2^25) separates the slower from the faster ones.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import glob
+import json
 import math
 import os
 import statistics
@@ -131,15 +136,35 @@ def amdahl(args) -> None:
               f"reference operator {gpu:.2f} ms -> at most {stock / (stock - gpu):.2f}x")
 
 
+def threshold(args) -> None:
+    rows = []
+    for path in sorted(glob.glob(os.path.join(args.data, f"prefill_{args.prefill}_*.json"))):
+        with open(path) as f:
+            rows += [r for r in json.load(f) if r.get("speedup")]
+    rows.sort(key=lambda r: (r["tokens"] * MODELS[r["model"]].hidden, r["model"]))
+    wrong = 0
+    for r in rows:
+        elements = r["tokens"] * MODELS[r["model"]].hidden
+        below = elements < args.elements
+        wrong += below == (r["speedup"] >= 1.0)
+        print(f"  {r['model']:9s} TP{r['tp']}EP{r['ep']} S={r['seq']:5d}: tokens x hidden "
+              f"{elements:>10d} {'<' if below else '>='} {args.elements}, speedup "
+              f"{r['speedup']:.3f}")
+    print(f"{len(rows) - wrong} of {len(rows)} workloads on the side of the threshold their "
+          f"speedup puts them (below: slower overlapped; at or above: faster)")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=("replay", "k-epi", "bias", "amdahl"))
+    ap.add_argument("what", choices=("replay", "k-epi", "bias", "amdahl", "threshold"))
     ap.add_argument("--runs", default="op13,op13p50", help="run tags (file name prefixes)")
     ap.add_argument("--preset", default="h200")
     ap.add_argument("--k-epi", default=None, help="replace the calibration's (or 'none')")
     ap.add_argument("--topk-ref", default=None, help="replace the calibration's (or 'none')")
     ap.add_argument("--layer", default="layer_s3")
     ap.add_argument("--op", default="op13")
+    ap.add_argument("--prefill", default="s3", help="prefill run tag")
+    ap.add_argument("--elements", type=int, default=1 << 25)
     ap.add_argument("--data", default=DATA)
     args = ap.parse_args()
     if args.what == "replay":
@@ -149,6 +174,8 @@ def main() -> int:
         print(f"t_wave = {a:.2f} us + {b:.5f} us * K (rms {rms:.2f} us): K_epi = {a / b:.0f}")
     elif args.what == "bias":
         bias(args)
+    elif args.what == "threshold":
+        threshold(args)
     else:
         amdahl(args)
     return 0
