@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemm2 import column_alignment
+from .gemm2 import column_alignment, next_pow2
 from .launch_cache import LaunchCache
 
 ERR_READY_TIMEOUT = 1
@@ -197,7 +197,7 @@ def launch_gather_rs(
             error, tile_start, partial_like, tokens_per_rank, hidden, -(-hidden // splits),
             splits, rank, world, table.shape[1], tile_start.numel() - 1, gemm_col_tiles, epoch,
             max_spins, y.stride(0), y.stride(1), dst_slot_stride, dst_row_stride)
-    meta = dict(BLOCK_TM=block_tm, BLOCK_TN=block_tn, TOPK_POW2=_pow2(table.shape[1]),
+    meta = dict(BLOCK_TM=block_tm, BLOCK_TN=block_tn, TOPK_POW2=next_pow2(table.shape[1]),
                 HAS_PROBS=probs is not None, COL_ALIGN=column_alignment(hidden, splits),
                 SLOT_LOOP=slot_loop, num_warps=num_warps, num_stages=num_stages)
     if warmup:
@@ -205,10 +205,6 @@ def launch_gather_rs(
     if kernel is gather_rs_kernel:
         return _GATHER_RS.launch((programs,), args, meta)
     return kernel[(programs,)](*args, **meta)
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def launch_sum_partials(recv: torch.Tensor, out: torch.Tensor, world: int,

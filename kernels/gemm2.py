@@ -119,10 +119,16 @@ def expert_offsets_host(counts: list[int], block_m: int,
     the host never waits and the counts need no copy of their own."""
     rows = [0, *accumulate(counts)]
     tiles = [0, *accumulate([(c + block_m - 1) // block_m for c in counts])]
-    on_cuda = getattr(device, "type", device) == "cuda" or str(device).startswith("cuda")
-    host = torch.tensor([rows, tiles, [*counts, 0]], dtype=torch.int32, pin_memory=on_cuda)
+    host = torch.tensor([rows, tiles, [*counts, 0]], dtype=torch.int32,
+                        pin_memory=str(device).startswith("cuda"))
     packed = host.to(device, non_blocking=True)
     return packed[0], packed[1], packed[2, :len(counts)]
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (>= 1); plain Python: it runs on the launch path,
+    where `triton.next_power_of_2` costs a few microseconds per call."""
+    return 1 << max(0, (n - 1).bit_length())
 
 
 def split_width(hidden: int, splits: int) -> int:
@@ -139,7 +145,7 @@ def _gemm2_args(x, weight, y, row_start, tile_start, ready, splits, block_m, blo
     args = (x_desc, w_desc, y, row_start, tile_start, ready, num_experts, k, hidden,
             split_width(hidden, splits), splits, y.stride(0), y.stride(1))
     meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                EXPERTS_POW2=1 << max(0, (num_experts - 1).bit_length()), UPCAST=upcast,
+                EXPERTS_POW2=next_pow2(num_experts), UPCAST=upcast,
                 COL_ALIGN=column_alignment(hidden, splits), FLATTEN=flatten,
                 num_warps=num_warps, num_stages=num_stages)
     return args, meta

@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .gemm2 import next_pow2
 from .launch_cache import LaunchCache
 
 ERR_UNSORTED = 3
@@ -102,14 +103,14 @@ def launch_routing_table(token_index: torch.Tensor, row_start: torch.Tensor, num
         return table
     if rows == 0 or experts == 0:
         return table.fill_(-1)
-    experts_pow2 = triton.next_power_of_2(experts)
+    experts_pow2 = next_pow2(experts)
     block_t = max(1, min(128, 4096 // experts_pow2))
     programs = triton.cdiv(num_tokens, block_t)
-    check_rows = triton.next_power_of_2(triton.cdiv(rows, programs))
+    check_rows = next_pow2(triton.cdiv(rows, programs))
     _ROUTING_TABLE.launch(
         (programs,), (token_index, row_start, table, error, rows, num_tokens, topk, experts),
         dict(BLOCK_T=block_t, EXPERTS_POW2=experts_pow2, SEARCH_STEPS=rows.bit_length(),
-             TOPK_POW2=triton.next_power_of_2(topk), CHECK_ROWS=check_rows,
+             TOPK_POW2=next_pow2(topk), CHECK_ROWS=check_rows,
              EXPERT_STEPS=(experts + 1).bit_length(), num_warps=4))
     return table
 

@@ -51,6 +51,12 @@ def test_plan_rejects_bad_input_with_a_clear_message(bad, message):
     assert "Traceback" not in out.stderr
 
 
+def test_plan_rejects_a_non_positive_topk_with_a_clear_message():
+    out = run(list(PLAN) + ["--topk", "0", "--json"])
+    assert out.returncode == 2
+    assert "topk" in out.stderr and "Traceback" not in out.stderr
+
+
 def test_package_import_is_light_and_exposes_the_public_names():
     code = ("import sys, megatron_overlap as m; assert 'torch' not in sys.modules; "
             "assert m.plan and m.Workload; "

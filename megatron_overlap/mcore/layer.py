@@ -41,10 +41,10 @@ class OverlapMoELayer(MoELayer):
         overlap_enabled: set False to run the stock path (same weights), e.g. for A/B runs.
         last_plan: the planner's decision of the latest launch (None on the reference
             backend, on the stock path or before the first launch).
+        decisions: how many distinct (C, L) decisions this layer has logged.
 
     Calls whose gathered activations (tokens x hidden) are smaller than the config's
     `min_combine_elements` (by default the device calibration's) run the stock path.
-        decisions: how many distinct (C, L) decisions this layer has logged.
     """
 
     def __init__(self, *args, overlap_config: OverlapConfig | None = None, **kwargs):

@@ -146,7 +146,7 @@ class OverlapBuffer:
     def plan_cache(self, config: OverlapConfig, tiles: TileConfig, comm_tm: int,
                    comm_tn: int, topk: int) -> PlanCache:
         """The decision cache for one kernel family; o_comp / o_comm from its binaries."""
-        slots = 1 << max(0, (topk - 1).bit_length())
+        slots = gemm2.next_pow2(topk)
         key = (config.sm_margin, config.preset, tiles, comm_tm, comm_tn, slots)
         cache = self._caches.get(key)
         if cache is None:
