@@ -84,6 +84,7 @@ def gather_rs_kernel(
     # meta-parameters
     BLOCK_TM: tl.constexpr, BLOCK_TN: tl.constexpr, TOPK_POW2: tl.constexpr,
     HAS_PROBS: tl.constexpr, COL_ALIGN: tl.constexpr, SLOT_LOOP: tl.constexpr,
+    ITEM_STAGES: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
@@ -102,7 +103,11 @@ def gather_rs_kernel(
                 tl.atomic_cas(error_ptr, 0, (1 << 24) | split)
                 alive = alive * 0
         end_col = tl.multiple_of(tl.minimum(N, (split + 1) * split_width), COL_ALIGN)
-        for item in range(pid, items, num_programs):
+        # ITEM_STAGES > 1: Triton's pipeliner turns the table and y gathers of the next
+        # ITEM_STAGES - 1 items into cp.async copies into shared memory, so a CTA keeps
+        # rows in flight beyond what its registers hold. It acts only on a loop that
+        # carries its own num_stages (a dot-free loop ignores the kernel-level one).
+        for item in tl.range(pid, items, num_programs, num_stages=ITEM_STAGES):
             dst = item % world
             rest = item // world
             col_block = rest % col_blocks
@@ -181,25 +186,42 @@ _GATHER_RS = LaunchCache(gather_rs_kernel)
 _SUM_PARTIALS = LaunchCache(sum_partials_kernel)
 
 
+#: Shared memory the item pipeline may fill (Hopper gives a CTA up to 227 KiB; the rest
+#: is left to the compiler's own scratch).
+ITEM_PIPELINE_BYTES = 192 * 1024
+
+
+def fit_item_stages(requested: int, item_bytes: int, budget: int = ITEM_PIPELINE_BYTES) -> int:
+    """The deepest item pipeline <= `requested` whose buffers fit: stages - 1 items of
+    `item_bytes` (TM x pow2(k) x TN elements of y) are in flight in shared memory."""
+    if requested < 1:
+        raise ValueError(f"item pipeline depth (comm_stages) must be >= 1, got {requested}")
+    return max(1, min(requested, 1 + budget // max(1, item_bytes)))
+
+
 def launch_gather_rs(
     y: torch.Tensor, table: torch.Tensor, probs: torch.Tensor | None, dst_ptrs: torch.Tensor,
     signal_ptrs: torch.Tensor, ready: torch.Tensor, done: torch.Tensor, error: torch.Tensor,
     tile_start: torch.Tensor, *, tokens_per_rank: int, splits: int, rank: int, world: int,
     gemm_col_tiles: int, epoch: int, max_spins: int, partial_like: torch.Tensor,
     dst_slot_stride: int, dst_row_stride: int, programs: int, block_tm: int, block_tn: int,
-    num_warps: int = 16, kernel=gather_rs_kernel, warmup: bool = False, num_stages: int = 1,
+    num_warps: int = 16, kernel=gather_rs_kernel, warmup: bool = False, item_stages: int = 1,
     slot_loop: bool = True,
 ):
     """Launch exactly `programs` communication CTAs. y [T, N]; table [M, k] int32;
-    `partial_like`: any tensor of the partial sums' dtype (gives the peer pointer type)."""
+    `partial_like`: any tensor of the partial sums' dtype (gives the peer pointer type);
+    `item_stages`: software-pipeline depth of the item loop (1 = none)."""
     hidden = y.shape[1]
+    slots = next_pow2(table.shape[1])
+    stages = fit_item_stages(item_stages, block_tm * slots * block_tn * y.element_size())
     args = (y, table, probs if probs is not None else y, dst_ptrs, signal_ptrs, ready, done,
             error, tile_start, partial_like, tokens_per_rank, hidden, -(-hidden // splits),
             splits, rank, world, table.shape[1], tile_start.numel() - 1, gemm_col_tiles, epoch,
             max_spins, y.stride(0), y.stride(1), dst_slot_stride, dst_row_stride)
-    meta = dict(BLOCK_TM=block_tm, BLOCK_TN=block_tn, TOPK_POW2=next_pow2(table.shape[1]),
+    meta = dict(BLOCK_TM=block_tm, BLOCK_TN=block_tn, TOPK_POW2=slots,
                 HAS_PROBS=probs is not None, COL_ALIGN=column_alignment(hidden, splits),
-                SLOT_LOOP=slot_loop, num_warps=num_warps, num_stages=num_stages)
+                SLOT_LOOP=slot_loop, ITEM_STAGES=stages, num_warps=num_warps,
+                num_stages=1)
     if warmup:
         return kernel.warmup(*args, grid=(1,), **meta)
     if kernel is gather_rs_kernel:

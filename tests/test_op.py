@@ -105,6 +105,13 @@ def test_tiles_file_from_the_environment_replaces_the_gpu_defaults(tmp_path, mon
     tiles = config.gpu_tiles()
     assert (tiles.block_m, tiles.comm_rows, tiles.comm_tn, tiles.comm_slot_loop) == (
         64, 128, 512, False)
+    assert tiles.comm_stages == 1  # files from before the item pipeline: none
+    good.write_text(json.dumps({"best": {"gemm": [64, 128, 64, 4, 3, False],
+                                         "comm": [64, 1024, 32, True, 3]}}))
+    config.load_tiles.cache_clear()
+    tiles = config.gpu_tiles()
+    assert (tiles.comm_rows, tiles.comm_warps, tiles.comm_slot_loop, tiles.comm_stages) == (
+        64, 32, True, 3)
     for bad, text in (("missing.json", None), ("broken.json", "{"),
                       ("wrong.json", json.dumps({"best": {"gemm": [1, 2]}}))):
         path = tmp_path / bad

@@ -45,6 +45,31 @@ def test_single_gpu_matches_fp32_and_is_bitwise_stable_over_c_and_l():
     assert all(torch.equal(o, first) for o in outs.values())
 
 
+@pytest.mark.parametrize("topk", [4, 6])
+def test_pipelined_gather_gives_the_same_bits_for_every_depth_and_item_shape(topk):
+    """GatherRS's item loop pipelined by cp.async (comm_stages > 1) adds the same slots in
+    the same order as the plain loop; top-6 also masks the two padding slots of 8."""
+    import dataclasses
+
+    from megatron_overlap.ops.config import GPU_TILES
+
+    shape = dict(SHAPE, topk=topk, tokens=3000)  # 3000: a ragged last item
+    p = routed_problem(0, 1, device="cuda", seed=1, **shape)
+    ref = _fp32_partial(p, shape["tokens"]).double().cpu()
+    outs = []
+    for rows, tn, stages in ((256, 1024, 1), (64, 1024, 2), (64, 512, 4), (32, 1024, 4),
+                             (32, 1024, 9)):  # 9: more than fits, lowered to what does
+        tiles = dataclasses.replace(GPU_TILES, comm_rows=rows, comm_tn=tn, comm_stages=stages)
+        cfg = dataclasses.replace(TRITON, tiles=tiles)
+        for c, l in ((3, 1), (16, 4)):
+            outs.append(gemm2_gather_rs(p["x"], p["weight"], p["counts"], p["token_index"],
+                                        shape["tokens"], topk, None, comm_ctas=c, splits=l,
+                                        config=cfg))
+    assert not torch.isnan(outs[0]).any()
+    assert rel_err(outs[0], ref) < 1e-2
+    assert all(torch.equal(o, outs[0]) for o in outs)
+
+
 def test_cached_binary_launches_give_the_bits_of_tritons_own_launches(monkeypatch):
     p = routed_problem(0, 1, device="cuda", **SHAPE)
     fast = [_poisoned_call(p, SHAPE["tokens"], SHAPE["topk"], comm_ctas=8) for _ in range(3)]

@@ -24,7 +24,7 @@ def _signature(pointers: dict, scalars: dict, constexprs: dict) -> dict:
 
 
 def kernels():
-    """(name, jit function, signature, constexprs, options) for each kernel and mode."""
+    """(name, jit function, signature, constexprs, options, attrs) per kernel and mode."""
     from megatron_overlap.kernels import gather_rs as grs
     from megatron_overlap.kernels import gemm2
     from megatron_overlap.kernels import routing_table as rt
@@ -37,15 +37,22 @@ def kernels():
                                     "world", "topk", "num_experts", "gemm_col_tiles", "epoch",
                                     "max_spins", "stride_ym", "stride_yn")}
     comm_ints.update(dst_slot_stride="i64", dst_row_stride="i32")
-    for slot_loop in (True, False):
-        meta = dict(BLOCK_TM=64, BLOCK_TN=1024, TOPK_POW2=4, HAS_PROBS=False, COL_ALIGN=16,
-                    SLOT_LOOP=slot_loop)
-        yield (f"gather_rs slot_loop={slot_loop}", grs.gather_rs_kernel,
-               _signature(comm_ptrs, comm_ints, meta), meta, dict(num_warps=32))
+    comm_ints.pop("stride_yn")  # y is row-major: Triton specializes a stride of 1
+    # what Triton's launcher marks 16-divisible on the device (pointers, hidden sizes and
+    # strides of the shapes the op launches), so vectorization and cp.async match it
+    names = grs.gather_rs_kernel.arg_names
+    aligned = [n for n in names if n.endswith(("_ptr", "_ptrs"))
+               or n in ("N", "split_width", "stride_ym", "dst_slot_stride", "dst_row_stride")]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
+    for slot_loop, rows, stages in ((True, 64, 1), (False, 64, 1), (True, 16, 2)):
+        meta = dict(BLOCK_TM=rows, BLOCK_TN=1024, TOPK_POW2=4, HAS_PROBS=False, COL_ALIGN=16,
+                    SLOT_LOOP=slot_loop, ITEM_STAGES=stages, stride_yn=1)
+        yield (f"gather_rs slot_loop={slot_loop} item_stages={stages}", grs.gather_rs_kernel,
+               _signature(comm_ptrs, comm_ints, meta), meta, dict(num_warps=32), attrs)
     yield ("sum_partials", grs.sum_partials_kernel,
            _signature({"recv_ptr": "*bf16", "out_ptr": "*bf16"},
                       {"numel": "i32", "world": "i32", "slot_stride": "i32"}, {"BLOCK": 0}),
-           dict(BLOCK=4096), dict(num_warps=8))
+           dict(BLOCK=4096), dict(num_warps=8), None)
     desc = "tensordesc<bf16[128,64]>"
     meta = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, EXPERTS_POW2=64, UPCAST=False,
                 COL_ALIGN=16, FLATTEN=False)
@@ -54,14 +61,14 @@ def kernels():
                        "row_start_ptr": "*i32", "tile_start_ptr": "*i32", "ready_ptr": "*i32"},
                       {n: "i32" for n in ("num_experts", "K", "N", "split_width", "num_splits",
                                           "stride_ym", "stride_yn")}, meta),
-           meta, dict(num_warps=4, num_stages=3))
+           meta, dict(num_warps=4, num_stages=3), None)
     meta = dict(BLOCK_T=64, EXPERTS_POW2=64, SEARCH_STEPS=17, TOPK_POW2=4, CHECK_ROWS=256,
                 EXPERT_STEPS=7)
     yield ("routing_table", rt.routing_table_kernel,
            _signature({"token_index_ptr": "*i64", "row_start_ptr": "*i32", "table_ptr": "*i32",
                        "error_ptr": "*i32"},
                       {n: "i32" for n in ("num_rows", "num_tokens", "topk", "num_experts")},
-                      meta), meta, dict(num_warps=4))
+                      meta), meta, dict(num_warps=4), None)
 
 
 def main() -> int:
@@ -74,19 +81,20 @@ def main() -> int:
 
     target = GPUTarget("cuda", 90, 32)
     failed = 0
-    for name, fn, signature, constexprs, options in kernels():
+    for name, fn, signature, constexprs, options, attrs in kernels():
         t0 = time.perf_counter()
         try:
             compiled = triton.compile(ASTSource(fn=fn, signature=signature,
-                                                constexprs=constexprs),
+                                                constexprs=constexprs, attrs=attrs),
                                       target=target, options=options)
         except Exception as err:  # noqa: BLE001 - report every kernel, then fail
             failed += 1
             print(f"FAILED {name}: {type(err).__name__}: {str(err)[:400]}")
             continue
         meta = compiled.metadata
+        async_copies = compiled.asm["ttgir"].count("async_copy_global_to_local")
         print(f"ok {name}: {time.perf_counter() - t0:.1f} s, shared {meta.shared} B, "
-              f"{len(compiled.asm['cubin'])} B cubin")
+              f"{len(compiled.asm['cubin'])} B cubin, {async_copies} async copies")
     return 1 if failed else 0
 
 

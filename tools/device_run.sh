@@ -29,7 +29,7 @@ stage() {  # stage NAME SECONDS CMD...
 for s in "$@"; do
   case $s in
     env) stage env 60 bash -c "nvidia-smi; nvidia-smi topo -m; python3 -c 'import torch,triton; print(torch.__version__, triton.__version__, torch.cuda.device_count())'" ;;
-    gpu_tests) stage gpu_tests 120 python3 -m pytest -q -m gpu -p no:cacheprovider \
+    gpu_tests) stage gpu_tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider \
         --rootdir "$REPO" -c "$REPO/pyproject.toml" "$REPO/tests/test_op_gpu.py" || {
         # later stages measure through Triton's own launch path rather than not at all
         echo "gpu_tests failed: MEGATRON_OVERLAP_FAST_LAUNCH=0 from here on" | tee -a "$LOG"
@@ -43,6 +43,9 @@ for s in "$@"; do
         --samples 8 --json "$OUT/tiles.json"
       [ -f "$OUT/tiles.json" ] && export MEGATRON_OVERLAP_TILES=$OUT/tiles.json TILES=$OUT/tiles.json ;;
     try_overlap) PROFILE_HOST=1 stage try_overlap 240 $TR "$REPO/tools/try_overlap.py" --cset ${CSET:-16,24,32} --json "$OUT/exp_overlap.json" ;;
+    try_comm_stages) stage try_comm_stages 400 $TR "$REPO/tools/try_comm_stages.py" \
+        --models ${MODELS:-qwen,deepseek,granite} --seq ${SEQ:-4096} \
+        --json "$OUT/exp_comm_pipeline.json" ;;
     ship_cal)  # later stages plan with the calibration just made, as if it were shipped
       cp "$OUT/h200.json" /tmp/site/megatron_overlap/planner/calibrations/h200.json ;;
     calibrate) stage calibrate 110 $TR "$REPO/tools/calibrate.py" ${TILES:+--tiles $TILES} \
@@ -95,4 +98,4 @@ if compgen -G "$OUT/*.json" > /dev/null; then
   # one archive per invocation: a later call in the same device run must not replace it
   (cd "$OUT" && tar czf "results_$(date +%H%M%S).tgz" ./*.json && rm -f ./*.json)
 fi
-grep -E "^===|rho_ref|^comm alone|^[a-z]+/TP|^chosen|^gemm2 |^comm rows|^torch._grouped|^torch gather|^(qwen|granite) |^torch copy|^layer |^prefill|speedup|^moe-overlap|^    [A-Z][a-zA-Z ]+ +[a-z%/]+ +[0-9]|^  (stock|overlap|speedup)|passed|failed|Error|error" "$LOG" | grep -v Warning | tail -n 80
+grep -E "^===|rho_ref|^comm alone|^[a-z]+/TP|^chosen|^gemm2 |^comm rows|^torch._grouped|^torch gather|^(qwen|granite|deepseek) |^torch copy|^layer |^prefill|speedup|^moe-overlap|^    [A-Z][a-zA-Z ]+ +[a-z%/]+ +[0-9]|^  (stock|overlap|speedup)|passed|failed|Error|error" "$LOG" | grep -v Warning | tail -n 80

@@ -31,11 +31,13 @@ GEMM_CANDIDATES = [(128, 128, 64, 4, 3, False), (128, 128, 64, 4, 3, True),
                    (128, 256, 64, 8, 3, False), (128, 256, 64, 8, 3, True),
                    (64, 128, 64, 4, 4, False), (64, 128, 64, 4, 4, True),
                    (128, 128, 128, 8, 3, False), (128, 128, 64, 4, 2, False)]
-# (rows gathered per item, TNc, warps, slot loop): rows = tokens x pow2(top-k)
-COMM_CANDIDATES = [(64, 1024, 32, False), (64, 1024, 16, False),
-                   (64, 1024, 8, True), (64, 1024, 16, True), (128, 1024, 16, True),
-                   (128, 1024, 32, True), (256, 1024, 32, True), (32, 1024, 4, True),
-                   (64, 512, 8, True), (128, 2048, 32, True)]
+# (rows gathered per item, TNc, warps, slot loop, item pipeline stages):
+# rows = tokens x pow2(top-k). 32 warps fill the register file, so a GatherRS CTA never
+# shares its SM (R(C) = C); the pipelined ones gather into shared memory instead.
+COMM_CANDIDATES = [(256, 1024, 32, True, 1), (128, 1024, 32, True, 1),
+                   (64, 1024, 32, True, 2), (64, 512, 32, True, 3), (64, 512, 32, True, 4),
+                   (32, 1024, 32, True, 3), (32, 1024, 32, True, 4), (32, 512, 32, True, 6),
+                   (128, 512, 32, True, 2), (64, 512, 16, True, 4)]
 
 
 def phase(inp, group, tiles, backend, c, phases, all_sms=True):
@@ -77,11 +79,11 @@ def choose(stats, info, gemm, comm) -> dict:
     c = min(comm, key=sm_time)
     return {"gemm": [g.block_m, g.block_n, g.block_k, g.gemm_warps, g.gemm_stages,
                      g.gemm_flatten],
-            "comm": [c.comm_rows, c.comm_tn, c.comm_warps, c.comm_slot_loop]}
+            "comm": [c.comm_rows, c.comm_tn, c.comm_warps, c.comm_slot_loop, c.comm_stages]}
 
 
 def comm_name(t: TileConfig) -> str:
-    return (f"comm rows{t.comm_rows} tn{t.comm_tn} w{t.comm_warps} "
+    return (f"comm rows{t.comm_rows} tn{t.comm_tn} w{t.comm_warps} s{t.comm_stages} "
             + ("slots" if t.comm_slot_loop else "block"))
 
 
@@ -110,8 +112,9 @@ def main() -> int:
     gemm = [dataclasses.replace(base, block_m=m, block_n=n, block_k=k, gemm_warps=w,
                                 gemm_stages=s, gemm_flatten=f)
             for m, n, k, w, s, f in GEMM_CANDIDATES]
-    comm = [dataclasses.replace(base, comm_rows=r, comm_tn=tn, comm_warps=w, comm_slot_loop=sl)
-            for r, tn, w, sl in COMM_CANDIDATES]
+    comm = [dataclasses.replace(base, comm_rows=r, comm_tn=tn, comm_warps=w, comm_slot_loop=sl,
+                                comm_stages=st)
+            for r, tn, w, sl, st in COMM_CANDIDATES]
     if args.comm_only:
         gemm = [base]
     if backend == "interpret":

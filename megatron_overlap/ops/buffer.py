@@ -178,7 +178,7 @@ class OverlapBuffer:
             tokens_per_rank=1, splits=1, rank=0, world=1, gemm_col_tiles=1, epoch=1,
             max_spins=1, partial_like=y, dst_slot_stride=0, dst_row_stride=1, programs=1,
             block_tm=comm_tm, block_tn=comm_tn, num_warps=t.comm_warps,
-            num_stages=t.comm_stages, slot_loop=t.comm_slot_loop, warmup=True)
+            item_stages=t.comm_stages, slot_loop=t.comm_slot_loop, warmup=True)
         occ, self.compiled_resources = [], {}
         for name, k, warps in (("gemm2", gk, t.gemm_warps), ("gather_rs", ck, t.comm_warps)):
             k._init_handles()
@@ -280,7 +280,7 @@ class OverlapBuffer:
                     epoch=self.epoch, max_spins=max_spins, partial_like=partial_like,
                     dst_slot_stride=slot_stride, dst_row_stride=row_stride,
                     programs=plan.comm_ctas, block_tm=comm_tm, block_tn=comm_tn,
-                    num_warps=t.comm_warps, num_stages=t.comm_stages,
+                    num_warps=t.comm_warps, item_stages=t.comm_stages,
                     slot_loop=t.comm_slot_loop)
         flags = (y, table, probs, dst, signals, self.ready, self.done, self.error, tile_start)
         if "gemm2" not in phases:

@@ -82,6 +82,9 @@ class TileConfig:
     width (rounded up to a power of two). `comm_slot_loop` gathers that block as one
     [TM, TN] tile per slot added into a register accumulator; without it as one
     [TM, k, TN] tensor reduced over k (a cross-thread reduction through shared memory).
+    `comm_stages` > 1 software-pipelines GatherRS's item loop: the gathers of the next
+    comm_stages - 1 items go to shared memory by cp.async while the CTA sums the
+    current one (lowered where the buffers would not fit, `gather_rs.fit_item_stages`).
     """
 
     block_m: int
@@ -93,7 +96,7 @@ class TileConfig:
     comm_tn: int
     comm_warps: int
     gemm_flatten: bool = False  # let Triton pipeline across the persistent tile loop
-    comm_stages: int = 1  # > 1 asks Triton to prefetch the next item's gathers
+    comm_stages: int = 1  # GatherRS item-loop pipeline depth (1 = none)
     comm_slot_loop: bool = True  # gather one [TM, TN] tile per top-k slot (else [TM, k, TN])
 
     def comm_shape(self, topk: int, split_width: int) -> tuple[int, int]:
@@ -118,10 +121,11 @@ def load_tiles(path: str) -> TileConfig:
         with open(path) as f:
             best = json.load(f)["best"]
         m, n, k, w, s, flat = best["gemm"]
-        rows, tn, cw, *mode = best["comm"]
+        rows, tn, cw, *mode = best["comm"]  # [rows, tn, warps, slot loop, stages]
     except (OSError, KeyError, ValueError, TypeError) as err:
         raise ValueError(f"{path}: not a tune_tiles result ({err})") from err
     return TileConfig(m, n, k, w, s, rows, tn, cw, bool(flat),
+                      comm_stages=int(mode[1]) if len(mode) > 1 else 1,
                       comm_slot_loop=bool(mode[0]) if mode else GPU_TILES.comm_slot_loop)
 
 
