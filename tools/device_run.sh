@@ -46,6 +46,9 @@ for s in "$@"; do
     try_comm_stages) stage try_comm_stages 400 $TR "$REPO/tools/try_comm_stages.py" \
         --models ${MODELS:-qwen,deepseek,granite} --seq ${SEQ:-4096} \
         --json "$OUT/exp_comm_pipeline.json" ;;
+    timeline) for b in auto reference; do for s in ${SEQS:-4096 16384}; do
+        stage timeline_${b}_$s 90 $TR "$REPO/tools/host_timeline.py" --model qwen --seq $s \
+          --backend $b --json "$OUT/timeline_${b}_$s.json"; done; done ;;
     ship_cal)  # later stages plan with the calibration just made, as if it were shipped
       cp "$OUT/h200.json" /tmp/site/megatron_overlap/planner/calibrations/h200.json ;;
     calibrate) stage calibrate 110 $TR "$REPO/tools/calibrate.py" ${TILES:+--tiles $TILES} \
@@ -98,4 +101,4 @@ if compgen -G "$OUT/*.json" > /dev/null; then
   # one archive per invocation: a later call in the same device run must not replace it
   (cd "$OUT" && tar czf "results_$(date +%H%M%S).tgz" ./*.json && rm -f ./*.json)
 fi
-grep -E "^===|rho_ref|^comm alone|^[a-z]+/TP|^chosen|^gemm2 |^comm rows|^torch._grouped|^torch gather|^(qwen|granite|deepseek) |^torch copy|^layer |^prefill|speedup|^moe-overlap|^    [A-Z][a-zA-Z ]+ +[a-z%/]+ +[0-9]|^  (stock|overlap|speedup)|passed|failed|Error|error" "$LOG" | grep -v Warning | tail -n 80
+grep -E "^===|rho_ref|^comm alone|^[a-z]+/TP|^chosen|^gemm2 |^comm rows|^torch._grouped|^torch gather|^(qwen|granite|deepseek) |^  (host|api |gpu )|^torch copy|^layer |^prefill|speedup|^moe-overlap|^    [A-Z][a-zA-Z ]+ +[a-z%/]+ +[0-9]|^  (stock|overlap|speedup)|passed|failed|Error|error" "$LOG" | grep -v Warning | tail -n 80
