@@ -39,7 +39,9 @@ def _events(trace: dict) -> list[dict]:
 def per_call(trace: dict) -> list[list[tuple[str, str, float, float]]]:
     """For each marked call: (kind, name, start, end) in us from the call's host start."""
     events = _events(trace)
-    calls = sorted((e for e in events if e.get("name") == MARK), key=lambda e: e["ts"])
+    # the host's range only (the profiler also mirrors a record_function on the GPU)
+    calls = sorted((e for e in events if e.get("name") == MARK
+                    and e.get("cat") == "user_annotation"), key=lambda e: e["ts"])
     out = []
     for i, call in enumerate(calls):
         t0 = call["ts"]
@@ -119,7 +121,8 @@ def main() -> int:
               f"median of {len(calls)} calls, us from the host entering the op")
         for r in table:
             print(f"  {r['kind']:<4} {r['name']:<60} {r['start_us']:9.1f} -> {r['end_us']:9.1f}")
-        write_json(args.json, dict(env=env_info(), command=" ".join(sys.argv), table=table))
+        write_json(args.json, dict(env=env_info(), command=" ".join(sys.argv), table=table,
+                                   calls=calls[:4]))
     dist.destroy_process_group()
     return 0
 
