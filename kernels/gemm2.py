@@ -178,15 +178,15 @@ def grouped_gemm2_launcher(x, weight, y, row_start, tile_start, ready, *, splits
                            programs: int, block_m: int, block_n: int, block_k: int,
                            num_warps: int = 4, num_stages: int = 3, upcast: bool = False,
                            flatten: bool = False):
-    """A no-argument callable that launches GEMM2 (as `launch_grouped_gemm2`), with its
-    kernel compiled and loaded now: launched after GatherRS, GEMM2 must not wait for a
-    JIT compile or a lazy module load while communication CTAs spin on its flags."""
+    """A callable `launch(stream=None)` that launches GEMM2 (as `launch_grouped_gemm2`),
+    with its kernel compiled and loaded now: launched after GatherRS, GEMM2 must not wait
+    for a JIT compile or a lazy module load while communication CTAs spin on its flags."""
     if x.shape[0] == 0:
-        return lambda: None
+        return lambda stream=None: None
     args, meta = _gemm2_args(x, weight, y, row_start, tile_start, ready, splits, block_m,
                              block_n, block_k, num_warps, num_stages, upcast, flatten)
     hit = _GEMM2.compiled(args, meta)
-    return lambda: _GEMM2.launch((programs,), args, meta, hit)
+    return lambda stream=None: _GEMM2.launch((programs,), args, meta, hit, stream=stream)
 
 
 _GEMM2 = LaunchCache(grouped_gemm2_kernel)

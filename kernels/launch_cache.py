@@ -90,12 +90,21 @@ class LaunchCache:
             hit = self._compiled[key] = (binary, tuple(meta[n] for n in self.constexprs))
         return hit
 
-    def launch(self, grid, args, meta: dict, compiled=None):
-        """`kernel[grid](*args, **meta)`, through the cached binary when there is one."""
+    def launch(self, grid, args, meta: dict, compiled=None, stream=None):
+        """`kernel[grid](*args, **meta)`, through the cached binary when there is one.
+
+        `stream`: a torch.cuda.Stream to launch on instead of the current one (handed to
+        the binary directly: entering `torch.cuda.stream` costs more than the launch)."""
         hit = compiled or self.compiled(args, meta)
         if hit is None or not _fast_launch_enabled():
-            return self.kernel[grid](*args, **meta)
+            if stream is None:
+                return self.kernel[grid](*args, **meta)
+            with torch.cuda.stream(stream):
+                return self.kernel[grid](*args, **meta)
         binary, constexpr_values = hit
         g = tuple(grid) + (1,) * (3 - len(grid))
-        binary[g](*args, *constexpr_values)
+        if stream is None:
+            binary[g](*args, *constexpr_values)
+        else:
+            binary[g](*args, *constexpr_values, stream=stream.cuda_stream)
         return binary

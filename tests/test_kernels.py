@@ -144,6 +144,18 @@ def test_routing_table_kernel_equals_the_argsort_reference(seed, tokens, experts
     assert int(error) == 0
 
 
+@pytest.mark.parametrize("local", [64, 24])
+def test_routing_table_kernel_over_many_token_blocks(local):
+    """64 experts: 64 tokens per program, so each program searches the window of its
+    tokens in every expert's segment; tokens straddle the windows' edges."""
+    token_index, counts = _megatron_rows(5, 300, 64, local, 6)
+    row_start, _, _ = gemm2.expert_offsets_host(counts, 16, "cpu")
+    error = torch.zeros(1, dtype=torch.int32)
+    table = rt.launch_routing_table(token_index, row_start, 300, 6, error)
+    assert torch.equal(table, rt.combine_table(token_index, 300, 6))
+    assert int(error) == 0
+
+
 @pytest.mark.parametrize("damage", ["swap", "out_of_range", "duplicate"])
 def test_routing_table_kernel_flags_rows_out_of_megatron_order(damage):
     token_index, counts = _megatron_rows(3, 30, 6, 6, 2)

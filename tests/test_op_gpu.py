@@ -94,7 +94,7 @@ def test_missing_producer_raises_instead_of_hanging(monkeypatch):
     p = routed_problem(0, 1, device="cuda", tokens=512, experts=4, topk=2, ffn=128, hidden=256)
     cfg = OverlapConfig(backend="triton", sync_errors=True, max_spins=10000)
     gemm2_gather_rs(p["x"], p["weight"], p["counts"], p["token_index"], 512, 2, config=cfg)
-    monkeypatch.setattr(gemm2, "grouped_gemm2_launcher", lambda *a, **k: (lambda: None))
+    monkeypatch.setattr(gemm2, "grouped_gemm2_launcher", lambda *a, **k: (lambda stream=None: None))
     with pytest.raises(OverlapTimeoutError, match="split 0"):
         gemm2_gather_rs(p["x"], p["weight"], p["counts"], p["token_index"], 512, 2, config=cfg)
     OverlapBuffer.get(None, torch.device("cuda", torch.cuda.current_device()), "triton").reset()

@@ -63,7 +63,7 @@ def kernels():
                                           "stride_ym", "stride_yn")}, meta),
            meta, dict(num_warps=4, num_stages=3), None)
     meta = dict(BLOCK_T=64, EXPERTS_POW2=64, SEARCH_STEPS=17, TOPK_POW2=4, CHECK_ROWS=256,
-                EXPERT_STEPS=7)
+                EXPERT_STEPS=7, WINDOW_STEPS=7)
     yield ("routing_table", rt.routing_table_kernel,
            _signature({"token_index_ptr": "*i64", "row_start_ptr": "*i32", "table_ptr": "*i32",
                        "error_ptr": "*i32"},

@@ -73,6 +73,7 @@ def main() -> int:
         "routing_table kernel": lambda: rt.launch_routing_table(
             inp["token_index"], kw["offsets"][0], inp["tokens"], inp["topk"], buf.error),
         "expert_offsets_host": lambda: gemm2.expert_offsets_host(counts, 128, device),
+        "upload_offsets (pinned ring)": lambda: buf.upload_offsets(counts, 128),
         "buffer.launch (3 kernels)": lambda: buf.launch(
             inp["x"], inp["weight"], launch.counts_dev, launch.table, None, out,
             plan=launch.plan, **kw),

@@ -35,10 +35,19 @@ log = logging.getLogger("megatron_overlap")
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
+_group_sizes: dict[int, tuple] = {}
+
+
 def _group_size_rank(group) -> tuple[int, int]:
+    """(size, rank) of the group; remembered (two torch.distributed queries per call
+    are host time on the launch path). The entry holds the group, so its id stays its."""
     if group is None or not dist.is_initialized():
         return 1, 0
-    return dist.get_world_size(group), dist.get_rank(group)
+    hit = _group_sizes.get(id(group))
+    if hit is None or hit[0] is not group:
+        hit = _group_sizes[id(group)] = (group, dist.get_world_size(group),
+                                         dist.get_rank(group))
+    return hit[1], hit[2]
 
 
 def _host_counts(tokens_per_expert, rows: int, experts: int):
@@ -56,7 +65,7 @@ def _host_counts(tokens_per_expert, rows: int, experts: int):
     if len(counts) != experts:
         raise ValueError(f"tokens_per_expert must have {experts} entries (one per local "
                          f"expert), got {len(counts)}")
-    return counts, torch.tensor(counts, dtype=torch.int64)
+    return counts, None  # the kernels' path uploads them with the offsets
 
 
 def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -282,6 +291,8 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
         raise ValueError(f"splits ({num_splits}) must be <= hidden ({hidden})")
     if backend == "reference":  # the baseline builds its table with torch alone
         table = combine_table(token_index.to(torch.int64), num_tokens, topk)
+        if counts_dev is None:
+            counts_dev = torch.tensor(counts, dtype=torch.int64)
         return Launch(config, backend, group, world, rank, counts,
                       _to_device(counts_dev, x.device), table, None, None, {})
     if x.shape[1] * x.element_size() % 16:
@@ -294,7 +305,7 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
     # expert row / tile offsets (with host counts: one copy that also carries the counts)
     # and the combine table in one kernel that also checks the row order
     if counts is not None:
-        *offsets, counts_dev = gemm2.expert_offsets_host(counts, tiles.block_m, x.device)
+        *offsets, counts_dev = buf.upload_offsets(counts, tiles.block_m)
     else:
         counts_dev = _to_device(counts_dev, x.device)
         offsets = gemm2.expert_offsets(counts_dev, tiles.block_m)
