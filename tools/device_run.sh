@@ -68,7 +68,7 @@ for s in "$@"; do
         -k regex:gather_rs_kernel -c 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
         --section WarpStateStats --section LaunchStats --section Occupancy \
         python3 "$REPO/tools/profile_gather.py" --comm-ctas ${NCU_C:-16} ;;
-    host) stage host 60 $TR "$REPO/tools/host_overhead.py" --json "$OUT/host_TP2EP1.json" ;;
+    host) stage host 90 $TR "$REPO/tools/host_overhead.py" ${CPROFILE:+--cprofile $CPROFILE} --json "$OUT/host_TP2EP1.json" ;;
     layers) for lay in "2 1" "1 2"; do set -- $lay
         stage layer_TP$1EP$2 100 $TR "$REPO/tools/bench_layer.py" --models granite,qwen,deepseek \
           --tp $1 --ep $2 --seqs 4096,16384 --samples 12 --json "$OUT/layer_TP$1EP$2.json"; done ;;
@@ -101,4 +101,4 @@ if compgen -G "$OUT/*.json" > /dev/null; then
   # one archive per invocation: a later call in the same device run must not replace it
   (cd "$OUT" && tar czf "results_$(date +%H%M%S).tgz" ./*.json && rm -f ./*.json)
 fi
-grep -E "^===|rho_ref|^comm alone|^[a-z]+/TP|^chosen|^gemm2 |^comm rows|^torch._grouped|^torch gather|^(qwen|granite|deepseek) |^  (host|api |gpu )|^torch copy|^layer |^prefill|speedup|^moe-overlap|^    [A-Z][a-zA-Z ]+ +[a-z%/]+ +[0-9]|^  (stock|overlap|speedup)|passed|failed|Error|error" "$LOG" | grep -v Warning | tail -n 80
+grep -E "^===|rho_ref|^comm alone|^[a-z]+/TP|^chosen|^gemm2 |^comm rows|^torch._grouped|^torch gather|^(qwen|granite|deepseek) |^  (host|api |gpu |prof )|^cProfile|^host |^torch copy|^layer |^prefill|speedup|^moe-overlap|^    [A-Z][a-zA-Z ]+ +[a-z%/]+ +[0-9]|^  (stock|overlap|speedup)|passed|failed|Error|error" "$LOG" | grep -v Warning | tail -n 80

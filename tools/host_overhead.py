@@ -47,6 +47,9 @@ def main() -> int:
     ap.add_argument("--seq", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--json", default="")
+    ap.add_argument("--cprofile", type=int, default=0, metavar="CALLS",
+                    help="also profile CALLS whole-op calls with cProfile (rank 0 prints "
+                         "the functions with the most own time)")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
     backend, device = smoke_setup(args)
@@ -88,12 +91,32 @@ def main() -> int:
     if backend == "triton":
         triton_steps(steps, inp, launch, out, y)
     res = {name: host_us(fn, args.reps) for name, fn in steps.items()}
+    if args.cprofile and dist.get_rank() == 0:
+        profile_calls(steps["whole op (ours)"], args.cprofile)
     if dist.get_rank() == 0:
         for name, us in res.items():
             print(f"host {name:<28} {us:9.1f} us")
         write_json(args.json, dict(env=env_info(), command=" ".join(sys.argv), host_us=res))
     dist.destroy_process_group()
     return 0
+
+
+def profile_calls(fn, calls: int) -> None:
+    """Python functions by own time over `calls` calls (cProfile's overhead included)."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    print(f"cProfile of {calls} whole-op calls (us per call):")
+    stats = pstats.Stats(prof)
+    rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:30]
+    for (path, line, name), (_, ncalls, tottime, cumtime, _) in rows:
+        print(f"  prof {tottime / calls * 1e6:8.1f} own {cumtime / calls * 1e6:8.1f} cum "
+              f"{ncalls / calls:5.1f}x  {name} ({os.path.basename(path)}:{line})")
 
 
 def triton_steps(steps, inp, launch, out, y) -> None:

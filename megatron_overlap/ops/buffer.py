@@ -82,7 +82,7 @@ class OverlapBuffer:
         self.decisions: dict[tuple, tuple] = {}  # the op's (plan, launch arguments) by key
         self._occupancy: dict[tuple, int] = {}
         self._pending: tuple | None = None  # (event, pinned error word, expected)
-        self._staging: list = []  # pinned (tensor, numpy view, event or None) ring
+        self._staging: list = []  # pinned [tensor, numpy view, event or None] ring
         self._staging_next = 0
         if device.type == "cuda":
             self.side_stream = torch.cuda.Stream(device)
@@ -154,15 +154,14 @@ class OverlapBuffer:
         if self.device.type != "cuda":
             return gemm2.expert_offsets_host(counts, block_m, self.device)
         experts = len(counts)
+        if not self._staging or self._staging[0][0].shape[1] != experts + 1:
+            # every slot at once (a pinned allocation is a slow driver call), exactly as
+            # wide as the copy: a strided pinned source would copy synchronously
+            ring = torch.zeros(self.STAGING_SLOTS, 3, experts + 1, dtype=torch.int32,
+                               pin_memory=True)
+            self._staging = [[host, host.numpy(), None] for host in ring.unbind(0)]
         i = self._staging_next
         self._staging_next = (i + 1) % self.STAGING_SLOTS
-        if i >= len(self._staging) or self._staging[i][0].shape[1] < experts + 1:
-            host = torch.zeros(3, experts + 1, dtype=torch.int32, pin_memory=True)
-            entry = [host, host.numpy(), None]
-            if i < len(self._staging):
-                self._staging[i] = entry
-            else:
-                self._staging.append(entry)
         entry = self._staging[i]
         host, view, event = entry
         if event is not None and not event.query():
@@ -171,7 +170,7 @@ class OverlapBuffer:
         view[0, 1:experts + 1] = list(accumulate(counts))
         view[1, 1:experts + 1] = list(accumulate((c + block_m - 1) // block_m for c in counts))
         view[2, :experts] = counts
-        packed = host[:, :experts + 1].to(self.device, non_blocking=True)
+        packed = host.to(self.device, non_blocking=True)
         if event is None:
             event = entry[2] = torch.cuda.Event()
         event.record()
