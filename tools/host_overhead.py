@@ -76,7 +76,6 @@ def main() -> int:
         "routing_table kernel": lambda: rt.launch_routing_table(
             inp["token_index"], kw["offsets"][0], inp["tokens"], inp["topk"], buf.error),
         "expert_offsets_host": lambda: gemm2.expert_offsets_host(counts, 128, device),
-        "upload_offsets (pinned ring)": lambda: buf.upload_offsets(counts, 128),
         "buffer.launch (3 kernels)": lambda: buf.launch(
             inp["x"], inp["weight"], launch.counts_dev, launch.table, None, out,
             plan=launch.plan, **kw),
@@ -91,8 +90,8 @@ def main() -> int:
     if backend == "triton":
         triton_steps(steps, inp, launch, out, y)
     res = {name: host_us(fn, args.reps) for name, fn in steps.items()}
-    if args.cprofile and dist.get_rank() == 0:
-        profile_calls(steps["whole op (ours)"], args.cprofile)
+    if args.cprofile:  # every rank calls (the op is collective), rank 0 prints
+        profile_calls(steps["whole op (ours)"], args.cprofile, dist.get_rank() == 0)
     if dist.get_rank() == 0:
         for name, us in res.items():
             print(f"host {name:<28} {us:9.1f} us")
@@ -101,7 +100,7 @@ def main() -> int:
     return 0
 
 
-def profile_calls(fn, calls: int) -> None:
+def profile_calls(fn, calls: int, show: bool) -> None:
     """Python functions by own time over `calls` calls (cProfile's overhead included)."""
     import cProfile
     import pstats
@@ -111,6 +110,8 @@ def profile_calls(fn, calls: int) -> None:
     for _ in range(calls):
         fn()
     prof.disable()
+    if not show:
+        return
     print(f"cProfile of {calls} whole-op calls (us per call):")
     stats = pstats.Stats(prof)
     rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])[:30]

@@ -10,8 +10,6 @@ barrier words. Local flags: ready[L_MAX], done, error (int32).
 
 from __future__ import annotations
 
-from itertools import accumulate
-
 import torch
 import torch.distributed as dist
 import triton
@@ -82,8 +80,6 @@ class OverlapBuffer:
         self.decisions: dict[tuple, tuple] = {}  # the op's (plan, launch arguments) by key
         self._occupancy: dict[tuple, int] = {}
         self._pending: tuple | None = None  # (event, pinned error word, expected)
-        self._staging: list = []  # pinned [tensor, numpy view, event or None] ring
-        self._staging_next = 0
         if device.type == "cuda":
             self.side_stream = torch.cuda.Stream(device)
             self._pinned = torch.zeros(1, dtype=torch.int32, pin_memory=True)
@@ -138,43 +134,6 @@ class OverlapBuffer:
         raw = self._memory.local[start + parity * half:start + parity * half
                                  + self.world * cap * hidden * torch.finfo(dtype).bits // 8]
         return raw.view(dtype).view(self.world, cap, hidden)
-
-    # ---------------------------------------------------------------- offsets
-    STAGING_SLOTS = 16
-
-    def upload_offsets(self, counts: list, block_m: int):
-        """(row_start, tile_start, counts) of `gemm2.expert_offsets` from host counts, int32
-        on the device, in one non-blocking copy.
-
-        The host side is written into a ring of pinned buffers through numpy: building a
-        pinned tensor from nested lists per call cost more than the copy (host_timeline).
-        A slot is reused once the copy that last read it has run (its event; the ring is
-        deep enough that the check does not wait in practice).
-        """
-        if self.device.type != "cuda":
-            return gemm2.expert_offsets_host(counts, block_m, self.device)
-        experts = len(counts)
-        if not self._staging or self._staging[0][0].shape[1] != experts + 1:
-            # every slot at once (a pinned allocation is a slow driver call), exactly as
-            # wide as the copy: a strided pinned source would copy synchronously
-            ring = torch.zeros(self.STAGING_SLOTS, 3, experts + 1, dtype=torch.int32,
-                               pin_memory=True)
-            self._staging = [[host, host.numpy(), None] for host in ring.unbind(0)]
-        i = self._staging_next
-        self._staging_next = (i + 1) % self.STAGING_SLOTS
-        entry = self._staging[i]
-        host, view, event = entry
-        if event is not None and not event.query():
-            event.synchronize()
-        view[0, 0] = view[1, 0] = 0
-        view[0, 1:experts + 1] = list(accumulate(counts))
-        view[1, 1:experts + 1] = list(accumulate((c + block_m - 1) // block_m for c in counts))
-        view[2, :experts] = counts
-        packed = host.to(self.device, non_blocking=True)
-        if event is None:
-            event = entry[2] = torch.cuda.Event()
-        event.record()
-        return packed[0], packed[1], packed[2, :experts]
 
     # ---------------------------------------------------------------- planning
     def default_tiles(self) -> TileConfig:

@@ -305,7 +305,7 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
     # expert row / tile offsets (with host counts: one copy that also carries the counts)
     # and the combine table in one kernel that also checks the row order
     if counts is not None:
-        *offsets, counts_dev = buf.upload_offsets(counts, tiles.block_m)
+        *offsets, counts_dev = gemm2.expert_offsets_host(counts, tiles.block_m, x.device)
     else:
         counts_dev = _to_device(counts_dev, x.device)
         offsets = gemm2.expert_offsets(counts_dev, tiles.block_m)
