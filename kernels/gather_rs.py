@@ -9,7 +9,10 @@ adds the D slots in fp32 into this rank's bf16 output rows.
 
 Work per split: D * ceil(Md/BLOCK_TM) * ceil(sw/BLOCK_TN) items, program c takes items
 c, c+C, ...; the destination is the fastest index so neighbouring programs write to
-different peers.
+different peers. Tail helpers: the last split becomes ready only when GEMM2 ends, when
+its SMs fall idle, so a second launch of H programs (pid C..C+H-1, queued after GEMM2 on
+its stream) shares the last split's items with the C programs (stride C+H there); the
+helpers skip the earlier splits. H = 0 is the plain scheme.
 
 The flag protocol, in full (the only subtle part of the operator):
   * readiness, `ready[s]` (local int32, one per split): written only by GEMM2 tiles
@@ -19,7 +22,8 @@ The flag protocol, in full (the only subtle part of the operator):
     item in split s do not wait for it.
   * completion, `done` (local int32): after its last store every program does
     `atomic_add(done, 1, release, sys)`; sys scope so that its peer stores are ordered
-    for observers on other GPUs. The program that sees C-1 acquired them all.
+    for observers on other GPUs. The program that sees C+H-1 acquired them all (it may
+    be a helper: the barrier, reset and epoch logic do not care which launch it is in).
   * barrier, `signal[src]` on every rank (int32, in symmetric memory): that last program
     stores `epoch` into `signal[rank]` of every peer (`atomic_xchg`, release, sys), then
     waits until its own `signal[src] >= epoch` for every src (acquire, sys). Epochs grow
@@ -70,7 +74,8 @@ def _wait_at_least(ptr, target, max_spins, SCOPE: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["tokens_per_rank", "num_splits", "rank", "world", "topk",
-                               "num_experts", "gemm_col_tiles", "epoch", "max_spins"])
+                               "num_experts", "gemm_col_tiles", "epoch", "max_spins",
+                               "pid_base", "comm_programs", "helpers"])
 def gather_rs_kernel(
     # pointers
     y_ptr, table_ptr, prob_ptr, dst_ptrs, signal_ptrs, ready_ptr, done_ptr, error_ptr,
@@ -78,6 +83,9 @@ def gather_rs_kernel(
     # sizes and protocol values
     tokens_per_rank, N, split_width, num_splits, rank, world, topk, num_experts,
     gemm_col_tiles, epoch, max_spins,
+    # programs: [0, comm_programs) launched before GEMM2; [comm_programs, + helpers) by a
+    # second launch after it (pid_base = comm_programs), for the last split only
+    pid_base, comm_programs, helpers,
     # strides (destination strides in elements of the partial dtype); these, N and the
     # split width are specialized so the column-contiguous accesses vectorize
     stride_ym, stride_yn, dst_slot_stride, dst_row_stride,
@@ -86,8 +94,8 @@ def gather_rs_kernel(
     HAS_PROBS: tl.constexpr, COL_ALIGN: tl.constexpr, SLOT_LOOP: tl.constexpr,
     ITEM_STAGES: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    num_programs = tl.num_programs(0)
+    pid = tl.program_id(0) + pid_base
+    all_programs = comm_programs + helpers
     token_blocks = tl.cdiv(tokens_per_rank, BLOCK_TM)
     col_blocks = tl.cdiv(split_width, BLOCK_TN)
     items = world * token_blocks * col_blocks
@@ -97,7 +105,11 @@ def gather_rs_kernel(
     slots = tl.arange(0, TOPK_POW2)
     alive = pid * 0 + 1  # int32 0/1: after a time-out later splits are not waited for
     for split in range(num_splits):
-        if (pid < items) & (alive == 1):
+        # The last split becomes ready when GEMM2 ends, and the SMs GEMM2 leaves are then
+        # idle: its items are shared by the communication CTAs and the tail helpers.
+        stride = tl.where(split == num_splits - 1, all_programs, comm_programs)
+        first = tl.where(pid < stride, pid, items)  # helpers skip the earlier splits
+        if (first < items) & (alive == 1):
             ok = _wait_at_least(ready_ptr + split, expected, max_spins, "gpu")
             if ok == 0:
                 tl.atomic_cas(error_ptr, 0, (1 << 24) | split)
@@ -107,7 +119,7 @@ def gather_rs_kernel(
         # ITEM_STAGES - 1 items into cp.async copies into shared memory, so a CTA keeps
         # rows in flight beyond what its registers hold. It acts only on a loop that
         # carries its own num_stages (a dot-free loop ignores the kernel-level one).
-        for item in tl.range(pid, items, num_programs, num_stages=ITEM_STAGES):
+        for item in tl.range(first, items, stride, num_stages=ITEM_STAGES):
             dst = item % world
             rest = item // world
             col_block = rest % col_blocks
@@ -155,7 +167,7 @@ def gather_rs_kernel(
             tl.store(out, acc.to(partial_like_ptr.dtype.element_ty),
                      mask=tok_ok[:, None] & col_ok[None, :])
     tl.debug_barrier()
-    if tl.atomic_add(done_ptr, 1, sem="release", scope="sys") == num_programs - 1:
+    if tl.atomic_add(done_ptr, 1, sem="release", scope="sys") == all_programs - 1:
         tl.atomic_add(done_ptr, 0, sem="acquire", scope="sys")
         if world > 1:
             for peer in range(world):
@@ -206,27 +218,31 @@ def launch_gather_rs(
     gemm_col_tiles: int, epoch: int, max_spins: int, partial_like: torch.Tensor,
     dst_slot_stride: int, dst_row_stride: int, programs: int, block_tm: int, block_tn: int,
     num_warps: int = 16, kernel=gather_rs_kernel, warmup: bool = False, item_stages: int = 1,
-    slot_loop: bool = True,
+    slot_loop: bool = True, helpers: int = 0, launch_helpers: bool = False, stream=None,
 ):
     """Launch exactly `programs` communication CTAs. y [T, N]; table [M, k] int32;
     `partial_like`: any tensor of the partial sums' dtype (gives the peer pointer type);
-    `item_stages`: software-pipeline depth of the item loop (1 = none)."""
+    `item_stages`: software-pipeline depth of the item loop (1 = none); `helpers`: H
+    tail helpers share the last split; `launch_helpers` launches those H programs
+    (after GEMM2, on its stream) instead of the `programs` communication CTAs."""
     hidden = y.shape[1]
     slots = next_pow2(table.shape[1])
     stages = fit_item_stages(item_stages, block_tm * slots * block_tn * y.element_size())
     args = (y, table, probs if probs is not None else y, dst_ptrs, signal_ptrs, ready, done,
             error, tile_start, partial_like, tokens_per_rank, hidden, -(-hidden // splits),
             splits, rank, world, table.shape[1], tile_start.numel() - 1, gemm_col_tiles, epoch,
-            max_spins, y.stride(0), y.stride(1), dst_slot_stride, dst_row_stride)
+            max_spins, programs if launch_helpers else 0, programs, helpers,
+            y.stride(0), y.stride(1), dst_slot_stride, dst_row_stride)
     meta = dict(BLOCK_TM=block_tm, BLOCK_TN=block_tn, TOPK_POW2=slots,
                 HAS_PROBS=probs is not None, COL_ALIGN=column_alignment(hidden, splits),
                 SLOT_LOOP=slot_loop, ITEM_STAGES=stages, num_warps=num_warps,
                 num_stages=1)
     if warmup:
         return kernel.warmup(*args, grid=(1,), **meta)
+    grid = (helpers if launch_helpers else programs,)
     if kernel is gather_rs_kernel:
-        return _GATHER_RS.launch((programs,), args, meta)
-    return kernel[(programs,)](*args, **meta)
+        return _GATHER_RS.launch(grid, args, meta, stream=stream)
+    return kernel[grid](*args, **meta)
 
 
 def launch_sum_partials(recv: torch.Tensor, out: torch.Tensor, world: int,

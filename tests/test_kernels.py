@@ -110,6 +110,26 @@ def test_pipelined_item_loop_combines_the_same_as_the_plain_one():
     assert rel_err(outs[0], fp64_rank_partial(p, 30)) < 1e-2
 
 
+def test_tail_helpers_share_the_last_split_and_give_the_same_bits():
+    """C = 2 communication programs, then H = 3 helpers launched separately (as after
+    GEMM2): helpers take only last-split items, and the last of all 5 resets the flags."""
+    p = routed_problem(0, 1, tokens=30, experts=5, topk=3, ffn=16, hidden=40)
+    y, ready, tile_start = run_gemm2(p, splits=2, programs=3)
+    plain = combine_once(p, y, ready, tile_start, True, p["probs"])
+    out, ready2, done, error, launch = gather_single_rank(p, y, tile_start, 2, 2,
+                                                          probs=p["probs"])
+    ready2.copy_(ready)
+    out.fill_(float("nan"))  # poison: every element must be written
+    grs.launch_gather_rs(*launch["args"], helpers=3, **launch["kwargs"])
+    assert int(done) == 2 and int(ready2.abs().sum()) > 0  # waits for the helpers
+    assert not torch.isnan(out[:, :out.shape[1] // 2]).any()  # split 0: the C programs'
+    last_split = out[:, -(out.shape[1] // 2):]
+    assert torch.isnan(last_split).any()  # the helpers' share is still missing
+    grs.launch_gather_rs(*launch["args"], helpers=3, launch_helpers=True, **launch["kwargs"])
+    assert int(error) == 0 and int(done) == 0 and ready2.abs().sum() == 0
+    assert torch.equal(out, plain)
+
+
 def test_missing_producer_times_out_with_split_code_instead_of_hanging():
     p = routed_problem(0, 1, tokens=20, experts=3, topk=2, ffn=16, hidden=32)
     y, _, tile_start = run_gemm2(p, splits=2, programs=2)

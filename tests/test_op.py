@@ -13,6 +13,7 @@ from routing_cases import fp64_rank_partial, rel_err, routed_problem
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU backends")
 INTERP = OverlapConfig(backend="interpret")
 REF = OverlapConfig(backend="reference")
+NO_HELPERS = OverlapConfig(backend="interpret", tail_helpers=False)
 
 
 def call(p, tokens, topk, config, probs=False, group=None, **kw):
@@ -35,6 +36,7 @@ def test_output_independent_of_comm_ctas_and_splits():
     p = routed_problem(0, 1, tokens=40, experts=4, topk=3, ffn=16, hidden=48)
     outs = {(c, l): call(p, 40, 3, INTERP, comm_ctas=c, splits=l)
             for c in (1, 2, 3, 8, 16) for l in (1, 2, 4)}
+    outs["no helpers"] = call(p, 40, 3, NO_HELPERS, comm_ctas=2, splits=2)
     first = outs[(1, 1)]
     assert all(torch.equal(o, first) for o in outs.values())
 
@@ -91,6 +93,8 @@ def test_bad_sizes_and_backends_raise_clear_errors():
         call(p, 30, 2, OverlapConfig(backend="triton"))
     with pytest.raises(ValueError, match="backend"):
         OverlapConfig(backend="cuda")
+    with pytest.raises(ValueError, match="tail_helpers must be a bool"):
+        OverlapConfig(tail_helpers=1)
 
 
 def test_tiles_file_from_the_environment_replaces_the_gpu_defaults(tmp_path, monkeypatch):
@@ -195,6 +199,9 @@ def _two_rank_scenarios(rank, world):
         for c, l in ((1, 1), (2, 2), (3, 4), (8, 1), (16, 2)):
             outs[(c, l)] = call(p, tokens, topk, INTERP, probs=True, group=group,
                                 comm_ctas=c, splits=l)
+        # the last split left to the C communication programs alone (no tail helpers)
+        outs["no helpers"] = call(p, tokens, topk, NO_HELPERS, probs=True, group=group,
+                                  comm_ctas=3, splits=4)
         ref = call(p, tokens, topk, REF, probs=True, group=group)
         first = outs[(1, 1)]
         results[name] = dict(

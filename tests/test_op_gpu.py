@@ -48,7 +48,8 @@ def test_single_gpu_matches_fp32_and_is_bitwise_stable_over_c_and_l():
 @pytest.mark.parametrize("topk", [4, 6])
 def test_pipelined_gather_gives_the_same_bits_for_every_depth_and_item_shape(topk):
     """GatherRS's item loop pipelined by cp.async (comm_stages > 1) adds the same slots in
-    the same order as the plain loop; top-6 also masks the two padding slots of 8."""
+    the same order as the plain loop, with and without tail helpers; top-6 also masks
+    the two padding slots of 8."""
     import dataclasses
 
     from megatron_overlap.ops.config import GPU_TILES
@@ -56,7 +57,9 @@ def test_pipelined_gather_gives_the_same_bits_for_every_depth_and_item_shape(top
     shape = dict(SHAPE, topk=topk, tokens=3000)  # 3000: a ragged last item
     p = routed_problem(0, 1, device="cuda", seed=1, **shape)
     ref = _fp32_partial(p, shape["tokens"]).double().cpu()
-    outs = []
+    outs = [gemm2_gather_rs(p["x"], p["weight"], p["counts"], p["token_index"],
+                            shape["tokens"], topk, None, comm_ctas=8, splits=4,
+                            config=dataclasses.replace(TRITON, tail_helpers=False))]
     for rows, tn, stages in ((256, 1024, 1), (64, 1024, 2), (64, 512, 4), (32, 1024, 4),
                              (32, 1024, 9)):  # 9: more than fits, lowered to what does
         tiles = dataclasses.replace(GPU_TILES, comm_rows=rows, comm_tn=tn, comm_stages=stages)

@@ -12,6 +12,7 @@ maximum over ranks, with a 95% bootstrap CI.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -55,6 +56,8 @@ def policies_for(inp: dict, group, c_values, preset: str | None,
     pol = {
         "reference": op(REFERENCE),
         "planner": op(cfg),
+        # the same decisions with the last split left to the C CTAs (the paper's scheme)
+        "planner(no tail helpers)": op(dataclasses.replace(cfg, tail_helpers=False)),
         "gemm2_alone(torch)": lambda: grouped_mm(inp["x"], w_t, counts_dev, inp["counts_list"]),
         "gemm2_alone(ours,P=all)": lambda: buf.launch(
             inp["x"], inp["weight"], counts_dev, launch.table, None, out,

@@ -35,7 +35,8 @@ def kernels():
                  "partial_like_ptr": "*bf16"}
     comm_ints = {n: "i32" for n in ("tokens_per_rank", "N", "split_width", "num_splits", "rank",
                                     "world", "topk", "num_experts", "gemm_col_tiles", "epoch",
-                                    "max_spins", "stride_ym", "stride_yn")}
+                                    "max_spins", "pid_base", "comm_programs", "helpers",
+                                    "stride_ym", "stride_yn")}
     comm_ints.update(dst_slot_stride="i64", dst_row_stride="i32")
     comm_ints.pop("stride_yn")  # y is row-major: Triton specializes a stride of 1
     # what Triton's launcher marks 16-divisible on the device (pointers, hidden sizes and

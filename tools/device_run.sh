@@ -32,8 +32,8 @@ for s in "$@"; do
     gpu_tests) stage gpu_tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider \
         --rootdir "$REPO" -c "$REPO/pyproject.toml" "$REPO/tests/test_op_gpu.py" || {
         # later stages measure through Triton's own launch path rather than not at all
-        echo "gpu_tests failed: MEGATRON_OVERLAP_FAST_LAUNCH=0 from here on" | tee -a "$LOG"
-        export MEGATRON_OVERLAP_FAST_LAUNCH=0; } ;;
+        echo "gpu_tests failed: MEGATRON_OVERLAP_FAST_LAUNCH=0 TAIL_HELPERS=0 from here on" | tee -a "$LOG"
+        export MEGATRON_OVERLAP_FAST_LAUNCH=0 MEGATRON_OVERLAP_TAIL_HELPERS=0; } ;;
     tune) stage tune 170 $TR "$REPO/tools/tune_tiles.py" --json "$OUT/tiles.json" ;;
     tune_comm)  # GatherRS candidates on one GPU (no NVLink pushes) and on all; later
       # stages use the choice of the all-GPU run (MEGATRON_OVERLAP_TILES)

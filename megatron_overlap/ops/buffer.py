@@ -240,13 +240,14 @@ class OverlapBuffer:
     # ---------------------------------------------------------------- launch
     def launch(self, x, weight, counts_dev, table, probs, out, *, plan, splits, tiles,
                comm_tm, comm_tn, tokens_per_rank, max_spins, phases=("gemm2", "comm"),
-               y=None, offsets=None):
+               y=None, offsets=None, helpers=0):
         """GEMM2 (P programs) and GatherRS (C programs), then the local sum over ranks.
 
         `offsets` (row_start, tile_start), when the caller has them, saves recomputing.
         `phases` runs one side alone for calibration: without "gemm2" the readiness
         flags are preset and GatherRS reads the given `y`; without "comm" only GEMM2
-        runs and the flags are cleared after it.
+        runs and the flags are cleared after it. `helpers`: tail-helper CTAs launched
+        after GEMM2 to share the last split (none when GatherRS runs alone).
         """
         t = tiles
         hidden = weight.shape[1]
@@ -265,6 +266,7 @@ class OverlapBuffer:
             return y
         if "gemm2" not in phases:
             self.ready[:splits].fill_(1 << 30)
+            helpers = 0
         self.epoch += 1
         parity = self.epoch % 2
         if self.world == 1:  # no peers: the one "slot" is the output itself
@@ -283,7 +285,7 @@ class OverlapBuffer:
                     dst_slot_stride=slot_stride, dst_row_stride=row_stride,
                     programs=plan.comm_ctas, block_tm=comm_tm, block_tn=comm_tn,
                     num_warps=t.comm_warps, item_stages=t.comm_stages,
-                    slot_loop=t.comm_slot_loop)
+                    slot_loop=t.comm_slot_loop, helpers=helpers)
         flags = (y, table, probs, dst, signals, self.ready, self.done, self.error, tile_start)
         if "gemm2" not in phases:
             grs.launch_gather_rs(*flags, **comm)
@@ -292,6 +294,8 @@ class OverlapBuffer:
             gemm2.launch_grouped_gemm2(x, weight, y, row_start, tile_start, self.ready,
                                        **gemm_args)
             grs.launch_gather_rs(*flags, **comm)
+            if helpers:
+                grs.launch_gather_rs(*flags, **comm, launch_helpers=True)
         else:
             # GEMM2 compiled and loaded before GatherRS starts spinning on its flags (a
             # JIT compile or a lazy module load after that would leave it spinning).
@@ -305,6 +309,8 @@ class OverlapBuffer:
             # rest, so both grids are co-resident (P(C) + R(C) fit by construction).
             grs.launch_gather_rs(*flags, **comm)
             launch_gemm2(stream=side)  # no `torch.cuda.stream` switch: it costs more
+            if helpers:  # queued behind GEMM2: they start on the SMs it leaves
+                grs.launch_gather_rs(*flags, **comm, launch_helpers=True, stream=side)
             self._join.record(side)
             main.wait_event(self._join)
         if self.world > 1:

@@ -38,6 +38,10 @@ class OverlapConfig:
     tiles: kernel tile shapes; None = the backend's default: `gpu_tiles()` on CUDA (the
         file named by MEGATRON_OVERLAP_TILES, as `tools/tune_tiles.py` writes it, else
         `GPU_TILES`), `INTERPRET_TILES` under the interpreter.
+    tail_helpers: when GEMM2 ends, launch one more GatherRS CTA per SM it leaves, to
+        share the last split (which becomes ready only then) with the C communication
+        CTAs; False (or MEGATRON_OVERLAP_TAIL_HELPERS=0) leaves the last split to the C
+        CTAs, as the paper's model assumes.
     min_combine_elements: read by OverlapMoELayer, not by the op: a layer whose combined
         output (tokens x hidden) has fewer elements runs the stock Megatron path, where the
         overlap's extra host work costs more than it saves. None = the calibration's value
@@ -55,6 +59,7 @@ class OverlapConfig:
     sync_errors: bool = False
     tiles: "TileConfig | None" = None
     min_combine_elements: int | None = None
+    tail_helpers: bool = os.environ.get("MEGATRON_OVERLAP_TAIL_HELPERS", "1") != "0"
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -66,6 +71,9 @@ class OverlapConfig:
                 raise ValueError(f"OverlapConfig.{name} must be a positive int or None, got {value!r}")
         if self.sm_margin < 0 or self.max_spins < 1:
             raise ValueError("OverlapConfig.sm_margin must be >= 0 and max_spins >= 1")
+        if not isinstance(self.tail_helpers, bool):
+            raise ValueError(f"OverlapConfig.tail_helpers must be a bool, got "
+                             f"{self.tail_helpers!r}")
         m = self.min_combine_elements
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 0):
             raise ValueError(f"OverlapConfig.min_combine_elements must be an int >= 0 or "

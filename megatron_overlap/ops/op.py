@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from ..kernels import gemm2
 from ..kernels.routing_table import combine_table, launch_routing_table
-from ..planner import Workload, expert_row_tiles
+from ..planner import Workload, expert_row_tiles, reservation
 from .buffer import OverlapBuffer
 from .config import OverlapConfig, default_splits, resolve_backend
 from .reference import all_gather, grouped_mm, reference_forward
@@ -351,8 +351,12 @@ def _plan_splits(buf, config, tiles, row_tiles, experts, sizes, topk, splits, c)
     cache = buf.plan_cache(config, tiles, comm_tm, comm_tn, topk)
     plan = cache.decide_tiles(row_tiles, num_tokens, hidden, ffn, world, splits, experts,
                               comm_ctas=c, enabled=config.planner, topk=topk)
+    # one tail helper per SM that GEMM2 leaves when it ends (the comm CTAs keep theirs)
+    helpers = (cache.device.available_sms - reservation(plan.comm_ctas, cache.kernel)
+               if config.tail_helpers else 0)
     return plan, dict(splits=splits, tiles=tiles, comm_tm=comm_tm, comm_tn=comm_tn,
-                      tokens_per_rank=num_tokens // world, max_spins=config.max_spins)
+                      tokens_per_rank=num_tokens // world, max_spins=config.max_spins,
+                      helpers=max(0, helpers))
 
 
 def plan_cache_of(launch: Launch):
