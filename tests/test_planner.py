@@ -1,5 +1,6 @@
 """The analytical model of DESIGN.md / paper section III: hand cases and properties."""
 
+import dataclasses
 import math
 
 import pytest
@@ -18,6 +19,7 @@ from megatron_overlap.planner import (
     makespan,
     service_time,
     plan,
+    reservation,
     resident_ctas,
 )
 
@@ -108,6 +110,8 @@ def test_bad_calibration_kernel_and_device_raise_naming_the_field():
         Calibration(0.0, 352, 128, 128, 4, 16)
     with pytest.raises(ValueError, match="o_comm"):
         KernelSpec(128, 128, 128, 1024, 2, 0)
+    with pytest.raises(ValueError, match="tail_helpers"):
+        KernelSpec(128, 128, 128, 1024, 2, 1, tail_helpers=1)
     with pytest.raises(ValueError, match="sm_margin"):
         DeviceSpec("x", 8, 8)
 
@@ -194,6 +198,13 @@ def test_curve_properties(w, kernel, sms, c_max, c_sat):
                                   rel=1e-12)
     t_min = min(t for _, t in d.curve)
     assert dict(d.curve)[d.comm_ctas] <= t_min * (1 + 1e-9)
+    # with tail helpers the last split is served by C + G - R(C) CTAs: never slower
+    helped = plan(w, dataclasses.replace(kernel, tail_helpers=True), device, calib)
+    for (c, t), (c2, t2), p in zip(d.curve, helped.curve, slots):
+        tail = c + device.available_sms - reservation(c, kernel)
+        assert c2 == c and t2 <= t * (1 + 1e-12)
+        assert t2 == pytest.approx(makespan(d.w_comp, d.w_comm, p, c, w.splits, d.rho, c_sat,
+                                            tail_ctas=tail), rel=1e-12)
     tied = [c for c, t in d.curve if t - t_min <= 1e-9 * t_min]
     delta = {c: math.ceil(d.w_comp / p) * p - d.w_comp for (c, _), p in zip(d.curve, slots)}
     assert d.comm_ctas == min(tied, key=lambda c: (delta[c], c))

@@ -98,7 +98,7 @@ def test_k_epi_fit_recovers_the_per_wave_part_that_does_not_scale_with_k():
     assert calibrate.fit_k_epi(704, 1.0, 352, 1.2) is None  # slower at half K: no fit
 
 
-def test_planner_replay_reproduces_every_recorded_decision_of_runs_12_and_13():
+def test_planner_replay_reproduces_every_recorded_decision_of_runs_12_13_and_15():
     import dataclasses
 
     import analyze_runs
@@ -108,7 +108,8 @@ def test_planner_replay_reproduces_every_recorded_decision_of_runs_12_and_13():
     run12 = dataclasses.replace(get_preset("h200").calibration, rho_ref=1.5895580396349993,
                                 c_max=56, c_sat=None, k_epi=None, topk_ref=None)
     run13 = dataclasses.replace(run12, k_epi=600, topk_ref=4)
-    for runs, calib in (("op12,op12p50", run12), ("op13,op13p50", run13)):
+    for runs, calib in (("op12,op12p50", run12), ("op13,op13p50", run13),
+                        ("op15,op15p50", run13)):
         rows = analyze_runs._rows(runs, analyze_runs.DATA)
         assert len(rows) == 54
         assert [analyze_runs.replay_c(r, calib) for r in rows] == [r["comm_ctas"] for r in rows]

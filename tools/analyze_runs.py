@@ -1,6 +1,7 @@
 """Analyses of recorded benchmark runs that docs/RESULTS.md quotes (CPU only, JSON in, text out).
 
     python tools/analyze_runs.py replay --runs op12,op12p50 [--k-epi 600 --topk-ref 4]
+        [--tail-helpers]
     python tools/analyze_runs.py k-epi --runs op12,op12p50
     python tools/analyze_runs.py bias --runs op11,op11p50
     python tools/analyze_runs.py amdahl --layer layer_s3 --op op13
@@ -56,13 +57,14 @@ def _sweep(r: dict) -> dict[int, float]:
             if k.startswith("sweep")}
 
 
-def replay_c(r: dict, calib, kernel_tiles=GPU_TILES) -> int:
+def replay_c(r: dict, calib, kernel_tiles=GPU_TILES, tail_helpers: bool = False) -> int:
     """C* for a recorded workload under `calib` (its recorded W_comp, W_comm and L)."""
     shape = MODELS[r["model"]]
     tp, ep = LAYOUTS[r["layout"]]
     splits = r["splits"]
     comm_tm, comm_tn = kernel_tiles.comm_shape(shape.topk, -(-shape.hidden // splits))
-    kernel = KernelSpec(kernel_tiles.block_m, kernel_tiles.block_n, comm_tm, comm_tn, 2, 1)
+    kernel = KernelSpec(kernel_tiles.block_m, kernel_tiles.block_n, comm_tm, comm_tn, 2, 1,
+                        tail_helpers)
     w = Workload(BATCH * r["seq"], shape.hidden, shape.ffn_per_rank(tp), tp * ep, splits, (1,),
                  topk=shape.topk)
     rho = service_ratio(w, kernel, calib)
@@ -82,7 +84,7 @@ def replay(args) -> None:
     for r in _rows(args.runs, args.data):
         sweep, own = _sweep(r), r["stats"]["planner"]["median"]
         oracle = min(min(sweep.values()), own)
-        c = replay_c(r, calib)
+        c = replay_c(r, calib, tail_helpers=args.tail_helpers)
         same += c == r["comm_ctas"]
         t = own if c == r["comm_ctas"] else sweep[min(sweep, key=lambda s: (abs(s - c), s))]
         by.setdefault((r["model"], r["layout"]), []).append(t / oracle - 1)
@@ -160,6 +162,8 @@ def main() -> int:
     ap.add_argument("--runs", default="op13,op13p50", help="run tags (file name prefixes)")
     ap.add_argument("--preset", default="h200")
     ap.add_argument("--k-epi", default=None, help="replace the calibration's (or 'none')")
+    ap.add_argument("--tail-helpers", action="store_true",
+                    help="replay: the model with tail helpers serving the last split")
     ap.add_argument("--topk-ref", default=None, help="replace the calibration's (or 'none')")
     ap.add_argument("--layer", default="layer_s3")
     ap.add_argument("--op", default="op13")
