@@ -57,7 +57,7 @@ for s in "$@"; do
         stage bench_op_$lay ${BENCH_SECS:-110} $TR "$REPO/tools/bench_op.py" --model qwen --layout $lay \
           --seqs 1024,4096,16384 --routing uniform,p90 --samples 15 --warmup 3 \
           ${TILES:+--tiles $TILES} --preset "$OUT/h200.json" --json "$OUT/op_qwen_$lay.json"; done ;;
-    bench_all) for lay in TP2EP1 TP1EP2; do
+    bench_all) for lay in ${LAYOUTS:-TP2EP1 TP1EP2}; do
         stage bench_all_$lay ${BENCH_SECS:-170} $TR "$REPO/tools/bench_op.py" \
           --model granite,qwen,deepseek --layout $lay --seqs 1024,4096,16384 \
           --routing ${ROUTING:-uniform,p90} --cset 1,2,3,4,6,8,12,16,20,24,28,32,40,48 \
