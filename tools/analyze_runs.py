@@ -6,6 +6,7 @@
     python tools/analyze_runs.py bias --runs op11,op11p50
     python tools/analyze_runs.py amdahl --layer layer_s3 --op op13
     python tools/analyze_runs.py threshold --prefill s3
+    python tools/analyze_runs.py helpers --runs op15,op15p50
 
 replay: the planner's C* for each recorded workload under a calibration (the shipped
     one, optionally with K_epi / topk_ref replaced; `none` removes a term), timed by the
@@ -19,6 +20,9 @@ amdahl: the layer speedup an operator taking no time at all would give: stock la
     time / (stock layer time - the reference operator's GPU time) at the same shapes.
 threshold: complete-model prefill speedups against a layer's gathered tokens x hidden,
     and whether `--elements` (default 2^25) separates the slower from the faster ones.
+helpers: what the tail helpers give, per model and layout: `planner(no tail helpers)` over
+    `planner` (the same C and L, timed in the same rounds), geomean and range, S >= 4096
+    and below; and the whole-op / GPU-only speedups over the reference at S >= 4096.
 """
 
 from __future__ import annotations
@@ -156,9 +160,40 @@ def threshold(args) -> None:
           f"speedup puts them (below: slower overlapped; at or above: faster)")
 
 
+def geomean(xs) -> float:
+    return math.exp(sum(map(math.log, xs)) / len(xs))
+
+
+def helpers(args) -> None:
+    by: dict = {}
+    for r in _rows(args.runs, args.data):
+        st = {k: v["median"] for k, v in r["stats"].items()}
+        if "planner(no tail helpers)" not in st:
+            continue
+        d = by.setdefault((r["model"], r["layout"]), dict(big=[], small=[], op=[], gpu=[]))
+        gain = st["planner(no tail helpers)"] / st["planner"]
+        d["big" if r["seq"] >= 4096 else "small"].append(gain)
+        if r["seq"] >= 4096:
+            d["op"].append(st["reference"] / st["planner"])
+            d["gpu"].append(st["reference(prepared)"] / st["planner(prepared)"])
+    if not by:
+        raise SystemExit(f"no run in {args.runs!r} timed the planner without tail helpers")
+    every = []
+    for (model, layout), d in sorted(by.items()):
+        every += d["big"]
+        small = (f"S < 4096 {geomean(d['small']):.3f}x ({min(d['small']):.2f}-"
+                 f"{max(d['small']):.2f})" if d["small"] else "")
+        print(f"  {model:9s} {layout}  helpers S >= 4096 {geomean(d['big']):.3f}x "
+              f"({min(d['big']):.2f}-{max(d['big']):.2f})  {small}  vs reference "
+              f"(S >= 4096): whole op {geomean(d['op']):.2f}x, GPU work only "
+              f"{geomean(d['gpu']):.2f}x")
+    print(f"  all: helpers S >= 4096 {geomean(every):.3f}x over {len(every)} workloads")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=("replay", "k-epi", "bias", "amdahl", "threshold"))
+    ap.add_argument("what", choices=("replay", "k-epi", "bias", "amdahl", "threshold",
+                                     "helpers"))
     ap.add_argument("--runs", default="op13,op13p50", help="run tags (file name prefixes)")
     ap.add_argument("--preset", default="h200")
     ap.add_argument("--k-epi", default=None, help="replace the calibration's (or 'none')")
@@ -180,6 +215,8 @@ def main() -> int:
         bias(args)
     elif args.what == "threshold":
         threshold(args)
+    elif args.what == "helpers":
+        helpers(args)
     else:
         amdahl(args)
     return 0
