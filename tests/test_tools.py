@@ -129,3 +129,49 @@ def test_the_shipped_size_threshold_separates_the_prefill_sweep_it_was_chosen_on
     monkeypatch.setattr(sys, "argv", ["analyze_runs.py", "threshold", "--prefill", "s3"])
     assert analyze_runs.main() == 0
     assert "30 of 30 workloads on the side" in capsys.readouterr().out
+
+
+def _trace(*events):
+    return {"traceEvents": [dict(ph="X", **e) for e in events]}
+
+
+def test_host_timeline_times_each_call_from_its_host_mark_only():
+    """The profiler mirrors a record_function on the GPU (cat gpu_user_annotation, later
+    timestamps); taking those as calls mixed two clocks' worth of rows (session 4)."""
+    import host_timeline
+
+    mark = host_timeline.MARK
+    trace = _trace(
+        dict(name=mark, cat="user_annotation", ts=1000, dur=300),
+        dict(name=mark, cat="gpu_user_annotation", ts=1250, dur=500),
+        dict(name="cuLaunchKernelEx", cat="cuda_driver", ts=1100, dur=10),
+        dict(name="cudaMemcpyAsync", cat="cuda_runtime", ts=1050, dur=5),
+        dict(name="gemm", cat="kernel", ts=1200, dur=400),
+        dict(name=mark, cat="user_annotation", ts=3000, dur=300),
+        dict(name="cuLaunchKernelEx", cat="cuda_driver", ts=3120, dur=10),
+        dict(name="cudaMemcpyAsync", cat="cuda_runtime", ts=3030, dur=5),
+        dict(name="gemm", cat="kernel", ts=3250, dur=400),
+        dict(name="after", cat="cuda_runtime", ts=3500, dur=5),  # after the host range
+    )
+    calls = host_timeline.per_call(trace)
+    assert len(calls) == 2
+    assert [r[:3] for r in calls[0]] == [("host", "op call (host)", 0.0),
+                                         ("api", "cudaMemcpyAsync", 50),
+                                         ("api", "cuLaunchKernelEx", 100),
+                                         ("gpu", "gemm", 200)]
+    table = {(r["kind"], r["name"]): r for r in host_timeline.summarize_calls(calls)}
+    assert table[("gpu", "gemm")]["start_us"] == 225  # median of 200 and 250
+    assert table[("api", "cuLaunchKernelEx")]["end_us"] == 120  # median of 110 and 130
+    assert ("api", "after") not in table
+
+
+def test_helpers_analysis_reads_the_same_decisions_timed_without_helpers(monkeypatch, capsys):
+    import analyze_runs
+
+    monkeypatch.setattr(sys, "argv", ["analyze_runs.py", "helpers", "--runs", "op16"])
+    assert analyze_runs.main() == 0
+    out = capsys.readouterr().out
+    assert "over 12 workloads" in out and "qwen      TP2EP1  helpers S >= 4096 1.095x" in out
+    monkeypatch.setattr(sys, "argv", ["analyze_runs.py", "helpers", "--runs", "op13"])
+    with pytest.raises(SystemExit, match="without tail helpers"):
+        analyze_runs.main()
