@@ -57,6 +57,8 @@ def op_rows(rows):
             gemm_ours=st.get("gemm2_alone(ours,P=all)"), comm=comm,
             bound=max(gemm, comm), regret=(st["planner"] - oracle) / oracle,
             tflops=r["gemm_flops"] / st["planner"] / 1e9, sweep=sweep,
+            ours_prep=st.get("planner(prepared)"), ref_prep=st.get("reference(prepared)"),
+            no_helpers=st.get("planner(no tail helpers)"),
             predicted=dict((c, t) for c, t in r["predicted"]), file=r["_file"]))
     return out
 
@@ -80,7 +82,13 @@ def op_table(rows) -> str:
 
 def summary(rows) -> str:
     lines = ["| model | layout | geomean speedup vs reference (all S) | (S >= 4096) | "
-             "vs C=3 | mean regret | max regret |", "|---|---|---|---|---|---|---|"]
+             "GPU work only (S >= 4096) | vs C=3 | mean regret | max regret | "
+             "tail helpers (S >= 4096) |", "|---|---|---|---|---|---|---|---|---|"]
+
+    def ratio(sel, num, den):  # geomean of num / den where the run timed both
+        pairs = [(r[num], r[den]) for r in sel if r.get(num) and r.get(den)]
+        return f"{geomean([a / b for a, b in pairs]):.2f}x" if pairs else "-"
+
     keys = sorted({(r["model"], r["layout"]) for r in rows})
     for m, lay in keys:
         sel = [r for r in rows if r["model"] == m and r["layout"] == lay]
@@ -88,9 +96,11 @@ def summary(rows) -> str:
         lines.append(
             f"| {m} | {lay} | {geomean([r['ref'] / r['ours'] for r in sel]):.2f}x | "
             f"{geomean([r['ref'] / r['ours'] for r in big]):.2f}x | "
+            f"{ratio(big, 'ref_prep', 'ours_prep')} | "
             f"{geomean([r['c3'] / r['ours'] for r in sel]):.2f}x | "
             f"{100 * sum(r['regret'] for r in sel) / len(sel):.1f}% | "
-            f"{100 * max(r['regret'] for r in sel):.1f}% |")
+            f"{100 * max(r['regret'] for r in sel):.1f}% | "
+            f"{ratio(big, 'no_helpers', 'ours')} |")
     return "\n".join(lines)
 
 
