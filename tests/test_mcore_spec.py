@@ -142,6 +142,7 @@ def _parse(argv):
 
 def test_flags_parse_into_the_overlap_config(tmp_path):
     from megatron_overlap.mcore import overlap_config_from_args
+    from megatron_overlap.ops import OverlapConfig
 
     cal = tmp_path / "h200.json"
     cal.write_text("{}")
@@ -153,7 +154,9 @@ def test_flags_parse_into_the_overlap_config(tmp_path):
     assert (auto.comm_ctas, auto.splits, auto.backend, auto.preset) == (None, None, "auto", None)
     assert auto.min_combine_elements is None  # the device calibration decides
     always = overlap_config_from_args(_parse(["--moe-overlap", "--moe-overlap-min-elements", "0"]))
-    assert always.min_combine_elements == 0
+    assert always.min_combine_elements == 0 and always.tail_helpers == OverlapConfig().tail_helpers
+    plain = overlap_config_from_args(_parse(["--moe-overlap", "--moe-overlap-no-tail-helpers"]))
+    assert plain.tail_helpers is False
     assert overlap_config_from_args(_parse(["--moe-overlap-comm-ctas", "4"])) is None
     assert overlap_config_from_args(argparse.Namespace()) is None
 

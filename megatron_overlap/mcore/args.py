@@ -58,6 +58,10 @@ def add_moe_overlap_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                        help="Layers whose gathered tokens x hidden is below N run the stock "
                        "path (host-bound there); default: the device calibration's (H200: "
                        "33554432); 0 overlaps always.")
+    group.add_argument("--moe-overlap-no-tail-helpers", action="store_true",
+                       help="Leave the last split to the C communication CTAs (default: when "
+                       "GEMM2 ends, one more GatherRS CTA per SM it leaves shares it; same "
+                       "output either way). Also MEGATRON_OVERLAP_TAIL_HELPERS=0.")
     group.add_argument("--moe-overlap-calibration", default=None, metavar="FILE",
                        help="Calibration JSON (tools/calibrate.py) or preset name; default: the "
                        "shipped calibration for this device.")
@@ -82,4 +86,6 @@ def overlap_config_from_args(args) -> OverlapConfig | None:
         splits=getattr(args, "moe_overlap_splits", None),
         preset=calibration,
         min_combine_elements=getattr(args, "moe_overlap_min_elements", None),
+        **({"tail_helpers": False} if getattr(args, "moe_overlap_no_tail_helpers", False)
+           else {}),
     )
