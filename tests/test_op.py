@@ -155,6 +155,30 @@ def test_missing_producer_raises_timeout_naming_split_and_rank(monkeypatch):
     assert rel_err(call(p, 20, 1, group_cfg), fp64_rank_partial(p, 20)) < 1e-2
 
 
+def test_a_launch_failing_after_gatherrs_started_breaks_the_buffer_until_reset(monkeypatch):
+    """The tail helpers' launch failing leaves done/ready mid-call: the next call must
+    not read them as its own (it raises until every rank resets the buffer)."""
+    from megatron_overlap.kernels import gather_rs as grs
+    from megatron_overlap.ops import OverlapBuffer
+
+    p = routed_problem(0, 1, tokens=20, experts=2, topk=1, ffn=16, hidden=32)
+    real = grs.launch_gather_rs
+
+    def helpers_fail(*args, launch_helpers=False, **kwargs):
+        if launch_helpers:
+            raise RuntimeError("no launch")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(grs, "launch_gather_rs", helpers_fail)
+    with pytest.raises(RuntimeError, match="no launch"):
+        call(p, 20, 1, INTERP, comm_ctas=2)
+    monkeypatch.undo()
+    with pytest.raises(OverlapTimeoutError, match="launch failed after GatherRS had started"):
+        call(p, 20, 1, INTERP)
+    OverlapBuffer.get(None, torch.device("cpu"), "interpret").reset()
+    assert rel_err(call(p, 20, 1, INTERP), fp64_rank_partial(p, 20)) < 1e-2
+
+
 def _grads(p, tokens, topk, config, probs, group=None, seed=0):
     leaves = {k: p[k].detach().clone().requires_grad_(True) for k in ("x", "weight", "probs")}
     q = dict(p, **leaves)

@@ -10,6 +10,8 @@ barrier words. Local flags: ready[L_MAX], done, error (int32).
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 import triton
@@ -238,6 +240,18 @@ class OverlapBuffer:
             self.ensure(*layout)
 
     # ---------------------------------------------------------------- launch
+    @contextlib.contextmanager
+    def _all_or_broken(self):
+        """Launches that share the flag protocol: if one fails after another has started,
+        the flags (done, ready) are left mid-call, so the buffer refuses further calls
+        until `reset` (a later call would read them as this call's)."""
+        try:
+            yield
+        except BaseException as err:
+            self.broken = (f"a GatherRS/GEMM2 launch failed after GatherRS had started "
+                           f"({type(err).__name__}: {err}); the flags are mid-call")
+            raise
+
     def launch(self, x, weight, counts_dev, table, probs, out, *, plan, splits, tiles,
                comm_tm, comm_tn, tokens_per_rank, max_spins, phases=("gemm2", "comm"),
                y=None, offsets=None, helpers=0):
@@ -293,9 +307,10 @@ class OverlapBuffer:
             # Programs of one launch run one after another here: GEMM2 must finish first.
             gemm2.launch_grouped_gemm2(x, weight, y, row_start, tile_start, self.ready,
                                        **gemm_args)
-            grs.launch_gather_rs(*flags, **comm)
-            if helpers:
-                grs.launch_gather_rs(*flags, **comm, launch_helpers=True)
+            with self._all_or_broken():
+                grs.launch_gather_rs(*flags, **comm)
+                if helpers:
+                    grs.launch_gather_rs(*flags, **comm, launch_helpers=True)
         else:
             # GEMM2 compiled and loaded before GatherRS starts spinning on its flags (a
             # JIT compile or a lazy module load after that would leave it spinning).
@@ -305,12 +320,13 @@ class OverlapBuffer:
             side = self.side_stream
             self._fork.record(main)
             side.wait_event(self._fork)
-            # Communication first: its C programs take their SMs before GEMM2 fills the
-            # rest, so both grids are co-resident (P(C) + R(C) fit by construction).
-            grs.launch_gather_rs(*flags, **comm)
-            launch_gemm2(stream=side)  # no `torch.cuda.stream` switch: it costs more
-            if helpers:  # queued behind GEMM2: they start on the SMs it leaves
-                grs.launch_gather_rs(*flags, **comm, launch_helpers=True, stream=side)
+            with self._all_or_broken():
+                # Communication first: its C programs take their SMs before GEMM2 fills
+                # the rest, so both grids are co-resident (P(C) + R(C) fit by construction).
+                grs.launch_gather_rs(*flags, **comm)
+                launch_gemm2(stream=side)  # no `torch.cuda.stream` switch: it costs more
+                if helpers:  # queued behind GEMM2: they start on the SMs it leaves
+                    grs.launch_gather_rs(*flags, **comm, launch_helpers=True, stream=side)
             self._join.record(side)
             main.wait_event(self._join)
         if self.world > 1:
