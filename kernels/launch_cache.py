@@ -55,23 +55,21 @@ class LaunchCache:
 
     def _key(self, args, meta: dict):
         parts = []
-        append = parts.append
         for a, no_spec in zip(args, self.no_spec):
-            kind = type(a)  # exact-type checks first: this runs for every argument of
-            if kind is int:  # every launch (isinstance chains cost ~0.2 us apiece)
-                append(("i32" if -(1 << 31) <= a < (1 << 31) else _int_class(a))
-                       if no_spec else a)
-            elif kind is torch.Tensor:
-                append((a.dtype, a.data_ptr() % 16 == 0))
-            elif isinstance(a, torch.Tensor):  # subclasses (nn.Parameter)
-                append((a.dtype, a.data_ptr() % 16 == 0))
+            # plain ints first (most arguments), by exact type: bool is an int subclass
+            # and Triton specializes it as a bool
+            if type(a) is int:
+                parts.append(_int_class(a) if no_spec else a)
+            elif isinstance(a, torch.Tensor):
+                parts.append((a.dtype, a.data_ptr() % 16 == 0))
             elif isinstance(a, bool) or a is None:
-                append(a)
+                parts.append(a)
             elif isinstance(a, int):
-                append(_int_class(a) if no_spec else a)
+                parts.append(_int_class(a) if no_spec else a)
             elif isinstance(a, TensorDescriptor):
-                append((a.base.dtype, tuple(a.block_shape), a.base.data_ptr() % 16 == 0,
-                        tuple(a.strides), tuple(s % 16 == 0 for s in a.shape), a.padding))
+                parts.append((a.base.dtype, tuple(a.block_shape), a.base.data_ptr() % 16 == 0,
+                               tuple(a.strides), tuple(s % 16 == 0 for s in a.shape),
+                               a.padding))
             else:  # a kind we do not know how Triton specializes: no fast path
                 return None
         return tuple(parts), tuple(meta.items())

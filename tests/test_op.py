@@ -147,19 +147,23 @@ def test_missing_producer_raises_timeout_naming_split_and_rank(monkeypatch):
     with pytest.raises(OverlapTimeoutError, match=r"rank 0 timed out waiting for split 0"):
         call(p, 20, 1, group_cfg, splits=2)
     monkeypatch.undo()
-    with pytest.raises(OverlapTimeoutError, match="rebuilt"):
-        call(p, 20, 1, group_cfg)
+    _refused_until_reset(p, group_cfg, "rebuilt")
+
+
+def _refused_until_reset(p, config, message):
+    """A broken buffer refuses calls with `message` until reset, then computes again."""
     from megatron_overlap.ops import OverlapBuffer
 
+    with pytest.raises(OverlapTimeoutError, match=message):
+        call(p, 20, 1, config)
     OverlapBuffer.get(None, torch.device("cpu"), "interpret").reset()
-    assert rel_err(call(p, 20, 1, group_cfg), fp64_rank_partial(p, 20)) < 1e-2
+    assert rel_err(call(p, 20, 1, config), fp64_rank_partial(p, 20)) < 1e-2
 
 
 def test_a_launch_failing_after_gatherrs_started_breaks_the_buffer_until_reset(monkeypatch):
     """The tail helpers' launch failing leaves done/ready mid-call: the next call must
     not read them as its own (it raises until every rank resets the buffer)."""
     from megatron_overlap.kernels import gather_rs as grs
-    from megatron_overlap.ops import OverlapBuffer
 
     p = routed_problem(0, 1, tokens=20, experts=2, topk=1, ffn=16, hidden=32)
     real = grs.launch_gather_rs
@@ -173,10 +177,7 @@ def test_a_launch_failing_after_gatherrs_started_breaks_the_buffer_until_reset(m
     with pytest.raises(RuntimeError, match="no launch"):
         call(p, 20, 1, INTERP, comm_ctas=2)
     monkeypatch.undo()
-    with pytest.raises(OverlapTimeoutError, match="launch failed after GatherRS had started"):
-        call(p, 20, 1, INTERP)
-    OverlapBuffer.get(None, torch.device("cpu"), "interpret").reset()
-    assert rel_err(call(p, 20, 1, INTERP), fp64_rank_partial(p, 20)) < 1e-2
+    _refused_until_reset(p, INTERP, "launch failed after GatherRS had started")
 
 
 def _grads(p, tokens, topk, config, probs, group=None, seed=0):
