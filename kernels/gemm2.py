@@ -25,6 +25,7 @@ all; tile 37 is split 1, row tile 0 (expert 0, rows 0..127), columns 1664..1791.
 
 from __future__ import annotations
 
+from array import array
 from itertools import accumulate
 
 import torch
@@ -117,12 +118,27 @@ def expert_offsets_host(counts: list[int], block_m: int,
     """(row_start, tile_start, counts) of `expert_offsets` from host counts, int32: built
     on the host and copied in one non-blocking transfer (from pinned memory on CUDA), so
     the host never waits and the counts need no copy of their own."""
-    rows = [0, *accumulate(counts)]
-    tiles = [0, *accumulate([(c + block_m - 1) // block_m for c in counts])]
-    host = torch.tensor([rows, tiles, [*counts, 0]], dtype=torch.int32,
-                        pin_memory=str(device).startswith("cuda"))
-    packed = host.to(device, non_blocking=True)
-    return packed[0], packed[1], packed[2, :len(counts)]
+    packed, _ = packed_offsets_host(counts, block_m, device)
+    n = len(counts)
+    return packed[:n + 1], packed[n + 1:2 * n + 2], packed[2 * n + 2:3 * n + 2]
+
+
+def packed_offsets_host(counts: list[int], block_m: int, device) -> tuple[torch.Tensor, int]:
+    """[row_start (E+1) | tile_start (E+1) | counts (E)] int32 on `device`, and the row
+    tiles of all experts (tile_start[E], what the planner's W_comp reads).
+
+    The op builds this on the launch path, after Megatron's host sync, while the GPU
+    waits: an int32 `array` read in place by `torch.frombuffer` costs a fraction of
+    `torch.tensor` on nested lists (docs/RESULTS.md, host steps)."""
+    # (numpy / torch integers work too: `array` takes anything with __index__)
+    tiles = list(accumulate([(c + block_m - 1) // block_m for c in counts], initial=0))
+    buf = array("i", accumulate(counts, initial=0))
+    buf.extend(tiles)
+    buf.extend(counts)
+    host = torch.frombuffer(buf, dtype=torch.int32)  # keeps `buf` alive
+    if str(device).startswith("cuda"):
+        host = host.pin_memory()  # pageable memory would make the copy wait for the stream
+    return host.to(device, non_blocking=True), tiles[-1]
 
 
 def next_pow2(n: int) -> int:

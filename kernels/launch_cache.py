@@ -21,6 +21,8 @@ from __future__ import annotations
 import os
 
 import torch
+import triton
+from triton import knobs
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 
@@ -34,6 +36,46 @@ def _int_class(v: int) -> str:
     if -(1 << 31) <= v < (1 << 31):
         return "i32"
     return "i64" if -(1 << 63) <= v < (1 << 63) else "u64"
+
+
+#: Triton versions whose launcher takes the argument order `_raw_launch` passes.
+RAW_LAUNCH_VERSIONS = ("3.6.",)
+
+
+def _raw_launch(binary):
+    """`f(grid3, stream, args, constexprs)` calling the binary's C launcher directly, or
+    None where that is not known to be what `binary[grid](...)` does.
+
+    `binary[grid](*args)` builds a closure, asks for the current device and stream,
+    builds launch metadata for hooks and allocates scratch (none for our kernels) before
+    it reaches the C launcher, host time on the launch path that buys nothing here. The
+    launcher's argument order is Triton-internal, so this binds only for the versions in
+    RAW_LAUNCH_VERSIONS, kernels without scratch, and the CUDA launcher class; anything
+    else (a profiler's launch hook included, checked per launch) takes `binary[grid]`."""
+    if not triton.__version__.startswith(RAW_LAUNCH_VERSIONS):
+        return None
+    run = getattr(binary, "run", None)
+    if type(run).__name__ != "CudaLauncher" or not hasattr(run, "launch"):
+        return None
+    if getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1):
+        return None
+    launch, function, packed = run.launch, binary.function, binary.packed_metadata
+    coop, pdl = run.launch_cooperative_grid, run.launch_pdl
+
+    def raw(grid, stream, args, constexprs):
+        # (grid, stream, function, cooperative, pdl, global and profile scratch,
+        #  packed metadata, launch metadata, enter and exit hooks, kernel arguments)
+        launch(grid[0], grid[1], grid[2], stream, function, coop, pdl, None, None, packed,
+               None, None, None, *args, *constexprs)
+
+    return raw
+
+
+def _no_launch_hooks() -> bool:
+    """No launch hook is registered (a profiler such as proton adds them)."""
+    rt = knobs.runtime
+    return all(h is None or not getattr(h, "calls", True)
+               for h in (rt.launch_enter_hook, rt.launch_exit_hook))
 
 
 class LaunchCache:
@@ -91,7 +133,8 @@ class LaunchCache:
             # CUDA loads modules lazily, and loading may wait for running kernels (a
             # spinning GatherRS among them): load it now.
             binary._init_handles()
-            hit = self._compiled[key] = (binary, tuple(meta[n] for n in self.constexprs))
+            hit = self._compiled[key] = (binary, tuple(meta[n] for n in self.constexprs),
+                                         _raw_launch(binary))
         return hit
 
     def launch(self, grid, args, meta: dict, compiled=None, stream=None):
@@ -105,9 +148,13 @@ class LaunchCache:
                 return self.kernel[grid](*args, **meta)
             with torch.cuda.stream(stream):
                 return self.kernel[grid](*args, **meta)
-        binary, constexpr_values = hit
+        binary, constexpr_values, raw = hit
         g = tuple(grid) + (1,) * (3 - len(grid))
-        if stream is None:
+        if raw is not None and _no_launch_hooks():
+            handle = (stream.cuda_stream if stream is not None else
+                      torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice()))
+            raw(g, handle, args, constexpr_values)
+        elif stream is None:
             binary[g](*args, *constexpr_values)
         else:
             binary[g](*args, *constexpr_values, stream=stream.cuda_stream)

@@ -328,3 +328,82 @@ def test_launch_cache_key_separates_everything_triton_specializes_on(draws):
         key = cache._key(args, {"BLOCK": 4096})
         spec = _triton_specialization(cache, args)
         assert seen.setdefault(key, spec) == spec, (key, spec, seen[key])
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(0, 300), min_size=1, max_size=70), st.sampled_from([16, 64, 128]))
+def test_host_offsets_equal_the_device_path_and_the_planner_row_tiles(counts, block_m):
+    from megatron_overlap.planner import expert_row_tiles
+
+    want_rows, want_tiles = gemm2.expert_offsets(torch.tensor(counts), block_m)
+    row_start, tile_start, counts_dev = gemm2.expert_offsets_host(counts, block_m, "cpu")
+    assert torch.equal(row_start, want_rows) and torch.equal(tile_start, want_tiles)
+    assert counts_dev.tolist() == counts and row_start.dtype == torch.int32
+    # numpy / torch integers from a caller give the same, and the planner's W_comp input
+    packed, row_tiles = gemm2.packed_offsets_host(torch.tensor(counts), block_m, "cpu")
+    assert packed.tolist() == want_rows.tolist() + want_tiles.tolist() + counts
+    assert row_tiles == expert_row_tiles(counts, block_m) == int(want_tiles[-1])
+
+
+class _Triton36Binary:
+    """A compiled kernel as Triton 3.6 lays it out: `run` is the CUDA launcher."""
+
+    def __init__(self, scratch=0):
+        calls = self.raw_calls = []
+        self.indexed = []
+        self.function, self.packed_metadata = "function-handle", "packed-metadata"
+
+        class CudaLauncher:
+            global_scratch_size, profile_scratch_size = scratch, 0
+            launch_cooperative_grid, launch_pdl = False, True
+
+            def launch(self, *full):
+                calls.append(full)
+
+        self.run = CudaLauncher()
+
+    def _init_handles(self):
+        pass
+
+    def __getitem__(self, grid):
+        return lambda *full, stream=None: self.indexed.append((grid, full, stream))
+
+
+@pytest.mark.parametrize("version, scratch, hooked, raw", [
+    ("3.6.0", 0, False, True), ("3.7.1", 0, False, False), ("3.6.0", 64, False, False),
+    ("3.6.0", 0, True, False)])
+def test_raw_launch_passes_what_triton_36_runner_passes_and_only_there(
+        monkeypatch, version, scratch, hooked, raw):
+    import triton
+    from triton import knobs
+    from triton.runtime.jit import JITFunction
+
+    from megatron_overlap.kernels.launch_cache import LaunchCache
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setattr(triton, "__version__", version)
+    binary = _Triton36Binary(scratch)
+    kernel = _RecordedTriton(JITFunction(grs.sum_partials_kernel.fn,
+                                         do_not_specialize=["numel", "world"]))
+    kernel.warmup = lambda *args, grid, **meta: binary
+    if hooked:
+        hook = knobs.runtime.launch_enter_hook
+        if hasattr(hook, "add"):
+            monkeypatch.setattr(hook, "calls", [print])
+        else:
+            monkeypatch.setattr(knobs.runtime, "launch_enter_hook", print)
+    recv, out = torch.zeros(2, 64, 32), torch.zeros(64, 32)
+
+    class Stream:
+        cuda_stream = 1234
+
+    LaunchCache(kernel).launch((4,), (recv, out, 2048, 2, 2048), dict(BLOCK=4096, num_warps=8),
+                               stream=Stream())
+    if raw:  # Triton 3.6's runner -> CudaLauncher.__call__ -> launch, hooks absent
+        assert binary.raw_calls == [(4, 1, 1, 1234, "function-handle", False, True, None, None,
+                                     "packed-metadata", None, None, None,
+                                     recv, out, 2048, 2, 2048, 4096)]
+        assert not binary.indexed
+    else:
+        assert not binary.raw_calls
+        assert binary.indexed == [((4, 1, 1), (recv, out, 2048, 2, 2048, 4096), 1234)]

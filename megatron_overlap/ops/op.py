@@ -305,18 +305,20 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
     # expert row / tile offsets (with host counts: one copy that also carries the counts)
     # and the combine table in one kernel that also checks the row order
     if counts is not None:
-        *offsets, counts_dev = gemm2.expert_offsets_host(counts, tiles.block_m, x.device)
+        packed, row_tiles = gemm2.packed_offsets_host(counts, tiles.block_m, x.device)
+        offsets = (packed[:experts + 1], packed[experts + 1:2 * experts + 2])
+        counts_dev = packed[2 * experts + 2:]
     else:
         counts_dev = _to_device(counts_dev, x.device)
         offsets = gemm2.expert_offsets(counts_dev, tiles.block_m)
     table = launch_routing_table(token_index, offsets[0], num_tokens, topk, buf.error)
     launch = Launch(config, backend, group, world, rank, counts, counts_dev, table, buf, None, {})
-    # W_comp reads only sum_e ceil(M_e / TM): reduce the counts once for every L tried.
-    # With counts only on the device: section III-E, the T rows spread evenly.
-    row_counts = counts if counts is not None else Workload.from_total(
-        tokens=num_tokens, hidden=hidden, ffn=x.shape[1], world=world, splits=1,
-        total_assignments=x.shape[0], local_experts=experts).expert_counts
-    row_tiles = expert_row_tiles(row_counts, tiles.block_m)
+    # W_comp reads only row_tiles = sum_e ceil(M_e / TM) (with host counts it came with
+    # the offsets); with counts only on the device: section III-E, the T rows spread evenly.
+    if counts is None:
+        row_tiles = expert_row_tiles(Workload.from_total(
+            tokens=num_tokens, hidden=hidden, ffn=x.shape[1], world=world, splits=1,
+            total_assignments=x.shape[0], local_experts=experts).expert_counts, tiles.block_m)
     sizes = (num_tokens, hidden, x.shape[1], world)
     c = comm_ctas or config.comm_ctas
     # The decision depends on the counts only through row_tiles: remembered per buffer
