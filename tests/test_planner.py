@@ -280,3 +280,47 @@ def test_k_epi_and_topk_scale_rho_only_where_calibrated():
         dataclasses.replace(base, k_epi=-1.0)
     with pytest.raises(ValueError, match="topk"):
         dataclasses.replace(w4, topk=0)
+
+
+def test_overlap_factor_and_local_topk_are_neutral_when_unset_and_act_when_set():
+    from megatron_overlap.planner.model import service_ratio
+
+    kernel = KernelSpec(128, 128, 64, 1024, 2, 1)
+    helped = dataclasses.replace(kernel, tail_helpers=True)
+    device = DeviceSpec("h", 132)
+    w = Workload(16384, 2048, 704, 2, 4, (1092,) * 60, topk=4)
+    cal = Calibration(1.59, 704, 128, 128, 2, 56, 64, 1024, k_epi=600, topk_ref=4)
+    # f = 1 and local_topk = k are the old model exactly, with and without tail helpers
+    for k in (kernel, helped):
+        old = plan(w, k, device, cal)
+        assert plan(w, k, device, dataclasses.replace(cal, overlap_factor=1.0)) == old
+        assert plan(dataclasses.replace(w, local_topk=4), k, device, cal) == old
+    # f scales every split without helpers: the same curve as rho * f
+    f2 = plan(w, kernel, device, dataclasses.replace(cal, overlap_factor=2.0))
+    scaled = plan(w, kernel, device, dataclasses.replace(cal, rho_ref=2 * 1.59))
+    assert [t for _, t in f2.curve] == pytest.approx([t for _, t in scaled.curve])
+    assert f2.comm_ctas == scaled.comm_ctas
+    # with helpers the last split runs at rho after GEMM2 (hand case, C = 16: P = 232)
+    h = plan(w, helped, device, dataclasses.replace(cal, overlap_factor=1.5))
+    rho, a = h.rho, [math.ceil((s + 1) * h.w_comp / 232) for s in range(4)]
+    f_s = 0.0
+    for s in range(3):
+        f_s = max(a[s], f_s) + 1.5 * rho * math.ceil(h.w_comm / 16)
+    assert dict(h.curve)[16] == pytest.approx(max(a[3], f_s) + rho * math.ceil(h.w_comm / 132))
+    # T(C) never falls as f grows, and C* never falls either (more costly communication)
+    prev, prev_c = None, 0
+    for f in (0.8, 1.0, 1.4, 1.7, 2.5):
+        d = plan(w, helped, device, dataclasses.replace(cal, overlap_factor=f))
+        if prev is not None:
+            assert all(t >= p * (1 - 1e-12) for (_, t), (_, p) in zip(d.curve, prev))
+        assert d.comm_ctas >= prev_c
+        prev, prev_c = d.curve, d.comm_ctas
+    # fewer local rows per token (EP): a cheaper comm tile, (k_loc + 1) / (k + 1)
+    ep = dataclasses.replace(w, local_topk=2.0)
+    assert service_ratio(ep, kernel, cal) / service_ratio(w, kernel, cal) == pytest.approx(3 / 5)
+    # the paper's preset carries neither term
+    assert CAL.overlap_factor is None
+    with pytest.raises(ValueError, match="overlap_factor"):
+        dataclasses.replace(cal, overlap_factor=0)
+    with pytest.raises(ValueError, match="local_topk"):
+        dataclasses.replace(w, local_topk=-1)

@@ -175,3 +175,19 @@ def test_helpers_analysis_reads_the_same_decisions_timed_without_helpers(monkeyp
     monkeypatch.setattr(sys, "argv", ["analyze_runs.py", "helpers", "--runs", "op13"])
     with pytest.raises(SystemExit, match="without tail helpers"):
         analyze_runs.main()
+
+
+def test_replay_with_neutral_overlap_terms_reproduces_run_15_and_the_fitted_ones_move_c():
+    import dataclasses
+
+    import analyze_runs
+    from megatron_overlap.planner import get_preset
+
+    calib = get_preset("h200").calibration
+    rows = analyze_runs._rows("op15,op15p50", analyze_runs.DATA)
+    neutral = dataclasses.replace(calib, overlap_factor=1.0)
+    assert [analyze_runs.replay_c(r, neutral) for r in rows] == [r["comm_ctas"] for r in rows]
+    fitted = dataclasses.replace(calib, overlap_factor=1.7)
+    cs = [analyze_runs.replay_c(r, fitted, tail_helpers=True, local_topk=True) for r in rows]
+    granite = [c for c, r in zip(cs, rows) if r["model"] == "granite" and r["seq"] >= 4096]
+    assert max(granite) <= 28  # below the shipped 27-33, toward the measured 16-24

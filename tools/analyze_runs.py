@@ -1,7 +1,7 @@
 """Analyses of recorded benchmark runs that docs/RESULTS.md quotes (CPU only, JSON in, text out).
 
     python tools/analyze_runs.py replay --runs op12,op12p50 [--k-epi 600 --topk-ref 4]
-        [--tail-helpers]
+        [--tail-helpers] [--overlap-factor F] [--local-topk]
     python tools/analyze_runs.py k-epi --runs op12,op12p50
     python tools/analyze_runs.py bias --runs op11,op11p50
     python tools/analyze_runs.py amdahl --layer layer_s3 --op op13
@@ -12,6 +12,8 @@ replay: the planner's C* for each recorded workload under a calibration (the shi
     one, optionally with K_epi / topk_ref replaced; `none` removes a term), timed by the
     run's own measurement at that C (the planner's run where C* is unchanged, else the
     nearest swept C), and its regret against the run's oracle. L stays as recorded.
+    --tail-helpers models the helpers' last split, --overlap-factor sets f (rho of the
+    splits under GEMM2), --local-topk charges a comm tile the k/EP rows a rank holds.
 k-epi: least-squares fit of our GEMM2's time per compute wave, t = a + b K, over the
     runs' `gemm2_alone(ours,P=all)` rows at S >= 4096; K_epi = a / b.
 bias: the same policy at two places in a round (`C=3` / `C=28` early, `sweep C=...`
@@ -61,8 +63,10 @@ def _sweep(r: dict) -> dict[int, float]:
             if k.startswith("sweep")}
 
 
-def replay_c(r: dict, calib, kernel_tiles=GPU_TILES, tail_helpers: bool = False) -> int:
-    """C* for a recorded workload under `calib` (its recorded W_comp, W_comm and L)."""
+def replay_c(r: dict, calib, kernel_tiles=GPU_TILES, tail_helpers: bool = False,
+             local_topk: bool = False) -> int:
+    """C* for a recorded workload under `calib` (its recorded W_comp, W_comm and L);
+    `local_topk`: the rows per token a rank holds, k / EP on average."""
     shape = MODELS[r["model"]]
     tp, ep = LAYOUTS[r["layout"]]
     splits = r["splits"]
@@ -70,10 +74,10 @@ def replay_c(r: dict, calib, kernel_tiles=GPU_TILES, tail_helpers: bool = False)
     kernel = KernelSpec(kernel_tiles.block_m, kernel_tiles.block_n, comm_tm, comm_tn, 2, 1,
                         tail_helpers)
     w = Workload(BATCH * r["seq"], shape.hidden, shape.ffn_per_rank(tp), tp * ep, splits, (1,),
-                 topk=shape.topk)
+                 topk=shape.topk, local_topk=shape.topk / ep if local_topk else None)
     rho = service_ratio(w, kernel, calib)
     c, _ = solve(r["w_comp"], r["w_comm"], rho, splits, kernel,
-                 DeviceSpec("H200", 132), calib.c_max, calib.c_sat)
+                 DeviceSpec("H200", 132), calib.c_max, calib.c_sat, calib.overlap_factor)
     return c
 
 
@@ -84,15 +88,20 @@ def replay(args) -> None:
         if value is not None:
             value = None if value == "none" else (float(value) if name == "k_epi" else int(value))
             calib = dataclasses.replace(calib, **{name: value})
+    if args.overlap_factor is not None:
+        calib = dataclasses.replace(calib, overlap_factor=None if args.overlap_factor == "none"
+                                    else float(args.overlap_factor))
     by, same = {}, 0
     for r in _rows(args.runs, args.data):
         sweep, own = _sweep(r), r["stats"]["planner"]["median"]
         oracle = min(min(sweep.values()), own)
-        c = replay_c(r, calib, tail_helpers=args.tail_helpers)
+        c = replay_c(r, calib, tail_helpers=args.tail_helpers, local_topk=args.local_topk)
         same += c == r["comm_ctas"]
         t = own if c == r["comm_ctas"] else sweep[min(sweep, key=lambda s: (abs(s - c), s))]
         by.setdefault((r["model"], r["layout"]), []).append(t / oracle - 1)
-    print(f"calibration: k_epi={calib.k_epi} topk_ref={calib.topk_ref}; C* as recorded in "
+    print(f"calibration: k_epi={calib.k_epi} topk_ref={calib.topk_ref} overlap_factor="
+          f"{calib.overlap_factor}; tail helpers {args.tail_helpers}, local top-k "
+          f"{args.local_topk}; C* as recorded in "
           f"{same} of {sum(map(len, by.values()))} workloads")
     every = []
     for (model, layout), v in sorted(by.items()):
@@ -200,6 +209,10 @@ def main() -> int:
     ap.add_argument("--tail-helpers", action="store_true",
                     help="replay: the model with tail helpers serving the last split")
     ap.add_argument("--topk-ref", default=None, help="replace the calibration's (or 'none')")
+    ap.add_argument("--overlap-factor", default=None,
+                    help="replay: f, the rho factor of splits served under GEMM2 (or 'none')")
+    ap.add_argument("--local-topk", action="store_true",
+                    help="replay: a comm tile moves the k/EP rows per token a rank holds")
     ap.add_argument("--layer", default="layer_s3")
     ap.add_argument("--op", default="op13")
     ap.add_argument("--prefill", default="s3", help="prefill run tag")

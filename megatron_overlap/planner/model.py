@@ -44,7 +44,17 @@ Also beyond the paper, two terms of rho's scaling (eq. 15), each off unless cali
     600, so at K = 256 a wave takes 1.8x what K-proportional scaling says.
   * top-k: a communication tile gathers k rows per token and writes one, so its bytes
     scale with TMc * TNc * (k + 1), not with TMc * TNc alone; the reference is the
-    calibration case's k (topk_ref).
+    calibration case's k (topk_ref). Under expert parallelism a rank holds only some of
+    a token's k rows (masked loads of the absent ones move nothing): a workload's
+    `local_topk` (rows per token routed to this rank's experts, k E_local / E on
+    average) replaces k there when the caller gives it.
+
+And the overlap factor f (Calibration.overlap_factor, off unless set): rho_ref is
+contention-free, but the splits served while GEMM2 runs share the memory system with
+it, and their waves take f times longer: q = f rho V_comm. With tail helpers the last
+split is served after GEMM2 ends, by C + G - R(C) CTAs, at rho; without them f scales
+every split. Fitted on recorded H200 sweeps (f ~ 1.7, docs/RESULTS.md 'Regret and the
+model'); tools/calibrate.py does not measure it yet.
 """
 
 from __future__ import annotations
@@ -83,6 +93,8 @@ class Workload:
     expert_counts: tuple[int, ...]  # M_e for each local expert
     groups: int = 1  # g
     topk: int | None = None  # k, rows gathered per token (read only with Calibration.topk_ref)
+    # rows per token held by this rank's experts (k under pure TP, ~k/EP under EP); None = k
+    local_topk: float | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "expert_counts", tuple(self.expert_counts))
@@ -90,6 +102,10 @@ class Workload:
             _require_int(self, name, 1)
         if self.topk is not None:
             _require_int(self, "topk", 1)
+        lk = self.local_topk
+        if lk is not None and (isinstance(lk, bool) or not isinstance(lk, (int, float))
+                               or not lk >= 0):
+            raise ValueError(f"Workload.local_topk must be >= 0 or None, got {lk!r}")
         if self.splits > self.hidden:
             raise ValueError(
                 f"Workload.splits must be <= hidden ({self.hidden}), got {self.splits}"
@@ -136,8 +152,8 @@ class KernelSpec:
     o_comm: int  # resident GatherRS CTAs per SM
     # Model the op's tail helpers (after GEMM2, one GatherRS CTA per SM it leaves serves the
     # last split with the C CTAs): q_tail = rho * ceil(W_comm / (C + G - R(C))). Off in
-    # the shipped planner: replayed over run 15's sweeps it chose C below the measured
-    # optimum (mean regret 5.2% against 3.8% without it, docs/RESULTS.md).
+    # the shipped planner: alone (no Calibration.overlap_factor) it chose C below run 15's
+    # measured optimum (mean regret 5.2% against 3.8% without it, docs/RESULTS.md).
     tail_helpers: bool = False
 
     def __post_init__(self) -> None:
@@ -193,6 +209,8 @@ class Calibration:
     k_epi: float | None = None
     # The calibration case's top-k; set, rho scales with (k + 1) / (topk_ref + 1).
     topk_ref: int | None = None
+    # f: waves of the splits served while GEMM2 runs take f rho (module doc); None: rho.
+    overlap_factor: float | None = None
 
     def __post_init__(self) -> None:
         if self.c_sat is not None and (isinstance(self.c_sat, bool)
@@ -206,6 +224,10 @@ class Calibration:
         for name in ("tmc_ref", "tnc_ref", "topk_ref"):
             if getattr(self, name) is not None:
                 _require_int(self, name, 1)
+        f = self.overlap_factor
+        if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float))
+                              or not f > 0):
+            raise ValueError(f"Calibration.overlap_factor must be > 0 or None, got {f!r}")
         if self.k_epi is not None and (isinstance(self.k_epi, bool)
                                        or not isinstance(self.k_epi, (int, float))
                                        or not self.k_epi >= 0):
@@ -286,7 +308,8 @@ def service_ratio(w: Workload, kernel: KernelSpec, calib: Calibration) -> float:
     if calib.tmc_ref is not None and calib.tnc_ref is not None:
         rho *= (kernel.comm_tile_m * kernel.comm_tile_n) / (calib.tmc_ref * calib.tnc_ref)
     if calib.topk_ref is not None and w.topk is not None:
-        rho *= (w.topk + 1) / (calib.topk_ref + 1)
+        k = w.topk if w.local_topk is None else w.local_topk
+        rho *= (k + 1) / (calib.topk_ref + 1)
     return rho
 
 
@@ -297,12 +320,14 @@ def service_time(w_comm: int, c: int, rho: float, c_sat: float | None = None) ->
 
 
 def makespan(w_comp: int, w_comm: int, p: int, c: int, splits: int, rho: float,
-             c_sat: float | None = None, tail_ctas: int | None = None) -> float:
+             c_sat: float | None = None, tail_ctas: int | None = None,
+             overlap: float | None = None) -> float:
     """T(C) = F_{L-1} of the split recurrence (eqs. 10-13), in compute waves.
 
-    `tail_ctas`: CTAs that serve the last split (C plus the tail helpers); None = C.
+    `tail_ctas`: CTAs that serve the last split (C plus the tail helpers) after GEMM2, at
+    rho; None = C. `overlap`: f on rho for the other splits (all of them without helpers).
     """
-    q = service_time(w_comm, c, rho, c_sat)
+    q = service_time(w_comm, c, rho * (overlap or 1.0), c_sat)
     q_tail = q if tail_ctas is None else service_time(w_comm, tail_ctas, rho, c_sat)
     f = 0.0
     for s in range(splits):
@@ -351,6 +376,7 @@ def _curve(w_comp: int, w_comm: int, rho: float, splits: int,
 def solve(
     w_comp: int, w_comm: int, rho: float, splits: int,
     kernel: KernelSpec, device: DeviceSpec, c_max: int, c_sat: float | None = None,
+    overlap: float | None = None,
 ) -> tuple[int, tuple[tuple[int, float], ...]]:
     """Algorithm 1 on precomputed tile counts: C* and the T(C) curve."""
     g, o_comp, o_comm = device.available_sms, kernel.o_comp, kernel.o_comm
@@ -362,9 +388,11 @@ def solve(
         )
     if kernel.tail_helpers:  # the last split served by C + G - R(C): the loop, per C
         ts = [makespan(w_comp, w_comm, o_comp * (g - reservation(c, kernel)), c, splits, rho,
-                       c_sat, tail_ctas(c, kernel, device)) for c in range(1, c_top + 1)]
-    else:
-        ts = _curve(w_comp, w_comm, rho, splits, g, o_comp, o_comm, c_top, c_sat)
+                       c_sat, tail_ctas(c, kernel, device), overlap)
+              for c in range(1, c_top + 1)]
+    else:  # f scales every split alike: the closed form at rho f
+        ts = _curve(w_comp, w_comm, rho * (overlap or 1.0), splits, g, o_comp, o_comm, c_top,
+                    c_sat)
     t_min = min(ts)
     tol = _TIE_RTOL * t_min
     best = None  # (Delta_comp, C) over the tied candidates
@@ -396,7 +424,7 @@ def plan(
     w_comm = comm_tiles(workload, kernel)
     rho = service_ratio(workload, kernel, calib)
     best, curve = solve(w_comp, w_comm, rho, workload.splits, kernel, device, calib.c_max,
-                        calib.c_sat)
+                        calib.c_sat, calib.overlap_factor)
     source = "model"
     if comm_ctas is not None or not enabled:
         chosen = comm_ctas if comm_ctas is not None else default_comm_ctas
@@ -413,7 +441,7 @@ def plan(
         predicted = curve[best - 1][1]
     else:  # an explicit C above C_max
         predicted = makespan(w_comp, w_comm, p, best, workload.splits, rho, calib.c_sat,
-                             tail_ctas(best, kernel, device))
+                             tail_ctas(best, kernel, device), calib.overlap_factor)
     return Plan(
         comm_ctas=best,
         reservation=reservation(best, kernel),
