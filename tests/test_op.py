@@ -296,3 +296,24 @@ def test_tokens_not_divisible_by_world_size_raise(two_ranks):
 
 def test_absent_peer_raises_barrier_timeout_naming_the_peer(two_ranks):
     assert "rank 0 timed out at the cross-rank barrier waiting for rank 1" in two_ranks[0]["barrier"]
+
+
+@pytest.mark.parametrize("helpers", [True, False])
+def test_planner_sees_the_tail_helpers_and_the_rows_per_token_this_rank_holds(helpers):
+    from megatron_overlap.planner import Workload, plan
+
+    # rank 0 of two EP ranks: about half of each token's k = 4 rows live here
+    p = routed_problem(0, 2, tokens=64, experts=8, topk=4, ffn=16, hidden=32, ep=2)
+    config = OverlapConfig(backend="interpret", preset="h200", tail_helpers=helpers, splits=2)
+    launch = op_module.prepare(p["x"], p["weight"], p["counts"], p["token_index"], 64, 4,
+                               config=config)
+    cache = op_module.plan_cache_of(launch)
+    assert cache.kernel.tail_helpers is helpers
+    local = round(4 * p["x"].shape[0] / 64) / 4
+    assert 1.5 <= local <= 2.5
+    want = plan(Workload(64, 32, 16, 1, 2, p["counts"].tolist(), topk=4, local_topk=local),
+                cache.kernel, cache.device, cache.calib)
+    assert (launch.plan.comm_ctas, launch.plan.predicted) == (want.comm_ctas, want.predicted)
+    all_rows = plan(Workload(64, 32, 16, 1, 2, p["counts"].tolist(), topk=4),
+                    cache.kernel, cache.device, cache.calib)
+    assert all_rows.predicted != want.predicted  # the term is live with this calibration

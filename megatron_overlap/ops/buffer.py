@@ -151,12 +151,16 @@ class OverlapBuffer:
                    comm_tn: int, topk: int) -> PlanCache:
         """The decision cache for one kernel family; o_comp / o_comm from its binaries."""
         slots = gemm2.next_pow2(topk)
-        key = (config.sm_margin, config.preset, tiles, comm_tm, comm_tn, slots)
+        key = (config.sm_margin, config.preset, tiles, comm_tm, comm_tn, slots,
+               config.tail_helpers)
         cache = self._caches.get(key)
         if cache is None:
             device = device_spec(self.device, config.sm_margin)
             o_comp, o_comm = self._occupancies(tiles, comm_tm, comm_tn, slots)
-            cache = PlanCache(kernel_spec(tiles, comm_tm, comm_tn, o_comp, o_comm), device,
+            # the model serves the last split as the launch does: with the tail helpers
+            # when they run (KernelSpec.tail_helpers)
+            spec = kernel_spec(tiles, comm_tm, comm_tn, o_comp, o_comm, config.tail_helpers)
+            cache = PlanCache(spec, device,
                               calibration_for(device, config.preset))
             self._caches[key] = cache
         return cache

@@ -211,5 +211,6 @@ def min_combine_elements(config: OverlapConfig, device: torch.device) -> int:
 
 
 def kernel_spec(tiles: TileConfig, comm_tm: int, comm_tn: int, o_comp: int,
-                o_comm: int) -> KernelSpec:
-    return KernelSpec(tiles.block_m, tiles.block_n, comm_tm, comm_tn, o_comp, o_comm)
+                o_comm: int, tail_helpers: bool = False) -> KernelSpec:
+    return KernelSpec(tiles.block_m, tiles.block_n, comm_tm, comm_tn, o_comp, o_comm,
+                      tail_helpers)

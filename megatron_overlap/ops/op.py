@@ -320,10 +320,14 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
             tokens=num_tokens, hidden=hidden, ffn=x.shape[1], world=world, splits=1,
             total_assignments=x.shape[0], local_experts=experts).expert_counts, tiles.block_m)
     sizes = (num_tokens, hidden, x.shape[1], world)
+    # rows per token this rank gathers (k under TP; about k / EP under EP, where a token's
+    # other rows live on other ranks): the bytes of a communication tile. Quarters, so
+    # the decisions stay cacheable.
+    local_topk = round(4 * x.shape[0] / num_tokens) / 4
     c = comm_ctas or config.comm_ctas
     # The decision depends on the counts only through row_tiles: remembered per buffer
     # (the host runs this after Megatron's sync, while the GPU waits).
-    key = (config, tiles, row_tiles, sizes, topk, num_splits, c, experts)
+    key = (config, tiles, row_tiles, sizes, topk, local_topk, num_splits, c, experts)
     best = buf.decisions.get(key)
     if best is None:
         # L chosen jointly with C unless given: the candidate with the least predicted T
@@ -332,7 +336,7 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
             cand for cand in SPLIT_CANDIDATES if cand <= min(2 * default_splits(hidden), hidden)]
         for cand in candidates:
             plan, kwargs = _plan_splits(buf, config, tiles, row_tiles, experts, sizes, topk,
-                                        cand, c)
+                                        local_topk, cand, c)
             if best is None or plan.predicted < best[0].predicted * (1 - 1e-9):
                 best = (plan, kwargs)
         buf.remember(key, best)
@@ -346,13 +350,14 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
 SPLIT_CANDIDATES = (1, 2, 4)
 
 
-def _plan_splits(buf, config, tiles, row_tiles, experts, sizes, topk, splits, c):
+def _plan_splits(buf, config, tiles, row_tiles, experts, sizes, topk, local_topk, splits, c):
     """The cached plan for L = `splits` and the launch arguments that go with it."""
     num_tokens, hidden, ffn, world = sizes
     comm_tm, comm_tn = tiles.comm_shape(topk, -(-hidden // splits))
     cache = buf.plan_cache(config, tiles, comm_tm, comm_tn, topk)
     plan = cache.decide_tiles(row_tiles, num_tokens, hidden, ffn, world, splits, experts,
-                              comm_ctas=c, enabled=config.planner, topk=topk)
+                              comm_ctas=c, enabled=config.planner, topk=topk,
+                              local_topk=local_topk)
     # one tail helper per SM that GEMM2 leaves when it ends (the comm CTAs keep theirs)
     helpers = (cache.device.available_sms - reservation(plan.comm_ctas, cache.kernel)
                if config.tail_helpers else 0)

@@ -25,17 +25,18 @@ class PlanCache:
     def decide(
         self, tokens: int, hidden: int, ffn: int, world: int, splits: int,
         expert_counts, groups: int = 1, comm_ctas: int | None = None, enabled: bool = True,
-        topk: int | None = None,
+        topk: int | None = None, local_topk: float | None = None,
     ) -> Plan:
         """The plan for these sizes; `expert_counts` is any sequence of ints (M_e)."""
         if min(expert_counts, default=0) < 0:
             raise ValueError(f"Workload.expert_counts must be non-negative, got {expert_counts}")
         m_tiles = expert_row_tiles(expert_counts, self.kernel.tile_m)
-        key = (m_tiles, tokens, hidden, ffn, world, splits, groups, topk, comm_ctas, enabled)
+        key = (m_tiles, tokens, hidden, ffn, world, splits, groups, topk, local_topk,
+               comm_ctas, enabled)
         found = self._plans.get(key)
         if found is None:
             workload = Workload(tokens, hidden, ffn, world, splits, expert_counts, groups,
-                                topk)
+                                topk, local_topk)
             found = self._store(key, workload)
         else:
             self.hits += 1
@@ -44,21 +45,23 @@ class PlanCache:
     def decide_tiles(
         self, row_tiles: int, tokens: int, hidden: int, ffn: int, world: int, splits: int,
         local_experts: int, groups: int = 1, comm_ctas: int | None = None,
-        enabled: bool = True, topk: int | None = None,
+        enabled: bool = True, topk: int | None = None, local_topk: float | None = None,
     ) -> Plan:
         """The plan from sum_e ceil(M_e / TM) directly, for callers that hold it already.
 
         On a miss the tiles stand for `local_experts` experts with counts that give the
         same sum, which gives the same W_comp and therefore the same plan.
         """
-        key = (row_tiles, tokens, hidden, ffn, world, splits, groups, topk, comm_ctas, enabled)
+        key = (row_tiles, tokens, hidden, ffn, world, splits, groups, topk, local_topk,
+               comm_ctas, enabled)
         found = self._plans.get(key)
         if found is None:
             if row_tiles < 0 or local_experts < 1:
                 raise ValueError("row_tiles must be >= 0 and local_experts >= 1")
             base, extra = divmod(row_tiles, local_experts)
             counts = [(base + (e < extra)) * self.kernel.tile_m for e in range(local_experts)]
-            workload = Workload(tokens, hidden, ffn, world, splits, counts, groups, topk)
+            workload = Workload(tokens, hidden, ffn, world, splits, counts, groups, topk,
+                                local_topk)
             found = self._store(key, workload)
         else:
             self.hits += 1

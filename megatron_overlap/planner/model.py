@@ -53,8 +53,8 @@ And the overlap factor f (Calibration.overlap_factor, off unless set): rho_ref i
 contention-free, but the splits served while GEMM2 runs share the memory system with
 it, and their waves take f times longer: q = f rho V_comm. With tail helpers the last
 split is served after GEMM2 ends, by C + G - R(C) CTAs, at rho; without them f scales
-every split. Fitted on recorded H200 sweeps (f ~ 1.7, docs/RESULTS.md 'Regret and the
-model'); tools/calibrate.py does not measure it yet.
+every split. The shipped H200 value (1.7) is fitted on recorded C sweeps
+(docs/RESULTS.md 'Regret and the model'); tools/calibrate.py does not measure it yet.
 """
 
 from __future__ import annotations
@@ -151,9 +151,9 @@ class KernelSpec:
     o_comp: int  # resident GEMM2 CTAs per SM
     o_comm: int  # resident GatherRS CTAs per SM
     # Model the op's tail helpers (after GEMM2, one GatherRS CTA per SM it leaves serves the
-    # last split with the C CTAs): q_tail = rho * ceil(W_comm / (C + G - R(C))). Off in
-    # the shipped planner: alone (no Calibration.overlap_factor) it chose C below run 15's
-    # measured optimum (mean regret 5.2% against 3.8% without it, docs/RESULTS.md).
+    # last split with the C CTAs): q_tail = rho * ceil(W_comm / (C + G - R(C))). The op
+    # sets it when it launches them; it needs Calibration.overlap_factor beside it (alone
+    # it chose C below run 15's measured optimum, docs/RESULTS.md).
     tail_helpers: bool = False
 
     def __post_init__(self) -> None:
