@@ -317,3 +317,29 @@ def test_planner_sees_the_tail_helpers_and_the_rows_per_token_this_rank_holds(he
     all_rows = plan(Workload(64, 32, 16, 1, 2, p["counts"].tolist(), topk=4),
                     cache.kernel, cache.device, cache.calib)
     assert all_rows.predicted != want.predicted  # the term is live with this calibration
+
+
+def test_splits_ranked_without_the_helper_terms_and_c_from_the_full_model():
+    import dataclasses
+
+    from megatron_overlap.planner import KernelSpec, Workload, plan
+
+    p = routed_problem(0, 1, tokens=128, experts=8, topk=4, ffn=32, hidden=64)
+    config = OverlapConfig(backend="interpret", preset="h200")
+    launch = op_module.prepare(p["x"], p["weight"], p["counts"], p["token_index"], 128, 4,
+                               config=config)
+    full = op_module.plan_cache_of(launch)
+    t = launch.kwargs["tiles"]
+
+    def decide(splits, helpers):
+        kernel = KernelSpec(t.block_m, t.block_n, *t.comm_shape(4, -(-64 // splits)),
+                            full.kernel.o_comp, full.kernel.o_comm, helpers)
+        calib = full.calib if helpers else dataclasses.replace(full.calib, overlap_factor=None)
+        w = Workload(128, 64, 32, 1, splits, p["counts"].tolist(), topk=4, local_topk=4.0)
+        return plan(w, kernel, full.device, calib)
+
+    ranked = min((1, 2), key=lambda s: (decide(s, False).predicted, s))
+    full_ranked = min((1, 2), key=lambda s: (decide(s, True).predicted, s))
+    assert ranked != full_ranked  # the two models disagree on this workload
+    assert launch.plan.splits == ranked
+    assert launch.plan.comm_ctas == decide(ranked, True).comm_ctas

@@ -11,6 +11,7 @@ barrier words. Local flags: ready[L_MAX], done, error (int32).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 
 import torch
 import torch.distributed as dist
@@ -148,20 +149,24 @@ class OverlapBuffer:
         self.decisions[key] = decision
 
     def plan_cache(self, config: OverlapConfig, tiles: TileConfig, comm_tm: int,
-                   comm_tn: int, topk: int) -> PlanCache:
-        """The decision cache for one kernel family; o_comp / o_comm from its binaries."""
+                   comm_tn: int, topk: int, ranking: bool = False) -> PlanCache:
+        """The decision cache for one kernel family; o_comp / o_comm from its binaries.
+        `ranking`: the model the op ranks L with (no tail-helper, no overlap-factor term)."""
         slots = gemm2.next_pow2(topk)
-        key = (config.sm_margin, config.preset, tiles, comm_tm, comm_tn, slots,
-               config.tail_helpers)
+        helpers = config.tail_helpers and not ranking
+        key = (config.sm_margin, config.preset, tiles, comm_tm, comm_tn, slots, helpers,
+               ranking)
         cache = self._caches.get(key)
         if cache is None:
             device = device_spec(self.device, config.sm_margin)
             o_comp, o_comm = self._occupancies(tiles, comm_tm, comm_tn, slots)
             # the model serves the last split as the launch does: with the tail helpers
             # when they run (KernelSpec.tail_helpers)
-            spec = kernel_spec(tiles, comm_tm, comm_tn, o_comp, o_comm, config.tail_helpers)
-            cache = PlanCache(spec, device,
-                              calibration_for(device, config.preset))
+            spec = kernel_spec(tiles, comm_tm, comm_tn, o_comp, o_comm, helpers)
+            calib = calibration_for(device, config.preset)
+            if ranking:
+                calib = dataclasses.replace(calib, overlap_factor=None)
+            cache = PlanCache(spec, device, calib)
             self._caches[key] = cache
         return cache
 

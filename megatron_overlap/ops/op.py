@@ -330,15 +330,23 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
     key = (config, tiles, row_tiles, sizes, topk, local_topk, num_splits, c, experts)
     best = buf.decisions.get(key)
     if best is None:
-        # L chosen jointly with C unless given: the candidate with the least predicted T
-        # (in compute waves, the same unit for every L); ties go to fewer splits.
-        candidates = [num_splits] if num_splits is not None else [
-            cand for cand in SPLIT_CANDIDATES if cand <= min(2 * default_splits(hidden), hidden)]
-        for cand in candidates:
-            plan, kwargs = _plan_splits(buf, config, tiles, row_tiles, experts, sizes, topk,
-                                        local_topk, cand, c)
-            if best is None or plan.predicted < best[0].predicted * (1 - 1e-9):
-                best = (plan, kwargs)
+        # L unless given: the candidate with the least predicted T (compute waves, the
+        # same unit for every L; ties go to fewer splits) under the model without the
+        # tail-helper and overlap-factor terms. Those two were fitted and checked on C
+        # sweeps at a fixed L; ranking L with them picks one split, no overlap, for
+        # every workload, measured slower (run 18, docs/RESULTS.md). C is then the full
+        # model's at that L.
+        chosen, ranked = num_splits, None
+        if chosen is None:
+            for cand in SPLIT_CANDIDATES:
+                if cand > min(2 * default_splits(hidden), hidden):
+                    continue
+                plan = _plan_splits(buf, config, tiles, row_tiles, experts, sizes, topk,
+                                    local_topk, cand, c, ranking=True)[0]
+                if ranked is None or plan.predicted < ranked.predicted * (1 - 1e-9):
+                    chosen, ranked = cand, plan
+        best = _plan_splits(buf, config, tiles, row_tiles, experts, sizes, topk, local_topk,
+                            chosen, c)
         buf.remember(key, best)
     launch.plan = best[0]
     launch.kwargs = dict(best[1], offsets=offsets)
@@ -350,11 +358,13 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
 SPLIT_CANDIDATES = (1, 2, 4)
 
 
-def _plan_splits(buf, config, tiles, row_tiles, experts, sizes, topk, local_topk, splits, c):
-    """The cached plan for L = `splits` and the launch arguments that go with it."""
+def _plan_splits(buf, config, tiles, row_tiles, experts, sizes, topk, local_topk, splits, c,
+                 ranking=False):
+    """The cached plan for L = `splits` and the launch arguments that go with it
+    (`ranking`: under the model that ranks L, see `prepare`)."""
     num_tokens, hidden, ffn, world = sizes
     comm_tm, comm_tn = tiles.comm_shape(topk, -(-hidden // splits))
-    cache = buf.plan_cache(config, tiles, comm_tm, comm_tn, topk)
+    cache = buf.plan_cache(config, tiles, comm_tm, comm_tn, topk, ranking)
     plan = cache.decide_tiles(row_tiles, num_tokens, hidden, ffn, world, splits, experts,
                               comm_ctas=c, enabled=config.planner, topk=topk,
                               local_topk=local_topk)

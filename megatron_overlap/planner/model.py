@@ -336,9 +336,15 @@ def makespan(w_comp: int, w_comm: int, p: int, c: int, splits: int, rho: float,
     return f
 
 
-def tail_ctas(c: int, kernel: KernelSpec, device: DeviceSpec) -> int | None:
-    """CTAs serving the last split: C + G - R(C) with tail helpers, else None (= C)."""
-    return c + device.available_sms - reservation(c, kernel) if kernel.tail_helpers else None
+def tail_ctas(c: int, kernel: KernelSpec, device: DeviceSpec, c_max: int) -> int | None:
+    """CTAs serving the last split: C + G - R(C) with tail helpers, else None (= C).
+
+    Counted up to C_max only: past the saturation point of the calibration's sweep more
+    communication CTAs move no more bytes (the tail would otherwise look nearly free, and
+    one split, with no overlap at all, would look best)."""
+    if not kernel.tail_helpers:
+        return None
+    return min(c + device.available_sms - reservation(c, kernel), max(c, c_max))
 
 
 def _curve(w_comp: int, w_comm: int, rho: float, splits: int,
@@ -388,7 +394,7 @@ def solve(
         )
     if kernel.tail_helpers:  # the last split served by C + G - R(C): the loop, per C
         ts = [makespan(w_comp, w_comm, o_comp * (g - reservation(c, kernel)), c, splits, rho,
-                       c_sat, tail_ctas(c, kernel, device), overlap)
+                       c_sat, tail_ctas(c, kernel, device, c_max), overlap)
               for c in range(1, c_top + 1)]
     else:  # f scales every split alike: the closed form at rho f
         ts = _curve(w_comp, w_comm, rho * (overlap or 1.0), splits, g, o_comp, o_comm, c_top,
@@ -441,7 +447,7 @@ def plan(
         predicted = curve[best - 1][1]
     else:  # an explicit C above C_max
         predicted = makespan(w_comp, w_comm, p, best, workload.splits, rho, calib.c_sat,
-                             tail_ctas(best, kernel, device), calib.overlap_factor)
+                             tail_ctas(best, kernel, device, calib.c_max), calib.overlap_factor)
     return Plan(
         comm_ctas=best,
         reservation=reservation(best, kernel),
