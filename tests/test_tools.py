@@ -193,3 +193,26 @@ def test_replay_with_neutral_overlap_terms_reproduces_run_15_and_the_fitted_ones
     cs = [analyze_runs.replay_c(r, fitted, tail_helpers=True, local_topk=True) for r in rows]
     granite = [c for c, r in zip(cs, rows) if r["model"] == "granite" and r["seq"] >= 4096]
     assert max(granite) <= 28  # below run 15's 27-33, toward the measured 16-24
+
+
+def test_replay_choosing_l_as_the_op_keeps_run_15s_splits_and_the_full_model_picks_one(
+        monkeypatch, capsys):
+    import analyze_runs
+    from megatron_overlap.planner import get_preset
+
+    calib = get_preset("h200").calibration
+    rows = analyze_runs._rows("op15", analyze_runs.DATA)
+    ranked = [analyze_runs.choose_splits(r, calib, "ranked") for r in rows]
+    assert [l for _, l in ranked] == [r["splits"] for r in rows]
+    # at the recorded L the rebuilt workload plans as the recorded one does
+    assert [c for c, _ in ranked] == [analyze_runs.replay_c(r, calib, tail_helpers=True,
+                                                            local_topk=True) for r in rows]
+    full = [analyze_runs.choose_splits(r, calib, "full")[1] for r in rows]
+    assert any(l == 1 != r["splits"] for l, r in zip(full, rows) if r["model"] == "granite")
+    monkeypatch.setattr(sys, "argv", ["analyze_runs.py", "replay", "--runs", "op15",
+                                      "--choose-splits", "full"])
+    assert analyze_runs.main() == 0
+    out = capsys.readouterr().out
+    moved = sum(l != r["splits"] for l, r in zip(full, rows))
+    assert f"L as recorded in {36 - moved} of 36 workloads" in out and "left out" in out
+    assert "granite/TP2EP1/S=16384/uniform: C=27 L=2 -> C=1 L=1" in out

@@ -1,7 +1,7 @@
 """Analyses of recorded benchmark runs that docs/RESULTS.md quotes (CPU only, JSON in, text out).
 
     python tools/analyze_runs.py replay --runs op12,op12p50 [--k-epi 600 --topk-ref 4]
-        [--tail-helpers] [--overlap-factor F] [--local-topk]
+        [--tail-helpers] [--overlap-factor F] [--local-topk] [--choose-splits ranked|full]
     python tools/analyze_runs.py k-epi --runs op12,op12p50
     python tools/analyze_runs.py bias --runs op11,op11p50
     python tools/analyze_runs.py amdahl --layer layer_s3 --op op13
@@ -14,6 +14,11 @@ replay: the planner's C* for each recorded workload under a calibration (the shi
     nearest swept C), and its regret against the run's oracle. L stays as recorded.
     --tail-helpers models the helpers' last split, --overlap-factor sets f (rho of the
     splits under GEMM2), --local-topk charges a comm tile the k/EP rows a rank holds.
+    --choose-splits ranked chooses L as the op does (the least predicted T over
+    SPLIT_CANDIDATES under the calibration without overlap factor and tail helpers),
+    `full` ranks L with the full model (the op's earlier choice); both then take C
+    from the full model at that L and imply --tail-helpers and --local-topk. A workload
+    whose L changes has no measurement: listed, and left out of the regret.
 k-epi: least-squares fit of our GEMM2's time per compute wave, t = a + b K, over the
     runs' `gemm2_alone(ours,P=all)` rows at S >= 4096; K_epi = a / b.
 bias: the same policy at two places in a round (`C=3` / `C=28` early, `sweep C=...`
@@ -41,9 +46,10 @@ import sys
 sys.path.insert(0, os.path.dirname(__file__))
 from report import load  # noqa: E402
 
-from megatron_overlap.ops.config import GPU_TILES  # noqa: E402
+from megatron_overlap.ops.config import GPU_TILES, default_splits  # noqa: E402
+from megatron_overlap.ops.op import SPLIT_CANDIDATES  # noqa: E402
 from megatron_overlap.planner import DeviceSpec, KernelSpec, Workload, get_preset  # noqa: E402
-from megatron_overlap.planner.model import service_ratio, solve  # noqa: E402
+from megatron_overlap.planner.model import plan, service_ratio, solve  # noqa: E402
 from megatron_overlap.shapes import BATCH, LAYOUTS, MODELS  # noqa: E402
 
 DATA = os.path.join(os.path.dirname(__file__), "..", "docs", "data")
@@ -63,6 +69,11 @@ def _sweep(r: dict) -> dict[int, float]:
             if k.startswith("sweep")}
 
 
+def _kernel(hidden: int, topk: int, splits: int, tail_helpers: bool, tiles=GPU_TILES):
+    comm_tm, comm_tn = tiles.comm_shape(topk, -(-hidden // splits))
+    return KernelSpec(tiles.block_m, tiles.block_n, comm_tm, comm_tn, 2, 1, tail_helpers)
+
+
 def replay_c(r: dict, calib, kernel_tiles=GPU_TILES, tail_helpers: bool = False,
              local_topk: bool = False) -> int:
     """C* for a recorded workload under `calib` (its recorded W_comp, W_comm and L);
@@ -70,15 +81,45 @@ def replay_c(r: dict, calib, kernel_tiles=GPU_TILES, tail_helpers: bool = False,
     shape = MODELS[r["model"]]
     tp, ep = LAYOUTS[r["layout"]]
     splits = r["splits"]
-    comm_tm, comm_tn = kernel_tiles.comm_shape(shape.topk, -(-shape.hidden // splits))
-    kernel = KernelSpec(kernel_tiles.block_m, kernel_tiles.block_n, comm_tm, comm_tn, 2, 1,
-                        tail_helpers)
+    kernel = _kernel(shape.hidden, shape.topk, splits, tail_helpers, kernel_tiles)
     w = Workload(BATCH * r["seq"], shape.hidden, shape.ffn_per_rank(tp), tp * ep, splits, (1,),
                  topk=shape.topk, local_topk=shape.topk / ep if local_topk else None)
     rho = service_ratio(w, kernel, calib)
     c, _ = solve(r["w_comp"], r["w_comm"], rho, splits, kernel,
                  DeviceSpec("H200", 132), calib.c_max, calib.c_sat, calib.overlap_factor)
     return c
+
+
+def replay_plan(r: dict, calib, splits: int, tail_helpers: bool):
+    """The planner's Plan for a recorded workload at any L, rebuilt as the op plans it
+    (PlanCache.decide_tiles): the recorded row tiles stand for counts spread over the
+    local experts in multiples of TM; local top-k k / EP."""
+    shape = MODELS[r["model"]]
+    tp, ep = LAYOUTS[r["layout"]]
+    tm, tn = GPU_TILES.block_m, GPU_TILES.block_n
+    row_tiles = r["w_comp"] // math.ceil(math.ceil(shape.hidden / r["splits"]) / tn)
+    experts = shape.local_experts(ep)
+    base, extra = divmod(row_tiles, experts)
+    counts = [(base + (e < extra)) * tm for e in range(experts)]
+    w = Workload(BATCH * r["seq"], shape.hidden, shape.ffn_per_rank(tp), tp * ep, splits,
+                 counts, topk=shape.topk, local_topk=shape.topk / ep)
+    return plan(w, _kernel(shape.hidden, shape.topk, splits, tail_helpers),
+                DeviceSpec("H200", 132), calib)
+
+
+def choose_splits(r: dict, calib, how: str) -> tuple[int, int]:
+    """(C, L): L of least predicted T (ties to fewer splits) under the ranking model
+    (`ranked`: no overlap factor, no tail helpers, as the op) or the full one (`full`);
+    C from the full model at that L."""
+    hidden = MODELS[r["model"]].hidden
+    ranking = calib if how == "full" else dataclasses.replace(calib, overlap_factor=None)
+    best = None
+    for cand in SPLIT_CANDIDATES:
+        if cand <= min(2 * default_splits(hidden), hidden):
+            p = replay_plan(r, ranking, cand, tail_helpers=how == "full")
+            if best is None or p.predicted < best.predicted * (1 - 1e-9):
+                best = p
+    return replay_plan(r, calib, best.splits, tail_helpers=True).comm_ctas, best.splits
 
 
 def replay(args) -> None:
@@ -91,24 +132,42 @@ def replay(args) -> None:
     if args.overlap_factor is not None:
         calib = dataclasses.replace(calib, overlap_factor=None if args.overlap_factor == "none"
                                     else float(args.overlap_factor))
-    by, same = {}, 0
-    for r in _rows(args.runs, args.data):
+    chosen = args.choose_splits != "recorded"
+    helpers, local = args.tail_helpers or chosen, args.local_topk or chosen
+    by, same, moved = {}, 0, []
+    rows = _rows(args.runs, args.data)
+    for r in rows:
         sweep, own = _sweep(r), r["stats"]["planner"]["median"]
         oracle = min(min(sweep.values()), own)
-        c = replay_c(r, calib, tail_helpers=args.tail_helpers, local_topk=args.local_topk)
+        if chosen:
+            c, splits = choose_splits(r, calib, args.choose_splits)
+            if splits != r["splits"]:  # not measured at this L
+                moved.append(f"    {r['case']}: C={r['comm_ctas']} L={r['splits']} -> "
+                             f"C={c} L={splits}")
+                continue
+        else:
+            c = replay_c(r, calib, tail_helpers=helpers, local_topk=local)
         same += c == r["comm_ctas"]
         t = own if c == r["comm_ctas"] else sweep[min(sweep, key=lambda s: (abs(s - c), s))]
         by.setdefault((r["model"], r["layout"]), []).append(t / oracle - 1)
+    kept = sum(map(len, by.values()))
     print(f"calibration: k_epi={calib.k_epi} topk_ref={calib.topk_ref} overlap_factor="
-          f"{calib.overlap_factor}; tail helpers {args.tail_helpers}, local top-k "
-          f"{args.local_topk}; C* as recorded in "
-          f"{same} of {sum(map(len, by.values()))} workloads")
+          f"{calib.overlap_factor}; tail helpers {helpers}, local top-k {local}; "
+          f"C* as recorded in {same} of {kept} workloads")
+    if chosen:
+        print(f"L chosen {args.choose_splits}: L as recorded in {kept} of {len(rows)} "
+              f"workloads" + ("; not measured at their L, left out of the regret:"
+                              if moved else ""))
+        for line in moved:
+            print(line)
     every = []
     for (model, layout), v in sorted(by.items()):
         every += v
         print(f"  {model:9s} {layout}  regret mean {100 * statistics.mean(v):5.1f}%  "
               f"max {100 * max(v):5.1f}%")
-    print(f"  all             mean {100 * statistics.mean(every):5.1f}%  max {100 * max(every):5.1f}%")
+    if every:
+        print(f"  all             mean {100 * statistics.mean(every):5.1f}%  "
+              f"max {100 * max(every):5.1f}%")
 
 
 def k_epi_fit(rows: list[dict], sms: int = 132, o_comp: int = 2) -> tuple[float, float, float]:
@@ -213,6 +272,10 @@ def main() -> int:
                     help="replay: f, the rho factor of splits served under GEMM2 (or 'none')")
     ap.add_argument("--local-topk", action="store_true",
                     help="replay: a comm tile moves the k/EP rows per token a rank holds")
+    ap.add_argument("--choose-splits", choices=("recorded", "ranked", "full"),
+                    default="recorded", help="replay: L as recorded, ranked as the op "
+                    "does, or ranked by the full model (the last two imply --tail-helpers "
+                    "--local-topk)")
     ap.add_argument("--layer", default="layer_s3")
     ap.add_argument("--op", default="op13")
     ap.add_argument("--prefill", default="s3", help="prefill run tag")
