@@ -1,6 +1,7 @@
 """The pieces of the evaluation tools that decide what is reported: fits, sweeps, tables."""
 
 import argparse
+import dataclasses
 import math
 import os
 import sys
@@ -216,3 +217,26 @@ def test_replay_choosing_l_as_the_op_keeps_run_15s_splits_and_the_full_model_pic
     moved = sum(l != r["splits"] for l, r in zip(full, rows))
     assert f"L as recorded in {36 - moved} of 36 workloads" in out and "left out" in out
     assert "granite/TP2EP1/S=16384/uniform: C=27 L=2 -> C=1 L=1" in out
+
+
+def test_overlap_factor_fit_recovers_the_f_and_constant_of_a_model_curve():
+    from megatron_overlap.planner import Calibration, DeviceSpec, KernelSpec, Workload, plan
+
+    kernel = KernelSpec(128, 128, 64, 1024, 2, 1, tail_helpers=True)
+    w = Workload(16384, 2048, 704, 2, 4, (1092,) * 60, topk=4)
+    base = Calibration(1.59, 704, 128, 128, 2, 56, 64, 1024, k_epi=971.4, topk_ref=4)
+
+    def curve_for(f):
+        return dict(plan(w, kernel, DeviceSpec("h", 132), dataclasses.replace(
+            base, overlap_factor=f)).curve)
+
+    truth = curve_for(1.7)
+    t_comp = 0.0146  # ms per compute wave
+    cs = (4, 6, 8, 12, 16, 20, 24, 28, 32, 40, 48)
+    times = {c: 0.3 + t_comp * truth[c] for c in cs}
+    grid = tuple(1 + i / 10 for i in range(21))
+    f, t0, rms = calibrate.fit_overlap_factor(times, t_comp, curve_for, grid)
+    assert f == pytest.approx(1.7) and t0 == pytest.approx(0.3) and rms < 1e-9
+    # C past the model's C_max is left out rather than failing
+    f2, _, _ = calibrate.fit_overlap_factor({**times, 60: 1.0}, t_comp, curve_for, grid)
+    assert f2 == pytest.approx(1.7)

@@ -14,6 +14,11 @@ At a fixed large C on one reference workload it times
     that does not scale with K, K_epi (t = b (K + K_epi)), and the case's top-k as
     topk_ref: the planner then scales rho with (K_ref + K_epi)/(K + K_epi) and with the
     rows a communication tile moves, (k + 1)/(topk_ref + 1).
+  * the overlapped operator (tail helpers on) at the op's split count for the case and a
+    sweep of C: the overlap factor f, the one number the model cannot get from either
+    kernel alone (the splits served while GEMM2 runs cost f rho), is the f whose model
+    T(C) (in compute waves, plus one constant for launch, barrier and final sum) fits
+    the measured curve best (least squares on relative error).
 rho_ref = t_comm / t_comp, the contention-free ratio. Also recorded, not shipped: the
 paper's in-overlap fit (the rho for which the model's T(C_cal) equals T_meas). On H200
 that fit is 3x larger, because it charges communication for the slowdown GEMM2 suffers
@@ -27,6 +32,7 @@ shape: once per device and kernel family.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import statistics
@@ -43,7 +49,7 @@ from workloads import OpCase, rank_inputs  # noqa: E402
 from megatron_overlap.ops import OverlapConfig  # noqa: E402
 from megatron_overlap.ops.op import plan_cache_of, prepare  # noqa: E402
 from megatron_overlap.planner import (Calibration, KernelSpec, Preset,  # noqa: E402
-                                      preset_for_device)
+                                      Workload, plan, preset_for_device)
 from megatron_overlap.planner.model import DeviceSpec, makespan  # noqa: E402
 
 
@@ -59,6 +65,16 @@ def phase_timer(inp, group, c: int, phases, splits: int, backend: str, tiles=Non
         inp["x"], inp["weight"], launch.counts_dev, launch.table, None, out, plan=launch.plan,
         phases=phases, y=y, **launch.kwargs)
     return fn, launch
+
+
+def model_curve(launch, inp, calib) -> dict[int, float]:
+    """{C: T(C)} in compute waves under `calib` for a prepared launch's workload, L and
+    kernel (tail helpers as the launch runs them)."""
+    cache = plan_cache_of(launch)
+    w = Workload(inp["tokens"], inp["hidden"], inp["ffn"], launch.world,
+                 launch.kwargs["splits"], inp["counts_list"], topk=inp["topk"],
+                 local_topk=round(4 * inp["x"].shape[0] / inp["tokens"]) / 4)
+    return dict(plan(w, cache.kernel, cache.device, calib).curve)
 
 
 def solve_rho(t_waves: float, w_comp: int, w_comm: int, p: int, c: int, splits: int,
@@ -93,6 +109,25 @@ def fit_saturation(times: dict[int, float], w_comm: int, splits: int):
     return t0, slope, (slope * splits * w_comm / t0 if t0 > 1e-6 * my else None)
 
 
+def fit_overlap_factor(times: dict[int, float], t_comp: float, curve_for,
+                       grid=tuple(1 + i / 50 for i in range(151))) -> tuple[float, float, float]:
+    """(f, t0, rms relative error): the f on `grid` whose model curve, t0 + t_comp *
+    T(C; f), fits the measured overlapped times best; `curve_for(f)` gives {C: T(C)} in
+    compute waves. t0 (>= 0) is the part no C changes (host launch work, barrier, sum)."""
+    best = None
+    for f in grid:
+        model = curve_for(f)
+        cs = [c for c in times if c in model]  # C past the curve's C_max: not modelled
+        xs = [t_comp * model[c] for c in cs]
+        ys = [times[c] for c in cs]
+        wts = [1.0 / y ** 2 for y in ys]
+        t0 = max(0.0, sum(w * (y - x) for w, x, y in zip(wts, xs, ys)) / sum(wts))
+        err = math.sqrt(sum(w * (x + t0 - y) ** 2 for w, x, y in zip(wts, xs, ys)) / len(ys))
+        if best is None or err < best[2]:
+            best = (f, t0, err)
+    return best
+
+
 def fit_k_epi(k1: int, t1: float, k2: int, t2: float) -> float | None:
     """K_epi of t = b (K + K_epi) through two (K, time per compute wave) points: the part
     of a wave that does not shrink with K, in units of K. None unless time grows with K."""
@@ -109,6 +144,9 @@ def main() -> int:
     ap.add_argument("--c-cal", type=int, default=32, help="the fixed large C")
     ap.add_argument("--c-sweep", type=int, default=64)
     ap.add_argument("--splits", type=int, default=2)
+    ap.add_argument("--overlap-splits", type=int, default=4,
+                    help="L of the overlapped sweep that fits f (the op's L for the case)")
+    ap.add_argument("--overlap-cset", default="4,6,8,12,16,20,24,28,32,40,48")
     ap.add_argument("--samples", type=int, default=20)
     ap.add_argument("--name", default="h200")
     ap.add_argument("--with-c-sat", action="store_true",
@@ -138,8 +176,13 @@ def main() -> int:
     # table and launches are not waves of either kernel and stay out of rho
     overlap, _ = phase_timer(inp, group, args.c_cal, ("gemm2", "comm"), args.splits, backend,
                              tiles)
+    # the overlapped operator, tail helpers on, over C at the op's L: fits f
+    cset = [int(c) for c in args.overlap_cset.split(",")]
+    over = {c: phase_timer(inp, group, c, ("gemm2", "comm"), args.overlap_splits, backend,
+                           tiles) for c in cset}
     pol = {"comp": comp_fn, "comp K/2": comp_half_fn, "comm": comm_fn, "overlap": overlap,
-           **{f"comm C={c}": f for c, f in sweep.items()}}
+           **{f"comm C={c}": f for c, f in sweep.items()},
+           **{f"overlap C={c}": f for c, (f, _) in over.items()}}
     per = abba(pol, args.samples, 3, group, progress="calibrate")
     med = {n: statistics.median(v) for n, v in per.items()}
 
@@ -165,15 +208,20 @@ def main() -> int:
     rho_overlap_fit = solve_rho(t_waves, plan.w_comp, plan.w_comm, plan.compute_slots,
                                 args.c_cal, args.splits, c_sat)
     rho_ref = rho_alone
+    calib = Calibration(rho_ref, inp["ffn"], kernel.tile_m, kernel.tile_n, launch.world,
+                        c_max, kernel.comm_tile_m, kernel.comm_tile_n,
+                        c_sat if args.with_c_sat else None,
+                        None if k_epi is None else round(k_epi, 1), inp["topk"])
+    f_fit, f_t0, f_rms = fit_overlap_factor(
+        {c: med[f"overlap C={c}"] for c in cset}, t_comp,
+        lambda f: model_curve(over[cset[0]][1], inp, dataclasses.replace(calib, overlap_factor=f)))
+    calib = dataclasses.replace(calib, overlap_factor=round(f_fit, 2))
     preset = Preset(
         name=args.name,
         kernel=KernelSpec(kernel.tile_m, kernel.tile_n, kernel.comm_tile_m, kernel.comm_tile_n,
                           kernel.o_comp, kernel.o_comm),
         device=DeviceSpec(cache.device.name, cache.device.sms),
-        calibration=Calibration(rho_ref, inp["ffn"], kernel.tile_m, kernel.tile_n,
-                                launch.world, c_max, kernel.comm_tile_m, kernel.comm_tile_n,
-                                c_sat if args.with_c_sat else None,
-                                None if k_epi is None else round(k_epi, 1), inp["topk"]),
+        calibration=calib,
         default_splits=args.splits,
         # measured by the prefill sweep, not here: kept from the shipped calibration
         min_combine_elements=getattr(preset_for_device(cache.device.name),
@@ -187,6 +235,9 @@ def main() -> int:
         comm_intercept_us=t0 * 1e3, c_sat=c_sat,
         w_comp=plan.w_comp, w_comm=plan.w_comm, overlap_ms=med["overlap"],
         overlap_waves=t_waves, rho_alone=rho_alone, rho_overlap_fit=rho_overlap_fit,
+        overlap_factor_fit=dict(f=f_fit, t0_us=f_t0 * 1e3, rms_rel_err=f_rms,
+                                splits=args.overlap_splits,
+                                sweep_ms={c: med[f"overlap C={c}"] for c in cset}),
         compute_slots=plan.compute_slots, comm_sweep_ms=times,
         comm_per_wave_us={c: v * 1e3 for c, v in per_wave.items()},
         resources=getattr(launch.buffer, "compiled_resources", None)), env=env_info(),
@@ -195,7 +246,8 @@ def main() -> int:
         print(f"rho_ref={rho_ref:.3f} (GatherRS alone: t_comm/wave {t_comm * 1e3:.2f} us + "
               f"{t0 * 1e3:.1f} us, C_sat={c_sat}; the overlapped run, {med['overlap']:.3f} ms = "
               f"{t_waves:.1f} compute waves, fits rho={rho_overlap_fit:.3f}; "
-              f"t_comp/wave {t_comp * 1e3:.2f} us over {comp_waves} waves; K_epi={k_epi}), "
+              f"t_comp/wave {t_comp * 1e3:.2f} us over {comp_waves} waves; K_epi={k_epi}; "
+              f"overlap factor f={f_fit:.2f} (+{f_t0 * 1e3:.0f} us, rms {f_rms:.1%})), "
               f"C_max={c_max}, o_comp={kernel.o_comp}, o_comm={kernel.o_comm}, "
               f"resources={payload['measured']['resources']}")
         print("comm alone vs C (ms):", {c: round(t, 4) for c, t in times.items()})

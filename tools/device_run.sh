@@ -51,7 +51,7 @@ for s in "$@"; do
           --backend $b --json "$OUT/timeline_${b}_$s.json"; done; done ;;
     ship_cal)  # later stages plan with the calibration just made, as if it were shipped
       cp "$OUT/h200.json" /tmp/site/megatron_overlap/planner/calibrations/h200.json ;;
-    calibrate) stage calibrate 110 $TR "$REPO/tools/calibrate.py" ${TILES:+--tiles $TILES} \
+    calibrate) stage calibrate 200 $TR "$REPO/tools/calibrate.py" ${TILES:+--tiles $TILES} \
         --json "$OUT/h200.json" ;;
     bench_op) for lay in ${LAYOUTS:-TP2EP1 TP1EP2}; do
         stage bench_op_$lay ${BENCH_SECS:-110} $TR "$REPO/tools/bench_op.py" --model qwen --layout $lay \
