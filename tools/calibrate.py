@@ -18,7 +18,9 @@ At a fixed large C on one reference workload it times
     sweep of C: the overlap factor f, the one number the model cannot get from either
     kernel alone (the splits served while GEMM2 runs cost f rho), is the f whose model
     T(C) (in compute waves, plus one constant for launch, barrier and final sum) fits
-    the measured curve best (least squares on relative error).
+    the measured curve best (least squares on relative error). On H200 this one-case
+    f (1.34) planned worse than f = 1.7 fitted on sweeps over all three models
+    (docs/RESULTS.md, run 21), which the shipped file keeps.
 rho_ref = t_comm / t_comp, the contention-free ratio. Also recorded, not shipped: the
 paper's in-overlap fit (the rho for which the model's T(C_cal) equals T_meas). On H200
 that fit is 3x larger, because it charges communication for the slowdown GEMM2 suffers
