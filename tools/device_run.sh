@@ -46,6 +46,8 @@ for s in "$@"; do
     try_comm_stages) stage try_comm_stages 400 $TR "$REPO/tools/try_comm_stages.py" \
         --models ${MODELS:-qwen,deepseek,granite} --seq ${SEQ:-4096} \
         --json "$OUT/exp_comm_pipeline.json" ;;
+    try_sum_partials) stage try_sum_partials 150 python3 "$REPO/tools/try_sum_partials.py" \
+        --json "$OUT/exp_sum_partials.json" ;;
     timeline) for b in auto reference; do for s in ${SEQS:-4096 16384}; do
         stage timeline_${b}_$s 90 $TR "$REPO/tools/host_timeline.py" --model qwen --seq $s \
           --backend $b --json "$OUT/timeline_${b}_$s.json"; done; done ;;
