@@ -183,13 +183,19 @@ def gather_rs_kernel(
             tl.store(ready_ptr + split, 0)
 
 
-@triton.jit(do_not_specialize=["numel", "world"])
-def sum_partials_kernel(recv_ptr, out_ptr, numel, world, slot_stride, BLOCK: tl.constexpr):
-    """out[i] = sum over src of recv[src, i], in fp32 (recv slots are contiguous)."""
+@triton.jit(do_not_specialize=["numel"])
+def sum_partials_kernel(recv_ptr, out_ptr, numel, slot_stride, WORLD: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    """out[i] = sum over src of recv[src, i], in fp32 (recv slots are contiguous).
+
+    The rank loop is unrolled (WORLD is a constexpr: one binary per group size) so the
+    WORLD loads of a thread are in flight together; a runtime loop issued them one after
+    another: 1.9x-2x less time on H200 (tools/try_sum_partials.py). Same bits: the sum
+    runs in rank order either way."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < numel
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for src in range(world):
+    for src in tl.static_range(WORLD):
         acc += tl.load(recv_ptr + src * slot_stride + offs, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
@@ -246,10 +252,11 @@ def launch_gather_rs(
 
 
 def launch_sum_partials(recv: torch.Tensor, out: torch.Tensor, world: int,
-                        block: int = 4096, num_warps: int = 8, kernel=sum_partials_kernel):
-    """recv [world, >=Md, N] contiguous slots -> out [Md, N] contiguous."""
-    args = (recv, out, out.numel(), world, recv.stride(0))
-    meta = dict(BLOCK=block, num_warps=num_warps)
+                        block: int = 2048, num_warps: int = 4, kernel=sum_partials_kernel):
+    """recv [world, >=Md, N] contiguous slots -> out [Md, N] contiguous. Block and warps:
+    the fastest in tools/try_sum_partials.py at Md = 8192 and 32768, N = 2048."""
+    args = (recv, out, out.numel(), recv.stride(0))
+    meta = dict(WORLD=world, BLOCK=block, num_warps=num_warps)
     grid = (triton.cdiv(out.numel(), block),)
     if kernel is sum_partials_kernel:
         return _SUM_PARTIALS.launch(grid, args, meta)

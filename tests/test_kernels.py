@@ -247,28 +247,29 @@ def test_launch_cache_reuses_a_binary_only_for_the_same_specialization(monkeypat
     from megatron_overlap.kernels.launch_cache import LaunchCache
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # what a GPU process has
-    # sum_partials as the GPU sees it: numel and world unspecialized, slot_stride specialized
+    # sum_partials as the GPU sees it: numel unspecialized, slot_stride specialized
     triton_side = _RecordedTriton(JITFunction(grs.sum_partials_kernel.fn,
-                                              do_not_specialize=["numel", "world"]))
+                                              do_not_specialize=["numel"]))
     cache = LaunchCache(triton_side)
     recv, out = torch.zeros(2, 64, 32), torch.zeros(64, 32)
-    meta = dict(BLOCK=4096, num_warps=8)
-    cache.launch((4,), (recv, out, 2048, 2, 2048), meta)
-    cache.launch((4,), (recv, out, 4096, 2, 2048), meta)  # numel: same binary
+    meta = dict(WORLD=2, BLOCK=4096, num_warps=8)
+    cache.launch((4,), (recv, out, 2048, 2048), meta)
+    cache.launch((4,), (recv, out, 4096, 2048), meta)  # numel: same binary
     assert len(triton_side.compiles) == 1 and not triton_side.jit_launches
     grid, full = triton_side.binary_launches[1]
-    assert grid == (4, 1, 1) and full[2:] == (4096, 2, 2048, 4096)  # constexpr BLOCK last
+    assert grid == (4, 1, 1) and full[2:] == (4096, 2048, 2, 4096)  # constexprs last
     assert full[0] is recv and full[1] is out
-    cache.launch((4,), (recv, out, 2048, 2, 1024), meta)  # slot_stride is specialized
-    cache.launch((4,), (recv, out, 2048, 2, 1024), dict(meta, num_warps=4))
-    cache.launch((4,), (recv.view(-1)[1:], out, 2048, 2, 1024), meta)  # not 16-byte aligned
-    cache.launch((4,), (recv, out, 1 << 40, 2, 1024), meta)  # numel past int32
-    assert len(triton_side.compiles) == 5
+    cache.launch((4,), (recv, out, 2048, 1024), meta)  # slot_stride is specialized
+    cache.launch((4,), (recv, out, 2048, 1024), dict(meta, num_warps=4))
+    cache.launch((4,), (recv.view(-1)[1:], out, 2048, 1024), meta)  # not 16-byte aligned
+    cache.launch((4,), (recv, out, 1 << 40, 1024), meta)  # numel past int32
+    cache.launch((4,), (recv, out, 1 << 40, 1024), dict(meta, WORLD=4))  # a constexpr
+    assert len(triton_side.compiles) == 6
     monkeypatch.setenv("MEGATRON_OVERLAP_FAST_LAUNCH", "0")
-    cache.launch((4,), (recv, out, 2048, 2, 2048), meta)
-    assert triton_side.jit_launches == [((4,), (recv, out, 2048, 2, 2048), meta)]
-    with pytest.raises(TypeError, match="expected the 5 non-constexpr"):
-        cache.launch((4,), (recv, out, 2048, 2), meta)
+    cache.launch((4,), (recv, out, 2048, 2048), meta)
+    assert triton_side.jit_launches == [((4,), (recv, out, 2048, 2048), meta)]
+    with pytest.raises(TypeError, match="expected the 4 non-constexpr"):
+        cache.launch((4,), (recv, out, 2048), meta)
 
 
 def test_launch_cache_keys_descriptors_on_layout_not_on_row_count(monkeypatch):
@@ -315,17 +316,16 @@ def test_launch_cache_key_separates_everything_triton_specializes_on(draws):
 
     from megatron_overlap.kernels.launch_cache import LaunchCache
 
-    # sum_partials' runtime arguments: two pointers, numel and world unspecialized,
-    # slot_stride specialized
-    cache = LaunchCache(JITFunction(grs.sum_partials_kernel.fn,
-                                    do_not_specialize=["numel", "world"]))
+    # sum_partials' runtime arguments: two pointers, numel unspecialized, slot_stride
+    # specialized
+    cache = LaunchCache(JITFunction(grs.sum_partials_kernel.fn, do_not_specialize=["numel"]))
     base = torch.zeros(64, dtype=torch.float32)
     seen = {}
     for dtype, offset, small, power, stride in draws:
         recv = torch.zeros(80, dtype=dtype)[offset:]  # offsets 1-3 break 16-byte alignment
         numel = small + (1 << power)  # crosses the int32 range for large powers
-        args = (recv, base, numel, 2, stride)
-        key = cache._key(args, {"BLOCK": 4096})
+        args = (recv, base, numel, stride)
+        key = cache._key(args, {"WORLD": 2, "BLOCK": 4096})
         spec = _triton_specialization(cache, args)
         assert seen.setdefault(key, spec) == spec, (key, spec, seen[key])
 
@@ -384,7 +384,7 @@ def test_raw_launch_passes_what_triton_36_runner_passes_and_only_there(
     monkeypatch.setattr(triton, "__version__", version)
     binary = _Triton36Binary(scratch)
     kernel = _RecordedTriton(JITFunction(grs.sum_partials_kernel.fn,
-                                         do_not_specialize=["numel", "world"]))
+                                         do_not_specialize=["numel"]))
     kernel.warmup = lambda *args, grid, **meta: binary
     if hooked:
         hook = knobs.runtime.launch_enter_hook
@@ -397,13 +397,28 @@ def test_raw_launch_passes_what_triton_36_runner_passes_and_only_there(
     class Stream:
         cuda_stream = 1234
 
-    LaunchCache(kernel).launch((4,), (recv, out, 2048, 2, 2048), dict(BLOCK=4096, num_warps=8),
-                               stream=Stream())
+    LaunchCache(kernel).launch((4,), (recv, out, 2048, 2048),
+                               dict(WORLD=2, BLOCK=4096, num_warps=8), stream=Stream())
     if raw:  # Triton 3.6's runner -> CudaLauncher.__call__ -> launch, hooks absent
         assert binary.raw_calls == [(4, 1, 1, 1234, "function-handle", False, True, None, None,
                                      "packed-metadata", None, None, None,
-                                     recv, out, 2048, 2, 2048, 4096)]
+                                     recv, out, 2048, 2048, 2, 4096)]
         assert not binary.indexed
     else:
         assert not binary.raw_calls
-        assert binary.indexed == [((4, 1, 1), (recv, out, 2048, 2, 2048, 4096), 1234)]
+        assert binary.indexed == [((4, 1, 1), (recv, out, 2048, 2048, 2, 4096), 1234)]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_sum_partials_adds_the_slots_in_rank_order_into_every_element(world):
+    recv = torch.randn(world, 40, 24, generator=torch.Generator().manual_seed(world))
+    recv = recv.to(torch.bfloat16)
+    out = torch.full((37, 24), float("nan"), dtype=torch.bfloat16)  # fewer rows than slots
+    grs.launch_sum_partials(recv, out, world, block=256, num_warps=4)
+    want = recv[0, :37].float()
+    for src in range(1, world):
+        want = want + recv[src, :37].float()
+    assert not out.isnan().any()
+    # one bf16 rounding of the fp32 sum (the interpreter's float -> bf16 cast may round
+    # differently from torch's by one unit in the last place)
+    torch.testing.assert_close(out.float(), want, rtol=2 ** -7, atol=0)

@@ -52,8 +52,8 @@ def kernels():
                _signature(comm_ptrs, comm_ints, meta), meta, dict(num_warps=32), attrs)
     yield ("sum_partials", grs.sum_partials_kernel,
            _signature({"recv_ptr": "*bf16", "out_ptr": "*bf16"},
-                      {"numel": "i32", "world": "i32", "slot_stride": "i32"}, {"BLOCK": 0}),
-           dict(BLOCK=4096), dict(num_warps=8), None)
+                      {"numel": "i32", "slot_stride": "i32"}, {"WORLD": 0, "BLOCK": 0}),
+           dict(WORLD=2, BLOCK=2048), dict(num_warps=4), None)
     desc = "tensordesc<bf16[128,64]>"
     meta = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, EXPERTS_POW2=64, UPCAST=False,
                 COL_ALIGN=16, FLATTEN=False)

@@ -133,9 +133,9 @@ def triton_steps(steps, inp, launch, out, y) -> None:
                        device=out.device)
     steps["sum_partials JIT launch"] = lambda: grs.launch_sum_partials(recv, out, launch.world)
     compiled = grs.launch_sum_partials(recv, out, launch.world)
-    grid = (-(-out.numel() // 4096), 1, 1)
+    grid = (-(-out.numel() // 2048), 1, 1)
     steps["sum_partials compiled launch"] = lambda: compiled[grid](
-        recv, out, out.numel(), launch.world, recv.stride(0), 4096)
+        recv, out, out.numel(), recv.stride(0), launch.world, 2048)
 
 
 if __name__ == "__main__":
