@@ -53,8 +53,10 @@ And the overlap factor f (Calibration.overlap_factor, off unless set): rho_ref i
 contention-free, but the splits served while GEMM2 runs share the memory system with
 it, and their waves take f times longer: q = f rho V_comm. With tail helpers the last
 split is served after GEMM2 ends, by C + G - R(C) CTAs, at rho; without them f scales
-every split. The shipped H200 value (1.7) is fitted on recorded C sweeps
-(docs/RESULTS.md 'Regret and the model'); tools/calibrate.py does not measure it yet.
+every split. tools/calibrate.py fits f from an overlapped C sweep of its one case; the
+shipped H200 value (1.7) is fitted on the C sweeps of three runs over all three models
+instead, which planned better than the one-case fit (docs/RESULTS.md, 'Regret and the
+model', run 21).
 """
 
 from __future__ import annotations
