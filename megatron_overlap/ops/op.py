@@ -333,9 +333,9 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
         # L unless given: the candidate with the least predicted T (compute waves, the
         # same unit for every L; ties go to fewer splits) under the model without the
         # tail-helper and overlap-factor terms. Those two were fitted and checked on C
-        # sweeps at a fixed L; ranking L with them picks one split, no overlap, for
-        # every workload, measured slower (run 18, docs/RESULTS.md). C is then the full
-        # model's at that L.
+        # sweeps at a fixed L; ranking L with them picked one split, no overlap, for
+        # almost every workload, measured slower (run 18, docs/RESULTS.md). C is then
+        # the full model's at that L.
         chosen, ranked = num_splits, None
         if chosen is None:
             for cand in SPLIT_CANDIDATES:
