@@ -41,7 +41,8 @@ exactly section III's.
 Also beyond the paper, two terms of rho's scaling (eq. 15), each off unless calibrated:
   * K_epi: a compute wave costs t (K + K_epi), not t K: its prologue and epilogue (the
     TM x TN store and the readiness flag) do not shrink with K. On H200 K_epi is about
-    600, so at K = 256 a wave takes 1.8x what K-proportional scaling says.
+    600-970 (the shipped value is calibrate's two-point 971), so at K = 256 a wave
+    takes about twice what K-proportional scaling says.
   * top-k: a communication tile gathers k rows per token and writes one, so its bytes
     scale with TMc * TNc * (k + 1), not with TMc * TNc alone; the reference is the
     calibration case's k (topk_ref). Under expert parallelism a rank holds only some of
@@ -52,8 +53,8 @@ Also beyond the paper, two terms of rho's scaling (eq. 15), each off unless cali
 And the overlap factor f (Calibration.overlap_factor, off unless set): rho_ref is
 contention-free, but the splits served while GEMM2 runs share the memory system with
 it, and their waves take f times longer: q = f rho V_comm. With tail helpers the last
-split is served after GEMM2 ends, by C + G - R(C) CTAs, at rho; without them f scales
-every split. tools/calibrate.py fits f from an overlapped C sweep of its one case; the
+split is served after GEMM2 ends, by C + G - R(C) CTAs counted up to C_max, at rho;
+without them f scales every split. tools/calibrate.py fits f from an overlapped C sweep of its one case; the
 shipped H200 value (1.7) is fitted on the C sweeps of three runs over all three models
 instead, which planned better than the one-case fit (docs/RESULTS.md, 'Regret and the
 model', run 21).
