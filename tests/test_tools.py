@@ -240,3 +240,13 @@ def test_overlap_factor_fit_recovers_the_f_and_constant_of_a_model_curve():
     # C past the model's C_max is left out rather than failing
     f2, _, _ = calibrate.fit_overlap_factor({**times, 60: 1.0}, t_comp, curve_for, grid)
     assert f2 == pytest.approx(1.7)
+
+
+def test_host_exposed_reports_each_runs_median_and_ratio(monkeypatch, capsys):
+    import analyze_runs
+
+    monkeypatch.setattr(sys, "argv", ["analyze_runs.py", "host-exposed", "--runs", "op15,op17"])
+    assert analyze_runs.main() == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split()[:3] == ["op15", "ours", "0.320"] and "ratio 0.49" in out[0]
+    assert out[1].split()[:3] == ["op17", "ours", "0.183"] and "ratio 0.41" in out[1]

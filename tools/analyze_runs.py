@@ -7,6 +7,7 @@
     python tools/analyze_runs.py amdahl --layer layer_s3 --op op13
     python tools/analyze_runs.py threshold --prefill s3
     python tools/analyze_runs.py helpers --runs op15,op15p50
+    python tools/analyze_runs.py host-exposed --runs op15,op17,op19,op20
 
 replay: the planner's C* for each recorded workload under a calibration (the shipped
     one, optionally with K_epi / topk_ref replaced; `none` removes a term), timed by the
@@ -27,6 +28,8 @@ amdahl: the layer speedup an operator taking no time at all would give: stock la
     time / (stock layer time - the reference operator's GPU time) at the same shapes.
 threshold: complete-model prefill speedups against a layer's gathered tokens x hidden,
     and whether `--elements` (default 2^25) separates the slower from the faster ones.
+host-exposed: per run, the host time a whole-op call exposes (whole op minus its
+    prepared GPU work), ours and the reference's, median over the workloads.
 helpers: what the tail helpers give, per model and layout: `planner(no tail helpers)` over
     `planner` (the same C and L, timed in the same rounds), geomean and range, S >= 4096
     and below; and the whole-op / GPU-only speedups over the reference at S >= 4096.
@@ -258,10 +261,29 @@ def helpers(args) -> None:
     print(f"  all: helpers S >= 4096 {geomean(every):.3f}x over {len(every)} workloads")
 
 
+def host_exposed(args) -> None:
+    """Per run: the host time a whole-op call exposes (its median minus the prepared GPU
+    work's), ours and the reference's, median over the run's workloads."""
+    for tag in args.runs.split(","):
+        ours, ref = [], []
+        for r in _rows(tag, args.data):
+            st = r["stats"]
+            if "planner(prepared)" not in st:
+                continue
+            ours.append(st["planner"]["median"] - st["planner(prepared)"]["median"])
+            ref.append(st["reference"]["median"] - st["reference(prepared)"]["median"])
+        if not ours:
+            print(f"  {tag}: no prepared rows")
+            continue
+        o, f = statistics.median(ours), statistics.median(ref)
+        print(f"  {tag:8s} ours {o:.3f} ms (range {min(ours):.3f}-{max(ours):.3f}), "
+              f"reference {f:.3f} ms, ratio {o / f:.2f} over {len(ours)} workloads")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("what", choices=("replay", "k-epi", "bias", "amdahl", "threshold",
-                                     "helpers"))
+                                     "helpers", "host-exposed"))
     ap.add_argument("--runs", default="op13,op13p50", help="run tags (file name prefixes)")
     ap.add_argument("--preset", default="h200")
     ap.add_argument("--k-epi", default=None, help="replace the calibration's (or 'none')")
@@ -293,6 +315,8 @@ def main() -> int:
         threshold(args)
     elif args.what == "helpers":
         helpers(args)
+    elif args.what == "host-exposed":
+        host_exposed(args)
     else:
         amdahl(args)
     return 0
