@@ -250,3 +250,17 @@ def test_host_exposed_reports_each_runs_median_and_ratio(monkeypatch, capsys):
     out = capsys.readouterr().out.splitlines()
     assert out[0].split()[:3] == ["op15", "ours", "0.320"] and "ratio 0.49" in out[0]
     assert out[1].split()[:3] == ["op17", "ours", "0.183"] and "ratio 0.41" in out[1]
+
+
+def test_replay_reproduces_every_decision_the_shipped_planner_recorded():
+    import analyze_runs
+    from megatron_overlap.planner import get_preset
+
+    # runs 19-22 were planned by the op with the shipped calibration: the replay, which
+    # rebuilds each workload as the op plans it (rank 0's T / M, L ranked as the op
+    # ranks it), must land on every recorded C* and L
+    calib = get_preset("h200").calibration
+    rows = analyze_runs._rows("op19,op19p50,op20,op22", analyze_runs.DATA)
+    assert len(rows) == 126
+    assert [analyze_runs.choose_splits(r, calib, "ranked") for r in rows] == [
+        (r["comm_ctas"], r["splits"]) for r in rows]

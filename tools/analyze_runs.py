@@ -8,6 +8,7 @@
     python tools/analyze_runs.py threshold --prefill s3
     python tools/analyze_runs.py helpers --runs op15,op15p50
     python tools/analyze_runs.py host-exposed --runs op15,op17,op19,op20
+    python tools/analyze_runs.py fit-f --runs op15,op15p50,op16
 
 replay: the planner's C* for each recorded workload under a calibration (the shipped
     one, optionally with K_epi / topk_ref replaced; `none` removes a term), timed by the
@@ -28,6 +29,8 @@ amdahl: the layer speedup an operator taking no time at all would give: stock la
     time / (stock layer time - the reference operator's GPU time) at the same shapes.
 threshold: complete-model prefill speedups against a layer's gathered tokens x hidden,
     and whether `--elements` (default 2^25) separates the slower from the faster ones.
+fit-f: the overlap factor f with the least mean replayed regret (grid 1.0-2.5, tail
+    helpers, local top-k, recorded L) over the runs' sweeps.
 host-exposed: per run, the host time a whole-op call exposes (whole op minus its
     prepared GPU work), ours and the reference's, median over the workloads.
 helpers: what the tail helpers give, per model and layout: `planner(no tail helpers)` over
@@ -39,6 +42,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import glob
 import json
 import math
@@ -48,11 +52,13 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 from report import load  # noqa: E402
+from workloads import OpCase  # noqa: E402
 
 from megatron_overlap.ops.config import GPU_TILES, default_splits  # noqa: E402
 from megatron_overlap.ops.op import SPLIT_CANDIDATES  # noqa: E402
 from megatron_overlap.planner import DeviceSpec, KernelSpec, Workload, get_preset  # noqa: E402
 from megatron_overlap.planner.model import plan, service_ratio, solve  # noqa: E402
+from megatron_overlap.routing import route  # noqa: E402
 from megatron_overlap.shapes import BATCH, LAYOUTS, MODELS  # noqa: E402
 
 DATA = os.path.join(os.path.dirname(__file__), "..", "docs", "data")
@@ -77,16 +83,32 @@ def _kernel(hidden: int, topk: int, splits: int, tail_helpers: bool, tiles=GPU_T
     return KernelSpec(tiles.block_m, tiles.block_n, comm_tm, comm_tn, 2, 1, tail_helpers)
 
 
+@functools.lru_cache(maxsize=None)
+def _rank0_rows_per_token(model: str, layout: str, seq: int, routing: str) -> float:
+    """T / M of rank 0 (whose decision a run records) in quarters, as the op computes it:
+    the benchmark's seeded routing, counted without building the activations."""
+    shape = MODELS[model]
+    tp, ep = LAYOUTS[layout]
+    case = OpCase(model, layout, seq, routing)
+    topk_idx = route(case.tokens, shape.experts, shape.topk, routing, 0)
+    rows = int((topk_idx < shape.local_experts(ep)).sum())  # EP rank 0's experts
+    return round(4 * rows / case.tokens) / 4
+
+
+def _local_topk(r: dict) -> float:
+    return _rank0_rows_per_token(r["model"], r["layout"], r["seq"], r["routing"])
+
+
 def replay_c(r: dict, calib, kernel_tiles=GPU_TILES, tail_helpers: bool = False,
              local_topk: bool = False) -> int:
     """C* for a recorded workload under `calib` (its recorded W_comp, W_comm and L);
-    `local_topk`: the rows per token a rank holds, k / EP on average."""
+    `local_topk`: the rows per token rank 0 holds (T / M, as the op computes it)."""
     shape = MODELS[r["model"]]
     tp, ep = LAYOUTS[r["layout"]]
     splits = r["splits"]
     kernel = _kernel(shape.hidden, shape.topk, splits, tail_helpers, kernel_tiles)
     w = Workload(BATCH * r["seq"], shape.hidden, shape.ffn_per_rank(tp), tp * ep, splits, (1,),
-                 topk=shape.topk, local_topk=shape.topk / ep if local_topk else None)
+                 topk=shape.topk, local_topk=_local_topk(r) if local_topk else None)
     rho = service_ratio(w, kernel, calib)
     c, _ = solve(r["w_comp"], r["w_comm"], rho, splits, kernel,
                  DeviceSpec("H200", 132), calib.c_max, calib.c_sat, calib.overlap_factor)
@@ -96,7 +118,7 @@ def replay_c(r: dict, calib, kernel_tiles=GPU_TILES, tail_helpers: bool = False,
 def replay_plan(r: dict, calib, splits: int, tail_helpers: bool):
     """The planner's Plan for a recorded workload at any L, rebuilt as the op plans it
     (PlanCache.decide_tiles): the recorded row tiles stand for counts spread over the
-    local experts in multiples of TM; local top-k k / EP."""
+    local experts in multiples of TM; local top-k rank 0's T / M."""
     shape = MODELS[r["model"]]
     tp, ep = LAYOUTS[r["layout"]]
     tm, tn = GPU_TILES.block_m, GPU_TILES.block_n
@@ -105,7 +127,7 @@ def replay_plan(r: dict, calib, splits: int, tail_helpers: bool):
     base, extra = divmod(row_tiles, experts)
     counts = [(base + (e < extra)) * tm for e in range(experts)]
     w = Workload(BATCH * r["seq"], shape.hidden, shape.ffn_per_rank(tp), tp * ep, splits,
-                 counts, topk=shape.topk, local_topk=shape.topk / ep)
+                 counts, topk=shape.topk, local_topk=_local_topk(r))
     return plan(w, _kernel(shape.hidden, shape.topk, splits, tail_helpers),
                 DeviceSpec("H200", 132), calib)
 
@@ -125,6 +147,36 @@ def choose_splits(r: dict, calib, how: str) -> tuple[int, int]:
     return replay_plan(r, calib, best.splits, tail_helpers=True).comm_ctas, best.splits
 
 
+def _regret_at(r: dict, c: int) -> float:
+    """A recorded workload's regret had its planner chosen C = c: timed by the planner's
+    own run where c is the recorded C*, else by the nearest swept C (ties: the smaller)."""
+    sweep, own = _sweep(r), r["stats"]["planner"]["median"]
+    oracle = min(min(sweep.values()), own)
+    t = own if c == r["comm_ctas"] else sweep[min(sweep, key=lambda s: (abs(s - c), s))]
+    return t / oracle - 1
+
+
+def fit_f(args) -> None:
+    """The overlap factor f (tail helpers, local top-k, recorded L) with the least mean
+    replayed regret over the runs' sweeps, on a grid: how the shipped f was chosen."""
+    calib = get_preset(args.preset).calibration
+    if args.k_epi is not None:
+        calib = dataclasses.replace(calib, k_epi=None if args.k_epi == "none"
+                                    else float(args.k_epi))
+    rows = _rows(args.runs, args.data)
+    scores = {}
+    for f in [round(1.0 + 0.1 * i, 1) for i in range(16)]:
+        cal = dataclasses.replace(calib, overlap_factor=f)
+        regrets = [_regret_at(r, replay_c(r, cal, tail_helpers=True, local_topk=True))
+                   for r in rows]
+        scores[f] = (statistics.mean(regrets), max(regrets))
+        print(f"  f = {f:.1f}: mean regret {100 * scores[f][0]:5.2f}%  max "
+              f"{100 * scores[f][1]:5.1f}%")
+    best = min(scores, key=lambda f: (scores[f][0], f))
+    print(f"best f = {best:.1f} over {len(rows)} workloads of {args.runs} "
+          f"(k_epi={calib.k_epi})")
+
+
 def replay(args) -> None:
     calib = get_preset(args.preset).calibration
     for name in ("k_epi", "topk_ref"):
@@ -140,8 +192,6 @@ def replay(args) -> None:
     by, same, moved = {}, 0, []
     rows = _rows(args.runs, args.data)
     for r in rows:
-        sweep, own = _sweep(r), r["stats"]["planner"]["median"]
-        oracle = min(min(sweep.values()), own)
         if chosen:
             c, splits = choose_splits(r, calib, args.choose_splits)
             if splits != r["splits"]:  # not measured at this L
@@ -151,8 +201,7 @@ def replay(args) -> None:
         else:
             c = replay_c(r, calib, tail_helpers=helpers, local_topk=local)
         same += c == r["comm_ctas"]
-        t = own if c == r["comm_ctas"] else sweep[min(sweep, key=lambda s: (abs(s - c), s))]
-        by.setdefault((r["model"], r["layout"]), []).append(t / oracle - 1)
+        by.setdefault((r["model"], r["layout"]), []).append(_regret_at(r, c))
     kept = sum(map(len, by.values()))
     print(f"calibration: k_epi={calib.k_epi} topk_ref={calib.topk_ref} overlap_factor="
           f"{calib.overlap_factor}; tail helpers {helpers}, local top-k {local}; "
@@ -283,7 +332,7 @@ def host_exposed(args) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("what", choices=("replay", "k-epi", "bias", "amdahl", "threshold",
-                                     "helpers", "host-exposed"))
+                                     "helpers", "host-exposed", "fit-f"))
     ap.add_argument("--runs", default="op13,op13p50", help="run tags (file name prefixes)")
     ap.add_argument("--preset", default="h200")
     ap.add_argument("--k-epi", default=None, help="replace the calibration's (or 'none')")
@@ -317,6 +366,8 @@ def main() -> int:
         helpers(args)
     elif args.what == "host-exposed":
         host_exposed(args)
+    elif args.what == "fit-f":
+        fit_f(args)
     else:
         amdahl(args)
     return 0
