@@ -264,3 +264,20 @@ def test_replay_reproduces_every_decision_the_shipped_planner_recorded():
     assert len(rows) == 126
     assert [analyze_runs.choose_splits(r, calib, "ranked") for r in rows] == [
         (r["comm_ctas"], r["splits"]) for r in rows]
+
+
+def test_bench_op_confirmation_times_the_planner_against_the_fastest_swept_c(monkeypatch):
+    import bench_op
+
+    seen = {}
+
+    def fake_abba(pair, samples, warmup, group, progress=""):
+        seen.update(names=sorted(pair), samples=samples)
+        return {"planner": [1.10] * samples, "C=12": [1.00] * samples}
+
+    monkeypatch.setattr(bench_op, "abba", fake_abba)
+    pol = {"planner": "p", "sweep C=12": "s12", "sweep C=16": "s16"}
+    got = bench_op.confirm(pol, 12, 6, 1, None, "case")
+    assert seen == dict(names=["C=12", "planner"], samples=6)
+    assert got["oracle_c"] == 12 and got["regret"] == pytest.approx(0.10)
+    assert (got["planner_ms"], got["oracle_ms"]) == (pytest.approx(1.10), pytest.approx(1.00))

@@ -7,6 +7,12 @@
 Every policy is checked against the reference before timing. Samples are ABBA
 interleaved over all policies of a workload; latency is the median over samples of the
 maximum over ranks, with a 95% bootstrap CI.
+
+`--confirm N`: the sweep's fastest C is the minimum of many noisy medians, so the
+regret it gives is biased up (the winner's curse: run 22's largest, 28.6%, had a 95% CI
+of 0.39-0.70 ms). With N > 0 a second, independent ABBA phase times the planner against
+the sweep's fastest C alone (N samples each); the row's `confirm` holds that phase's
+medians and regret, selection and measurement no longer sharing their noise.
 """
 
 from __future__ import annotations
@@ -87,6 +93,16 @@ def policies_for(inp: dict, group, c_values, preset: str | None,
     return pol, facts
 
 
+def confirm(pol: dict, oracle_c: int, samples: int, warmup: int, group, label: str) -> dict:
+    """The planner against the sweep's fastest C in a phase of their own (ABBA)."""
+    pair = {"planner": pol["planner"], f"C={oracle_c}": pol[f"sweep C={oracle_c}"]}
+    med = {n: s["median"] for n, s in summarize(
+        abba(pair, samples, warmup, group, progress=f"{label} confirm")).items()}
+    planner, oracle = med["planner"], med[f"C={oracle_c}"]
+    return dict(oracle_c=oracle_c, samples=samples, planner_ms=planner, oracle_ms=oracle,
+                regret=(planner - oracle) / oracle)
+
+
 def check_against_reference(inp, group, c_values, backend: str, tiles=None) -> float:
     args = (inp["x"], inp["weight"], inp["counts_list"], inp["token_index"], inp["tokens"],
             inp["topk"], None, group)
@@ -110,6 +126,8 @@ def main() -> int:
     ap.add_argument("--samples", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--preset", default=None, help="calibration preset name or JSON path")
+    ap.add_argument("--confirm", type=int, default=0, metavar="N",
+                    help="time the planner against the sweep's fastest C again, N samples")
     add_run_args(ap)
     args = ap.parse_args()
     backend, device = smoke_setup(args)
@@ -136,6 +154,9 @@ def main() -> int:
                    oracle_c=oracle_c, oracle_ms=sweep[oracle_c], **facts,
                    stats=without_samples(stats),
                    samples={n: s["samples"] for n, s in stats.items()})
+        if args.confirm:
+            row["confirm"] = confirm(pol, oracle_c, args.confirm, args.warmup, group,
+                                     case.label())
         results.append(row)
         if rank == 0:
             med = {n: s["median"] for n, s in stats.items()}

@@ -63,7 +63,8 @@ for s in "$@"; do
         stage bench_all_$lay ${BENCH_SECS:-170} $TR "$REPO/tools/bench_op.py" \
           --model granite,qwen,deepseek --layout $lay --seqs 1024,4096,16384 \
           --routing ${ROUTING:-uniform,p90} --cset 1,2,3,4,6,8,12,16,20,24,28,32,40,48 \
-          --samples 10 --warmup 2 --preset "${PRESET:-$OUT/h200.json}" --json "$OUT/op_all_$lay.json"; done ;;
+          --samples 10 --warmup 2 --confirm ${CONFIRM:-20} --preset "${PRESET:-$OUT/h200.json}" \
+          --json "$OUT/op_all_$lay.json"; done ;;
     demo) stage demo 240 bash -c "cd '$REPO' && make demo" ;;  # the README's main job, fresh venv
     ncu_gather)  # hardware counters of GatherRS alone (Firecracker machines only)
       stage ncu_gather 200 ncu --clock-control none --target-processes all \

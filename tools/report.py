@@ -59,6 +59,7 @@ def op_rows(rows):
             tflops=r["gemm_flops"] / st["planner"] / 1e9, sweep=sweep,
             ours_prep=st.get("planner(prepared)"), ref_prep=st.get("reference(prepared)"),
             no_helpers=st.get("planner(no tail helpers)"),
+            confirmed=r.get("confirm", {}).get("regret"),
             predicted=dict((c, t) for c, t in r["predicted"]), file=r["_file"]))
     return out
 
@@ -83,7 +84,8 @@ def op_table(rows) -> str:
 def summary(rows) -> str:
     lines = ["| model | layout | geomean speedup vs reference (all S) | (S >= 4096) | "
              "GPU work only (S >= 4096) | vs C=3 | mean regret | max regret | "
-             "tail helpers (S >= 4096) |", "|---|---|---|---|---|---|---|---|---|"]
+             "tail helpers (S >= 4096) | confirmed regret (mean / max) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
 
     def ratio(sel, num, den):  # geomean of num / den where the run timed both
         pairs = [(r[num], r[den]) for r in sel if r.get(num) and r.get(den)]
@@ -100,8 +102,14 @@ def summary(rows) -> str:
             f"{geomean([r['c3'] / r['ours'] for r in sel]):.2f}x | "
             f"{100 * sum(r['regret'] for r in sel) / len(sel):.1f}% | "
             f"{100 * max(r['regret'] for r in sel):.1f}% | "
-            f"{ratio(big, 'no_helpers', 'ours')} |")
+            f"{ratio(big, 'no_helpers', 'ours')} | {confirmed(sel)} |")
     return "\n".join(lines)
+
+
+def confirmed(sel) -> str:
+    """Mean / max regret of bench_op's confirmation phase (`--confirm`), where run."""
+    v = [r["confirmed"] for r in sel if r.get("confirmed") is not None]
+    return f"{100 * sum(v) / len(v):.1f}% / {100 * max(v):.1f}%" if v else "-"
 
 
 def plots(rows, out_dir, tag):
