@@ -1,7 +1,9 @@
 """`make demo`: what a newcomer runs first.
 
 1. The planner's decisions for the paper's three models over the evaluated layouts,
-   sequence lengths and routings (the paper's A100 preset, then the shipped H200 one).
+   sequence lengths and routings: the paper's model with its A100 preset, then what
+   `gemm2_gather_rs` decides on an H200 with the shipped calibration (tail helpers,
+   L ranked as the op ranks it).
 2. The overlapped MoE layer against the stock Megatron-Core layer:
    * with 2+ GPUs: a torchrun complete-model prefill of Qwen1.5-MoE-A2.7B, TP2EP1,
      B=4, S=4096, stock and --moe-overlap ABBA-interleaved on the same weights
@@ -12,6 +14,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -26,9 +29,13 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def decision_rows(preset: Preset, layouts=tuple(LAYOUTS), routings=("uniform", "p90"),
-                  seed: int = 0):
-    """One row per model x layout x S x routing: the counts of EP rank 0 and the plan."""
-    cache = PlanCache(preset.kernel, preset.device, preset.calibration)
+                  seed: int = 0, as_op: bool = False):
+    """One row per model x layout x S x routing: the counts of EP rank 0 and the plan.
+
+    `as_op`: the decision `gemm2_gather_rs` makes with this preset (tail helpers on, the
+    rows per token rank 0 holds, the comm tile of each L, L ranked as `prepare` ranks
+    it); otherwise the paper's model at the model's default L."""
+    paper = PlanCache(preset.kernel, preset.device, preset.calibration)
     for key, shape in MODELS.items():
         for layout in layouts:
             tp, ep = LAYOUTS[layout]
@@ -38,26 +45,53 @@ def decision_rows(preset: Preset, layouts=tuple(LAYOUTS), routings=("uniform", "
                 for routing in routings:
                     idx = route(tokens, shape.experts, shape.topk, routing, seed)
                     counts = expert_counts(idx, shape.experts)[:e_local].tolist()
-                    d = cache.decide(tokens, shape.hidden, k_rank, tp * ep,
-                                     shape.default_splits, counts, topk=shape.topk)
+                    args = (tokens, shape.hidden, k_rank, tp * ep)
+                    if as_op:
+                        d = op_decision(preset, *args, counts, shape.topk)
+                    else:
+                        d = paper.decide(*args, shape.default_splits, counts, topk=shape.topk)
                     yield dict(model=key, layout=layout, S=s, routing=routing,
                                counts=counts, plan=d)
 
 
-def print_decision_table(preset: Preset, layouts=tuple(LAYOUTS)) -> None:
-    print(f"Planner decisions, preset {preset.name} (G={preset.device.available_sms} SMs, "
+def op_decision(preset: Preset, tokens: int, hidden: int, ffn: int, world: int, counts,
+                topk: int):
+    """The plan `gemm2_gather_rs` would make on the device `preset` describes (its
+    o_comp / o_comm), with GPU_TILES and tail helpers on, from host counts."""
+    from .ops.config import GPU_TILES
+    from .ops.op import rank_splits
+
+    local_topk = round(4 * sum(counts) / tokens) / 4
+
+    def decide(splits: int, ranking: bool):
+        tm, tn = GPU_TILES.comm_shape(topk, -(-hidden // splits))
+        kernel = dataclasses.replace(preset.kernel, tile_m=GPU_TILES.block_m,
+                                     tile_n=GPU_TILES.block_n, comm_tile_m=tm,
+                                     comm_tile_n=tn, tail_helpers=not ranking)
+        calib = preset.calibration
+        if ranking:
+            calib = dataclasses.replace(calib, overlap_factor=None)
+        return PlanCache(kernel, preset.device, calib).decide(
+            tokens, hidden, ffn, world, splits, counts, topk=topk, local_topk=local_topk)
+
+    return decide(rank_splits(hidden, lambda s: decide(s, True).predicted), False)
+
+
+def print_decision_table(preset: Preset, layouts=tuple(LAYOUTS), as_op: bool = False) -> None:
+    what = "the op's decisions" if as_op else "the paper's model"
+    print(f"Planner decisions ({what}), preset {preset.name} (G={preset.device.available_sms} SMs, "
           f"o_comp={preset.kernel.o_comp}, o_comm={preset.kernel.o_comm}, "
           f"C_max={preset.calibration.c_max}); B={BATCH}, counts of EP rank 0; skew targets "
           + ", ".join(f"{k}: R={v}" for k, v in SKEW_TARGETS.items()))
     header = f"{'model':<9}{'layout':<8}{'S':>6} {'routing':<8}{'W_comp':>7}{'W_comm':>7}" \
-             f"{'C*':>4}{'R':>4}{'P':>5}{'T(C*)':>9}{'T(3)':>9}{'T(3)/T*':>8}"
+             f"{'L':>3}{'C*':>4}{'R':>4}{'P':>5}{'T(C*)':>9}{'T(3)':>9}{'T(3)/T*':>8}"
     print(header)
     print("-" * len(header))
-    for row in decision_rows(preset, layouts):
+    for row in decision_rows(preset, layouts, as_op=as_op):
         d = row["plan"]
         t3 = dict(d.curve).get(3, float("nan"))
         print(f"{row['model']:<9}{row['layout']:<8}{row['S']:>6} {row['routing']:<8}"
-              f"{d.w_comp:>7}{d.w_comm:>7}{d.comm_ctas:>4}{d.reservation:>4}"
+              f"{d.w_comp:>7}{d.w_comm:>7}{d.splits:>3}{d.comm_ctas:>4}{d.reservation:>4}"
               f"{d.compute_slots:>5}{d.predicted:>9.1f}{t3:>9.1f}{t3 / d.predicted:>8.2f}")
     print()
 
@@ -79,7 +113,7 @@ def _torchrun(nproc: int, args: list[str], env: dict) -> int:
 
 def run_demo(nproc: int = 2, planner_only: bool = False) -> int:
     print_decision_table(get_preset("a100-paper"))
-    print_decision_table(get_preset("h200"), layouts=("TP2EP1", "TP1EP2"))
+    print_decision_table(get_preset("h200"), layouts=("TP2EP1", "TP1EP2"), as_op=True)
     if planner_only:
         return 0
     # PYTHONWARNINGS: Megatron-Core warns about every optional package it misses (TE,

@@ -336,15 +336,9 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
         # sweeps at a fixed L; ranking L with them picked one split, no overlap, for
         # almost every workload, measured slower (run 18, docs/RESULTS.md). C is then
         # the full model's at that L.
-        chosen, ranked = num_splits, None
-        if chosen is None:
-            for cand in SPLIT_CANDIDATES:
-                if cand > min(2 * default_splits(hidden), hidden):
-                    continue
-                plan = _plan_splits(buf, config, tiles, row_tiles, experts, sizes, topk,
-                                    local_topk, cand, c, ranking=True)[0]
-                if ranked is None or plan.predicted < ranked.predicted * (1 - 1e-9):
-                    chosen, ranked = cand, plan
+        chosen = num_splits or rank_splits(hidden, lambda cand: _plan_splits(
+            buf, config, tiles, row_tiles, experts, sizes, topk, local_topk, cand, c,
+            ranking=True)[0].predicted)
         best = _plan_splits(buf, config, tiles, row_tiles, experts, sizes, topk, local_topk,
                             chosen, c)
         buf.remember(key, best)
@@ -356,6 +350,20 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
 
 
 SPLIT_CANDIDATES = (1, 2, 4)
+
+
+def rank_splits(hidden: int, predicted) -> int:
+    """The L the op runs when none is given: of SPLIT_CANDIDATES up to 2 x the default
+    (and N), the least `predicted(L)` (compute waves, one unit for every L); ties go to
+    fewer splits. `predicted` is the ranking model's T(C*) at that L (see `prepare`)."""
+    chosen, best = None, None
+    for cand in SPLIT_CANDIDATES:
+        if cand > min(2 * default_splits(hidden), hidden):
+            continue
+        t = predicted(cand)
+        if best is None or t < best * (1 - 1e-9):
+            chosen, best = cand, t
+    return chosen
 
 
 def _plan_splits(buf, config, tiles, row_tiles, experts, sizes, topk, local_topk, splits, c,

@@ -1,0 +1,30 @@
+"""`make demo`'s planner tables: the H200 one shows what the op decides on the device."""
+
+import json
+from pathlib import Path
+
+from megatron_overlap.demo import decision_rows, run_demo
+from megatron_overlap.planner import get_preset
+
+DATA = Path(__file__).resolve().parent.parent / "docs" / "data"
+
+
+def test_h200_table_is_every_decision_the_op_recorded_on_the_device():
+    # run 19: the op on 2 H200s with the shipped calibration, rank 0's decision per
+    # workload (benchmark routing seed 0, as the demo's)
+    recorded = {}
+    for layout in ("TP2EP1", "TP1EP2"):
+        for r in json.loads((DATA / f"op19_{layout}.json").read_text())["results"]:
+            recorded[(r["model"], layout, r["seq"], r["routing"])] = (r["comm_ctas"], r["splits"])
+    shown = {(row["model"], row["layout"], row["S"], row["routing"]):
+             (row["plan"].comm_ctas, row["plan"].splits)
+             for row in decision_rows(get_preset("h200"), ("TP2EP1", "TP1EP2"), as_op=True)}
+    assert len(recorded) == 36
+    assert {k: shown[k] for k in recorded} == recorded
+
+
+def test_planner_only_demo_prints_both_tables(capsys):
+    assert run_demo(planner_only=True) == 0
+    out = capsys.readouterr().out
+    assert "(the paper's model), preset a100-paper" in out
+    assert "(the op's decisions), preset h200" in out
