@@ -6,6 +6,7 @@ The `plan` sub-command imports only the planner, so it answers in milliseconds.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 
@@ -35,6 +36,12 @@ def _add_plan_parser(sub) -> None:
     p.add_argument("--groups", type=int, default=1, help="g: input groups")
     p.add_argument("--topk", type=int, default=None,
                    help="k: rows per token (read by calibrations that record topk_ref)")
+    p.add_argument("--tail-helpers", action="store_true",
+                   help="model the op's tail helpers (the last split served after GEMM2 by "
+                        "C + G - R(C) CTAs, up to C_max), as gemm2_gather_rs runs")
+    p.add_argument("--local-topk", type=float, default=None,
+                   help="rows per token this rank holds (the op uses T/M: k under TP, "
+                        "about k/EP under EP)")
     p.add_argument("--sm-margin", type=int, default=0, help="SMs left to other kernels")
     p.add_argument("--comm-ctas", type=int, default=None, help="explicit C (overrides)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
@@ -47,9 +54,11 @@ def _run_plan(args) -> int:
         tokens=args.tokens, hidden=args.hidden, ffn=args.ffn, world=args.world,
         splits=args.splits if args.splits is not None else preset.default_splits,
         expert_counts=args.expert_counts, groups=args.groups, topk=args.topk,
+        local_topk=args.local_topk,
     )
+    kernel = dataclasses.replace(preset.kernel, tail_helpers=args.tail_helpers)
     decision, solver_us = timed_plan(
-        workload, preset.kernel, preset.device, preset.calibration, comm_ctas=args.comm_ctas
+        workload, kernel, preset.device, preset.calibration, comm_ctas=args.comm_ctas
     )
     result = {
         "preset": preset.name,

@@ -63,3 +63,19 @@ def test_package_import_is_light_and_exposes_the_public_names():
             "assert m.gemm2_gather_rs.__name__ == 'gemm2_gather_rs'; print('ok')")
     out = run([sys.executable, "-c", code])
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
+def test_plan_models_the_ops_tail_helpers_and_local_rows_when_asked():
+    h200 = [sys.executable, "-m", "megatron_overlap", "plan", "--preset", "h200",
+            "--tokens", "16384", "--hidden", "2048", "--ffn", "704", "--world", "2",
+            "--splits", "4", "--expert-counts", ",".join(["1092"] * 60), "--topk", "4",
+            "--json"]
+    paper = json.loads(run(h200).stdout)
+    helped = json.loads(run(h200 + ["--tail-helpers"]).stdout)
+    local = json.loads(run(h200 + ["--tail-helpers", "--local-topk", "2"]).stdout)
+    # the helpers serve the last split after GEMM2 (never slower), and fewer local rows
+    # per token make a communication tile cheaper
+    assert helped["predicted_T"] < paper["predicted_T"]
+    assert local["rho"] == pytest.approx(helped["rho"] * 3 / 5)  # (2 + 1) / (4 + 1)
+    bad = run(h200 + ["--local-topk", "-1"])
+    assert bad.returncode == 2 and "local_topk" in bad.stderr
