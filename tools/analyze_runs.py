@@ -34,8 +34,9 @@ fit-f: the overlap factor f with the least mean replayed regret (grid 1.0-2.5, t
 host-exposed: per run, the host time a whole-op call exposes (whole op minus its
     prepared GPU work), ours and the reference's, median over the workloads.
 helpers: what the tail helpers give, per model and layout: `planner(no tail helpers)` over
-    `planner` (the same C and L, timed in the same rounds), geomean and range, S >= 4096
-    and below; and the whole-op / GPU-only speedups over the reference at S >= 4096.
+    `planner` (timed in the same rounds; the same C and L up to run 17, since run 18 the
+    op without helpers plans its own C), geomean and range, S >= 4096 and below; and the
+    whole-op / GPU-only speedups over the reference at S >= 4096.
 """
 
 from __future__ import annotations

@@ -62,7 +62,8 @@ def policies_for(inp: dict, group, c_values, preset: str | None,
     pol = {
         "reference": op(REFERENCE),
         "planner": op(cfg),
-        # the same decisions with the last split left to the C CTAs (the paper's scheme)
+        # the op with the last split left to the C CTAs (the paper's scheme); since
+        # session 5 it plans for that too (no helper term), so its C can differ
         "planner(no tail helpers)": op(dataclasses.replace(cfg, tail_helpers=False)),
         "gemm2_alone(torch)": lambda: grouped_mm(inp["x"], w_t, counts_dev, inp["counts_list"]),
         "gemm2_alone(ours,P=all)": lambda: buf.launch(
