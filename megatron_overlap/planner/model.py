@@ -84,6 +84,17 @@ def _require_int(obj: object, name: str, minimum: int) -> None:
         raise ValueError(f"{type(obj).__name__}.{name} must be >= {minimum}, got {value}")
 
 
+def _require_real(obj: object, name: str, minimum: float, strict: bool = False) -> None:
+    """An optional number (None passes) >= minimum, or > minimum when `strict`."""
+    value = getattr(obj, name)
+    if value is None:
+        return
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not (value > minimum if strict else value >= minimum)):
+        raise ValueError(f"{type(obj).__name__}.{name} must be {'>' if strict else '>='} "
+                         f"{minimum:g} or None, got {value!r}")
+
+
 @dataclass(frozen=True)
 class Workload:
     """One GEMM2+GatherRS invocation, as the planner sees it."""
@@ -105,10 +116,7 @@ class Workload:
             _require_int(self, name, 1)
         if self.topk is not None:
             _require_int(self, "topk", 1)
-        lk = self.local_topk
-        if lk is not None and (isinstance(lk, bool) or not isinstance(lk, (int, float))
-                               or not lk >= 0):
-            raise ValueError(f"Workload.local_topk must be >= 0 or None, got {lk!r}")
+        _require_real(self, "local_topk", 0)
         if self.splits > self.hidden:
             raise ValueError(
                 f"Workload.splits must be <= hidden ({self.hidden}), got {self.splits}"
@@ -153,10 +161,8 @@ class KernelSpec:
     comm_tile_n: int  # TNc
     o_comp: int  # resident GEMM2 CTAs per SM
     o_comm: int  # resident GatherRS CTAs per SM
-    # Model the op's tail helpers (after GEMM2, one GatherRS CTA per SM it leaves serves the
-    # last split with the C CTAs): q_tail = rho * ceil(W_comm / (C + G - R(C))). The op
-    # sets it when it launches them; it needs Calibration.overlap_factor beside it (alone
-    # it chose C below run 15's measured optimum, docs/RESULTS.md).
+    # The op's tail helpers (module doc): the last split served after GEMM2 by
+    # C + G - R(C) CTAs, up to C_max. The op sets it when it launches them.
     tail_helpers: bool = False
 
     def __post_init__(self) -> None:
@@ -216,10 +222,9 @@ class Calibration:
     overlap_factor: float | None = None
 
     def __post_init__(self) -> None:
-        if self.c_sat is not None and (isinstance(self.c_sat, bool)
-                                       or not isinstance(self.c_sat, (int, float))
-                                       or not self.c_sat > 0):
-            raise ValueError(f"Calibration.c_sat must be > 0 or None, got {self.c_sat!r}")
+        _require_real(self, "c_sat", 0, strict=True)
+        _require_real(self, "overlap_factor", 0, strict=True)
+        _require_real(self, "k_epi", 0)
         if not isinstance(self.rho_ref, (int, float)) or not self.rho_ref > 0:
             raise ValueError(f"Calibration.rho_ref must be > 0, got {self.rho_ref!r}")
         for name in ("k_ref", "tm_ref", "tn_ref", "d_ref", "c_max"):
@@ -227,14 +232,6 @@ class Calibration:
         for name in ("tmc_ref", "tnc_ref", "topk_ref"):
             if getattr(self, name) is not None:
                 _require_int(self, name, 1)
-        f = self.overlap_factor
-        if f is not None and (isinstance(f, bool) or not isinstance(f, (int, float))
-                              or not f > 0):
-            raise ValueError(f"Calibration.overlap_factor must be > 0 or None, got {f!r}")
-        if self.k_epi is not None and (isinstance(self.k_epi, bool)
-                                       or not isinstance(self.k_epi, (int, float))
-                                       or not self.k_epi >= 0):
-            raise ValueError(f"Calibration.k_epi must be >= 0 or None, got {self.k_epi!r}")
 
     @staticmethod
     def rho_from_measurement(
