@@ -118,9 +118,12 @@ def expert_offsets_host(counts: list[int], block_m: int,
     """(row_start, tile_start, counts) of `expert_offsets` from host counts, int32: built
     on the host and copied in one non-blocking transfer (from pinned memory on CUDA), so
     the host never waits and the counts need no copy of their own."""
-    packed, _ = packed_offsets_host(counts, block_m, device)
-    n = len(counts)
-    return packed[:n + 1], packed[n + 1:2 * n + 2], packed[2 * n + 2:3 * n + 2]
+    return unpack_offsets(packed_offsets_host(counts, block_m, device)[0], len(counts))
+
+
+def unpack_offsets(packed: torch.Tensor, experts: int):
+    """(row_start, tile_start, counts) views of `packed_offsets_host`'s tensor."""
+    return packed[:experts + 1], packed[experts + 1:2 * experts + 2], packed[2 * experts + 2:]
 
 
 def packed_offsets_host(counts: list[int], block_m: int, device) -> tuple[torch.Tensor, int]:

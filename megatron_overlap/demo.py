@@ -20,7 +20,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .planner import Preset, get_preset
+from .planner import Preset, get_preset, ranking_calibration
 from .planner.cache import PlanCache
 from .routing import SKEW_TARGETS, expert_counts, route
 from .shapes import BATCH, LAYOUTS, MODELS, SEQUENCE_LENGTHS
@@ -68,9 +68,7 @@ def op_decision(preset: Preset, tokens: int, hidden: int, ffn: int, world: int, 
         kernel = dataclasses.replace(preset.kernel, tile_m=GPU_TILES.block_m,
                                      tile_n=GPU_TILES.block_n, comm_tile_m=tm,
                                      comm_tile_n=tn, tail_helpers=not ranking)
-        calib = preset.calibration
-        if ranking:
-            calib = dataclasses.replace(calib, overlap_factor=None)
+        calib = ranking_calibration(preset.calibration) if ranking else preset.calibration
         return PlanCache(kernel, preset.device, calib).decide(
             tokens, hidden, ffn, world, splits, counts, topk=topk, local_topk=local_topk)
 

@@ -55,9 +55,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 from report import load  # noqa: E402
 from workloads import OpCase  # noqa: E402
 
-from megatron_overlap.ops.config import GPU_TILES, default_splits  # noqa: E402
-from megatron_overlap.ops.op import SPLIT_CANDIDATES  # noqa: E402
-from megatron_overlap.planner import DeviceSpec, KernelSpec, Workload, get_preset  # noqa: E402
+from megatron_overlap.ops.config import GPU_TILES  # noqa: E402
+from megatron_overlap.ops.op import rank_splits  # noqa: E402
+from megatron_overlap.planner import (DeviceSpec, KernelSpec, Workload,  # noqa: E402
+                                      get_preset, ranking_calibration)
 from megatron_overlap.planner.model import plan, service_ratio, solve  # noqa: E402
 from megatron_overlap.routing import route  # noqa: E402
 from megatron_overlap.shapes import BATCH, LAYOUTS, MODELS  # noqa: E402
@@ -137,15 +138,10 @@ def choose_splits(r: dict, calib, how: str) -> tuple[int, int]:
     """(C, L): L of least predicted T (ties to fewer splits) under the ranking model
     (`ranked`: no overlap factor, no tail helpers, as the op) or the full one (`full`);
     C from the full model at that L."""
-    hidden = MODELS[r["model"]].hidden
-    ranking = calib if how == "full" else dataclasses.replace(calib, overlap_factor=None)
-    best = None
-    for cand in SPLIT_CANDIDATES:
-        if cand <= min(2 * default_splits(hidden), hidden):
-            p = replay_plan(r, ranking, cand, tail_helpers=how == "full")
-            if best is None or p.predicted < best.predicted * (1 - 1e-9):
-                best = p
-    return replay_plan(r, calib, best.splits, tail_helpers=True).comm_ctas, best.splits
+    ranking = calib if how == "full" else ranking_calibration(calib)
+    splits = rank_splits(MODELS[r["model"]].hidden, lambda cand: replay_plan(
+        r, ranking, cand, tail_helpers=how == "full").predicted)
+    return replay_plan(r, calib, splits, tail_helpers=True).comm_ctas, splits
 
 
 def _regret_at(r: dict, c: int) -> float:

@@ -11,7 +11,6 @@ barrier words. Local flags: ready[L_MAX], done, error (int32).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 
 import torch
 import torch.distributed as dist
@@ -20,7 +19,7 @@ import triton
 from ..kernels import gather_rs as grs
 from ..kernels import gemm2
 from ..kernels.routing_table import ERR_UNSORTED
-from ..planner import PlanCache, resident_ctas
+from ..planner import PlanCache, ranking_calibration, resident_ctas
 from .config import (INTERPRET_TILES, OverlapConfig, TileConfig, calibration_for, device_spec,
                      gpu_tiles, kernel_spec)
 from .peer_memory import PeerMemory
@@ -165,7 +164,7 @@ class OverlapBuffer:
             spec = kernel_spec(tiles, comm_tm, comm_tn, o_comp, o_comm, helpers)
             calib = calibration_for(device, config.preset)
             if ranking:
-                calib = dataclasses.replace(calib, overlap_factor=None)
+                calib = ranking_calibration(calib)
             cache = PlanCache(spec, device, calib)
             self._caches[key] = cache
         return cache

@@ -306,8 +306,7 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
     # and the combine table in one kernel that also checks the row order
     if counts is not None:
         packed, row_tiles = gemm2.packed_offsets_host(counts, tiles.block_m, x.device)
-        offsets = (packed[:experts + 1], packed[experts + 1:2 * experts + 2])
-        counts_dev = packed[2 * experts + 2:]
+        *offsets, counts_dev = gemm2.unpack_offsets(packed, experts)
     else:
         counts_dev = _to_device(counts_dev, x.device)
         offsets = gemm2.expert_offsets(counts_dev, tiles.block_m)

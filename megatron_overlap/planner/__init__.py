@@ -14,6 +14,7 @@ from .model import (
     expert_row_tiles,
     makespan,
     plan,
+    ranking_calibration,
     reservation,
     service_ratio,
     service_time,
@@ -26,6 +27,6 @@ __all__ = [
     "A100_PAPER", "AMPERE_A100", "Calibration", "DEFAULT_COMM_CTAS", "DeviceSpec", "HOPPER",
     "KernelSpec", "Occupancy", "Plan", "PlanCache", "Preset", "SMLimits", "Workload",
     "comm_tiles", "compute_slots", "compute_tiles", "expert_row_tiles", "get_preset", "load_preset_file",
-    "makespan", "plan", "preset_for_device", "preset_names", "reservation",
+    "makespan", "plan", "preset_for_device", "preset_names", "ranking_calibration", "reservation",
     "resident_ctas", "service_ratio", "service_time", "timed_plan",
 ]

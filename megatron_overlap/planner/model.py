@@ -336,6 +336,13 @@ def makespan(w_comp: int, w_comm: int, p: int, c: int, splits: int, rho: float,
     return f
 
 
+def ranking_calibration(calib: Calibration) -> Calibration:
+    """The calibration the op ranks L with: f was fitted and checked at a fixed L, and
+    ranking L with it (and the tail-helper term) picked one split, no overlap, almost
+    everywhere (docs/RESULTS.md, run 18). Pair it with KernelSpec(tail_helpers=False)."""
+    return dataclasses.replace(calib, overlap_factor=None)
+
+
 def tail_ctas(c: int, kernel: KernelSpec, device: DeviceSpec, c_max: int) -> int | None:
     """CTAs serving the last split: C + G - R(C) with tail helpers, else None (= C).
 
