@@ -36,19 +36,19 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 from .launch_cache import LaunchCache
 
 
-@triton.jit(do_not_specialize=["num_experts", "K", "num_splits"])
+@triton.jit(do_not_specialize=["num_experts", "K", "num_splits", "dest_rows"])
 def grouped_gemm2_kernel(
     # tensor descriptors (TMA on Hopper) and pointers
-    x_desc, w_desc, y_ptr, row_start_ptr, tile_start_ptr, ready_ptr,
+    x_desc, w_desc, y_ptr, row_start_ptr, tile_start_ptr, ready_ptr, dest_ptr,
     # sizes (N and split_width are specialized: their divisibility lets the stores
-    # vectorize; they change only with the model)
-    num_experts, K, N, split_width, num_splits,
+    # vectorize; they change only with the model); dest_rows: rows of y when SCATTER
+    num_experts, K, N, split_width, num_splits, dest_rows,
     # strides
     stride_ym, stride_yn,
     # meta-parameters
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EXPERTS_POW2: tl.constexpr, UPCAST: tl.constexpr, COL_ALIGN: tl.constexpr,
-    FLATTEN: tl.constexpr,
+    FLATTEN: tl.constexpr, SCATTER: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
@@ -79,6 +79,11 @@ def grouped_gemm2_kernel(
         # Whole-tile loads: rows past the expert's end (the next expert's) and columns
         # past the split feed only outputs that the masked store below drops; the
         # descriptors zero-fill past the tensors' ends.
+        rows = first_row + tl.arange(0, BLOCK_M)
+        if SCATTER:  # y row of each x row, loaded before the K loop hides its latency
+            out_rows = tl.load(dest_ptr + rows, mask=rows < end_row, other=-1)
+        else:
+            out_rows = rows
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             a = x_desc.load([first_row, k0])
@@ -87,11 +92,14 @@ def grouped_gemm2_kernel(
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
             acc = tl.dot(a, b.T, acc)
-        rows = first_row + tl.arange(0, BLOCK_M)
         cols = col0 + tl.arange(0, BLOCK_N)
-        y_tile = y_ptr + rows[:, None].to(tl.int64) * stride_ym + cols[None, :] * stride_yn
+        y_tile = y_ptr + out_rows[:, None].to(tl.int64) * stride_ym + cols[None, :] * stride_yn
+        if SCATTER:  # a row the routing table did not place (bad input) is dropped
+            row_ok = (out_rows >= 0) & (out_rows < dest_rows)
+        else:
+            row_ok = rows < end_row
         tl.store(y_tile, acc.to(y_ptr.dtype.element_ty),
-                 mask=(rows < end_row)[:, None] & (cols < end_col)[None, :])
+                 mask=row_ok[:, None] & (cols < end_col)[None, :])
         tl.debug_barrier()  # every thread's stores are issued before the release below
         tl.atomic_add(ready_ptr + split, 1, sem="release", scope="gpu")
 
@@ -156,17 +164,18 @@ def split_width(hidden: int, splits: int) -> int:
 
 
 def _gemm2_args(x, weight, y, row_start, tile_start, ready, splits, block_m, block_n,
-                block_k, num_warps, num_stages, upcast, flatten):
+                block_k, num_warps, num_stages, upcast, flatten, dest=None):
     num_experts, hidden, k = weight.shape
     x_desc = TensorDescriptor.from_tensor(x, [block_m, block_k])
     w_desc = TensorDescriptor.from_tensor(weight.view(num_experts * hidden, k),
                                           [block_n, block_k])
-    args = (x_desc, w_desc, y, row_start, tile_start, ready, num_experts, k, hidden,
-            split_width(hidden, splits), splits, y.stride(0), y.stride(1))
+    args = (x_desc, w_desc, y, row_start, tile_start, ready,
+            dest if dest is not None else row_start, num_experts, k, hidden,
+            split_width(hidden, splits), splits, y.shape[0], y.stride(0), y.stride(1))
     meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                 EXPERTS_POW2=next_pow2(num_experts), UPCAST=upcast,
                 COL_ALIGN=column_alignment(hidden, splits), FLATTEN=flatten,
-                num_warps=num_warps, num_stages=num_stages)
+                SCATTER=dest is not None, num_warps=num_warps, num_stages=num_stages)
     return args, meta
 
 
@@ -175,9 +184,11 @@ def launch_grouped_gemm2(
     tile_start: torch.Tensor, ready: torch.Tensor, *, splits: int, programs: int,
     block_m: int, block_n: int, block_k: int, num_warps: int = 4, num_stages: int = 3,
     kernel=grouped_gemm2_kernel, upcast: bool = False, warmup: bool = False,
-    flatten: bool = False,
+    flatten: bool = False, dest: torch.Tensor | None = None,
 ):
-    """Launch with exactly `programs` persistent CTAs. x [T, K], weight [E, N, K], y [T, N].
+    """Launch with exactly `programs` persistent CTAs. x [T, K], weight [E, N, K]; y [T, N],
+    or with `dest` ([T] int32) any [R, N] with row j of the product stored at y[dest[j]]
+    (rows whose dest lies outside [0, R) are dropped).
 
     x and weight must be contiguous with 16-byte aligned rows (the op checks). With
     `warmup` it compiles without launching and returns the compiled kernel.
@@ -185,7 +196,7 @@ def launch_grouped_gemm2(
     if x.shape[0] == 0:
         return None  # no rows, no tiles: every split is ready with zero tiles
     args, meta = _gemm2_args(x, weight, y, row_start, tile_start, ready, splits, block_m,
-                             block_n, block_k, num_warps, num_stages, upcast, flatten)
+                             block_n, block_k, num_warps, num_stages, upcast, flatten, dest)
     if warmup:
         return kernel.warmup(*args, grid=(1,), **meta)
     if kernel is grouped_gemm2_kernel:
@@ -196,14 +207,14 @@ def launch_grouped_gemm2(
 def grouped_gemm2_launcher(x, weight, y, row_start, tile_start, ready, *, splits: int,
                            programs: int, block_m: int, block_n: int, block_k: int,
                            num_warps: int = 4, num_stages: int = 3, upcast: bool = False,
-                           flatten: bool = False):
+                           flatten: bool = False, dest: torch.Tensor | None = None):
     """A callable `launch(stream=None)` that launches GEMM2 (as `launch_grouped_gemm2`),
     with its kernel compiled and loaded now: launched after GatherRS, GEMM2 must not wait
     for a JIT compile or a lazy module load while communication CTAs spin on its flags."""
     if x.shape[0] == 0:
         return lambda stream=None: None
     args, meta = _gemm2_args(x, weight, y, row_start, tile_start, ready, splits, block_m,
-                             block_n, block_k, num_warps, num_stages, upcast, flatten)
+                             block_n, block_k, num_warps, num_stages, upcast, flatten, dest)
     hit = _GEMM2.compiled(args, meta)
     return lambda stream=None: _GEMM2.launch((programs,), args, meta, hit, stream=stream)
 

@@ -32,15 +32,16 @@ from .gemm2 import next_pow2
 from .launch_cache import LaunchCache
 
 ERR_UNSORTED = 3
+ERR_TOPK = 4
 
 
 @triton.jit(do_not_specialize=["num_rows", "num_tokens", "topk", "num_experts"])
 def routing_table_kernel(
-    token_index_ptr, row_start_ptr, table_ptr, error_ptr,
+    token_index_ptr, row_start_ptr, table_ptr, dest_ptr, error_ptr,
     num_rows, num_tokens, topk, num_experts,
     BLOCK_T: tl.constexpr, EXPERTS_POW2: tl.constexpr, SEARCH_STEPS: tl.constexpr,
     TOPK_POW2: tl.constexpr, CHECK_ROWS: tl.constexpr, EXPERT_STEPS: tl.constexpr,
-    WINDOW_STEPS: tl.constexpr,
+    WINDOW_STEPS: tl.constexpr, WRITE_DEST: tl.constexpr,
 ):
     pid = tl.program_id(0)
     tokens = pid * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -84,6 +85,11 @@ def routing_table_kernel(
     for s in tl.static_range(TOPK_POW2):
         row = tl.max(tl.where(found & (slot == s), lo, -1), axis=1)
         tl.store(table_ptr + tokens.to(tl.int64) * topk + s, row, mask=ok & (s < topk))
+        if WRITE_DEST:  # the inverse: where GEMM2 stores row `row` (token-major y)
+            tl.store(dest_ptr + row, tokens * topk + s, mask=ok & (s < topk) & (row >= 0))
+    # more rows than top-k for a token: its extra rows would be dropped
+    if tl.max(tl.where(ok, tl.sum(found.to(tl.int32), axis=1), 0), axis=0) > topk:
+        tl.atomic_cas(error_ptr, 0, 4 << 24)  # ERR_TOPK
     # the contract, for this program's share of the rows: tokens in [0, M), strictly
     # ascending inside each expert's segment
     rows = pid * CHECK_ROWS + tl.arange(0, CHECK_ROWS)
@@ -111,14 +117,19 @@ _ROUTING_TABLE = LaunchCache(routing_table_kernel)
 
 
 def launch_routing_table(token_index: torch.Tensor, row_start: torch.Tensor, num_tokens: int,
-                         topk: int, error: torch.Tensor) -> torch.Tensor:
+                         topk: int, error: torch.Tensor, dest: torch.Tensor | None = None
+                         ) -> torch.Tensor:
     """[M, topk] int32 table from rows grouped by expert, ascending token inside each.
 
     token_index [T] (int32/int64), row_start [E+1] int32 on the same device; `error` is
-    an int32 word that receives ERR_UNSORTED << 24 if the order does not hold.
+    an int32 word that receives ERR_UNSORTED << 24 if the order does not hold and
+    ERR_TOPK << 24 if a token has more than `topk` rows. `dest` ([T] int32), when
+    given, receives the inverse: dest[table[t, s]] = t * topk + s.
     """
     table = torch.empty(num_tokens, topk, dtype=torch.int32, device=token_index.device)
     rows, experts = token_index.numel(), row_start.numel() - 1
+    if dest is not None and (dest.dtype != torch.int32 or dest.numel() != rows):
+        raise ValueError(f"dest must be [{rows}] int32, got {tuple(dest.shape)} {dest.dtype}")
     if num_tokens == 0:
         return table
     if rows == 0 or experts == 0:
@@ -128,11 +139,12 @@ def launch_routing_table(token_index: torch.Tensor, row_start: torch.Tensor, num
     programs = triton.cdiv(num_tokens, block_t)
     check_rows = next_pow2(triton.cdiv(rows, programs))
     _ROUTING_TABLE.launch(
-        (programs,), (token_index, row_start, table, error, rows, num_tokens, topk, experts),
+        (programs,), (token_index, row_start, table, table if dest is None else dest, error,
+                      rows, num_tokens, topk, experts),
         dict(BLOCK_T=block_t, EXPERTS_POW2=experts_pow2, SEARCH_STEPS=rows.bit_length(),
              TOPK_POW2=next_pow2(topk), CHECK_ROWS=check_rows,
              EXPERT_STEPS=(experts + 1).bit_length(), WINDOW_STEPS=block_t.bit_length(),
-             num_warps=4))
+             WRITE_DEST=dest is not None, num_warps=4))
     return table
 
 

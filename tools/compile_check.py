@@ -30,8 +30,8 @@ def kernels():
     from megatron_overlap.kernels import routing_table as rt
 
     flags = {n: "*i32" for n in ("ready_ptr", "done_ptr", "error_ptr", "tile_start_ptr")}
-    comm_ptrs = {"y_ptr": "*bf16", "table_ptr": "*i32", "prob_ptr": "*bf16",
-                 "dst_ptrs": "*i64", "signal_ptrs": "*i64", **flags,
+    comm_ptrs = {"y_ptr": "*bf16", "y_desc": "*bf16", "table_ptr": "*i32",
+                 "prob_ptr": "*bf16", "dst_ptrs": "*i64", "signal_ptrs": "*i64", **flags,
                  "partial_like_ptr": "*bf16"}
     comm_ints = {n: "i32" for n in ("tokens_per_rank", "N", "split_width", "num_splits", "rank",
                                     "world", "topk", "num_experts", "gemm_col_tiles", "epoch",
@@ -45,31 +45,45 @@ def kernels():
     aligned = [n for n in names if n.endswith(("_ptr", "_ptrs"))
                or n in ("N", "split_width", "stride_ym", "dst_slot_stride", "dst_row_stride")]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    for slot_loop, rows, stages in ((True, 64, 1), (False, 64, 1), (True, 16, 2)):
-        meta = dict(BLOCK_TM=rows, BLOCK_TN=1024, TOPK_POW2=4, HAS_PROBS=False, COL_ALIGN=16,
-                    SLOT_LOOP=slot_loop, ITEM_STAGES=stages, stride_yn=1)
-        yield (f"gather_rs slot_loop={slot_loop} item_stages={stages}", grs.gather_rs_kernel,
-               _signature(comm_ptrs, comm_ints, meta), meta, dict(num_warps=32), attrs)
+    # (slot loop, rows, columns, stages, token-major, presence, bulk copies)
+    for slot_loop, rows, tn, stages, tokens, presence, tma in (
+            (True, 64, 1024, 1, False, 1, False), (False, 64, 1024, 1, False, 1, False),
+            (True, 16, 1024, 2, False, 1, False), (True, 64, 512, 1, True, 0, False),
+            (True, 64, 512, 1, True, 1, False), (True, 32, 256, 3, True, 0, True),
+            (True, 32, 256, 3, True, 2, True)):
+        meta = dict(BLOCK_TM=rows, BLOCK_TN=tn, TOPK_POW2=4, HAS_PROBS=False, COL_ALIGN=16,
+                    SLOT_LOOP=slot_loop, ITEM_STAGES=stages, TOKEN_MAJOR=tokens,
+                    PRESENCE=presence, Y_TMA=tma, PROXY_FENCE=tma, stride_yn=1)
+        ptrs = dict(comm_ptrs, y_desc=f"tensordesc<bf16[{rows},1,{tn}]>") if tma else comm_ptrs
+        name = f"gather_rs slot_loop={slot_loop} item_stages={stages}"
+        if tokens:
+            name += f" token_major presence={grs.PRESENCE_MODES[presence]}" + (" tma" * tma)
+        yield (name, grs.gather_rs_kernel, _signature(ptrs, comm_ints, meta), meta,
+               dict(num_warps=32), attrs)
     yield ("sum_partials", grs.sum_partials_kernel,
            _signature({"recv_ptr": "*bf16", "out_ptr": "*bf16"},
                       {"numel": "i32", "slot_stride": "i32"}, {"WORLD": 0, "BLOCK": 0}),
            dict(WORLD=2, BLOCK=2048), dict(num_warps=4), None)
     desc = "tensordesc<bf16[128,64]>"
-    meta = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, EXPERTS_POW2=64, UPCAST=False,
-                COL_ALIGN=16, FLATTEN=False)
-    yield ("grouped_gemm2", gemm2.grouped_gemm2_kernel,
-           _signature({"x_desc": desc, "w_desc": desc, "y_ptr": "*bf16",
-                       "row_start_ptr": "*i32", "tile_start_ptr": "*i32", "ready_ptr": "*i32"},
-                      {n: "i32" for n in ("num_experts", "K", "N", "split_width", "num_splits",
-                                          "stride_ym", "stride_yn")}, meta),
-           meta, dict(num_warps=4, num_stages=3), None)
-    meta = dict(BLOCK_T=64, EXPERTS_POW2=64, SEARCH_STEPS=17, TOPK_POW2=4, CHECK_ROWS=256,
-                EXPERT_STEPS=7, WINDOW_STEPS=7)
-    yield ("routing_table", rt.routing_table_kernel,
-           _signature({"token_index_ptr": "*i64", "row_start_ptr": "*i32", "table_ptr": "*i32",
-                       "error_ptr": "*i32"},
-                      {n: "i32" for n in ("num_rows", "num_tokens", "topk", "num_experts")},
-                      meta), meta, dict(num_warps=4), None)
+    for scatter in (False, True):
+        meta = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, EXPERTS_POW2=64, UPCAST=False,
+                    COL_ALIGN=16, FLATTEN=False, SCATTER=scatter)
+        yield (f"grouped_gemm2 scatter={scatter}", gemm2.grouped_gemm2_kernel,
+               _signature({"x_desc": desc, "w_desc": desc, "y_ptr": "*bf16",
+                           "row_start_ptr": "*i32", "tile_start_ptr": "*i32",
+                           "ready_ptr": "*i32", "dest_ptr": "*i32"},
+                          {n: "i32" for n in ("num_experts", "K", "N", "split_width",
+                                              "num_splits", "dest_rows", "stride_ym",
+                                              "stride_yn")}, meta),
+               meta, dict(num_warps=4, num_stages=3), None)
+    for dest in (False, True):
+        meta = dict(BLOCK_T=64, EXPERTS_POW2=64, SEARCH_STEPS=17, TOPK_POW2=4, CHECK_ROWS=256,
+                    EXPERT_STEPS=7, WINDOW_STEPS=7, WRITE_DEST=dest)
+        yield (f"routing_table dest={dest}", rt.routing_table_kernel,
+               _signature({"token_index_ptr": "*i64", "row_start_ptr": "*i32",
+                           "table_ptr": "*i32", "dest_ptr": "*i32", "error_ptr": "*i32"},
+                          {n: "i32" for n in ("num_rows", "num_tokens", "topk", "num_experts")},
+                          meta), meta, dict(num_warps=4), None)
 
 
 def main() -> int:

@@ -29,7 +29,7 @@ stage() {  # stage NAME SECONDS CMD...
 for s in "$@"; do
   case $s in
     env) stage env 60 bash -c "nvidia-smi; nvidia-smi topo -m; python3 -c 'import torch,triton; print(torch.__version__, triton.__version__, torch.cuda.device_count())'" ;;
-    gpu_tests) stage gpu_tests 240 python3 -m pytest -q -m gpu -p no:cacheprovider \
+    gpu_tests) stage gpu_tests ${GPU_TEST_SECS:-240} python3 -m pytest -q -m gpu -p no:cacheprovider \
         --rootdir "$REPO" -c "$REPO/pyproject.toml" "$REPO/tests/test_op_gpu.py" || {
         # later stages measure through Triton's own launch path rather than not at all
         echo "gpu_tests failed: MEGATRON_OVERLAP_FAST_LAUNCH=0 TAIL_HELPERS=0 from here on" | tee -a "$LOG"
@@ -46,6 +46,8 @@ for s in "$@"; do
     try_comm_stages) stage try_comm_stages 400 $TR "$REPO/tools/try_comm_stages.py" \
         --models ${MODELS:-qwen,deepseek,granite} --seq ${SEQ:-4096} \
         --json "$OUT/exp_comm_pipeline.json" ;;
+    try_token_major) stage try_token_major ${TM_SECS:-400} python3 "$REPO/tools/try_token_major.py" \
+        ${TM_CASES:+--cases $TM_CASES} --json "$OUT/exp_token_major.json" ;;
     try_sum_partials) stage try_sum_partials 150 python3 "$REPO/tools/try_sum_partials.py" \
         --json "$OUT/exp_sum_partials.json" ;;
     timeline) for b in auto reference; do for s in ${SEQS:-4096 16384}; do
@@ -104,4 +106,4 @@ if compgen -G "$OUT/*.json" > /dev/null; then
   # one archive per invocation: a later call in the same device run must not replace it
   (cd "$OUT" && tar czf "results_$(date +%H%M%S).tgz" ./*.json && rm -f ./*.json)
 fi
-grep -E "^===|rho_ref|^comm alone|^[a-z]+/TP|^chosen|^gemm2 |^comm rows|^torch._grouped|^torch gather|^(qwen|granite|deepseek) |^  (host|api |gpu |prof )|^cProfile|^host |^torch copy|^layer |^prefill|speedup|^moe-overlap|^    [A-Z][a-zA-Z ]+ +[a-z%/]+ +[0-9]|^  (stock|overlap|speedup)|passed|failed|Error|error" "$LOG" | grep -v Warning | tail -n 80
+grep -E "^===|^[a-z]+/TP[0-9]EP[0-9]/[0-9]+: GatherRS|^variant |^(rows|tokens)|rho_ref|^comm alone|^[a-z]+/TP|^chosen|^gemm2 |^comm rows|^torch._grouped|^torch gather|^(qwen|granite|deepseek) |^  (host|api |gpu |prof )|^cProfile|^host |^torch copy|^layer |^prefill|speedup|^moe-overlap|^    [A-Z][a-zA-Z ]+ +[a-z%/]+ +[0-9]|^  (stock|overlap|speedup)|passed|failed|Error|error" "$LOG" | grep -v Warning | tail -n 80

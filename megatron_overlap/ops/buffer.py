@@ -18,7 +18,7 @@ import triton
 
 from ..kernels import gather_rs as grs
 from ..kernels import gemm2
-from ..kernels.routing_table import ERR_UNSORTED
+from ..kernels.routing_table import ERR_TOPK, ERR_UNSORTED
 from ..planner import PlanCache, ranking_calibration, resident_ctas
 from .config import (INTERPRET_TILES, OverlapConfig, TileConfig, calibration_for, device_spec,
                      gpu_tiles, kernel_spec)
@@ -41,10 +41,23 @@ def describe_error(code: int, rank: int, expected: int | None = None) -> str:
         return (f"token_index on rank {rank} is not in Megatron-Core's permutation order "
                 f"(rows grouped by local expert, tokens strictly ascending inside each, all "
                 f"in [0, num_tokens)); that call's output is wrong")
+    if kind == ERR_TOPK:
+        return (f"a token on rank {rank} has more rows than topk; that call's output is "
+                f"wrong (each token has at most one row per expert and topk in all)")
     if kind == grs.ERR_BARRIER_TIMEOUT:
         return (f"GatherRS on rank {rank} timed out at the cross-rank barrier waiting for "
                 f"rank {value}")
     return f"GatherRS on rank {rank} reported unknown error code {code:#x}"
+
+
+def y_rows(x: torch.Tensor, table: torch.Tensor, dest: torch.Tensor | None) -> int:
+    """Rows of GEMM2's output: T in row order, M * k token-major (with `dest`)."""
+    return x.shape[0] if dest is None else table.numel()
+
+
+def use_tma(tiles: TileConfig, dest, presence: str) -> bool:
+    """GatherRS reads by bulk copies: token-major, and every slot is loaded."""
+    return tiles.comm_tma and dest is not None and presence != "mask"
 
 
 class OverlapBuffer:
@@ -177,20 +190,25 @@ class OverlapBuffer:
         dev = self.device
         x = torch.empty(t.block_m, t.block_k, dtype=torch.bfloat16, device=dev)
         w = torch.empty(1, t.block_n, t.block_k, dtype=torch.bfloat16, device=dev)
-        y = torch.empty(t.block_m, t.block_n, dtype=torch.bfloat16, device=dev)
+        rows = max(t.block_m, comm_tm * slots)
+        y = torch.empty(rows, max(t.block_n, comm_tn), dtype=torch.bfloat16, device=dev)
         idx = torch.zeros(2, dtype=torch.int32, device=dev)
+        dest = torch.zeros(t.block_m, dtype=torch.int32, device=dev) if t.token_major else None
         gk = gemm2.launch_grouped_gemm2(
             x, w, y, idx, idx, self.ready, splits=1, programs=1, block_m=t.block_m,
             block_n=t.block_n, block_k=t.block_k, num_warps=t.gemm_warps,
-            num_stages=t.gemm_stages, flatten=t.gemm_flatten, warmup=True)
-        table = torch.zeros(1, slots, dtype=torch.int32, device=dev)
+            num_stages=t.gemm_stages, flatten=t.gemm_flatten, warmup=True, dest=dest)
+        table = torch.zeros(rows // slots, slots, dtype=torch.int32, device=dev)
         ptrs = torch.zeros(1, dtype=torch.int64, device=dev)
+        presence = t.presence(full=t.comm_tma)  # the registers of the heavier variant
         ck = grs.launch_gather_rs(
             y, table, None, ptrs, ptrs, self.ready, self.done, self.error, idx,
             tokens_per_rank=1, splits=1, rank=0, world=1, gemm_col_tiles=1, epoch=1,
             max_spins=1, partial_like=y, dst_slot_stride=0, dst_row_stride=1, programs=1,
             block_tm=comm_tm, block_tn=comm_tn, num_warps=t.comm_warps,
-            item_stages=t.comm_stages, slot_loop=t.comm_slot_loop, warmup=True)
+            item_stages=t.comm_stages, slot_loop=t.comm_slot_loop, warmup=True,
+            token_major=t.token_major, presence=presence,
+            tma=use_tma(t, dest, presence))
         occ, self.compiled_resources = [], {}
         for name, k, warps in (("gemm2", gk, t.gemm_warps), ("gather_rs", ck, t.comm_warps)):
             k._init_handles()
@@ -214,7 +232,7 @@ class OverlapBuffer:
             event.synchronize()
         self._pending = None
         code = int(word[0])
-        if code >> 24 == ERR_UNSORTED:  # bad input, not a broken buffer
+        if code >> 24 in (ERR_UNSORTED, ERR_TOPK):  # bad input, not a broken buffer
             self.error.zero_()
             raise ValueError(describe_error(code, self.rank))
         if code:
@@ -262,10 +280,13 @@ class OverlapBuffer:
 
     def launch(self, x, weight, counts_dev, table, probs, out, *, plan, splits, tiles,
                comm_tm, comm_tn, tokens_per_rank, max_spins, phases=("gemm2", "comm"),
-               y=None, offsets=None, helpers=0):
+               y=None, offsets=None, helpers=0, dest=None, presence="mask"):
         """GEMM2 (P programs) and GatherRS (C programs), then the local sum over ranks.
 
         `offsets` (row_start, tile_start), when the caller has them, saves recomputing.
+        `dest` ([T] int32 from the routing table): y is token-major, [M * k, N], row j
+        of the product at y[dest[j]]; `presence` says how GatherRS finds its rows then
+        (`gather_rs.PRESENCE_MODES`).
         `phases` runs one side alone for calibration: without "gemm2" the readiness
         flags are preset and GatherRS reads the given `y`; without "comm" only GEMM2
         runs and the flags are cleared after it. `helpers`: tail-helper CTAs launched
@@ -276,11 +297,11 @@ class OverlapBuffer:
         row_start, tile_start = (offsets if offsets is not None
                                  else gemm2.expert_offsets(counts_dev, t.block_m))
         if y is None:
-            y = torch.empty(x.shape[0], hidden, dtype=out.dtype, device=x.device)
+            y = torch.empty(y_rows(x, table, dest), hidden, dtype=out.dtype, device=x.device)
         gemm_args = dict(splits=splits, programs=plan.compute_slots, block_m=t.block_m,
                          block_n=t.block_n, block_k=t.block_k, num_warps=t.gemm_warps,
                          num_stages=t.gemm_stages, upcast=self.backend == "interpret",
-                         flatten=t.gemm_flatten)
+                         flatten=t.gemm_flatten, dest=dest)
         if "comm" not in phases:
             gemm2.launch_grouped_gemm2(x, weight, y, row_start, tile_start, self.ready,
                                        **gemm_args)
@@ -307,7 +328,8 @@ class OverlapBuffer:
                     dst_slot_stride=slot_stride, dst_row_stride=row_stride,
                     programs=plan.comm_ctas, block_tm=comm_tm, block_tn=comm_tn,
                     num_warps=t.comm_warps, item_stages=t.comm_stages,
-                    slot_loop=t.comm_slot_loop, helpers=helpers)
+                    slot_loop=t.comm_slot_loop, helpers=helpers, token_major=dest is not None,
+                    presence=presence, tma=use_tma(t, dest, presence))
         flags = (y, table, probs, dst, signals, self.ready, self.done, self.error, tile_start)
         if "gemm2" not in phases:
             grs.launch_gather_rs(*flags, **comm)

@@ -93,6 +93,16 @@ class TileConfig:
     `comm_stages` > 1 software-pipelines GatherRS's item loop: the gathers of the next
     comm_stages - 1 items go to shared memory by cp.async while the CTA sums the
     current one (lowered where the buffers would not fit, `gather_rs.fit_item_stages`).
+
+    `token_major`: GEMM2 stores row j of its output at y[t * k + s] (token t, slot s of
+    its rows: the routing table's inverse) instead of y[j], so GatherRS finds slot s of
+    a block of tokens at rows it can compute, with no table read in front of its loads,
+    and the rows of consecutive tokens are adjacent. Where a token has fewer than k rows
+    on this rank (EP), `sparse_presence` says how GatherRS skips the empty slots: "mask"
+    (it reads the table first and loads only rows present) or "select" (it loads every
+    slot and keeps the present ones: more bytes, no wait). `comm_tma` (token-major only)
+    loads by bulk tensor copies (TMA) into shared memory, comm_tn capped at 256 (the
+    copy engine's box); with "mask" presence such calls load per thread instead.
     """
 
     block_m: int
@@ -106,11 +116,34 @@ class TileConfig:
     gemm_flatten: bool = False  # let Triton pipeline across the persistent tile loop
     comm_stages: int = 1  # GatherRS item-loop pipeline depth (1 = none)
     comm_slot_loop: bool = True  # gather one [TM, TN] tile per top-k slot (else [TM, k, TN])
+    token_major: bool = False  # y rows in (token, slot) order: GEMM2 scatters, GatherRS streams
+    sparse_presence: str = "mask"  # token-major with empty slots: "mask" or "select"
+    comm_tma: bool = False  # token-major: GatherRS loads by bulk tensor copies
+
+    def __post_init__(self) -> None:
+        if self.sparse_presence not in ("mask", "select"):
+            raise ValueError(f"TileConfig.sparse_presence must be 'mask' or 'select', got "
+                             f"{self.sparse_presence!r}")
+        if (self.comm_tma or self.token_major) and not self.comm_slot_loop:
+            raise ValueError("a token-major y is gathered one slot at a time: "
+                             "comm_slot_loop must be True")
+        if self.comm_tma and not self.token_major:
+            raise ValueError("comm_tma reads a token-major y: set token_major=True")
 
     def comm_shape(self, topk: int, split_width: int) -> tuple[int, int]:
         """(TMc, TNc) of the communication tile for this top-k and split width."""
         slots = 1 << max(0, (topk - 1).bit_length())
-        return max(1, self.comm_rows // slots), min(self.comm_tn, 1 << max(0, (split_width - 1).bit_length()))
+        tn = min(self.comm_tn, TMA_BOX) if self.comm_tma else self.comm_tn
+        return max(1, self.comm_rows // slots), min(tn, 1 << max(0, (split_width - 1).bit_length()))
+
+    def presence(self, full: bool) -> str:
+        """How a token-major GatherRS finds the slots holding rows: "all" when every token
+        has k rows here (`full`), else `sparse_presence`."""
+        return "all" if full else self.sparse_presence
+
+
+#: The bulk tensor copy engine's largest box edge (elements).
+TMA_BOX = 256
 
 
 #: Hopper defaults, chosen with `tools/tune_tiles.py` and `tools/try_overlap.py` on H200
@@ -129,12 +162,15 @@ def load_tiles(path: str) -> TileConfig:
         with open(path) as f:
             best = json.load(f)["best"]
         m, n, k, w, s, flat = best["gemm"]
-        rows, tn, cw, *mode = best["comm"]  # [rows, tn, warps, slot loop, stages]
+        # [rows, tn, warps, slot loop, stages, token-major, sparse presence, tma]
+        rows, tn, cw, *mode = best["comm"]
+        layout = dict(zip(("token_major", "sparse_presence", "comm_tma"), mode[2:5]))
+        return TileConfig(m, n, k, w, s, rows, tn, cw, bool(flat),
+                          comm_stages=int(mode[1]) if len(mode) > 1 else 1,
+                          comm_slot_loop=bool(mode[0]) if mode else GPU_TILES.comm_slot_loop,
+                          **layout)
     except (OSError, KeyError, ValueError, TypeError) as err:
         raise ValueError(f"{path}: not a tune_tiles result ({err})") from err
-    return TileConfig(m, n, k, w, s, rows, tn, cw, bool(flat),
-                      comm_stages=int(mode[1]) if len(mode) > 1 else 1,
-                      comm_slot_loop=bool(mode[0]) if mode else GPU_TILES.comm_slot_loop)
 
 
 def gpu_tiles() -> TileConfig:

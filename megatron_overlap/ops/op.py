@@ -17,6 +17,7 @@ On rank r the result equals what Megatron's allgather dispatcher computes with F
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import warnings
 from dataclasses import dataclass
@@ -147,6 +148,9 @@ class _Gemm2GatherRS(torch.autograd.Function):
         out, y = _forward(x, weight, probs, counts_dev, table, launch)
         ctx.meta = (counts, group, world)
         keep_y = probs is not None and probs.requires_grad
+        dest = launch.kwargs.get("dest")
+        if keep_y and dest is not None:  # token-major y: back to GEMM2's row order
+            y = y[dest.long()]
         ctx.save_for_backward(x, weight, probs, counts_dev, token_index, y if keep_y else None)
         return out
 
@@ -267,6 +271,12 @@ class Launch:
     buffer: OverlapBuffer | None  # None on the reference path
     plan: object  # planner.Plan, None on the reference path
     kwargs: dict  # for OverlapBuffer.launch
+    rows: int = 0  # T, rows of x
+
+    @property
+    def y_rows(self) -> int:
+        """Rows of GEMM2's output: T in row order, M * k when token-major."""
+        return self.table.numel() if self.kwargs.get("dest") is not None else self.rows
 
 
 def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=None,
@@ -294,7 +304,7 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
         if counts_dev is None:
             counts_dev = torch.tensor(counts, dtype=torch.int64)
         return Launch(config, backend, group, world, rank, counts,
-                      _to_device(counts_dev, x.device), table, None, None, {})
+                      _to_device(counts_dev, x.device), table, None, None, {}, x.shape[0])
     if x.shape[1] * x.element_size() % 16:
         raise ValueError(f"the {backend} backend needs 16-byte rows for its tensor "
                          f"descriptors: K * itemsize = {x.shape[1]} * {x.element_size()} "
@@ -310,8 +320,13 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
     else:
         counts_dev = _to_device(counts_dev, x.device)
         offsets = gemm2.expert_offsets(counts_dev, tiles.block_m)
-    table = launch_routing_table(token_index, offsets[0], num_tokens, topk, buf.error)
-    launch = Launch(config, backend, group, world, rank, counts, counts_dev, table, buf, None, {})
+    if tiles.token_major and num_tokens * topk >= 1 << 31:  # int32 row numbers of y
+        tiles = dataclasses.replace(tiles, token_major=False, comm_tma=False)
+    dest = (torch.empty(x.shape[0], dtype=torch.int32, device=x.device)
+            if tiles.token_major else None)
+    table = launch_routing_table(token_index, offsets[0], num_tokens, topk, buf.error, dest)
+    launch = Launch(config, backend, group, world, rank, counts, counts_dev, table, buf, None, {},
+                    x.shape[0])
     # W_comp reads only row_tiles = sum_e ceil(M_e / TM) (with host counts it came with
     # the offsets); with counts only on the device: section III-E, the T rows spread evenly.
     if counts is None:
@@ -342,7 +357,9 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
                             chosen, c)
         buf.remember(key, best)
     launch.plan = best[0]
-    launch.kwargs = dict(best[1], offsets=offsets)
+    # every token has all k of its rows here (TP): a token-major GatherRS reads no table
+    presence = tiles.presence(full=x.shape[0] == num_tokens * topk)
+    launch.kwargs = dict(best[1], offsets=offsets, dest=dest, presence=presence)
     buf.ensure(num_tokens // world, hidden, config.partial_dtype or x.dtype)
     _log_decision(launch, num_tokens, hidden, x.shape[1])
     return launch
