@@ -7,6 +7,14 @@ each row's routing probability, and stores the partial into rank d's receive buf
 slot [this rank, t - d*Md, :]. A cross-rank barrier follows; `sum_partials_kernel` then
 adds the D slots in fp32 into this rank's bf16 output rows.
 
+Where y's rows are: token-major (TOKEN_MAJOR, the op's default), row t*k + s holds slot s
+of token t (GEMM2 stored it there through the routing table's inverse), so a program
+computes the addresses of slot s of its block of tokens, and the table is read only to
+skip empty slots (none where every token has its k rows here, ALL_SLOTS: TP); otherwise
+y is in GEMM2's row order and every slot's rows come from the table first. Worked
+example, k = 4: token 10's slots are rows 40..43; under EP, if only experts 3 and 7 of
+its four are local, rows 40 and 41 hold them and 42, 43 are never written nor read.
+
 Work per split: D * ceil(Md/BLOCK_TM) * ceil(sw/BLOCK_TN) items, program c takes items
 c, c+C, ...; the destination is the fastest index so neighbouring programs write to
 different peers. Tail helpers: the last split becomes ready only when GEMM2 ends, when
@@ -44,12 +52,9 @@ The flag protocol, in full (the only subtle part of the operator):
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .gemm2 import column_alignment, next_pow2
 from .launch_cache import LaunchCache
@@ -81,7 +86,7 @@ def _wait_at_least(ptr, target, max_spins, SCOPE: tl.constexpr):
                                "pid_base", "comm_programs", "helpers"])
 def gather_rs_kernel(
     # pointers
-    y_ptr, y_desc, table_ptr, prob_ptr, dst_ptrs, signal_ptrs, ready_ptr, done_ptr, error_ptr,
+    y_ptr, table_ptr, prob_ptr, dst_ptrs, signal_ptrs, ready_ptr, done_ptr, error_ptr,
     tile_start_ptr, partial_like_ptr,
     # sizes and protocol values
     tokens_per_rank, N, split_width, num_splits, rank, world, topk, num_experts,
@@ -95,12 +100,9 @@ def gather_rs_kernel(
     # meta-parameters
     BLOCK_TM: tl.constexpr, BLOCK_TN: tl.constexpr, TOPK_POW2: tl.constexpr,
     HAS_PROBS: tl.constexpr, COL_ALIGN: tl.constexpr, SLOT_LOOP: tl.constexpr,
-    ITEM_STAGES: tl.constexpr, TOKEN_MAJOR: tl.constexpr, PRESENCE: tl.constexpr,
-    Y_TMA: tl.constexpr, PROXY_FENCE: tl.constexpr,
+    ITEM_STAGES: tl.constexpr, TOKEN_MAJOR: tl.constexpr, ALL_SLOTS: tl.constexpr,
 ):
     tl.static_assert(SLOT_LOOP or not TOKEN_MAJOR, "a token-major y is read one slot at a time")
-    tl.static_assert(TOKEN_MAJOR or not Y_TMA, "bulk copies read a token-major y")
-    tl.static_assert(PRESENCE != 1 or not Y_TMA, "a bulk copy cannot skip absent rows")
     pid = tl.program_id(0) + pid_base
     all_programs = comm_programs + helpers
     token_blocks = tl.cdiv(tokens_per_rank, BLOCK_TM)
@@ -121,9 +123,6 @@ def gather_rs_kernel(
             if ok == 0:
                 tl.atomic_cas(error_ptr, 0, (1 << 24) | split)
                 alive = alive * 0
-            if PROXY_FENCE:  # GEMM2 wrote y by plain stores; bulk copies are another proxy
-                tl.inline_asm_elementwise("fence.proxy.async.global;\n\tmov.u32 $0, 0;", "=r",
-                                          [], dtype=tl.int32, is_pure=False, pack=1)
         end_col = tl.multiple_of(tl.minimum(N, (split + 1) * split_width), COL_ALIGN)
         # ITEM_STAGES > 1: Triton's pipeliner turns the table and y gathers of the next
         # ITEM_STAGES - 1 items into cp.async copies into shared memory, so a CTA keeps
@@ -147,30 +146,20 @@ def gather_rs_kernel(
                 for j in tl.static_range(TOPK_POW2):
                     slot_ok = tok_ok & (j < topk)
                     if TOKEN_MAJOR:
-                        # y row t*k + j holds slot j of token t: its address needs no
-                        # table read, so the load does not wait for one (PRESENCE 0:
-                        # every slot holds a row; 2: load, then keep the rows present)
+                        # y row t*k + j holds slot j of token t: the address needs no table
+                        # read, so the load does not wait for one (none at all where every
+                        # slot holds a row, ALL_SLOTS; else the table says which do)
                         src = tokens * topk + j
-                        if Y_TMA:  # one bulk tensor copy of [TM, slot j, TN] into shared memory
-                            box = y_desc.load([dst * tokens_per_rank + token_block * BLOCK_TM, j,
-                                               split * split_width + col_block * BLOCK_TN])
-                        if (PRESENCE == 1) | HAS_PROBS:
+                        if ALL_SLOTS:
+                            has = slot_ok
+                            row = src
+                            if HAS_PROBS:  # the probabilities are indexed by GEMM2 row
+                                row = tl.load(table_ptr + src, mask=slot_ok, other=-1)
+                        else:
                             row = tl.load(table_ptr + src, mask=slot_ok, other=-1)
                             has = row >= 0
-                        else:
-                            row = src
-                            has = slot_ok
-                        if Y_TMA:
-                            val = tl.reshape(box, (BLOCK_TM, BLOCK_TN))
-                        else:
-                            ld_ok = has if PRESENCE == 1 else slot_ok
-                            val = tl.load(y_ptr + src[:, None] * stride_ym + cols[None, :] * stride_yn,
-                                          mask=ld_ok[:, None] & col_ok[None, :], other=0.0)
-                        if PRESENCE == 2:
-                            if not HAS_PROBS:
-                                has = tl.load(table_ptr + src, mask=slot_ok, other=-1) >= 0
-                            val = tl.where(has[:, None], val, 0.0)
-                        val = val.to(tl.float32)
+                        val = tl.load(y_ptr + src[:, None] * stride_ym + cols[None, :] * stride_yn,
+                                      mask=has[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
                     else:
                         row = tl.load(table_ptr + tokens * topk + j, mask=slot_ok, other=-1)
                         has = row >= 0
@@ -237,8 +226,6 @@ def sum_partials_kernel(recv_ptr, out_ptr, numel, slot_stride, WORLD: tl.constex
 
 
 _GATHER_RS = LaunchCache(gather_rs_kernel)
-#: How a token-major GatherRS learns which slots hold a row (index = PRESENCE).
-PRESENCE_MODES = ("all", "mask", "select")
 _SUM_PARTIALS = LaunchCache(sum_partials_kernel)
 
 
@@ -263,32 +250,22 @@ def launch_gather_rs(
     dst_slot_stride: int, dst_row_stride: int, programs: int, block_tm: int, block_tn: int,
     num_warps: int = 16, kernel=gather_rs_kernel, warmup: bool = False, item_stages: int = 1,
     slot_loop: bool = True, helpers: int = 0, launch_helpers: bool = False, stream=None,
-    token_major: bool = False, presence: str = "mask", tma: bool = False,
+    token_major: bool = False, all_slots: bool = False,
 ):
     """Launch exactly `programs` communication CTAs. y [T, N] in GEMM2's row order, or
-    with `token_major` [M * k, N] with slot j of token t at row t * k + j; table [M, k]
-    int32; `presence` (token-major): "all" when every slot holds a row (the table is
-    not read), "mask" to load only the slots present, "select" to load every slot and
-    keep those present (no load waits for the table; absent rows are read, not used);
-    `partial_like`: any tensor of the partial sums' dtype (gives the peer pointer type);
-    `tma`: read a token-major y by bulk tensor copies (TMA) instead of per-thread loads;
-    `item_stages`: software-pipeline depth of the item loop (1 = none); `helpers`: H
-    tail helpers share the last split; `launch_helpers` launches those H programs
-    (after GEMM2, on its stream) instead of the `programs` communication CTAs."""
+    with `token_major` [M * k, N] with slot j of token t at row t * k + j (`all_slots`:
+    every token has k rows, so GatherRS need not read the table to know which slots hold
+    one); table [M, k] int32; `partial_like`: any tensor of the partial sums' dtype
+    (gives the peer pointer type); `item_stages`: software-pipeline depth of the item
+    loop (1 = none); `helpers`: H tail helpers share the last split; `launch_helpers`
+    launches those H programs (after GEMM2, on its stream) instead of the `programs`
+    communication CTAs."""
     if token_major and not slot_loop:
         raise ValueError("a token-major y is gathered one slot at a time (slot_loop=True)")
     hidden = y.shape[1]
     slots = next_pow2(table.shape[1])
     stages = fit_item_stages(item_stages, block_tm * slots * block_tn * y.element_size())
-    y_desc = y
-    if tma:
-        if not token_major or presence == "mask":
-            raise ValueError("bulk tensor copies (tma) read a token-major y and every slot "
-                             "(presence 'all' or 'select')")
-        k = table.shape[1]
-        y_desc = TensorDescriptor.from_tensor(y.view(y.shape[0] // k, k, hidden),
-                                              [block_tm, 1, block_tn])
-    args = (y, y_desc, table, probs if probs is not None else y, dst_ptrs, signal_ptrs, ready, done,
+    args = (y, table, probs if probs is not None else y, dst_ptrs, signal_ptrs, ready, done,
             error, tile_start, partial_like, tokens_per_rank, hidden, -(-hidden // splits),
             splits, rank, world, table.shape[1], tile_start.numel() - 1, gemm_col_tiles, epoch,
             max_spins, programs if launch_helpers else 0, programs, helpers,
@@ -296,9 +273,7 @@ def launch_gather_rs(
     meta = dict(BLOCK_TM=block_tm, BLOCK_TN=block_tn, TOPK_POW2=slots,
                 HAS_PROBS=probs is not None, COL_ALIGN=column_alignment(hidden, splits),
                 SLOT_LOOP=slot_loop, ITEM_STAGES=stages, TOKEN_MAJOR=token_major,
-                PRESENCE=PRESENCE_MODES.index(presence) if token_major else 1, Y_TMA=tma,
-                # (the interpreter runs no inline assembly, and its copies are plain loads)
-                PROXY_FENCE=tma and os.environ.get("TRITON_INTERPRET", "0") != "1",
+                ALL_SLOTS=token_major and all_slots,
                 num_warps=num_warps, num_stages=1)
     if warmup:
         return kernel.warmup(*args, grid=(1,), **meta)

@@ -2,6 +2,9 @@
 
     y[rows of expert e, :] = x[rows of expert e, :] @ W_e^T          (bf16 in, fp32 acc)
 
+or, with SCATTER, y[dest[j], :] for row j (`dest`: the routing table's inverse, so y is
+token-major for GatherRS; a dest outside y, which only bad input leaves, drops the row).
+
 A persistent kernel: exactly P programs (the planner's compute slots) walk one global
 tile sequence laid out in split order. Split s covers hidden columns
 [s*sw, min(N, (s+1)*sw)) with sw = ceil(N/L); inside a split the tiles run over the

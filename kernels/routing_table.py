@@ -13,12 +13,16 @@ row its slot. Expert order is row order, so the slots come out in ascending
 row order: the same table as `combine_table` below (the pure-torch reference, an
 argsort) and therefore the same fp32 sum order in GatherRS.
 
+With `dest` it also writes the inverse, dest[table[t, s]] = t * k + s: where GEMM2
+stores each row for a token-major y (`gemm2.py`, `gather_rs.py`).
+
 One launch instead of the reference's ten small torch ops, and no host sync: this
 runs on the host's critical path after the dispatcher's sync in every MoE layer.
 
 The order is the kernel's input contract; the same program also checks it for a
 slice of the rows (token_index[j] < token_index[j+1] inside every segment) and
-records ERR_UNSORTED in the error word on a violation, which the host raises as a
+records ERR_UNSORTED in the error word on a violation (ERR_TOPK for a token with more
+than k rows, whose extra rows no slot would hold), which the host raises as a
 ValueError at its next check: a wrong order cannot pass silently.
 """
 

@@ -35,6 +35,27 @@ def test_grouped_gemm2_matches_fp64_with_uneven_and_empty_experts(dtype):
     assert rel_err(y, ref) < (1e-5 if dtype == torch.float32 else 5e-3)
 
 
+def test_gemm2_scatter_stores_each_row_at_its_dest_and_drops_rows_outside_y():
+    p = routed_problem(0, 1, tokens=37, experts=4, topk=2, ffn=16, hidden=48)
+    rows_y, _, _ = run_gemm2(p, splits=2, programs=3)
+    x, w = p["x"], p["weight"]
+    t = x.shape[0]
+    dest = torch.randperm(t + 5, generator=torch.Generator().manual_seed(0))[:t].to(torch.int32)
+    dest[3] = t + 5  # outside y: dropped, not written anywhere
+    dest[4] = -1
+    y = torch.full((t + 5, w.shape[1]), float("nan"), dtype=x.dtype)
+    row_start, tile_start = gemm2.expert_offsets(p["counts"], 16)
+    ready = torch.zeros(8, dtype=torch.int32)
+    gemm2.launch_grouped_gemm2(x, w, y, row_start, tile_start, ready, splits=2, programs=3,
+                               block_m=16, block_n=16, block_k=16, upcast=True, dest=dest)
+    kept = torch.ones(t, dtype=torch.bool)
+    kept[[3, 4]] = False
+    assert torch.equal(y[dest[kept].long()], rows_y[kept])
+    written = torch.zeros(t + 5, dtype=torch.bool)
+    written[dest[kept].long()] = True
+    assert torch.isnan(y[~written]).all() and not torch.isnan(y[written]).any()
+
+
 def test_gemm2_publishes_every_tile_of_every_split():
     p = routed_problem(0, 1, tokens=37, experts=4, topk=2, ffn=16, hidden=50)
     _, ready, tile_start = run_gemm2(p, splits=3, programs=4)
@@ -81,6 +102,30 @@ def test_gather_rs_single_rank_combines_topk_rows_with_probs(slot_loop):
     ref = fp64_rank_partial(p, 30, with_probs=True)
     assert not torch.isnan(out).any()
     assert rel_err(out, ref) < 1e-2
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+@pytest.mark.parametrize("probs", [False, True])
+def test_token_major_gather_gives_the_bits_of_the_row_order_gather(ep, probs):
+    """The same y rows read at t*k + s instead of through the table: the same sum. ep=1:
+    every token has its 3 rows (the table need not be read); ep=2: empty slots."""
+    p = routed_problem(0, 1, tokens=30, experts=6, topk=3, ffn=16, hidden=40, ep=ep)
+    y, ready, tile_start = run_gemm2(p, splits=2, programs=3)
+    w = p["probs"] if probs else None
+    plain = combine_once(p, y, ready, tile_start, True, w)
+    table = rt.combine_table(p["token_index"], 30, 3)
+    y_tok = torch.full((table.numel(), y.shape[1]), float("nan"), dtype=y.dtype)
+    y_tok[token_major_rows(table, y.shape[0]).long()] = y  # empty slots stay NaN
+    full = y.shape[0] == table.numel()
+    assert full == (ep == 1)
+    for all_slots in ({False, full}):
+        out, ready2, done, error, launch = gather_single_rank(p, y_tok, tile_start, 2, 3,
+                                                              probs=w)
+        ready2.copy_(ready)
+        grs.launch_gather_rs(*launch["args"], token_major=True, all_slots=all_slots,
+                             **launch["kwargs"])
+        assert int(error) == 0
+        assert torch.equal(out, plain), all_slots
 
 
 def test_item_pipeline_depth_is_lowered_to_what_shared_memory_holds():
@@ -140,6 +185,25 @@ def test_missing_producer_times_out_with_split_code_instead_of_hanging():
 
 
 # ----------------------------------------------------------------- routing table kernel
+def token_major_rows(table: torch.Tensor, rows: int) -> torch.Tensor:
+    """The routing table's inverse in pure torch: dest[table[t, s]] = t * k + s."""
+    dest = torch.full((rows,), -1, dtype=torch.int32)
+    where = table >= 0
+    slots = torch.arange(table.numel(), dtype=torch.int32).view(table.shape)
+    dest[table[where].long()] = slots[where]
+    return dest
+
+
+def test_routing_table_kernel_flags_a_token_with_more_rows_than_topk():
+    """Rows of 3 experts for every token but topk 2: the third would be dropped."""
+    token_index, counts = _megatron_rows(4, 20, 6, 6, 3)
+    row_start, _, _ = gemm2.expert_offsets_host(counts, 16, "cpu")
+    error = torch.zeros(1, dtype=torch.int32)
+    rt.launch_routing_table(token_index, row_start, 20, 2, error,
+                            torch.empty(token_index.numel(), dtype=torch.int32))
+    assert int(error) >> 24 == rt.ERR_TOPK
+
+
 def _megatron_rows(seed, tokens, experts, local, topk):
     """token_index and counts of one EP rank, in Megatron's permutation order."""
     g = torch.Generator().manual_seed(seed)
@@ -159,9 +223,11 @@ def test_routing_table_kernel_equals_the_argsort_reference(seed, tokens, experts
     token_index, counts = _megatron_rows(seed, tokens, experts, local, topk)
     row_start, _, _ = gemm2.expert_offsets_host(counts, 16, "cpu")
     error = torch.zeros(1, dtype=torch.int32)
-    table = rt.launch_routing_table(token_index, row_start, tokens, topk, error)
+    dest = torch.full((token_index.numel(),), -7, dtype=torch.int32)
+    table = rt.launch_routing_table(token_index, row_start, tokens, topk, error, dest)
     assert torch.equal(table, rt.combine_table(token_index, tokens, topk))
     assert int(error) == 0
+    assert torch.equal(dest, token_major_rows(table, token_index.numel()))
 
 
 @pytest.mark.parametrize("local", [64, 24])
@@ -209,7 +275,7 @@ def test_every_kernel_compiles_for_hopper_without_a_gpu():
     done = subprocess.run([sys.executable, str(tool)], env=env, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count("ok ") == 12, done.stdout
+    assert done.stdout.count("ok ") == 11, done.stdout
     lines = {line.split(":")[0]: line for line in done.stdout.splitlines()}
     # the pipelined item loop really gathers by cp.async; the plain one does not
     assert "0 async copies" in lines["ok gather_rs slot_loop=True item_stages=1"]
@@ -280,17 +346,18 @@ def test_launch_cache_keys_descriptors_on_layout_not_on_row_count(monkeypatch):
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     cache = LaunchCache(_RecordedTriton(JITFunction(
-        gemm2.grouped_gemm2_kernel.fn, do_not_specialize=["num_experts", "K", "num_splits"])))
+        gemm2.grouped_gemm2_kernel.fn,
+        do_not_specialize=["num_experts", "K", "num_splits", "dest_rows"])))
     w = torch.zeros(4 * 64, 32, dtype=torch.bfloat16)
     meta = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, EXPERTS_POW2=4, UPCAST=False,
-                COL_ALIGN=16, FLATTEN=False, num_warps=4, num_stages=3)
+                COL_ALIGN=16, FLATTEN=False, SCATTER=False, num_warps=4, num_stages=3)
 
     def args(rows):
         x = torch.zeros(rows, 32, dtype=torch.bfloat16)
         y = torch.zeros(rows, 64, dtype=torch.bfloat16)
         idx = torch.zeros(5, dtype=torch.int32)
         return (TensorDescriptor.from_tensor(x, [16, 16]), TensorDescriptor.from_tensor(w, [16, 16]),
-                y, idx, idx, idx, 4, 32, 64, 64, 1, 64, 1)
+                y, idx, idx, idx, idx, 4, 32, 64, 64, 1, rows, 64, 1)
 
     for rows in (32, 48, 40):  # row counts that keep / break divisibility by 16
         cache.launch((8,), args(rows), meta)

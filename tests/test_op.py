@@ -16,6 +16,18 @@ REF = OverlapConfig(backend="reference")
 NO_HELPERS = OverlapConfig(backend="interpret", tail_helpers=False)
 
 
+def _row_order_config():
+    import dataclasses
+
+    from megatron_overlap.ops.config import INTERPRET_TILES
+
+    return OverlapConfig(backend="interpret",
+                         tiles=dataclasses.replace(INTERPRET_TILES, token_major=False))
+
+
+ROW_ORDER = _row_order_config()  # GEMM2's output in its own row order (not token-major)
+
+
 def call(p, tokens, topk, config, probs=False, group=None, **kw):
     return gemm2_gather_rs(p["x"], p["weight"], p["counts"], p["token_index"], tokens, topk,
                            p["probs"] if probs else None, group, config=config, **kw)
@@ -39,6 +51,20 @@ def test_output_independent_of_comm_ctas_and_splits():
     outs["no helpers"] = call(p, 40, 3, NO_HELPERS, comm_ctas=2, splits=2)
     first = outs[(1, 1)]
     assert all(torch.equal(o, first) for o in outs.values())
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_token_major_y_gives_the_bits_of_gemm2_row_order(ep):
+    """The default tiles store GEMM2's rows token-major; row order is the other layout:
+    the same sums for every C and L (ep=2: tokens with empty slots)."""
+    from megatron_overlap.ops.config import INTERPRET_TILES
+
+    assert INTERPRET_TILES.token_major and not ROW_ORDER.tiles.token_major
+    p = routed_problem(0, 1, tokens=40, experts=4, topk=3, ffn=16, hidden=48, ep=ep)
+    base = call(p, 40, 3, ROW_ORDER, probs=True, comm_ctas=2, splits=2)
+    assert rel_err(base, fp64_rank_partial(p, 40, with_probs=True)) < 1e-2
+    for c, l in ((1, 1), (3, 4)):
+        assert torch.equal(call(p, 40, 3, INTERP, probs=True, comm_ctas=c, splits=l), base)
 
 
 def test_one_hot_expert_and_empty_experts_are_correct():
@@ -110,12 +136,18 @@ def test_tiles_file_from_the_environment_replaces_the_gpu_defaults(tmp_path, mon
     assert (tiles.block_m, tiles.comm_rows, tiles.comm_tn, tiles.comm_slot_loop) == (
         64, 128, 512, False)
     assert tiles.comm_stages == 1  # files from before the item pipeline: none
+    assert not tiles.token_major  # the [TM, k, TN] gather reads y in GEMM2's row order
     good.write_text(json.dumps({"best": {"gemm": [64, 128, 64, 4, 3, False],
                                          "comm": [64, 1024, 32, True, 3]}}))
     config.load_tiles.cache_clear()
     tiles = config.gpu_tiles()
     assert (tiles.comm_rows, tiles.comm_warps, tiles.comm_slot_loop, tiles.comm_stages) == (
         64, 32, True, 3)
+    assert tiles.token_major  # files from before the layout choice: the default layout
+    good.write_text(json.dumps({"best": {"gemm": [64, 128, 64, 4, 3, False],
+                                         "comm": [64, 1024, 32, True, 1, False]}}))
+    config.load_tiles.cache_clear()
+    assert not config.gpu_tiles().token_major
     for bad, text in (("missing.json", None), ("broken.json", "{"),
                       ("wrong.json", json.dumps({"best": {"gemm": [1, 2]}}))):
         path = tmp_path / bad
@@ -227,6 +259,8 @@ def _two_rank_scenarios(rank, world):
         # the last split left to the C communication programs alone (no tail helpers)
         outs["no helpers"] = call(p, tokens, topk, NO_HELPERS, probs=True, group=group,
                                   comm_ctas=3, splits=4)
+        outs["row order"] = call(p, tokens, topk, ROW_ORDER, probs=True, group=group,
+                                 comm_ctas=2, splits=2)
         ref = call(p, tokens, topk, REF, probs=True, group=group)
         first = outs[(1, 1)]
         results[name] = dict(

@@ -74,10 +74,11 @@ def test_pipelined_gather_gives_the_same_bits_for_every_depth_and_item_shape(top
 
 
 @pytest.mark.parametrize("ep", [1, 2])
-def test_token_major_y_gives_the_bits_of_row_order_for_every_gather_mode(ep):
-    """GEMM2 scattering rows to (token, slot) order and GatherRS reading them by plain
-    loads, cp.async or bulk tensor copies: the same slots summed in the same order.
-    ep=2: half the experts, so tokens have empty slots (mask and select)."""
+def test_token_major_y_gives_the_bits_of_gemm2_row_order(ep):
+    """GEMM2 scattering its rows to (token, slot) order and GatherRS computing their
+    addresses (no table read where every token has k rows, ep=1) sum the same slots in
+    the same order as the row-order path, for every C, L, item pipeline and with and
+    without tail helpers; ep=2: half the experts, tokens with empty slots."""
     import dataclasses
 
     from megatron_overlap.ops.config import GPU_TILES
@@ -85,21 +86,19 @@ def test_token_major_y_gives_the_bits_of_row_order_for_every_gather_mode(ep):
     shape = dict(SHAPE, tokens=3000)  # a ragged last item
     p = routed_problem(0, 1, device="cuda", seed=2, ep=ep, **shape)
     ref = _fp32_partial(p, shape["tokens"]).double().cpu()
-    base = gemm2_gather_rs(p["x"], p["weight"], p["counts"], p["token_index"],
-                           shape["tokens"], 4, None, comm_ctas=8, splits=4, config=TRITON)
-    outs = []
     R = dataclasses.replace
-    for presence in ("mask", "select"):
-        tok = R(GPU_TILES, token_major=True, sparse_presence=presence)
-        for tiles in (tok, R(tok, comm_rows=128, comm_stages=2),
-                      R(tok, comm_rows=128, comm_tn=256, comm_tma=True, comm_stages=3),
-                      R(tok, comm_rows=64, comm_tn=256, comm_tma=True, comm_stages=5)):
-            for helpers in (True, False):
-                cfg = R(TRITON, tiles=tiles, tail_helpers=helpers)
-                for c, l in ((3, 1), (16, 4), (40, 2)):
-                    outs.append(gemm2_gather_rs(p["x"], p["weight"], p["counts"],
-                                                p["token_index"], shape["tokens"], 4, None,
-                                                comm_ctas=c, splits=l, config=cfg))
+    rows = R(TRITON, tiles=R(GPU_TILES, token_major=False))
+    base = gemm2_gather_rs(p["x"], p["weight"], p["counts"], p["token_index"],
+                           shape["tokens"], 4, None, comm_ctas=8, splits=4, config=rows)
+    outs = []
+    for tiles in (GPU_TILES, R(GPU_TILES, comm_rows=128, comm_stages=2)):
+        assert tiles.token_major
+        for helpers in (True, False):
+            cfg = R(TRITON, tiles=tiles, tail_helpers=helpers)
+            for c, l in ((3, 1), (16, 4), (40, 2)):
+                outs.append(gemm2_gather_rs(p["x"], p["weight"], p["counts"],
+                                            p["token_index"], shape["tokens"], 4, None,
+                                            comm_ctas=c, splits=l, config=cfg))
     assert not torch.isnan(base).any()
     assert rel_err(base, ref) < 1e-2
     assert all(torch.equal(o, base) for o in outs)

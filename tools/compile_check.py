@@ -30,8 +30,8 @@ def kernels():
     from megatron_overlap.kernels import routing_table as rt
 
     flags = {n: "*i32" for n in ("ready_ptr", "done_ptr", "error_ptr", "tile_start_ptr")}
-    comm_ptrs = {"y_ptr": "*bf16", "y_desc": "*bf16", "table_ptr": "*i32",
-                 "prob_ptr": "*bf16", "dst_ptrs": "*i64", "signal_ptrs": "*i64", **flags,
+    comm_ptrs = {"y_ptr": "*bf16", "table_ptr": "*i32", "prob_ptr": "*bf16",
+                 "dst_ptrs": "*i64", "signal_ptrs": "*i64", **flags,
                  "partial_like_ptr": "*bf16"}
     comm_ints = {n: "i32" for n in ("tokens_per_rank", "N", "split_width", "num_splits", "rank",
                                     "world", "topk", "num_experts", "gemm_col_tiles", "epoch",
@@ -45,20 +45,18 @@ def kernels():
     aligned = [n for n in names if n.endswith(("_ptr", "_ptrs"))
                or n in ("N", "split_width", "stride_ym", "dst_slot_stride", "dst_row_stride")]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
-    # (slot loop, rows, columns, stages, token-major, presence, bulk copies)
-    for slot_loop, rows, tn, stages, tokens, presence, tma in (
-            (True, 64, 1024, 1, False, 1, False), (False, 64, 1024, 1, False, 1, False),
-            (True, 16, 1024, 2, False, 1, False), (True, 64, 512, 1, True, 0, False),
-            (True, 64, 512, 1, True, 1, False), (True, 32, 256, 3, True, 0, True),
-            (True, 32, 256, 3, True, 2, True)):
-        meta = dict(BLOCK_TM=rows, BLOCK_TN=tn, TOPK_POW2=4, HAS_PROBS=False, COL_ALIGN=16,
+    # (slot loop, item rows, stages, token-major y, every slot holds a row)
+    for slot_loop, rows, stages, tokens, full in (
+            (True, 64, 1, False, False), (False, 64, 1, False, False),
+            (True, 16, 2, False, False), (True, 64, 1, True, True), (True, 64, 1, True, False),
+            (True, 32, 2, True, True)):
+        meta = dict(BLOCK_TM=rows, BLOCK_TN=1024, TOPK_POW2=4, HAS_PROBS=False, COL_ALIGN=16,
                     SLOT_LOOP=slot_loop, ITEM_STAGES=stages, TOKEN_MAJOR=tokens,
-                    PRESENCE=presence, Y_TMA=tma, PROXY_FENCE=tma, stride_yn=1)
-        ptrs = dict(comm_ptrs, y_desc=f"tensordesc<bf16[{rows},1,{tn}]>") if tma else comm_ptrs
+                    ALL_SLOTS=full, stride_yn=1)
         name = f"gather_rs slot_loop={slot_loop} item_stages={stages}"
         if tokens:
-            name += f" token_major presence={grs.PRESENCE_MODES[presence]}" + (" tma" * tma)
-        yield (name, grs.gather_rs_kernel, _signature(ptrs, comm_ints, meta), meta,
+            name += f" token_major all_slots={full}"
+        yield (name, grs.gather_rs_kernel, _signature(comm_ptrs, comm_ints, meta), meta,
                dict(num_warps=32), attrs)
     yield ("sum_partials", grs.sum_partials_kernel,
            _signature({"recv_ptr": "*bf16", "out_ptr": "*bf16"},

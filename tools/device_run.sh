@@ -55,6 +55,11 @@ for s in "$@"; do
           --backend $b --json "$OUT/timeline_${b}_$s.json"; done; done ;;
     ship_cal)  # later stages plan with the calibration just made, as if it were shipped
       cp "$OUT/h200.json" /tmp/site/megatron_overlap/planner/calibrations/h200.json ;;
+    calibrate_rows)  # the same calibration for GEMM2's row-order y (the pre-session-6 layout)
+      python3 -c "import json; json.dump({'best': {'gemm': [128, 128, 64, 4, 3, False],
+          'comm': [256, 1024, 32, True, 1, False]}}, open('$OUT/tiles_rows.json', 'w'))"
+      stage calibrate_rows 200 $TR "$REPO/tools/calibrate.py" --tiles "$OUT/tiles_rows.json" \
+        --json "$OUT/h200_rows.json" ;;
     calibrate) stage calibrate 200 $TR "$REPO/tools/calibrate.py" ${TILES:+--tiles $TILES} \
         --json "$OUT/h200.json" ;;
     bench_op) for lay in ${LAYOUTS:-TP2EP1 TP1EP2}; do

@@ -8,8 +8,10 @@ with y in GEMM2's row order each top-k slot is a gather whose addresses come fro
 routing table, so every item waits for a table read before its y loads can issue.
 Token-major (`TileConfig.token_major`), GEMM2 stores row j at y[t*k + s], so slot s of
 a block of tokens sits at rows GatherRS computes, strided by k rows: no table read in
-front (none at all when every token has k rows here, as under TP), cp.async pipelining
-on affine addresses, or bulk tensor copies (`comm_tma`).
+front (none at all when every token has k rows here, as under TP), and cp.async
+pipelining on affine addresses. (Session 6's first run, docs/data/exp_token_major_s6.json,
+also timed bulk tensor copies (TMA) and a load-every-slot variant for EP, the code of
+commit 47c6002: both slower, removed.)
 
 Per case (model x layout x S, uniform routing, rank 0's workload of the layout, this
 process group; one GPU: the whole gather, pushes local): every variant's output must
@@ -40,36 +42,21 @@ from megatron_overlap.ops.op import plan_cache_of, prepare  # noqa: E402
 
 R = dataclasses.replace
 VARIANTS = {
-    "rows (shipped)": GPU_TILES,
-    "tokens": R(GPU_TILES, token_major=True),
-    "tokens w16": R(GPU_TILES, token_major=True, comm_warps=16),
-    "tokens cp.async s2": R(GPU_TILES, token_major=True, comm_rows=128, comm_stages=2),
-    "tokens tma s3": R(GPU_TILES, token_major=True, comm_rows=128, comm_tn=256,
-                       comm_tma=True, comm_stages=3),
-    "tokens tma r64 s5": R(GPU_TILES, token_major=True, comm_rows=64, comm_tn=256,
-                           comm_tma=True, comm_stages=5),
-    # only where a token has fewer than k rows here (EP): load all slots, keep the present
-    "tokens select": R(GPU_TILES, token_major=True, sparse_presence="select"),
-    "tokens select tma s3": R(GPU_TILES, token_major=True, sparse_presence="select",
-                              comm_rows=128, comm_tn=256, comm_tma=True, comm_stages=3),
+    "rows": R(GPU_TILES, token_major=False),  # GEMM2's row order (shipped until session 6)
+    "tokens": GPU_TILES,
+    "tokens w16": R(GPU_TILES, comm_warps=16),
+    "tokens cp.async s2": R(GPU_TILES, comm_rows=128, comm_stages=2),
 }
 CASES = ["qwen/TP2EP1/16384", "qwen/TP2EP1/4096", "deepseek/TP2EP1/16384",
          "granite/TP2EP1/16384", "qwen/TP1EP2/16384", "granite/TP1EP2/16384"]
 
 
-def variants_for(full: bool, names, base) -> dict:
-    """The variants that differ for this case (the select ones only where slots are
-    empty), built on `base` (the interpreter's tiles under --smoke)."""
-    out = {}
-    for n in names:
-        if full and "select" in n:
-            continue
-        v = VARIANTS[n]
-        if base is not GPU_TILES:  # keep the variant's layout switches, the base's sizes
-            v = R(base, token_major=v.token_major, sparse_presence=v.sparse_presence,
-                  comm_tma=v.comm_tma, comm_stages=v.comm_stages)
-        out[n] = v
-    return out
+def variants_for(names, base) -> dict:
+    """The named variants, on `base` (the interpreter's tiles under --smoke)."""
+    if base is GPU_TILES:
+        return {n: VARIANTS[n] for n in names}
+    return {n: R(base, token_major=VARIANTS[n].token_major,
+                 comm_stages=VARIANTS[n].comm_stages) for n in names}
 
 
 def policies(inp, group, tiles, cset, backend) -> tuple[dict, dict, tuple]:
@@ -99,10 +86,9 @@ def policies(inp, group, tiles, cset, backend) -> tuple[dict, dict, tuple]:
     # bytes GatherRS moves: every row of y it reads once, its partials written once
     present = inp["x"].shape[0]
     facts = dict(planner_c=auto.plan.comm_ctas, splits=auto.plan.splits,
-                 presence=auto.kwargs["presence"], y_rows=auto.y_rows,
+                 all_slots=auto.kwargs.get("all_slots"), y_rows=auto.y_rows,
                  comm_tile=(auto.kwargs["comm_tm"], auto.kwargs["comm_tn"]),
-                 comm_bytes=(present + inp["tokens"]) * inp["hidden"] * out.element_size(),
-                 resources=getattr(buf, "compiled_resources", None))
+                 comm_bytes=(present + inp["tokens"]) * inp["hidden"] * out.element_size())
     check = run(auto)
     return pol, facts, (check, out)
 
@@ -142,7 +128,7 @@ def main() -> int:
                               inp["tokens"], inp["topk"], None, group,
                               config=OverlapConfig(backend="reference")).float()
         pol, facts, first = {}, {}, None
-        for name, tiles in variants_for(full, args.variants.split(","), base).items():
+        for name, tiles in variants_for(args.variants.split(","), base).items():
             p, f, (check, out) = policies(inp, group, tiles, cset, backend)
             out.fill_(float("nan"))  # poisoned: every element must be written
             check()
@@ -170,16 +156,15 @@ def main() -> int:
 def report(spec, facts, stats, cset) -> None:
     med = {k: v["median"] for k, v in stats.items()}
     print(f"\n{spec}: GatherRS alone GB/s per CTA at C={cset}; ms for the rest")
-    print(f"{'variant':24} {'ok':>4} {'regs':>5} " + " ".join(f"{'C=' + str(c):>7}" for c in cset)
+    print(f"{'variant':24} {'ok':>4} " + " ".join(f"{'C=' + str(c):>7}" for c in cset)
           + f" {'gemm2':>7} " + " ".join(f"{'ov' + str(c):>7}" for c in cset)
           + f" {'ov C*':>7} {'whole':>7}")
     for name, f in facts.items():
         gbs = [f["comm_bytes"] / (med[f"{name} | comm alone C={c}"] * 1e-3) / c / 1e9 for c in cset]
         ov = [med[f"{name} | overlap C={c}"] for c in cset]
         star = med[f"{name} | overlap planner C={f['planner_c']}"]
-        regs = (f["resources"] or {}).get("gather_rs", {}).get("registers", "-")
         ok = "yes" if f["bitwise_as_shipped"] and not f["unwritten"] and f["rel_err"] < 1e-2 else "NO"
-        print(f"{name:24} {ok:>4} {regs:>5} " + " ".join(f"{g:7.1f}" for g in gbs)
+        print(f"{name:24} {ok:>4} " + " ".join(f"{g:7.1f}" for g in gbs)
               + f" {med[f'{name} | gemm2 alone']:7.3f} " + " ".join(f"{t:7.3f}" for t in ov)
               + f" {star:7.3f} {med[f'{name} | whole op']:7.3f}")
 

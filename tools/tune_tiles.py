@@ -79,7 +79,8 @@ def choose(stats, info, gemm, comm) -> dict:
     c = min(comm, key=sm_time)
     return {"gemm": [g.block_m, g.block_n, g.block_k, g.gemm_warps, g.gemm_stages,
                      g.gemm_flatten],
-            "comm": [c.comm_rows, c.comm_tn, c.comm_warps, c.comm_slot_loop, c.comm_stages]}
+            "comm": [c.comm_rows, c.comm_tn, c.comm_warps, c.comm_slot_loop, c.comm_stages,
+                     c.token_major]}
 
 
 def comm_name(t: TileConfig) -> str:

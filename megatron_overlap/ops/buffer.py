@@ -55,11 +55,6 @@ def y_rows(x: torch.Tensor, table: torch.Tensor, dest: torch.Tensor | None) -> i
     return x.shape[0] if dest is None else table.numel()
 
 
-def use_tma(tiles: TileConfig, dest, presence: str) -> bool:
-    """GatherRS reads by bulk copies: token-major, and every slot is loaded."""
-    return tiles.comm_tma and dest is not None and presence != "mask"
-
-
 class OverlapBuffer:
     """Workspace and launcher for `gemm2_gather_rs` on one group and device."""
 
@@ -200,15 +195,13 @@ class OverlapBuffer:
             num_stages=t.gemm_stages, flatten=t.gemm_flatten, warmup=True, dest=dest)
         table = torch.zeros(rows // slots, slots, dtype=torch.int32, device=dev)
         ptrs = torch.zeros(1, dtype=torch.int64, device=dev)
-        presence = t.presence(full=t.comm_tma)  # the registers of the heavier variant
         ck = grs.launch_gather_rs(
             y, table, None, ptrs, ptrs, self.ready, self.done, self.error, idx,
             tokens_per_rank=1, splits=1, rank=0, world=1, gemm_col_tiles=1, epoch=1,
             max_spins=1, partial_like=y, dst_slot_stride=0, dst_row_stride=1, programs=1,
             block_tm=comm_tm, block_tn=comm_tn, num_warps=t.comm_warps,
             item_stages=t.comm_stages, slot_loop=t.comm_slot_loop, warmup=True,
-            token_major=t.token_major, presence=presence,
-            tma=use_tma(t, dest, presence))
+            token_major=t.token_major)  # slots read from the table: the EP variant
         occ, self.compiled_resources = [], {}
         for name, k, warps in (("gemm2", gk, t.gemm_warps), ("gather_rs", ck, t.comm_warps)):
             k._init_handles()
@@ -280,13 +273,12 @@ class OverlapBuffer:
 
     def launch(self, x, weight, counts_dev, table, probs, out, *, plan, splits, tiles,
                comm_tm, comm_tn, tokens_per_rank, max_spins, phases=("gemm2", "comm"),
-               y=None, offsets=None, helpers=0, dest=None, presence="mask"):
+               y=None, offsets=None, helpers=0, dest=None, all_slots=False):
         """GEMM2 (P programs) and GatherRS (C programs), then the local sum over ranks.
 
         `offsets` (row_start, tile_start), when the caller has them, saves recomputing.
         `dest` ([T] int32 from the routing table): y is token-major, [M * k, N], row j
-        of the product at y[dest[j]]; `presence` says how GatherRS finds its rows then
-        (`gather_rs.PRESENCE_MODES`).
+        of the product at y[dest[j]]; `all_slots`: every token has k rows here.
         `phases` runs one side alone for calibration: without "gemm2" the readiness
         flags are preset and GatherRS reads the given `y`; without "comm" only GEMM2
         runs and the flags are cleared after it. `helpers`: tail-helper CTAs launched
@@ -329,7 +321,7 @@ class OverlapBuffer:
                     programs=plan.comm_ctas, block_tm=comm_tm, block_tn=comm_tn,
                     num_warps=t.comm_warps, item_stages=t.comm_stages,
                     slot_loop=t.comm_slot_loop, helpers=helpers, token_major=dest is not None,
-                    presence=presence, tma=use_tma(t, dest, presence))
+                    all_slots=all_slots)
         flags = (y, table, probs, dst, signals, self.ready, self.done, self.error, tile_start)
         if "gemm2" not in phases:
             grs.launch_gather_rs(*flags, **comm)

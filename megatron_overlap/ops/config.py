@@ -95,14 +95,11 @@ class TileConfig:
     current one (lowered where the buffers would not fit, `gather_rs.fit_item_stages`).
 
     `token_major`: GEMM2 stores row j of its output at y[t * k + s] (token t, slot s of
-    its rows: the routing table's inverse) instead of y[j], so GatherRS finds slot s of
-    a block of tokens at rows it can compute, with no table read in front of its loads,
-    and the rows of consecutive tokens are adjacent. Where a token has fewer than k rows
-    on this rank (EP), `sparse_presence` says how GatherRS skips the empty slots: "mask"
-    (it reads the table first and loads only rows present) or "select" (it loads every
-    slot and keeps the present ones: more bytes, no wait). `comm_tma` (token-major only)
-    loads by bulk tensor copies (TMA) into shared memory, comm_tn capped at 256 (the
-    copy engine's box); with "mask" presence such calls load per thread instead.
+    its rows: the routing table's inverse) instead of y[j], so GatherRS computes the
+    address of slot s of a block of tokens instead of reading it from the table first,
+    and where every token has its k rows here (TP) it reads no table at all. Same sums,
+    same bits; on H200 GatherRS alone moved 1.1x-1.4x more bytes per CTA
+    (docs/RESULTS.md). y then has M * k rows (empty slots under EP stay unwritten).
     """
 
     block_m: int
@@ -116,39 +113,23 @@ class TileConfig:
     gemm_flatten: bool = False  # let Triton pipeline across the persistent tile loop
     comm_stages: int = 1  # GatherRS item-loop pipeline depth (1 = none)
     comm_slot_loop: bool = True  # gather one [TM, TN] tile per top-k slot (else [TM, k, TN])
-    token_major: bool = False  # y rows in (token, slot) order: GEMM2 scatters, GatherRS streams
-    sparse_presence: str = "mask"  # token-major with empty slots: "mask" or "select"
-    comm_tma: bool = False  # token-major: GatherRS loads by bulk tensor copies
+    token_major: bool = True  # y rows in (token, slot) order: GEMM2 scatters, GatherRS streams
 
     def __post_init__(self) -> None:
-        if self.sparse_presence not in ("mask", "select"):
-            raise ValueError(f"TileConfig.sparse_presence must be 'mask' or 'select', got "
-                             f"{self.sparse_presence!r}")
-        if (self.comm_tma or self.token_major) and not self.comm_slot_loop:
+        if self.token_major and not self.comm_slot_loop:
             raise ValueError("a token-major y is gathered one slot at a time: "
-                             "comm_slot_loop must be True")
-        if self.comm_tma and not self.token_major:
-            raise ValueError("comm_tma reads a token-major y: set token_major=True")
+                             "comm_slot_loop must be True (or token_major False)")
 
     def comm_shape(self, topk: int, split_width: int) -> tuple[int, int]:
         """(TMc, TNc) of the communication tile for this top-k and split width."""
         slots = 1 << max(0, (topk - 1).bit_length())
-        tn = min(self.comm_tn, TMA_BOX) if self.comm_tma else self.comm_tn
-        return max(1, self.comm_rows // slots), min(tn, 1 << max(0, (split_width - 1).bit_length()))
-
-    def presence(self, full: bool) -> str:
-        """How a token-major GatherRS finds the slots holding rows: "all" when every token
-        has k rows here (`full`), else `sparse_presence`."""
-        return "all" if full else self.sparse_presence
+        return max(1, self.comm_rows // slots), min(self.comm_tn, 1 << max(0, (split_width - 1).bit_length()))
 
 
-#: The bulk tensor copy engine's largest box edge (elements).
-TMA_BOX = 256
-
-
-#: Hopper defaults, chosen with `tools/tune_tiles.py` and `tools/try_overlap.py` on H200
-#: (docs/RESULTS.md): 32-warp GatherRS CTAs (one per SM, so R(C) = C holds), each
-#: gathering 256 rows x 1024 columns per item, one top-k slot at a time.
+#: Hopper defaults, chosen with `tools/tune_tiles.py`, `tools/try_overlap.py` and
+#: `tools/try_token_major.py` on H200 (docs/RESULTS.md): 32-warp GatherRS CTAs (one per
+#: SM, so R(C) = C holds), each gathering 256 rows x 1024 columns per item, one top-k
+#: slot at a time, from a token-major y.
 GPU_TILES = TileConfig(128, 128, 64, 4, 3, 256, 1024, 32)
 _TILES_ENV = "MEGATRON_OVERLAP_TILES"
 
@@ -162,13 +143,13 @@ def load_tiles(path: str) -> TileConfig:
         with open(path) as f:
             best = json.load(f)["best"]
         m, n, k, w, s, flat = best["gemm"]
-        # [rows, tn, warps, slot loop, stages, token-major, sparse presence, tma]
-        rows, tn, cw, *mode = best["comm"]
-        layout = dict(zip(("token_major", "sparse_presence", "comm_tma"), mode[2:5]))
+        rows, tn, cw, *mode = best["comm"]  # [rows, tn, warps, slot loop, stages, token-major]
+        slot_loop = bool(mode[0]) if mode else GPU_TILES.comm_slot_loop
+        # files from before the layout choice: token-major where the gather allows it
+        token_major = bool(mode[2]) if len(mode) > 2 else slot_loop and GPU_TILES.token_major
         return TileConfig(m, n, k, w, s, rows, tn, cw, bool(flat),
                           comm_stages=int(mode[1]) if len(mode) > 1 else 1,
-                          comm_slot_loop=bool(mode[0]) if mode else GPU_TILES.comm_slot_loop,
-                          **layout)
+                          comm_slot_loop=slot_loop, token_major=token_major)
     except (OSError, KeyError, ValueError, TypeError) as err:
         raise ValueError(f"{path}: not a tune_tiles result ({err})") from err
 

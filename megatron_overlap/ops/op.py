@@ -321,7 +321,7 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
         counts_dev = _to_device(counts_dev, x.device)
         offsets = gemm2.expert_offsets(counts_dev, tiles.block_m)
     if tiles.token_major and num_tokens * topk >= 1 << 31:  # int32 row numbers of y
-        tiles = dataclasses.replace(tiles, token_major=False, comm_tma=False)
+        tiles = dataclasses.replace(tiles, token_major=False)
     dest = (torch.empty(x.shape[0], dtype=torch.int32, device=x.device)
             if tiles.token_major else None)
     table = launch_routing_table(token_index, offsets[0], num_tokens, topk, buf.error, dest)
@@ -357,9 +357,10 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
                             chosen, c)
         buf.remember(key, best)
     launch.plan = best[0]
-    # every token has all k of its rows here (TP): a token-major GatherRS reads no table
-    presence = tiles.presence(full=x.shape[0] == num_tokens * topk)
-    launch.kwargs = dict(best[1], offsets=offsets, dest=dest, presence=presence)
+    # every token has all k of its rows here (TP: T = M k, and no token has more than k
+    # rows): a token-major GatherRS reads no table
+    launch.kwargs = dict(best[1], offsets=offsets, dest=dest,
+                         all_slots=x.shape[0] == num_tokens * topk)
     buf.ensure(num_tokens // world, hidden, config.partial_dtype or x.dtype)
     _log_decision(launch, num_tokens, hidden, x.shape[1])
     return launch
