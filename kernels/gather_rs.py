@@ -7,13 +7,12 @@ each row's routing probability, and stores the partial into rank d's receive buf
 slot [this rank, t - d*Md, :]. A cross-rank barrier follows; `sum_partials_kernel` then
 adds the D slots in fp32 into this rank's bf16 output rows.
 
-Where y's rows are: token-major (TOKEN_MAJOR, the op's default), row t*k + s holds slot s
-of token t (GEMM2 stored it there through the routing table's inverse), so a program
-computes the addresses of slot s of its block of tokens, and the table is read only to
-skip empty slots (none where every token has its k rows here, ALL_SLOTS: TP); otherwise
-y is in GEMM2's row order and every slot's rows come from the table first. Worked
-example, k = 4: token 10's slots are rows 40..43; under EP, if only experts 3 and 7 of
-its four are local, rows 40 and 41 hold them and 42, 43 are never written nor read.
+Where y's rows are: where every token has its k rows on this rank (TP layouts, T = M k)
+the op makes y token-major (TOKEN_MAJOR): row t*k + s holds slot s of token t (GEMM2
+stored it there through the routing table's inverse), so a program computes the
+addresses of slot s of its block of tokens and reads no table (worked example, k = 4:
+token 10's rows are y rows 40..43). Otherwise (EP, tokens with rows elsewhere) y is in
+GEMM2's row order and each slot's rows come from the table first.
 
 Work per split: D * ceil(Md/BLOCK_TM) * ceil(sw/BLOCK_TN) items, program c takes items
 c, c+C, ...; the destination is the fastest index so neighbouring programs write to
@@ -100,7 +99,7 @@ def gather_rs_kernel(
     # meta-parameters
     BLOCK_TM: tl.constexpr, BLOCK_TN: tl.constexpr, TOPK_POW2: tl.constexpr,
     HAS_PROBS: tl.constexpr, COL_ALIGN: tl.constexpr, SLOT_LOOP: tl.constexpr,
-    ITEM_STAGES: tl.constexpr, TOKEN_MAJOR: tl.constexpr, ALL_SLOTS: tl.constexpr,
+    ITEM_STAGES: tl.constexpr, TOKEN_MAJOR: tl.constexpr,
 ):
     tl.static_assert(SLOT_LOOP or not TOKEN_MAJOR, "a token-major y is read one slot at a time")
     pid = tl.program_id(0) + pid_base
@@ -146,18 +145,13 @@ def gather_rs_kernel(
                 for j in tl.static_range(TOPK_POW2):
                     slot_ok = tok_ok & (j < topk)
                     if TOKEN_MAJOR:
-                        # y row t*k + j holds slot j of token t: the address needs no table
-                        # read, so the load does not wait for one (none at all where every
-                        # slot holds a row, ALL_SLOTS; else the table says which do)
+                        # y row t*k + j holds slot j of token t (every token has its k rows
+                        # here): the load's address needs no table read to wait for
                         src = tokens * topk + j
-                        if ALL_SLOTS:
-                            has = slot_ok
-                            row = src
-                            if HAS_PROBS:  # the probabilities are indexed by GEMM2 row
-                                row = tl.load(table_ptr + src, mask=slot_ok, other=-1)
-                        else:
+                        has = slot_ok
+                        row = src
+                        if HAS_PROBS:  # the probabilities are indexed by GEMM2 row
                             row = tl.load(table_ptr + src, mask=slot_ok, other=-1)
-                            has = row >= 0
                         val = tl.load(y_ptr + src[:, None] * stride_ym + cols[None, :] * stride_yn,
                                       mask=has[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
                     else:
@@ -250,12 +244,11 @@ def launch_gather_rs(
     dst_slot_stride: int, dst_row_stride: int, programs: int, block_tm: int, block_tn: int,
     num_warps: int = 16, kernel=gather_rs_kernel, warmup: bool = False, item_stages: int = 1,
     slot_loop: bool = True, helpers: int = 0, launch_helpers: bool = False, stream=None,
-    token_major: bool = False, all_slots: bool = False,
+    token_major: bool = False,
 ):
     """Launch exactly `programs` communication CTAs. y [T, N] in GEMM2's row order, or
-    with `token_major` [M * k, N] with slot j of token t at row t * k + j (`all_slots`:
-    every token has k rows, so GatherRS need not read the table to know which slots hold
-    one); table [M, k] int32; `partial_like`: any tensor of the partial sums' dtype
+    with `token_major` [M * k, N] with slot j of token t at row t * k + j, which needs
+    every token to have its k rows here (T = M k, as under TP); table [M, k] int32; `partial_like`: any tensor of the partial sums' dtype
     (gives the peer pointer type); `item_stages`: software-pipeline depth of the item
     loop (1 = none); `helpers`: H tail helpers share the last split; `launch_helpers`
     launches those H programs (after GEMM2, on its stream) instead of the `programs`
@@ -273,7 +266,6 @@ def launch_gather_rs(
     meta = dict(BLOCK_TM=block_tm, BLOCK_TN=block_tn, TOPK_POW2=slots,
                 HAS_PROBS=probs is not None, COL_ALIGN=column_alignment(hidden, splits),
                 SLOT_LOOP=slot_loop, ITEM_STAGES=stages, TOKEN_MAJOR=token_major,
-                ALL_SLOTS=token_major and all_slots,
                 num_warps=num_warps, num_stages=1)
     if warmup:
         return kernel.warmup(*args, grid=(1,), **meta)

@@ -55,14 +55,19 @@ def test_output_independent_of_comm_ctas_and_splits():
 
 @pytest.mark.parametrize("ep", [1, 2])
 def test_token_major_y_gives_the_bits_of_gemm2_row_order(ep):
-    """The default tiles store GEMM2's rows token-major; row order is the other layout:
-    the same sums for every C and L (ep=2: tokens with empty slots)."""
+    """The default tiles store GEMM2's rows token-major where every token has its k rows
+    here (ep=1); row order is the other layout (and ep=2's, tokens with rows elsewhere):
+    the same sums for every C and L."""
     from megatron_overlap.ops.config import INTERPRET_TILES
 
     assert INTERPRET_TILES.token_major and not ROW_ORDER.tiles.token_major
     p = routed_problem(0, 1, tokens=40, experts=4, topk=3, ffn=16, hidden=48, ep=ep)
     base = call(p, 40, 3, ROW_ORDER, probs=True, comm_ctas=2, splits=2)
     assert rel_err(base, fp64_rank_partial(p, 40, with_probs=True)) < 1e-2
+    launch = op_module.prepare(p["x"], p["weight"], p["counts"], p["token_index"], 40, 3,
+                               config=INTERP)
+    assert (launch.kwargs["dest"] is not None) == (ep == 1)
+    assert launch.y_rows == p["x"].shape[0]  # no more rows than GEMM2 has
     for c, l in ((1, 1), (3, 4)):
         assert torch.equal(call(p, 40, 3, INTERP, probs=True, comm_ctas=c, splits=l), base)
 

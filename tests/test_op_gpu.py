@@ -76,9 +76,9 @@ def test_pipelined_gather_gives_the_same_bits_for_every_depth_and_item_shape(top
 @pytest.mark.parametrize("ep", [1, 2])
 def test_token_major_y_gives_the_bits_of_gemm2_row_order(ep):
     """GEMM2 scattering its rows to (token, slot) order and GatherRS computing their
-    addresses (no table read where every token has k rows, ep=1) sum the same slots in
-    the same order as the row-order path, for every C, L, item pipeline and with and
-    without tail helpers; ep=2: half the experts, tokens with empty slots."""
+    addresses (ep=1: every token has its k rows here) sum the same slots in the same
+    order as the row-order path, for every C, L, item pipeline and with and without tail
+    helpers; ep=2 (tokens with rows elsewhere) keeps the row order with the same tiles."""
     import dataclasses
 
     from megatron_overlap.ops.config import GPU_TILES

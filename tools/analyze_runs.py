@@ -101,6 +101,13 @@ def _local_topk(r: dict) -> float:
     return _rank0_rows_per_token(r["model"], r["layout"], r["seq"], r["routing"])
 
 
+def _world(r: dict) -> int:
+    """The run's group size: recorded since session 6 (one GPU runs rank 0's workload of
+    a layout alone), else the layout's TP x EP."""
+    tp, ep = LAYOUTS[r["layout"]]
+    return r.get("world", tp * ep)
+
+
 def replay_c(r: dict, calib, kernel_tiles=GPU_TILES, tail_helpers: bool = False,
              local_topk: bool = False) -> int:
     """C* for a recorded workload under `calib` (its recorded W_comp, W_comm and L);
@@ -109,7 +116,7 @@ def replay_c(r: dict, calib, kernel_tiles=GPU_TILES, tail_helpers: bool = False,
     tp, ep = LAYOUTS[r["layout"]]
     splits = r["splits"]
     kernel = _kernel(shape.hidden, shape.topk, splits, tail_helpers, kernel_tiles)
-    w = Workload(BATCH * r["seq"], shape.hidden, shape.ffn_per_rank(tp), tp * ep, splits, (1,),
+    w = Workload(BATCH * r["seq"], shape.hidden, shape.ffn_per_rank(tp), _world(r), splits, (1,),
                  topk=shape.topk, local_topk=_local_topk(r) if local_topk else None)
     rho = service_ratio(w, kernel, calib)
     c, _ = solve(r["w_comp"], r["w_comm"], rho, splits, kernel,
@@ -128,7 +135,7 @@ def replay_plan(r: dict, calib, splits: int, tail_helpers: bool):
     experts = shape.local_experts(ep)
     base, extra = divmod(row_tiles, experts)
     counts = [(base + (e < extra)) * tm for e in range(experts)]
-    w = Workload(BATCH * r["seq"], shape.hidden, shape.ffn_per_rank(tp), tp * ep, splits,
+    w = Workload(BATCH * r["seq"], shape.hidden, shape.ffn_per_rank(tp), _world(r), splits,
                  counts, topk=shape.topk, local_topk=_local_topk(r))
     return plan(w, _kernel(shape.hidden, shape.topk, splits, tail_helpers),
                 DeviceSpec("H200", 132), calib)

@@ -87,7 +87,7 @@ def policies_for(inp: dict, group, c_values, preset: str | None,
             pol[f"C={c}"] = op(cfg, c)
     for c in c_values:
         pol[f"sweep C={c}"] = op(cfg, c)
-    facts = dict(comm_ctas=plan.comm_ctas, compute_slots=plan.compute_slots,
+    facts = dict(world=launch.world, comm_ctas=plan.comm_ctas, compute_slots=plan.compute_slots,
                  splits=plan.splits, predicted=plan.curve, w_comp=plan.w_comp,
                  w_comm=plan.w_comm, rho=plan.rho,
                  resources=getattr(buf, "compiled_resources", None))

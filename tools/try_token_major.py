@@ -8,10 +8,11 @@ with y in GEMM2's row order each top-k slot is a gather whose addresses come fro
 routing table, so every item waits for a table read before its y loads can issue.
 Token-major (`TileConfig.token_major`), GEMM2 stores row j at y[t*k + s], so slot s of
 a block of tokens sits at rows GatherRS computes, strided by k rows: no table read in
-front (none at all when every token has k rows here, as under TP), and cp.async
-pipelining on affine addresses. (Session 6's first run, docs/data/exp_token_major_s6.json,
-also timed bulk tensor copies (TMA) and a load-every-slot variant for EP, the code of
-commit 47c6002: both slower, removed.)
+front (the op does this where every token has its k rows here, as under TP), and
+cp.async pipelining on affine addresses. (Session 6's runs, docs/data/exp_token_major_s6
+and _s6b.json, also timed bulk tensor copies (TMA), and EP layouts with the table read
+for empty slots or every slot loaded: the code of commit 47c6002 and the next; TMA
+slower, EP no faster, removed.)
 
 Per case (model x layout x S, uniform routing, rank 0's workload of the layout, this
 process group; one GPU: the whole gather, pushes local): every variant's output must
@@ -48,7 +49,7 @@ VARIANTS = {
     "tokens cp.async s2": R(GPU_TILES, comm_rows=128, comm_stages=2),
 }
 CASES = ["qwen/TP2EP1/16384", "qwen/TP2EP1/4096", "deepseek/TP2EP1/16384",
-         "granite/TP2EP1/16384", "qwen/TP1EP2/16384", "granite/TP1EP2/16384"]
+         "granite/TP2EP1/16384"]  # (EP layouts keep GEMM2's row order: the op's rule)
 
 
 def variants_for(names, base) -> dict:
@@ -86,7 +87,7 @@ def policies(inp, group, tiles, cset, backend) -> tuple[dict, dict, tuple]:
     # bytes GatherRS moves: every row of y it reads once, its partials written once
     present = inp["x"].shape[0]
     facts = dict(planner_c=auto.plan.comm_ctas, splits=auto.plan.splits,
-                 all_slots=auto.kwargs.get("all_slots"), y_rows=auto.y_rows,
+                 token_major=auto.kwargs.get("dest") is not None, y_rows=auto.y_rows,
                  comm_tile=(auto.kwargs["comm_tm"], auto.kwargs["comm_tn"]),
                  comm_bytes=(present + inp["tokens"]) * inp["hidden"] * out.element_size())
     check = run(auto)

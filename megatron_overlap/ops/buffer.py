@@ -201,7 +201,7 @@ class OverlapBuffer:
             max_spins=1, partial_like=y, dst_slot_stride=0, dst_row_stride=1, programs=1,
             block_tm=comm_tm, block_tn=comm_tn, num_warps=t.comm_warps,
             item_stages=t.comm_stages, slot_loop=t.comm_slot_loop, warmup=True,
-            token_major=t.token_major)  # slots read from the table: the EP variant
+            token_major=t.token_major)
         occ, self.compiled_resources = [], {}
         for name, k, warps in (("gemm2", gk, t.gemm_warps), ("gather_rs", ck, t.comm_warps)):
             k._init_handles()
@@ -273,12 +273,12 @@ class OverlapBuffer:
 
     def launch(self, x, weight, counts_dev, table, probs, out, *, plan, splits, tiles,
                comm_tm, comm_tn, tokens_per_rank, max_spins, phases=("gemm2", "comm"),
-               y=None, offsets=None, helpers=0, dest=None, all_slots=False):
+               y=None, offsets=None, helpers=0, dest=None):
         """GEMM2 (P programs) and GatherRS (C programs), then the local sum over ranks.
 
         `offsets` (row_start, tile_start), when the caller has them, saves recomputing.
-        `dest` ([T] int32 from the routing table): y is token-major, [M * k, N], row j
-        of the product at y[dest[j]]; `all_slots`: every token has k rows here.
+        `dest` ([T] int32 from the routing table; every token has its k rows here): y is
+        token-major, [M * k, N], row j of the product at y[dest[j]].
         `phases` runs one side alone for calibration: without "gemm2" the readiness
         flags are preset and GatherRS reads the given `y`; without "comm" only GEMM2
         runs and the flags are cleared after it. `helpers`: tail-helper CTAs launched
@@ -320,8 +320,7 @@ class OverlapBuffer:
                     dst_slot_stride=slot_stride, dst_row_stride=row_stride,
                     programs=plan.comm_ctas, block_tm=comm_tm, block_tn=comm_tn,
                     num_warps=t.comm_warps, item_stages=t.comm_stages,
-                    slot_loop=t.comm_slot_loop, helpers=helpers, token_major=dest is not None,
-                    all_slots=all_slots)
+                    slot_loop=t.comm_slot_loop, helpers=helpers, token_major=dest is not None)
         flags = (y, table, probs, dst, signals, self.ready, self.done, self.error, tile_start)
         if "gemm2" not in phases:
             grs.launch_gather_rs(*flags, **comm)

@@ -94,12 +94,13 @@ class TileConfig:
     comm_stages - 1 items go to shared memory by cp.async while the CTA sums the
     current one (lowered where the buffers would not fit, `gather_rs.fit_item_stages`).
 
-    `token_major`: GEMM2 stores row j of its output at y[t * k + s] (token t, slot s of
-    its rows: the routing table's inverse) instead of y[j], so GatherRS computes the
-    address of slot s of a block of tokens instead of reading it from the table first,
-    and where every token has its k rows here (TP) it reads no table at all. Same sums,
-    same bits; on H200 GatherRS alone moved 1.1x-1.4x more bytes per CTA
-    (docs/RESULTS.md). y then has M * k rows (empty slots under EP stay unwritten).
+    `token_major`: where every token has its k rows on this rank (TP layouts: T = M k),
+    GEMM2 stores row j of its output at y[t * k + s] (token t, slot s of its rows: the
+    routing table's inverse) instead of y[j], so GatherRS computes the address of slot s
+    of a block of tokens instead of reading it from the table first. Same sums, same
+    bits; on H200 GatherRS alone moved 1.1x-1.4x more bytes per CTA (docs/RESULTS.md).
+    Under EP (tokens with rows elsewhere) y stays in GEMM2's row order: there the
+    layout measured no faster and would double y (M k rows for about M k / EP).
     """
 
     block_m: int

@@ -320,7 +320,9 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
     else:
         counts_dev = _to_device(counts_dev, x.device)
         offsets = gemm2.expert_offsets(counts_dev, tiles.block_m)
-    if tiles.token_major and num_tokens * topk >= 1 << 31:  # int32 row numbers of y
+    # token-major y where every token has its k rows here (T = M k: TP; no token has more
+    # than k rows) and y's row numbers fit int32; else GEMM2's row order
+    if tiles.token_major and (x.shape[0] != num_tokens * topk or num_tokens * topk >= 1 << 31):
         tiles = dataclasses.replace(tiles, token_major=False)
     dest = (torch.empty(x.shape[0], dtype=torch.int32, device=x.device)
             if tiles.token_major else None)
@@ -357,10 +359,7 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
                             chosen, c)
         buf.remember(key, best)
     launch.plan = best[0]
-    # every token has all k of its rows here (TP: T = M k, and no token has more than k
-    # rows): a token-major GatherRS reads no table
-    launch.kwargs = dict(best[1], offsets=offsets, dest=dest,
-                         all_slots=x.shape[0] == num_tokens * topk)
+    launch.kwargs = dict(best[1], offsets=offsets, dest=dest)
     buf.ensure(num_tokens // world, hidden, config.partial_dtype or x.dtype)
     _log_decision(launch, num_tokens, hidden, x.shape[1])
     return launch
