@@ -119,11 +119,15 @@ def run_demo(nproc: int = 2, planner_only: bool = False) -> int:
     env = dict(os.environ, TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NCCL_NVLS_ENABLE="0",
                OMP_NUM_THREADS="1", PYTHONWARNINGS=os.environ.get("PYTHONWARNINGS", "ignore"))
     gpus = _gpus()
-    if gpus >= 2:
-        print("Complete-model prefill on GPUs, stock vs --moe-overlap (ABBA):", flush=True)
-        return _torchrun(2, ["-m", "megatron_overlap.mcore.prefill", "--model", "qwen",
-                             "--tp", "2", "--ep", "1", "--batch", "4", "--seq", "4096",
-                             "--iters", "5", "--warmup", "2", "--abba"], env)
+    if gpus >= 1:
+        # two GPUs: the layers' reduce-scatter runs over NVLink; one GPU: TP1EP1, the
+        # overlap of GEMM2 with the combine alone (no peer to push to)
+        tp = 2 if gpus >= 2 else 1
+        print(f"Complete-model prefill on {tp} GPU{'s' * (tp > 1)}, stock vs --moe-overlap "
+              "(ABBA):", flush=True)
+        return _torchrun(tp, ["-m", "megatron_overlap.mcore.prefill", "--model", "qwen",
+                              "--tp", str(tp), "--ep", "1", "--batch", "4", "--seq", "4096",
+                              "--iters", "5", "--warmup", "2", "--abba"], env)
     shims, bench = REPO / "tests" / "mcore_shims.py", REPO / "tools" / "bench_layer.py"
     if not (shims.exists() and bench.exists()):
         print("the CPU layer comparison runs from a source checkout (tests/, tools/)")
