@@ -257,6 +257,7 @@ def main(argv=None) -> int:
     rank = int(os.environ.get("RANK", "0")) if not dist.is_initialized() else dist.get_rank()
     logging.basicConfig(level=args.log_level if rank == 0 else logging.WARNING,
                         format="%(name)s: %(message)s")
+    owned = not dist.is_initialized()  # a caller's process group stays the caller's
     results = run_all(args)
     if dist.get_rank() == 0:
         for result in results:
@@ -264,6 +265,8 @@ def main(argv=None) -> int:
         if args.json:  # one object for one S (the format report.py has always read)
             with open(args.json, "w") as f:
                 json.dump(results[0] if len(results) == 1 else results, f, indent=1)
+    if owned:
+        dist.destroy_process_group()
     return 0
 
 
