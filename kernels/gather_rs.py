@@ -178,9 +178,12 @@ def gather_rs_kernel(
                     w = tl.load(prob_ptr + rows, mask=has, other=0.0).to(tl.float32)
                     vals = vals * w[:, :, None]
                 acc = tl.sum(vals, axis=1)  # [TM, TN]
-            # peers' buffers arrive as int64 addresses; typed like `partial_like_ptr`
-            # (symmetric-memory buffers and our slot offsets are 16-byte aligned)
-            base = tl.multiple_of(tl.load(dst_ptrs + dst).to(partial_like_ptr.dtype), 16)
+            if world == 1:  # no peers: the partials are this rank's output, partial_like
+                base = partial_like_ptr
+            else:
+                # peers' buffers arrive as int64 addresses; typed like `partial_like_ptr`
+                # (symmetric-memory buffers and our slot offsets are 16-byte aligned)
+                base = tl.multiple_of(tl.load(dst_ptrs + dst).to(partial_like_ptr.dtype), 16)
             out = base + rank * dst_slot_stride + local[:, None].to(tl.int64) * dst_row_stride \
                 + cols[None, :]
             tl.store(out, acc.to(partial_like_ptr.dtype.element_ty),
@@ -248,11 +251,12 @@ def launch_gather_rs(
 ):
     """Launch exactly `programs` communication CTAs. y [T, N] in GEMM2's row order, or
     with `token_major` [M * k, N] with slot j of token t at row t * k + j, which needs
-    every token to have its k rows here (T = M k, as under TP); table [M, k] int32; `partial_like`: any tensor of the partial sums' dtype
-    (gives the peer pointer type); `item_stages`: software-pipeline depth of the item
-    loop (1 = none); `helpers`: H tail helpers share the last split; `launch_helpers`
-    launches those H programs (after GEMM2, on its stream) instead of the `programs`
-    communication CTAs."""
+    every token to have its k rows here (T = M k, as under TP); table [M, k] int32;
+    `partial_like`: any tensor of the partial sums' dtype (gives the peer pointer type),
+    with world == 1 the output itself (`dst_ptrs` is then not read); `item_stages`:
+    software-pipeline depth of the item loop (1 = none); `helpers`: H tail helpers share
+    the last split; `launch_helpers` launches those H programs (after GEMM2, on its
+    stream) instead of the `programs` communication CTAs."""
     if token_major and not slot_loop:
         raise ValueError("a token-major y is gathered one slot at a time (slot_loop=True)")
     hidden = y.shape[1]

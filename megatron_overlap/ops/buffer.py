@@ -76,6 +76,7 @@ class OverlapBuffer:
         self.world = dist.get_world_size(group) if distributed else 1
         self.rank = dist.get_rank(group) if distributed else 0
         self.ready = torch.zeros(L_MAX, dtype=torch.int32, device=device)
+        self._no_peers = torch.zeros(1, dtype=torch.int64, device=device)  # world 1's tables
         self.done = torch.zeros(1, dtype=torch.int32, device=device)
         self.error = torch.zeros(1, dtype=torch.int32, device=device)
         self.epoch = 0
@@ -304,11 +305,10 @@ class OverlapBuffer:
             helpers = 0
         self.epoch += 1
         parity = self.epoch % 2
-        if self.world == 1:  # no peers: the one "slot" is the output itself
-            dst = torch.tensor([out.data_ptr()], dtype=torch.int64)
-            # pinned and non-blocking: a pageable copy would wait for all queued work
-            dst = (dst.pin_memory() if x.is_cuda else dst).to(x.device, non_blocking=True)
-            signals, slot_stride, row_stride, partial_like = dst, 0, out.stride(0), out
+        if self.world == 1:  # no peers: the one "slot" is the output itself (the kernel
+            # writes partial_like there and reads no address table: no copy per call)
+            dst = signals = self._no_peers
+            slot_stride, row_stride, partial_like = 0, out.stride(0), out
         else:
             dst, signals = self._ptr_tables[parity], self._signal_ptrs
             slot_stride, row_stride = self._layout[0] * hidden, hidden
