@@ -47,7 +47,7 @@ for s in "$@"; do
         --models ${MODELS:-qwen,deepseek,granite} --seq ${SEQ:-4096} \
         --json "$OUT/exp_comm_pipeline.json" ;;
     try_token_major) stage try_token_major ${TM_SECS:-400} python3 "$REPO/tools/try_token_major.py" \
-        ${TM_CASES:+--cases $TM_CASES} --json "$OUT/exp_token_major.json" ;;
+        ${TM_CASES:+--cases $TM_CASES} ${TM_ARGS:-} --json "$OUT/exp_token_major.json" ;;
     try_sum_partials) stage try_sum_partials 150 python3 "$REPO/tools/try_sum_partials.py" \
         --json "$OUT/exp_sum_partials.json" ;;
     timeline) for b in auto reference; do for s in ${SEQS:-4096 16384}; do

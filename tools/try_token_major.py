@@ -60,11 +60,11 @@ def variants_for(names, base) -> dict:
                  comm_stages=VARIANTS[n].comm_stages) for n in names}
 
 
-def policies(inp, group, tiles, cset, backend) -> tuple[dict, dict, tuple]:
+def policies(inp, group, tiles, cset, backend, splits=None) -> tuple[dict, dict, tuple]:
     args = (inp["x"], inp["weight"], inp["counts_list"], inp["token_index"], inp["tokens"],
             inp["topk"], None, group)
     cfg = OverlapConfig(tiles=tiles, backend=backend)
-    auto = prepare(*args, config=cfg)
+    auto = prepare(*args, splits=splits, config=cfg)
     buf = auto.buffer
     out = torch.empty(inp["tokens"] // auto.world, inp["hidden"], dtype=inp["x"].dtype,
                       device=inp["x"].device)
@@ -79,9 +79,9 @@ def policies(inp, group, tiles, cset, backend) -> tuple[dict, dict, tuple]:
 
     pol = {"gemm2 alone": run(auto, plan=all_sms, phases=("gemm2",)),
            f"overlap planner C={auto.plan.comm_ctas}": run(auto),
-           "whole op": lambda: gemm2_gather_rs(*args, config=cfg)}
+           "whole op": lambda: gemm2_gather_rs(*args, splits=splits, config=cfg)}
     for c in cset:
-        at_c = prepare(*args, comm_ctas=c, config=cfg)
+        at_c = prepare(*args, comm_ctas=c, splits=splits, config=cfg)
         pol[f"comm alone C={c}"] = run(at_c, phases=("comm",), y=y)
         pol[f"overlap C={c}"] = run(at_c)
     # bytes GatherRS moves: every row of y it reads once, its partials written once
@@ -98,6 +98,8 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default=",".join(CASES), help="model/layout/S, comma separated")
     ap.add_argument("--variants", default=",".join(VARIANTS))
+    ap.add_argument("--splits", default="", help="comma list of L to cross the variants "
+                    "with (default: the op's own L)")
     ap.add_argument("--cset", default="8,16,32")
     ap.add_argument("--samples", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
@@ -129,8 +131,13 @@ def main() -> int:
                               inp["tokens"], inp["topk"], None, group,
                               config=OverlapConfig(backend="reference")).float()
         pol, facts, first = {}, {}, None
-        for name, tiles in variants_for(args.variants.split(","), base).items():
-            p, f, (check, out) = policies(inp, group, tiles, cset, backend)
+        runs = [(name, tiles, None) for name, tiles in
+                variants_for(args.variants.split(","), base).items()]
+        if args.splits:
+            runs = [(f"{name} L={l}", tiles, int(l)) for name, tiles, _ in runs
+                    for l in args.splits.split(",")]
+        for name, tiles, splits in runs:
+            p, f, (check, out) = policies(inp, group, tiles, cset, backend, splits)
             out.fill_(float("nan"))  # poisoned: every element must be written
             check()
             if device == "cuda":
