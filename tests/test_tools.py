@@ -281,3 +281,36 @@ def test_bench_op_confirmation_times_the_planner_against_the_fastest_swept_c(mon
     assert seen == dict(names=["C=12", "planner"], samples=6)
     assert got["oracle_c"] == 12 and got["regret"] == pytest.approx(0.10)
     assert (got["planner_ms"], got["oracle_ms"]) == (pytest.approx(1.10), pytest.approx(1.00))
+
+
+def test_replay_reproduces_the_decisions_of_the_one_gpu_runs_at_their_group_size():
+    import analyze_runs
+    from megatron_overlap.planner import get_preset
+
+    # runs 24 and 25 ran rank 0's workload of each layout alone (world 1, recorded)
+    rows = analyze_runs._rows("op24g1,op24g1p50,op25g1", analyze_runs.DATA)
+    assert len(rows) == 72 and {r["world"] for r in rows} == {1}
+    calib = get_preset("h200").calibration
+    assert [analyze_runs.choose_splits(r, calib, "ranked") for r in rows] == [
+        (r["comm_ctas"], r["splits"]) for r in rows]
+
+
+def test_token_major_experiment_checks_both_layouts_give_the_shipped_bits(tmp_path):
+    """The experiment's CPU smoke run: its correctness gate (poisoned output, bitwise
+    against the first variant, reference error) passes, and the op stored y token-major
+    for the TP case only."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tool = Path(__file__).resolve().parent.parent / "tools" / "try_token_major.py"
+    out = tmp_path / "exp.json"
+    done = subprocess.run([sys.executable, str(tool), "--smoke", "--variants", "rows,tokens",
+                           "--cases", "tiny/TP2EP1/16", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    facts = json.loads(out.read_text())["results"][0]["facts"]
+    assert {n: (f["bitwise_as_shipped"], f["unwritten"], f["token_major"])
+            for n, f in facts.items()} == {"rows": (True, 0, False), "tokens": (True, 0, True)}
+    assert all(f["rel_err"] < 1e-2 for f in facts.values())

@@ -111,7 +111,9 @@ def main() -> int:
         from megatron_overlap.ops.config import INTERPRET_TILES
 
         backend, device, base = "interpret", "cpu", INTERPRET_TILES
-        args.cases, args.cset, args.samples, args.warmup = "tiny/TP2EP1/16,tiny/TP1EP2/16", "2,3", 2, 1
+        if args.cases == ",".join(CASES):
+            args.cases = "tiny/TP2EP1/16,tiny/TP1EP2/16"
+        args.cset, args.samples, args.warmup = "2,3", 2, 1
     elif not torch.cuda.is_available():
         print("try_token_major: needs a CUDA GPU (or --smoke)")
         return 2
