@@ -196,6 +196,9 @@ def launch_grouped_gemm2(
     x and weight must be contiguous with 16-byte aligned rows (the op checks). With
     `warmup` it compiles without launching and returns the compiled kernel.
     """
+    if dest is not None and (dest.dtype != torch.int32 or dest.numel() != x.shape[0]):
+        raise ValueError(f"dest must be [{x.shape[0]}] int32 (one y row per x row), got "
+                         f"{tuple(dest.shape)} {dest.dtype}")
     if x.shape[0] == 0:
         return None  # no rows, no tiles: every split is ready with zero tiles
     args, meta = _gemm2_args(x, weight, y, row_start, tile_start, ready, splits, block_m,

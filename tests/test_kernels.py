@@ -487,3 +487,30 @@ def test_sum_partials_adds_the_slots_in_rank_order_into_every_element(world):
     # one bf16 rounding of the fp32 sum (the interpreter's float -> bf16 cast may round
     # differently from torch's by one unit in the last place)
     torch.testing.assert_close(out.float(), want, rtol=2 ** -7, atol=0)
+
+
+def test_layout_arguments_of_wrong_type_or_size_raise_clear_errors():
+    from megatron_overlap.ops.config import GPU_TILES, TileConfig
+
+    p = routed_problem(0, 1, tokens=20, experts=3, topk=2, ffn=16, hidden=32)
+    x, w = p["x"], p["weight"]
+    row_start, tile_start = gemm2.expert_offsets(p["counts"], 16)
+    ready = torch.zeros(8, dtype=torch.int32)
+    y = torch.empty(x.shape[0], 32, dtype=x.dtype)
+    for bad in (torch.zeros(x.shape[0], dtype=torch.int64), torch.zeros(3, dtype=torch.int32)):
+        with pytest.raises(ValueError, match="dest must be"):
+            gemm2.launch_grouped_gemm2(x, w, y, row_start, tile_start, ready, splits=1,
+                                       programs=2, block_m=16, block_n=16, block_k=16,
+                                       dest=bad)
+        with pytest.raises(ValueError, match="dest must be"):
+            rt.launch_routing_table(p["token_index"], row_start, 20, 2,
+                                    torch.zeros(1, dtype=torch.int32), bad)
+    with pytest.raises(ValueError, match="comm_slot_loop must be True"):
+        TileConfig(128, 128, 64, 4, 3, 256, 1024, 32, comm_slot_loop=False)
+    assert not TileConfig(128, 128, 64, 4, 3, 256, 1024, 32, comm_slot_loop=False,
+                          token_major=False).token_major
+    assert GPU_TILES.token_major and GPU_TILES.comm_slot_loop
+    out, _, _, _, launch = gather_single_rank(p, y, tile_start, 1, 2)
+    with pytest.raises(ValueError, match="one slot at a time"):
+        grs.launch_gather_rs(*launch["args"], token_major=True, slot_loop=False,
+                             **launch["kwargs"])

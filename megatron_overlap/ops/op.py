@@ -18,6 +18,7 @@ On rank r the result equals what Megatron's allgather dispatcher computes with F
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import warnings
 from dataclasses import dataclass
@@ -323,7 +324,7 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
     # token-major y where every token has its k rows here (T = M k: TP; no token has more
     # than k rows) and y's row numbers fit int32; else GEMM2's row order
     if tiles.token_major and (x.shape[0] != num_tokens * topk or num_tokens * topk >= 1 << 31):
-        tiles = dataclasses.replace(tiles, token_major=False)
+        tiles = _row_order(tiles)
     dest = (torch.empty(x.shape[0], dtype=torch.int32, device=x.device)
             if tiles.token_major else None)
     table = launch_routing_table(token_index, offsets[0], num_tokens, topk, buf.error, dest)
@@ -363,6 +364,12 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
     buf.ensure(num_tokens // world, hidden, config.partial_dtype or x.dtype)
     _log_decision(launch, num_tokens, hidden, x.shape[1])
     return launch
+
+
+@functools.lru_cache(maxsize=16)  # on the launch path of every EP call: built once
+def _row_order(tiles):
+    """The same tiles with y in GEMM2's row order."""
+    return dataclasses.replace(tiles, token_major=False)
 
 
 SPLIT_CANDIDATES = (1, 2, 4)
