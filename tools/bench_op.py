@@ -54,7 +54,7 @@ def policies_for(inp: dict, group, c_values, preset: str | None,
     buf = launch.buffer
     md = inp["tokens"] // launch.world
     out = torch.empty(md, inp["hidden"], dtype=inp["x"].dtype, device=inp["x"].device)
-    y = torch.randn(launch.y_rows, inp["hidden"], device=inp["x"].device).to(inp["x"].dtype)
+    y = torch.randn(inp["x"].shape[0], inp["hidden"], device=inp["x"].device).to(inp["x"].dtype)
     counts_dev = launch.counts_dev
     w_t = inp["weight"].transpose(1, 2)
     cache = plan_cache_of(launch)

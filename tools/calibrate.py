@@ -62,7 +62,7 @@ def phase_timer(inp, group, c: int, phases, splits: int, backend: str, tiles=Non
                      config=cfg)
     out = torch.empty(inp["tokens"] // launch.world, inp["hidden"], dtype=inp["x"].dtype,
                       device=inp["x"].device)
-    y = torch.randn(launch.y_rows, inp["hidden"], device=inp["x"].device).to(inp["x"].dtype)
+    y = torch.randn(inp["x"].shape[0], inp["hidden"], device=inp["x"].device).to(inp["x"].dtype)
     fn = lambda: launch.buffer.launch(  # noqa: E731
         inp["x"], inp["weight"], launch.counts_dev, launch.table, None, out, plan=launch.plan,
         phases=phases, y=y, **launch.kwargs)

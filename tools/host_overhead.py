@@ -66,7 +66,7 @@ def main() -> int:
     out = torch.empty(inp["tokens"] // launch.world, inp["hidden"], dtype=inp["x"].dtype,
                       device=device)
     counts = inp["counts_list"]
-    y = torch.randn(launch.y_rows, inp["hidden"], device=device).to(inp["x"].dtype)
+    y = torch.randn(inp["x"].shape[0], inp["hidden"], device=device).to(inp["x"].dtype)
     steps = {
         "whole op (ours)": lambda: gemm2_gather_rs(**run, config=cfg),
         "whole op (reference)": lambda: gemm2_gather_rs(**run, config=ref),

@@ -68,7 +68,7 @@ def policies(inp, group, tiles, cset, backend, splits=None) -> tuple[dict, dict,
     buf = auto.buffer
     out = torch.empty(inp["tokens"] // auto.world, inp["hidden"], dtype=inp["x"].dtype,
                       device=inp["x"].device)
-    y = torch.randn(auto.y_rows, inp["hidden"], device=out.device).to(out.dtype)
+    y = torch.randn(inp["x"].shape[0], inp["hidden"], device=out.device).to(out.dtype)
     cache = plan_cache_of(auto)
     all_sms = auto.plan._replace(compute_slots=cache.kernel.o_comp * cache.device.available_sms)
 
@@ -87,7 +87,7 @@ def policies(inp, group, tiles, cset, backend, splits=None) -> tuple[dict, dict,
     # bytes GatherRS moves: every row of y it reads once, its partials written once
     present = inp["x"].shape[0]
     facts = dict(planner_c=auto.plan.comm_ctas, splits=auto.plan.splits,
-                 token_major=auto.kwargs.get("dest") is not None, y_rows=auto.y_rows,
+                 token_major=auto.kwargs.get("dest") is not None,
                  comm_tile=(auto.kwargs["comm_tm"], auto.kwargs["comm_tn"]),
                  comm_bytes=(present + inp["tokens"]) * inp["hidden"] * out.element_size())
     check = run(auto)

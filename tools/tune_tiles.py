@@ -50,7 +50,7 @@ def phase(inp, group, tiles, backend, c, phases, all_sms=True):
         plan = plan._replace(compute_slots=cache.kernel.o_comp * cache.device.available_sms)
     out = torch.empty(inp["tokens"] // launch.world, inp["hidden"], dtype=inp["x"].dtype,
                       device=inp["x"].device)
-    y = torch.randn(launch.y_rows, inp["hidden"], device=inp["x"].device).to(inp["x"].dtype)
+    y = torch.randn(inp["x"].shape[0], inp["hidden"], device=inp["x"].device).to(inp["x"].dtype)
     fn = lambda: launch.buffer.launch(  # noqa: E731
         inp["x"], inp["weight"], launch.counts_dev, launch.table, None, out, plan=plan,
         phases=phases, y=y, **launch.kwargs)

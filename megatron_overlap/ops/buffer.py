@@ -50,11 +50,6 @@ def describe_error(code: int, rank: int, expected: int | None = None) -> str:
     return f"GatherRS on rank {rank} reported unknown error code {code:#x}"
 
 
-def y_rows(x: torch.Tensor, table: torch.Tensor, dest: torch.Tensor | None) -> int:
-    """Rows of GEMM2's output: T in row order, M * k token-major (with `dest`)."""
-    return x.shape[0] if dest is None else table.numel()
-
-
 class OverlapBuffer:
     """Workspace and launcher for `gemm2_gather_rs` on one group and device."""
 
@@ -186,15 +181,14 @@ class OverlapBuffer:
         dev = self.device
         x = torch.empty(t.block_m, t.block_k, dtype=torch.bfloat16, device=dev)
         w = torch.empty(1, t.block_n, t.block_k, dtype=torch.bfloat16, device=dev)
-        rows = max(t.block_m, comm_tm * slots)
-        y = torch.empty(rows, max(t.block_n, comm_tn), dtype=torch.bfloat16, device=dev)
+        y = torch.empty(t.block_m, t.block_n, dtype=torch.bfloat16, device=dev)
         idx = torch.zeros(2, dtype=torch.int32, device=dev)
         dest = torch.zeros(t.block_m, dtype=torch.int32, device=dev) if t.token_major else None
         gk = gemm2.launch_grouped_gemm2(
             x, w, y, idx, idx, self.ready, splits=1, programs=1, block_m=t.block_m,
             block_n=t.block_n, block_k=t.block_k, num_warps=t.gemm_warps,
             num_stages=t.gemm_stages, flatten=t.gemm_flatten, warmup=True, dest=dest)
-        table = torch.zeros(rows // slots, slots, dtype=torch.int32, device=dev)
+        table = torch.zeros(1, slots, dtype=torch.int32, device=dev)
         ptrs = torch.zeros(1, dtype=torch.int64, device=dev)
         ck = grs.launch_gather_rs(
             y, table, None, ptrs, ptrs, self.ready, self.done, self.error, idx,
@@ -278,8 +272,8 @@ class OverlapBuffer:
         """GEMM2 (P programs) and GatherRS (C programs), then the local sum over ranks.
 
         `offsets` (row_start, tile_start), when the caller has them, saves recomputing.
-        `dest` ([T] int32 from the routing table; every token has its k rows here): y is
-        token-major, [M * k, N], row j of the product at y[dest[j]].
+        `dest` ([T] int32 from the routing table; every token has its k rows here, so
+        T = M k): y is token-major, row j of the product at y[dest[j]].
         `phases` runs one side alone for calibration: without "gemm2" the readiness
         flags are preset and GatherRS reads the given `y`; without "comm" only GEMM2
         runs and the flags are cleared after it. `helpers`: tail-helper CTAs launched
@@ -290,7 +284,7 @@ class OverlapBuffer:
         row_start, tile_start = (offsets if offsets is not None
                                  else gemm2.expert_offsets(counts_dev, t.block_m))
         if y is None:
-            y = torch.empty(y_rows(x, table, dest), hidden, dtype=out.dtype, device=x.device)
+            y = torch.empty(x.shape[0], hidden, dtype=out.dtype, device=x.device)
         gemm_args = dict(splits=splits, programs=plan.compute_slots, block_m=t.block_m,
                          block_n=t.block_n, block_k=t.block_k, num_warps=t.gemm_warps,
                          num_stages=t.gemm_stages, upcast=self.backend == "interpret",

@@ -272,12 +272,6 @@ class Launch:
     buffer: OverlapBuffer | None  # None on the reference path
     plan: object  # planner.Plan, None on the reference path
     kwargs: dict  # for OverlapBuffer.launch
-    rows: int = 0  # T, rows of x
-
-    @property
-    def y_rows(self) -> int:
-        """Rows of GEMM2's output: T in row order, M * k when token-major."""
-        return self.table.numel() if self.kwargs.get("dest") is not None else self.rows
 
 
 def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=None,
@@ -305,7 +299,7 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
         if counts_dev is None:
             counts_dev = torch.tensor(counts, dtype=torch.int64)
         return Launch(config, backend, group, world, rank, counts,
-                      _to_device(counts_dev, x.device), table, None, None, {}, x.shape[0])
+                      _to_device(counts_dev, x.device), table, None, None, {})
     if x.shape[1] * x.element_size() % 16:
         raise ValueError(f"the {backend} backend needs 16-byte rows for its tensor "
                          f"descriptors: K * itemsize = {x.shape[1]} * {x.element_size()} "
@@ -328,8 +322,7 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
     dest = (torch.empty(x.shape[0], dtype=torch.int32, device=x.device)
             if tiles.token_major else None)
     table = launch_routing_table(token_index, offsets[0], num_tokens, topk, buf.error, dest)
-    launch = Launch(config, backend, group, world, rank, counts, counts_dev, table, buf, None, {},
-                    x.shape[0])
+    launch = Launch(config, backend, group, world, rank, counts, counts_dev, table, buf, None, {})
     # W_comp reads only row_tiles = sum_e ceil(M_e / TM) (with host counts it came with
     # the offsets); with counts only on the device: section III-E, the T rows spread evenly.
     if counts is None:
