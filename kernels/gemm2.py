@@ -187,18 +187,21 @@ def launch_grouped_gemm2(
     tile_start: torch.Tensor, ready: torch.Tensor, *, splits: int, programs: int,
     block_m: int, block_n: int, block_k: int, num_warps: int = 4, num_stages: int = 3,
     kernel=grouped_gemm2_kernel, upcast: bool = False, warmup: bool = False,
-    flatten: bool = False, dest: torch.Tensor | None = None,
+    flatten: bool = False, dest: torch.Tensor | None = None, impl: str = "triton",
 ):
     """Launch with exactly `programs` persistent CTAs. x [T, K], weight [E, N, K]; y [T, N],
     or with `dest` ([T] int32) any [R, N] with row j of the product stored at y[dest[j]]
     (rows whose dest lies outside [0, R) are dropped).
 
     x and weight must be contiguous with 16-byte aligned rows (the op checks). With
-    `warmup` it compiles without launching and returns the compiled kernel.
+    `warmup` it compiles without launching and returns the compiled kernel. `impl`:
+    "triton" (this kernel) or a Gluon kernel of `gemm2_ws` (CUDA only), same contract.
     """
-    if dest is not None and (dest.dtype != torch.int32 or dest.numel() != x.shape[0]):
-        raise ValueError(f"dest must be [{x.shape[0]}] int32 (one y row per x row), got "
-                         f"{tuple(dest.shape)} {dest.dtype}")
+    _check_dest(x, dest)
+    if impl != "triton":
+        return _gluon(impl)(x, weight, y, row_start, tile_start, ready, **_ws_kwargs(
+            impl, splits, programs, block_m, block_n, block_k, num_warps, num_stages, dest),
+            warmup=warmup)
     if x.shape[0] == 0:
         return None  # no rows, no tiles: every split is ready with zero tiles
     args, meta = _gemm2_args(x, weight, y, row_start, tile_start, ready, splits, block_m,
@@ -213,10 +216,16 @@ def launch_grouped_gemm2(
 def grouped_gemm2_launcher(x, weight, y, row_start, tile_start, ready, *, splits: int,
                            programs: int, block_m: int, block_n: int, block_k: int,
                            num_warps: int = 4, num_stages: int = 3, upcast: bool = False,
-                           flatten: bool = False, dest: torch.Tensor | None = None):
+                           flatten: bool = False, dest: torch.Tensor | None = None,
+                           impl: str = "triton"):
     """A callable `launch(stream=None)` that launches GEMM2 (as `launch_grouped_gemm2`),
     with its kernel compiled and loaded now: launched after GatherRS, GEMM2 must not wait
     for a JIT compile or a lazy module load while communication CTAs spin on its flags."""
+    _check_dest(x, dest)
+    if impl != "triton":
+        return _gluon(impl)(x, weight, y, row_start, tile_start, ready, **_ws_kwargs(
+            impl, splits, programs, block_m, block_n, block_k, num_warps, num_stages, dest),
+            launcher=True)
     if x.shape[0] == 0:
         return lambda stream=None: None
     args, meta = _gemm2_args(x, weight, y, row_start, tile_start, ready, splits, block_m,
@@ -226,6 +235,31 @@ def grouped_gemm2_launcher(x, weight, y, row_start, tile_start, ready, *, splits
 
 
 _GEMM2 = LaunchCache(grouped_gemm2_kernel)
+
+#: GEMM2 implementations: this file's Triton kernel, and the warp-specialized Gluon
+#: kernel of `gemm2_ws` (Hopper; its epilogue from registers or through shared memory)
+IMPLS = ("triton", "gluon", "gluon_smem_epilogue")
+
+
+def _check_dest(x, dest) -> None:
+    if dest is not None and (dest.dtype != torch.int32 or dest.numel() != x.shape[0]):
+        raise ValueError(f"dest must be [{x.shape[0]}] int32 (one y row per x row), got "
+                         f"{tuple(dest.shape)} {dest.dtype}")
+
+
+def _gluon(impl: str):
+    if impl not in IMPLS:
+        raise ValueError(f"GEMM2 impl must be one of {IMPLS}, got {impl!r}")
+    from . import gemm2_ws  # Gluon is imported only where it is used (CUDA)
+
+    return gemm2_ws.launch_grouped_gemm2_ws
+
+
+def _ws_kwargs(impl, splits, programs, block_m, block_n, block_k, num_warps, num_stages,
+               dest) -> dict:
+    return dict(splits=splits, programs=programs, block_m=block_m, block_n=block_n,
+                block_k=block_k, num_warps=num_warps, num_stages=num_stages, dest=dest,
+                smem_epilogue=impl == "gluon_smem_epilogue")
 
 
 def grouped_gemm2_reference(x: torch.Tensor, weight: torch.Tensor,

@@ -25,6 +25,11 @@ import triton
 from triton import knobs
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+try:  # Gluon's descriptor also carries its shared-memory layout, part of the key
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
+except ImportError:  # a Triton without Gluon
+    GluonDescriptor = ()
+
 
 def _fast_launch_enabled() -> bool:
     # (under TRITON_INTERPRET=1 the kernels have no params and no cache is active)
@@ -112,6 +117,10 @@ class LaunchCache:
                 parts.append((a.base.dtype, tuple(a.block_shape), a.base.data_ptr() % 16 == 0,
                                tuple(a.strides), tuple(s % 16 == 0 for s in a.shape),
                                a.padding))
+            elif isinstance(a, GluonDescriptor):
+                parts.append((a.base.dtype, tuple(a.block_shape), a.base.data_ptr() % 16 == 0,
+                               tuple(a.strides), tuple(s % 16 == 0 for s in a.shape),
+                               a.padding, repr(a.layout)))
             else:  # a kind we do not know how Triton specializes: no fast path
                 return None
         return tuple(parts), tuple(meta.items())

@@ -1,5 +1,6 @@
 """gemm2_gather_rs on CPU: interpret and reference backends, 1 and 2 ranks."""
 
+import dataclasses
 import warnings
 
 import pytest
@@ -8,6 +9,7 @@ import torch
 from dist_harness import run_ranks
 from megatron_overlap.ops import OverlapConfig, OverlapTimeoutError, gemm2_gather_rs
 from megatron_overlap.ops import op as op_module
+from megatron_overlap.ops.config import GPU_TILES, INTERPRET_TILES
 from routing_cases import fp64_rank_partial, rel_err, routed_problem
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU backends")
@@ -127,6 +129,13 @@ def test_bad_sizes_and_backends_raise_clear_errors():
         OverlapConfig(backend="cuda")
     with pytest.raises(ValueError, match="tail_helpers must be a bool"):
         OverlapConfig(tail_helpers=1)
+    with pytest.raises(ValueError, match="gemm_impl must be one of"):
+        dataclasses.replace(INTERPRET_TILES, gemm_impl="cutlass")
+    with pytest.raises(ValueError, match="128 x"):  # the Gluon kernel's one tile shape
+        dataclasses.replace(INTERPRET_TILES, gemm_impl="gluon")
+    gluon = dataclasses.replace(GPU_TILES, gemm_impl="gluon")
+    with pytest.raises(ValueError, match="Gluon kernel for bf16 on CUDA"):
+        call(p, 30, 2, dataclasses.replace(INTERP, tiles=gluon))
 
 
 def test_tiles_file_from_the_environment_replaces_the_gpu_defaults(tmp_path, monkeypatch):
@@ -154,6 +163,11 @@ def test_tiles_file_from_the_environment_replaces_the_gpu_defaults(tmp_path, mon
                                          "comm": [64, 1024, 32, True, 1, False]}}))
     config.load_tiles.cache_clear()
     assert not config.gpu_tiles().token_major
+    assert config.gpu_tiles().gemm_impl == "triton"  # files before the Gluon kernel
+    good.write_text(json.dumps({"best": {"gemm": [128, 128, 64, 4, 3, False, "gluon"],
+                                         "comm": [256, 1024, 32, True, 1, True]}}))
+    config.load_tiles.cache_clear()
+    assert config.gpu_tiles().gemm_impl == "gluon"
     for bad, text in (("missing.json", None), ("broken.json", "{"),
                       ("wrong.json", json.dumps({"best": {"gemm": [1, 2]}}))):
         path = tmp_path / bad

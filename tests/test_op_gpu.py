@@ -104,6 +104,33 @@ def test_token_major_y_gives_the_bits_of_gemm2_row_order(ep):
     assert all(torch.equal(o, base) for o in outs)
 
 
+@pytest.mark.parametrize("ep", [1, 2])
+def test_gluon_gemm2_gives_the_ops_bits_for_every_c_l_and_helper_setting(ep):
+    """The op with the warp-specialized Gluon GEMM2 (TileConfig.gemm_impl) against the op
+    with the Triton GEMM2: token-major (ep=1) and row order (ep=2), over C, L, tails."""
+    import dataclasses
+
+    from megatron_overlap.ops.config import GPU_TILES
+
+    shape = dict(SHAPE, tokens=3000)
+    p = routed_problem(0, 1, device="cuda", seed=3, ep=ep, **shape)
+    ref = _fp32_partial(p, shape["tokens"]).double().cpu()
+    R = dataclasses.replace
+    base = gemm2_gather_rs(p["x"], p["weight"], p["counts"], p["token_index"],
+                           shape["tokens"], 4, None, comm_ctas=8, splits=4, config=TRITON)
+    outs = []
+    for impl in ("gluon", "gluon_smem_epilogue"):
+        for helpers in (True, False):
+            cfg = R(TRITON, tiles=R(GPU_TILES, gemm_impl=impl), tail_helpers=helpers)
+            for c, l in ((3, 1), (16, 4), (40, 2)):
+                outs.append(gemm2_gather_rs(p["x"], p["weight"], p["counts"],
+                                            p["token_index"], shape["tokens"], 4, None,
+                                            comm_ctas=c, splits=l, config=cfg))
+    assert not torch.isnan(base).any()
+    assert rel_err(base, ref) < 1e-2
+    assert all(torch.equal(o, base) for o in outs)
+
+
 def test_cached_binary_launches_give_the_bits_of_tritons_own_launches(monkeypatch):
     p = routed_problem(0, 1, device="cuda", **SHAPE)
     fast = [_poisoned_call(p, SHAPE["tokens"], SHAPE["topk"], comm_ctas=8) for _ in range(3)]

@@ -70,6 +70,23 @@ def kernels():
                                               "num_splits", "dest_rows", "stride_ym",
                                               "stride_yn")}, meta),
                meta, dict(num_warps=4, num_stages=3), None)
+    from megatron_overlap.kernels import gemm2_ws
+    from triton.experimental.gluon import language as gl
+
+    layout = repr(gl.NVMMASharedLayout.get_default_for([128, 64], gl.bfloat16))
+    gdesc = f"tensordesc<bf16[128,64],{layout}>"
+    for smem_epilogue in (False, True):  # (the Gluon kernel: GluonASTSource below)
+        meta = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, SEARCH_STEPS=6, STAGES=3,
+                    COL_ALIGN=16, SCATTER=True, EPILOGUE_CONVERT=smem_epilogue)
+        yield (f"grouped_gemm2_ws smem_epilogue={smem_epilogue}",
+               gemm2_ws.grouped_gemm2_ws_kernel,
+               _signature({"x_desc": gdesc, "w_desc": gdesc, "y_ptr": "*bf16",
+                           "row_start_ptr": "*i32", "tile_start_ptr": "*i32",
+                           "ready_ptr": "*i32", "dest_ptr": "*i32"},
+                          {n: "i32" for n in ("num_experts", "K", "N", "split_width",
+                                              "num_splits", "dest_rows", "stride_ym",
+                                              "stride_yn")}, meta),
+               meta, dict(num_warps=4, maxnreg=gemm2_ws.MAXNREG), None)
     for dest in (False, True):
         meta = dict(BLOCK_T=64, EXPERTS_POW2=64, SEARCH_STEPS=17, TOPK_POW2=4, CHECK_ROWS=256,
                     EXPERT_STEPS=7, WINDOW_STEPS=7, WRITE_DEST=dest)
@@ -87,14 +104,16 @@ def main() -> int:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+    from triton.experimental.gluon._runtime import GluonASTSource
 
     target = GPUTarget("cuda", 90, 32)
     failed = 0
     for name, fn, signature, constexprs, options, attrs in kernels():
         t0 = time.perf_counter()
         try:
-            compiled = triton.compile(ASTSource(fn=fn, signature=signature,
-                                                constexprs=constexprs, attrs=attrs),
+            source = GluonASTSource if getattr(fn, "is_gluon", lambda: False)() else ASTSource
+            compiled = triton.compile(source(fn=fn, signature=signature,
+                                             constexprs=constexprs, attrs=attrs),
                                       target=target, options=options)
         except Exception as err:  # noqa: BLE001 - report every kernel, then fail
             failed += 1

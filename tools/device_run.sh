@@ -30,7 +30,8 @@ for s in "$@"; do
   case $s in
     env) stage env 60 bash -c "nvidia-smi; nvidia-smi topo -m; python3 -c 'import torch,triton; print(torch.__version__, triton.__version__, torch.cuda.device_count())'" ;;
     gpu_tests) stage gpu_tests ${GPU_TEST_SECS:-240} python3 -m pytest -q -m gpu -p no:cacheprovider \
-        --rootdir "$REPO" -c "$REPO/pyproject.toml" "$REPO/tests/test_op_gpu.py" || {
+        --rootdir "$REPO" -c "$REPO/pyproject.toml" ${GPU_TEST_K:+-k "$GPU_TEST_K"} \
+        "$REPO/tests/test_kernels_gpu.py" "$REPO/tests/test_op_gpu.py" || {
         # later stages measure through Triton's own launch path rather than not at all
         echo "gpu_tests failed: MEGATRON_OVERLAP_FAST_LAUNCH=0 TAIL_HELPERS=0 from here on" | tee -a "$LOG"
         export MEGATRON_OVERLAP_FAST_LAUNCH=0 MEGATRON_OVERLAP_TAIL_HELPERS=0; } ;;
@@ -71,7 +72,11 @@ for s in "$@"; do
           --model granite,qwen,deepseek --layout $lay --seqs 1024,4096,16384 \
           --routing ${ROUTING:-uniform,p90} --cset 1,2,3,4,6,8,12,16,20,24,28,32,40,48 \
           --samples 10 --warmup 2 --confirm ${CONFIRM:-20} --preset "${PRESET:-$OUT/h200.json}" \
-          --json "$OUT/op_all_$lay.json"; done ;;
+          --json "$OUT/op_all_${TAG:-}$lay.json"; done ;;
+    gluon_tiles)  # later stages run GEMM2 by the Gluon kernel (TileConfig.gemm_impl)
+      python3 -c "import json; json.dump({'best': {'gemm': [128, 128, 64, 4, 3, False, '${GEMM_IMPL:-gluon}'],
+          'comm': [256, 1024, 32, True, 1, True]}}, open('$OUT/tiles_gluon.json', 'w'))"
+      export MEGATRON_OVERLAP_TILES=$OUT/tiles_gluon.json TAG=${GEMM_IMPL:-gluon}_ ;;
     demo) stage demo 240 bash -c "cd '$REPO' && make demo" ;;  # the README's main job, fresh venv
     ncu_gather)  # hardware counters of GatherRS alone (Firecracker machines only)
       stage ncu_gather 200 ncu --clock-control none --target-processes all \

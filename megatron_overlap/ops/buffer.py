@@ -187,7 +187,8 @@ class OverlapBuffer:
         gk = gemm2.launch_grouped_gemm2(
             x, w, y, idx, idx, self.ready, splits=1, programs=1, block_m=t.block_m,
             block_n=t.block_n, block_k=t.block_k, num_warps=t.gemm_warps,
-            num_stages=t.gemm_stages, flatten=t.gemm_flatten, warmup=True, dest=dest)
+            num_stages=t.gemm_stages, flatten=t.gemm_flatten, warmup=True, dest=dest,
+            impl=t.gemm_impl)
         table = torch.zeros(1, slots, dtype=torch.int32, device=dev)
         ptrs = torch.zeros(1, dtype=torch.int64, device=dev)
         ck = grs.launch_gather_rs(
@@ -198,9 +199,10 @@ class OverlapBuffer:
             item_stages=t.comm_stages, slot_loop=t.comm_slot_loop, warmup=True,
             token_major=t.token_major)
         occ, self.compiled_resources = [], {}
-        for name, k, warps in (("gemm2", gk, t.gemm_warps), ("gather_rs", ck, t.comm_warps)):
-            k._init_handles()
-            occ.append(resident_ctas(k.n_regs, warps * 32, k.metadata.shared).ctas_per_sm)
+        for name, k in (("gemm2", gk), ("gather_rs", ck)):
+            k._init_handles()  # (warps from the binary: a warp-specialized one has more)
+            occ.append(resident_ctas(k.n_regs, k.metadata.num_warps * 32,
+                                     k.metadata.shared).ctas_per_sm)
             self.compiled_resources[name] = dict(registers=k.n_regs, shared=k.metadata.shared,
                                                  spills=k.n_spills, ctas_per_sm=occ[-1])
         return occ[0], occ[1]
@@ -288,7 +290,7 @@ class OverlapBuffer:
         gemm_args = dict(splits=splits, programs=plan.compute_slots, block_m=t.block_m,
                          block_n=t.block_n, block_k=t.block_k, num_warps=t.gemm_warps,
                          num_stages=t.gemm_stages, upcast=self.backend == "interpret",
-                         flatten=t.gemm_flatten, dest=dest)
+                         flatten=t.gemm_flatten, dest=dest, impl=t.gemm_impl)
         if "comm" not in phases:
             gemm2.launch_grouped_gemm2(x, weight, y, row_start, tile_start, self.ready,
                                        **gemm_args)

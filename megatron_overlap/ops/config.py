@@ -101,6 +101,11 @@ class TileConfig:
     bits; on H200 GatherRS alone moved 1.1x-1.4x more bytes per CTA (docs/RESULTS.md).
     Under EP (tokens with rows elsewhere) y stays in GEMM2's row order: there the
     layout measured no faster and would double y (M k rows for about M k / EP).
+
+    `gemm_impl`: "triton" (`kernels/gemm2.py`, every backend) or a warp-specialized
+    Gluon kernel (`kernels/gemm2_ws.py`: a loader warp runs the TMA loads ahead across
+    tiles; CUDA on Hopper only), "gluon" storing from the accumulator's registers,
+    "gluon_smem_epilogue" through a layout change in shared memory first.
     """
 
     block_m: int
@@ -115,8 +120,19 @@ class TileConfig:
     comm_stages: int = 1  # GatherRS item-loop pipeline depth (1 = none)
     comm_slot_loop: bool = True  # gather one [TM, TN] tile per top-k slot (else [TM, k, TN])
     token_major: bool = True  # y rows in (token, slot) order: GEMM2 scatters, GatherRS streams
+    gemm_impl: str = "triton"  # GEMM2 kernel: "triton", or Gluon's warp-specialized ones
 
     def __post_init__(self) -> None:
+        from ..kernels.gemm2 import IMPLS
+
+        if self.gemm_impl not in IMPLS:
+            raise ValueError(f"TileConfig.gemm_impl must be one of {IMPLS}, got "
+                             f"{self.gemm_impl!r}")
+        if self.gemm_impl != "triton" and (self.block_m != 128 or self.block_n > 128
+                                           or self.gemm_warps != 4):
+            raise ValueError(f"TileConfig.gemm_impl={self.gemm_impl!r} runs 128 x (<= 128) "
+                             f"tiles on 4 warps, got {self.block_m} x {self.block_n}, "
+                             f"{self.gemm_warps} warps")
         if self.token_major and not self.comm_slot_loop:
             raise ValueError("a token-major y is gathered one slot at a time: "
                              "comm_slot_loop must be True (or token_major False)")
@@ -143,14 +159,15 @@ def load_tiles(path: str) -> TileConfig:
     try:
         with open(path) as f:
             best = json.load(f)["best"]
-        m, n, k, w, s, flat = best["gemm"]
+        m, n, k, w, s, flat, *impl = best["gemm"]  # [..., flatten, implementation]
         rows, tn, cw, *mode = best["comm"]  # [rows, tn, warps, slot loop, stages, token-major]
         slot_loop = bool(mode[0]) if mode else GPU_TILES.comm_slot_loop
         # files from before the layout choice: token-major where the gather allows it
         token_major = bool(mode[2]) if len(mode) > 2 else slot_loop and GPU_TILES.token_major
         return TileConfig(m, n, k, w, s, rows, tn, cw, bool(flat),
                           comm_stages=int(mode[1]) if len(mode) > 1 else 1,
-                          comm_slot_loop=slot_loop, token_major=token_major)
+                          comm_slot_loop=slot_loop, token_major=token_major,
+                          gemm_impl=str(impl[0]) if impl else GPU_TILES.gemm_impl)
     except (OSError, KeyError, ValueError, TypeError) as err:
         raise ValueError(f"{path}: not a tune_tiles result ({err})") from err
 

@@ -307,6 +307,10 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
     buf = OverlapBuffer.get(group, x.device, backend)
     buf.check(sync=False)
     tiles = config.tiles or buf.default_tiles()
+    if tiles.gemm_impl != "triton" and (backend != "triton" or x.dtype != torch.bfloat16):
+        raise ValueError(f"TileConfig.gemm_impl={tiles.gemm_impl!r} is a Gluon kernel for "
+                         f"bf16 on CUDA; got the {backend} backend and {x.dtype} "
+                         f"(gemm_impl='triton' runs everywhere)")
     # expert row / tile offsets (with host counts: one copy that also carries the counts)
     # and the combine table in one kernel that also checks the row order
     if counts is not None:

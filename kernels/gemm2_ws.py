@@ -1,0 +1,227 @@
+"""GEMM2 with a dedicated TMA loader warp (Gluon, Hopper): the same contract as
+`gemm2.grouped_gemm2_kernel` (tile order, split publication, SCATTER), other code.
+
+Why a second kernel: at the op's K (704 for Qwen/DeepSeek at TP2, 256 for Granite) a
+tile is only 4-11 K-steps, and the Triton kernel's software pipeline fills and drains
+once per tile: its next tile's first loads are issued only after the epilogue. Here a
+one-warp partition issues every TMA load of the program's tile sequence into a ring of
+STAGES buffers, running ahead across tile boundaries, while the default partition (one
+warpgroup) waits on the ring, issues the wgmma and stores. Two CTAs fit on an SM (ring
+96 KB at STAGES=3, 128 registers per thread at launch), so one CTA's epilogue overlaps
+the other's MMAs, as with the Triton kernel.
+
+Synchronization inside a CTA: ready[s] (the loader's expect-tx; TMA completes it) and
+empty[s] (the consumer arrives once the wgmma that read slot s has retired). Publication
+to GatherRS is the Triton kernel's: the tile's stores, a barrier over the consumer
+warpgroup, one release atomic on ready_ptr[split] at GPU scope.
+
+GPU only: Gluon has no interpreter path. CI checks that it compiles for sm_90
+(`tools/compile_check.py`); `tests/test_kernels_gpu.py` checks its output bitwise
+against the Triton kernel's, and the op picks it with `TileConfig.gemm_impl = "gluon"`.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, warpgroup_mma,
+                                                               warpgroup_mma_wait)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from .gemm2 import column_alignment, split_width
+from .launch_cache import LaunchCache
+
+# (Triton 3.6 names the partition-wide barrier thread_barrier, 3.7 barrier)
+_barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
+MAXNREG = 128  # 2 CTAs of (4 + 4 rounded-up loader) warps per SM: 2 * 256 * 128 = 64K
+
+
+@gluon.jit
+def _tile_of(tile, tiles_per_split, col_tiles, split_width, row_start_ptr, tile_start_ptr,
+             num_experts, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+             SEARCH_STEPS: gl.constexpr):
+    """(split, expert, first row, end row of the expert, first column) of a tile, in the
+    Triton kernel's order. The expert is found by a binary search over tile_start
+    (scalar loads that stay in L1): Triton 3.6 cannot build a reduction inside a
+    warp-specialized partition, which the Triton kernel's register-table lookup needs."""
+    split = tile // tiles_per_split
+    in_split = tile - split * tiles_per_split
+    row_tile = in_split // col_tiles
+    col_tile = in_split - row_tile * col_tiles
+    lo = 0  # the expert (the last one starting at or before row_tile) lies in [lo, hi)
+    hi = num_experts
+    for _ in gl.static_range(SEARCH_STEPS):
+        mid = (lo + hi) // 2
+        right = gl.load(tile_start_ptr + mid) <= row_tile
+        lo, hi = gl.where(right, mid, lo), gl.where(right, hi, mid)
+    expert = lo
+    first_row = gl.load(row_start_ptr + expert) \
+        + (row_tile - gl.load(tile_start_ptr + expert)) * BLOCK_M
+    end_row = gl.load(row_start_ptr + expert + 1)
+    col0 = split * split_width + col_tile * BLOCK_N
+    return split, expert, first_row, end_row, col0
+
+
+@gluon.jit
+def _load_partition(x_desc, w_desc, a_bufs, b_bufs, ready_bars, empty_bars, row_start_ptr,
+                    tile_start_ptr, num_experts, K, N, split_width, num_splits,
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                    SEARCH_STEPS: gl.constexpr, STAGES: gl.constexpr):
+    row_tiles = gl.load(tile_start_ptr + num_experts)
+    col_tiles = gl.cdiv(split_width, BLOCK_N)
+    tiles_per_split = row_tiles * col_tiles
+    nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes
+    count = 0
+    for tile in range(gl.program_id(0), tiles_per_split * num_splits, gl.num_programs(0)):
+        split, expert, first_row, end_row, col0 = _tile_of(
+            tile, tiles_per_split, col_tiles, split_width, row_start_ptr, tile_start_ptr,
+            num_experts, BLOCK_M, BLOCK_N, SEARCH_STEPS)
+        for k0 in range(0, K, BLOCK_K):
+            slot = count % STAGES
+            # a fresh mbarrier counts as having completed the phase before phase 0, so
+            # the first STAGES waits pass at once
+            mbarrier.wait(empty_bars.index(slot), ((count // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready_bars.index(slot), nbytes)
+            tma.async_copy_global_to_shared(x_desc, [first_row, k0], ready_bars.index(slot),
+                                            a_bufs.index(slot))
+            tma.async_copy_global_to_shared(w_desc, [expert * N + col0, k0],
+                                            ready_bars.index(slot), b_bufs.index(slot))
+            count += 1
+
+
+@gluon.jit
+def _mma_partition(y_ptr, dest_ptr, ready_ptr, a_bufs, b_bufs, ready_bars, empty_bars,
+                   row_start_ptr, tile_start_ptr, num_experts, K, N, split_width, num_splits,
+                   dest_rows, stride_ym, stride_yn, BLOCK_M: gl.constexpr,
+                   BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, SEARCH_STEPS: gl.constexpr,
+                   STAGES: gl.constexpr, COL_ALIGN: gl.constexpr, SCATTER: gl.constexpr,
+                   EPILOGUE_CONVERT: gl.constexpr):
+    WARPS: gl.constexpr = 4
+    row_tiles = gl.load(tile_start_ptr + num_experts)
+    col_tiles = gl.cdiv(split_width, BLOCK_N)
+    tiles_per_split = row_tiles * col_tiles
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BLOCK_N, 16])
+    if EPILOGUE_CONVERT:  # a row-contiguous layout: 16-byte stores, one layout change
+        out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])
+    else:  # store straight from the accumulator's registers: no shared scratch
+        out_layout: gl.constexpr = mma_layout
+    row_layout: gl.constexpr = gl.SliceLayout(1, out_layout)
+    col_layout: gl.constexpr = gl.SliceLayout(0, out_layout)
+    count = 0
+    for tile in range(gl.program_id(0), tiles_per_split * num_splits, gl.num_programs(0)):
+        split, expert, first_row, end_row, col0 = _tile_of(
+            tile, tiles_per_split, col_tiles, split_width, row_start_ptr, tile_start_ptr,
+            num_experts, BLOCK_M, BLOCK_N, SEARCH_STEPS)
+        rows = first_row + gl.arange(0, BLOCK_M, layout=row_layout)
+        if SCATTER:  # issued before the K loop, which hides its latency
+            out_rows = gl.load(dest_ptr + rows, mask=rows < end_row, other=-1)
+        else:
+            out_rows = rows
+        acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, mma_layout)
+        for k0 in range(0, K, BLOCK_K):
+            slot = count % STAGES
+            mbarrier.wait(ready_bars.index(slot), (count // STAGES) & 1)
+            a = a_bufs.index(slot)
+            b = b_bufs.index(slot)
+            acc = warpgroup_mma(a, b.permute((1, 0)), acc, is_async=True)
+            # one wgmma in flight: the one before it has read its slot, which goes back
+            acc = warpgroup_mma_wait(1, deps=(acc, a, b))[0]
+            mbarrier.arrive(empty_bars.index((count + STAGES - 1) % STAGES), pred=k0 > 0)
+            count += 1
+        acc = warpgroup_mma_wait(0, deps=(acc,))
+        mbarrier.arrive(empty_bars.index((count + STAGES - 1) % STAGES))
+        cols = col0 + gl.arange(0, BLOCK_N, layout=col_layout)
+        end_col = gl.multiple_of(gl.minimum(N, (split + 1) * split_width), COL_ALIGN)
+        if SCATTER:
+            row_ok = (out_rows >= 0) & (out_rows < dest_rows)
+        else:
+            row_ok = rows < end_row
+        out = gl.convert_layout(acc.to(y_ptr.dtype.element_ty), out_layout)
+        ptrs = y_ptr + out_rows[:, None].to(gl.int64) * stride_ym + cols[None, :] * stride_yn
+        gl.store(ptrs, out, mask=row_ok[:, None] & (cols < end_col)[None, :])
+        _barrier()  # the warpgroup's stores are issued before the release
+        gl.atomic_add(ready_ptr + split, 1, sem="release", scope="gpu")
+
+
+@gluon.jit(do_not_specialize=["num_experts", "K", "num_splits", "dest_rows"])
+def grouped_gemm2_ws_kernel(
+    x_desc, w_desc, y_ptr, row_start_ptr, tile_start_ptr, ready_ptr, dest_ptr,
+    num_experts, K, N, split_width, num_splits, dest_rows, stride_ym, stride_yn,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+    SEARCH_STEPS: gl.constexpr, STAGES: gl.constexpr, COL_ALIGN: gl.constexpr,
+    SCATTER: gl.constexpr, EPILOGUE_CONVERT: gl.constexpr,
+):
+    a_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape,
+                                       x_desc.layout)
+    b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape,
+                                       w_desc.layout)
+    ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready_bars.index(i), count=1)
+        mbarrier.init(empty_bars.index(i), count=1)
+    gl.warp_specialize([
+        (_mma_partition, (y_ptr, dest_ptr, ready_ptr, a_bufs, b_bufs, ready_bars, empty_bars,
+                          row_start_ptr, tile_start_ptr, num_experts, K, N, split_width,
+                          num_splits, dest_rows, stride_ym, stride_yn, BLOCK_M, BLOCK_N,
+                          BLOCK_K, SEARCH_STEPS, STAGES, COL_ALIGN, SCATTER,
+                          EPILOGUE_CONVERT)),
+        (_load_partition, (x_desc, w_desc, a_bufs, b_bufs, ready_bars, empty_bars,
+                           row_start_ptr, tile_start_ptr, num_experts, K, N, split_width,
+                           num_splits, BLOCK_M, BLOCK_N, BLOCK_K, SEARCH_STEPS, STAGES)),
+    ], [1], [24])
+
+
+def _ws_args(x, weight, y, row_start, tile_start, ready, splits, block_m, block_n, block_k,
+             stages, dest, smem_epilogue):
+    num_experts, hidden, k = weight.shape
+    a_layout = gl.NVMMASharedLayout.get_default_for([block_m, block_k], gl.bfloat16)
+    b_layout = gl.NVMMASharedLayout.get_default_for([block_n, block_k], gl.bfloat16)
+    x_desc = TensorDescriptor.from_tensor(x, [block_m, block_k], a_layout)
+    w_desc = TensorDescriptor.from_tensor(weight.view(num_experts * hidden, k),
+                                          [block_n, block_k], b_layout)
+    args = (x_desc, w_desc, y, row_start, tile_start, ready,
+            dest if dest is not None else row_start, num_experts, k, hidden,
+            split_width(hidden, splits), splits, y.shape[0], y.stride(0), y.stride(1))
+    meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                SEARCH_STEPS=(num_experts - 1).bit_length(), STAGES=stages,
+                COL_ALIGN=column_alignment(hidden, splits), SCATTER=dest is not None,
+                EPILOGUE_CONVERT=smem_epilogue, num_warps=4, maxnreg=MAXNREG)
+    return args, meta
+
+
+def check_shapes(block_m: int, block_n: int, block_k: int, num_warps: int) -> None:
+    """The tile shapes this kernel is written for (ValueError otherwise)."""
+    if block_m != 128 or block_n > 128 or block_n % 16 or block_k % 16 or num_warps != 4:
+        raise ValueError(f"the Gluon GEMM2 runs 128 x (16..128) x 16k tiles on one "
+                         f"warpgroup (4 warps), got {block_m} x {block_n} x {block_k}, "
+                         f"{num_warps} warps")
+
+
+def launch_grouped_gemm2_ws(x, weight, y, row_start, tile_start, ready, *, splits: int,
+                            programs: int, block_m: int, block_n: int, block_k: int,
+                            num_warps: int = 4, num_stages: int = 3,
+                            dest: torch.Tensor | None = None, smem_epilogue: bool = False,
+                            warmup: bool = False, launcher: bool = False):
+    """`gemm2.launch_grouped_gemm2`'s contract (x [T, K] and weight [E, N, K] in bf16, y,
+    offsets, ready flags, optional dest) with the warp-specialized kernel. With `warmup`
+    it returns the compiled kernel; with `launcher` a `launch(stream=None)` callable whose
+    kernel is compiled and loaded now (`gemm2.grouped_gemm2_launcher`)."""
+    check_shapes(block_m, block_n, block_k, num_warps)
+    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
+        raise ValueError(f"the Gluon GEMM2 takes bf16 x and weight, got {x.dtype}, {weight.dtype}")
+    if x.shape[0] == 0:
+        return (lambda stream=None: None) if launcher else None
+    args, meta = _ws_args(x, weight, y, row_start, tile_start, ready, splits, block_m,
+                          block_n, block_k, num_stages, dest, smem_epilogue)
+    if warmup:
+        return grouped_gemm2_ws_kernel.warmup(*args, grid=(1,), **meta)
+    if launcher:
+        hit = _GEMM2_WS.compiled(args, meta)
+        return lambda stream=None: _GEMM2_WS.launch((programs,), args, meta, hit, stream=stream)
+    return _GEMM2_WS.launch((programs,), args, meta)
+
+
+_GEMM2_WS = LaunchCache(grouped_gemm2_ws_kernel)

@@ -1,0 +1,77 @@
+"""GEMM2 kernels on a real GPU (device machine): `pytest -m gpu tests/test_kernels_gpu.py`.
+
+The warp-specialized Gluon GEMM2 (`kernels/gemm2_ws.py`) has no interpreter path, so
+this is where its output, its readiness counts and its agreement with the Triton kernel
+are checked; `tools/compile_check.py` (CPU suite) checks that it compiles.
+"""
+
+import pytest
+import torch
+
+from megatron_overlap.kernels import gemm2
+from routing_cases import routed_problem
+
+pytestmark = pytest.mark.gpu
+BLOCKS = dict(block_m=128, block_n=128, block_k=64)
+
+
+def _run(p, impl, splits, programs, dest=None, rows=None):
+    x, w = p["x"], p["weight"]
+    row_start, tile_start = gemm2.expert_offsets(p["counts"].to(x.device), 128)
+    y = torch.full((rows or x.shape[0], w.shape[1]), float("nan"), dtype=x.dtype,
+                   device=x.device)  # poisoned: every row the kernel owns must be written
+    ready = torch.zeros(8, dtype=torch.int32, device=x.device)
+    gemm2.launch_grouped_gemm2(x, w, y, row_start, tile_start, ready, splits=splits,
+                               programs=programs, **BLOCKS, dest=dest, impl=impl)
+    torch.cuda.synchronize()
+    return y, ready
+
+
+@pytest.mark.parametrize("impl", ["gluon", "gluon_smem_epilogue"])
+@pytest.mark.parametrize("case", ["ragged", "empty and hot experts"])
+def test_gluon_gemm2_gives_the_triton_kernels_bits_and_publishes_every_split(impl, case):
+    kw = dict(hot=True, empty=(3, 7, 59)) if case != "ragged" else {}
+    p = routed_problem(0, 1, tokens=1500, experts=60, topk=4, ffn=704, hidden=2048,
+                       seed=5, device="cuda", **kw)
+    counts = p["counts"].tolist()
+    ref = gemm2.grouped_gemm2_reference(p["x"], p["weight"], counts).float()
+    row_tiles = sum(-(-c // 128) for c in counts)
+    for splits, programs in ((1, 1), (3, 7), (4, 264)):
+        want, want_ready = _run(p, "triton", splits, programs)
+        got, ready = _run(p, impl, splits, programs)
+        assert not torch.isnan(got).any()
+        assert float((got.float() - ref).norm() / ref.norm()) < 1e-2
+        assert torch.equal(got, want)
+        col_tiles = -(-gemm2.split_width(2048, splits) // 128)
+        assert ready[:splits].tolist() == [row_tiles * col_tiles] * splits
+        assert torch.equal(ready, want_ready)
+
+
+def test_gluon_gemm2_scatter_drops_rows_outside_y_as_the_triton_kernel_does():
+    p = routed_problem(0, 1, tokens=700, experts=16, topk=2, ffn=256, hidden=1024, seed=6,
+                       device="cuda")
+    t = p["x"].shape[0]
+    dest = torch.randperm(t, device="cuda", dtype=torch.int64).to(torch.int32)
+    dest[::5] = t + 3  # outside y: dropped
+    dest[1::7] = -1
+    want, _ = _run(p, "triton", 2, 11, dest=dest)
+    got, _ = _run(p, "gluon", 2, 11, dest=dest)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(got.nan_to_num(0.0), want.nan_to_num(0.0))
+    kept = (dest >= 0) & (dest < t)
+    assert int((~got.isnan().all(dim=1)).sum()) == int(kept.sum())
+
+
+def test_gluon_gemm2_rejects_shapes_and_dtypes_it_is_not_written_for():
+    p = routed_problem(0, 1, tokens=64, experts=4, topk=2, ffn=64, hidden=256, seed=7,
+                       device="cuda")
+    row_start, tile_start = gemm2.expert_offsets(p["counts"].cuda(), 128)
+    y = torch.empty(p["x"].shape[0], 256, dtype=torch.bfloat16, device="cuda")
+    ready = torch.zeros(4, dtype=torch.int32, device="cuda")
+    common = dict(splits=1, programs=4, block_k=64, impl="gluon")
+    with pytest.raises(ValueError, match="128 x"):
+        gemm2.launch_grouped_gemm2(p["x"], p["weight"], y, row_start, tile_start, ready,
+                                   block_m=64, block_n=128, **common)
+    with pytest.raises(ValueError, match="bf16"):
+        gemm2.launch_grouped_gemm2(p["x"].half(), p["weight"].half(), y.half(), row_start,
+                                   tile_start, ready, block_m=128, block_n=128, **common)
