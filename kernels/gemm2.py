@@ -237,8 +237,9 @@ def grouped_gemm2_launcher(x, weight, y, row_start, tile_start, ready, *, splits
 _GEMM2 = LaunchCache(grouped_gemm2_kernel)
 
 #: GEMM2 implementations: this file's Triton kernel, and the warp-specialized Gluon
-#: kernel of `gemm2_ws` (Hopper; its epilogue from registers or through shared memory)
-IMPLS = ("triton", "gluon", "gluon_smem_epilogue")
+#: kernel of `gemm2_ws` (Hopper): tiles published by a warp of their own, or by the
+#: warpgroup that stored them ("gluon_inline_publish")
+IMPLS = ("triton", "gluon", "gluon_inline_publish")
 
 
 def _check_dest(x, dest) -> None:
@@ -259,7 +260,7 @@ def _ws_kwargs(impl, splits, programs, block_m, block_n, block_k, num_warps, num
                dest) -> dict:
     return dict(splits=splits, programs=programs, block_m=block_m, block_n=block_n,
                 block_k=block_k, num_warps=num_warps, num_stages=num_stages, dest=dest,
-                smem_epilogue=impl == "gluon_smem_epilogue")
+                publisher=impl != "gluon_inline_publish")
 
 
 def grouped_gemm2_reference(x: torch.Tensor, weight: torch.Tensor,

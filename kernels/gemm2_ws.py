@@ -64,19 +64,30 @@ def _tile_of(tile, tiles_per_split, col_tiles, split_width, row_start_ptr, tile_
 
 
 @gluon.jit
-def _load_partition(x_desc, w_desc, a_bufs, b_bufs, ready_bars, empty_bars, row_start_ptr,
-                    tile_start_ptr, num_experts, K, N, split_width, num_splits,
-                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                    SEARCH_STEPS: gl.constexpr, STAGES: gl.constexpr):
+def _tile_counts(tile_start_ptr, num_experts, split_width, num_splits, BLOCK_N: gl.constexpr):
     row_tiles = gl.load(tile_start_ptr + num_experts)
-    col_tiles = gl.cdiv(split_width, BLOCK_N)
-    tiles_per_split = row_tiles * col_tiles
+    tiles_per_split = row_tiles * gl.cdiv(split_width, BLOCK_N)
+    return tiles_per_split, tiles_per_split * num_splits
+
+
+@gluon.jit
+def _load_partition(descs, bufs, bars, ptrs, sizes, BLOCK_M: gl.constexpr,
+                    BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, SEARCH_STEPS: gl.constexpr,
+                    STAGES: gl.constexpr, SLOTS: gl.constexpr):
+    """One warp: every TMA load of this program's tiles, STAGES ahead of the wgmma."""
+    x_desc, w_desc = descs
+    a_bufs, b_bufs = bufs
+    ready_bars, empty_bars, stored_bars, free_bars = bars
+    y_ptr, dest_ptr, ready_ptr, row_start_ptr, tile_start_ptr = ptrs
+    num_experts, K, N, split_width, num_splits, dest_rows, stride_ym, stride_yn = sizes
+    tiles_per_split, total = _tile_counts(tile_start_ptr, num_experts, split_width,
+                                          num_splits, BLOCK_N)
     nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes
     count = 0
-    for tile in range(gl.program_id(0), tiles_per_split * num_splits, gl.num_programs(0)):
+    for tile in range(gl.program_id(0), total, gl.num_programs(0)):
         split, expert, first_row, end_row, col0 = _tile_of(
-            tile, tiles_per_split, col_tiles, split_width, row_start_ptr, tile_start_ptr,
-            num_experts, BLOCK_M, BLOCK_N, SEARCH_STEPS)
+            tile, tiles_per_split, gl.cdiv(split_width, BLOCK_N), split_width, row_start_ptr,
+            tile_start_ptr, num_experts, BLOCK_M, BLOCK_N, SEARCH_STEPS)
         for k0 in range(0, K, BLOCK_K):
             slot = count % STAGES
             # a fresh mbarrier counts as having completed the phase before phase 0, so
@@ -91,29 +102,54 @@ def _load_partition(x_desc, w_desc, a_bufs, b_bufs, ready_bars, empty_bars, row_
 
 
 @gluon.jit
-def _mma_partition(y_ptr, dest_ptr, ready_ptr, a_bufs, b_bufs, ready_bars, empty_bars,
-                   row_start_ptr, tile_start_ptr, num_experts, K, N, split_width, num_splits,
-                   dest_rows, stride_ym, stride_yn, BLOCK_M: gl.constexpr,
-                   BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, SEARCH_STEPS: gl.constexpr,
-                   STAGES: gl.constexpr, COL_ALIGN: gl.constexpr, SCATTER: gl.constexpr,
-                   EPILOGUE_CONVERT: gl.constexpr):
+def _publish_partition(descs, bufs, bars, ptrs, sizes, BLOCK_M: gl.constexpr,
+                       BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                       SEARCH_STEPS: gl.constexpr, STAGES: gl.constexpr,
+                       SLOTS: gl.constexpr):
+    """One warp: the release atomic of every stored tile. The GPU-scope release waits
+    until the tile's stores are visible; here that wait overlaps the next tile's MMAs
+    instead of stalling the warpgroup. Ordering: the warpgroup's stores, its barrier,
+    its arrive on stored[s] (release, CTA scope), this warp's wait (acquire, CTA scope),
+    then the atomic (release, GPU scope: cumulative over what this warp has observed)."""
+    ready_bars, empty_bars, stored_bars, free_bars = bars
+    y_ptr, dest_ptr, ready_ptr, row_start_ptr, tile_start_ptr = ptrs
+    num_experts, K, N, split_width, num_splits, dest_rows, stride_ym, stride_yn = sizes
+    tiles_per_split, total = _tile_counts(tile_start_ptr, num_experts, split_width,
+                                          num_splits, BLOCK_N)
+    i = 0
+    for tile in range(gl.program_id(0), total, gl.num_programs(0)):
+        slot = i % SLOTS
+        mbarrier.wait(stored_bars.index(slot), (i // SLOTS) & 1)
+        gl.atomic_add(ready_ptr + tile // tiles_per_split, 1, sem="release", scope="gpu")
+        mbarrier.arrive(free_bars.index(slot))
+        i += 1
+
+
+@gluon.jit
+def _mma_partition(bufs, bars, ptrs, sizes, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   BLOCK_K: gl.constexpr, SEARCH_STEPS: gl.constexpr, STAGES: gl.constexpr,
+                   SLOTS: gl.constexpr, COL_ALIGN: gl.constexpr, SCATTER: gl.constexpr,
+                   PUBLISHER: gl.constexpr):
+    """One warpgroup: wgmma over the ring, then the epilogue (a layout change through
+    shared memory for row-contiguous 16-byte stores) and the tile's publication."""
+    a_bufs, b_bufs = bufs
+    ready_bars, empty_bars, stored_bars, free_bars = bars
+    y_ptr, dest_ptr, ready_ptr, row_start_ptr, tile_start_ptr = ptrs
+    num_experts, K, N, split_width, num_splits, dest_rows, stride_ym, stride_yn = sizes
     WARPS: gl.constexpr = 4
-    row_tiles = gl.load(tile_start_ptr + num_experts)
-    col_tiles = gl.cdiv(split_width, BLOCK_N)
-    tiles_per_split = row_tiles * col_tiles
+    tiles_per_split, total = _tile_counts(tile_start_ptr, num_experts, split_width,
+                                          num_splits, BLOCK_N)
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BLOCK_N, 16])
-    if EPILOGUE_CONVERT:  # a row-contiguous layout: 16-byte stores, one layout change
-        out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])
-    else:  # store straight from the accumulator's registers: no shared scratch
-        out_layout: gl.constexpr = mma_layout
+    out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])
     row_layout: gl.constexpr = gl.SliceLayout(1, out_layout)
     col_layout: gl.constexpr = gl.SliceLayout(0, out_layout)
     count = 0
-    for tile in range(gl.program_id(0), tiles_per_split * num_splits, gl.num_programs(0)):
+    i = 0
+    for tile in range(gl.program_id(0), total, gl.num_programs(0)):
         split, expert, first_row, end_row, col0 = _tile_of(
-            tile, tiles_per_split, col_tiles, split_width, row_start_ptr, tile_start_ptr,
-            num_experts, BLOCK_M, BLOCK_N, SEARCH_STEPS)
+            tile, tiles_per_split, gl.cdiv(split_width, BLOCK_N), split_width, row_start_ptr,
+            tile_start_ptr, num_experts, BLOCK_M, BLOCK_N, SEARCH_STEPS)
         rows = first_row + gl.arange(0, BLOCK_M, layout=row_layout)
         if SCATTER:  # issued before the K loop, which hides its latency
             out_rows = gl.load(dest_ptr + rows, mask=rows < end_row, other=-1)
@@ -139,10 +175,16 @@ def _mma_partition(y_ptr, dest_ptr, ready_ptr, a_bufs, b_bufs, ready_bars, empty
         else:
             row_ok = rows < end_row
         out = gl.convert_layout(acc.to(y_ptr.dtype.element_ty), out_layout)
-        ptrs = y_ptr + out_rows[:, None].to(gl.int64) * stride_ym + cols[None, :] * stride_yn
-        gl.store(ptrs, out, mask=row_ok[:, None] & (cols < end_col)[None, :])
-        _barrier()  # the warpgroup's stores are issued before the release
-        gl.atomic_add(ready_ptr + split, 1, sem="release", scope="gpu")
+        y_tile = y_ptr + out_rows[:, None].to(gl.int64) * stride_ym + cols[None, :] * stride_yn
+        gl.store(y_tile, out, mask=row_ok[:, None] & (cols < end_col)[None, :])
+        _barrier()  # the warpgroup's stores are issued (CTA-ordered) before thread 0 goes on
+        if PUBLISHER:
+            slot = i % SLOTS
+            mbarrier.wait(free_bars.index(slot), ((i // SLOTS) & 1) ^ 1)
+            mbarrier.arrive(stored_bars.index(slot))
+        else:
+            gl.atomic_add(ready_ptr + split, 1, sem="release", scope="gpu")
+        i += 1
 
 
 @gluon.jit(do_not_specialize=["num_experts", "K", "num_splits", "dest_rows"])
@@ -151,31 +193,49 @@ def grouped_gemm2_ws_kernel(
     num_experts, K, N, split_width, num_splits, dest_rows, stride_ym, stride_yn,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
     SEARCH_STEPS: gl.constexpr, STAGES: gl.constexpr, COL_ALIGN: gl.constexpr,
-    SCATTER: gl.constexpr, EPILOGUE_CONVERT: gl.constexpr,
+    SCATTER: gl.constexpr, PUBLISHER: gl.constexpr,
 ):
+    SLOTS: gl.constexpr = 4  # stored tiles the publisher may lag behind
     a_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape,
                                        x_desc.layout)
     b_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape,
                                        w_desc.layout)
     ready_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    stored_bars = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
+    free_bars = gl.allocate_shared_memory(gl.int64, [SLOTS, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready_bars.index(i), count=1)
         mbarrier.init(empty_bars.index(i), count=1)
-    gl.warp_specialize([
-        (_mma_partition, (y_ptr, dest_ptr, ready_ptr, a_bufs, b_bufs, ready_bars, empty_bars,
-                          row_start_ptr, tile_start_ptr, num_experts, K, N, split_width,
-                          num_splits, dest_rows, stride_ym, stride_yn, BLOCK_M, BLOCK_N,
-                          BLOCK_K, SEARCH_STEPS, STAGES, COL_ALIGN, SCATTER,
-                          EPILOGUE_CONVERT)),
-        (_load_partition, (x_desc, w_desc, a_bufs, b_bufs, ready_bars, empty_bars,
-                           row_start_ptr, tile_start_ptr, num_experts, K, N, split_width,
-                           num_splits, BLOCK_M, BLOCK_N, BLOCK_K, SEARCH_STEPS, STAGES)),
-    ], [1], [24])
+    for i in gl.static_range(SLOTS):
+        mbarrier.init(stored_bars.index(i), count=1)
+        mbarrier.init(free_bars.index(i), count=1)
+    descs = (x_desc, w_desc)
+    bufs = (a_bufs, b_bufs)
+    bars = (ready_bars, empty_bars, stored_bars, free_bars)
+    ptrs = (y_ptr, dest_ptr, ready_ptr, row_start_ptr, tile_start_ptr)
+    sizes = (num_experts, K, N, split_width, num_splits, dest_rows, stride_ym, stride_yn)
+    # (constexprs passed one by one: a tuple of them would lose their constexpr-ness)
+    if PUBLISHER:
+        gl.warp_specialize([
+            (_mma_partition, (bufs, bars, ptrs, sizes, BLOCK_M, BLOCK_N, BLOCK_K,
+                              SEARCH_STEPS, STAGES, SLOTS, COL_ALIGN, SCATTER, True)),
+            (_load_partition, (descs, bufs, bars, ptrs, sizes, BLOCK_M, BLOCK_N, BLOCK_K,
+                               SEARCH_STEPS, STAGES, SLOTS)),
+            (_publish_partition, (descs, bufs, bars, ptrs, sizes, BLOCK_M, BLOCK_N, BLOCK_K,
+                                  SEARCH_STEPS, STAGES, SLOTS)),
+        ], [1, 1], [24, 24])
+    else:
+        gl.warp_specialize([
+            (_mma_partition, (bufs, bars, ptrs, sizes, BLOCK_M, BLOCK_N, BLOCK_K,
+                              SEARCH_STEPS, STAGES, SLOTS, COL_ALIGN, SCATTER, False)),
+            (_load_partition, (descs, bufs, bars, ptrs, sizes, BLOCK_M, BLOCK_N, BLOCK_K,
+                               SEARCH_STEPS, STAGES, SLOTS)),
+        ], [1], [24])
 
 
 def _ws_args(x, weight, y, row_start, tile_start, ready, splits, block_m, block_n, block_k,
-             stages, dest, smem_epilogue):
+             stages, dest, publisher):
     num_experts, hidden, k = weight.shape
     a_layout = gl.NVMMASharedLayout.get_default_for([block_m, block_k], gl.bfloat16)
     b_layout = gl.NVMMASharedLayout.get_default_for([block_n, block_k], gl.bfloat16)
@@ -188,7 +248,7 @@ def _ws_args(x, weight, y, row_start, tile_start, ready, splits, block_m, block_
     meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                 SEARCH_STEPS=(num_experts - 1).bit_length(), STAGES=stages,
                 COL_ALIGN=column_alignment(hidden, splits), SCATTER=dest is not None,
-                EPILOGUE_CONVERT=smem_epilogue, num_warps=4, maxnreg=MAXNREG)
+                PUBLISHER=publisher, num_warps=4, maxnreg=MAXNREG)
     return args, meta
 
 
@@ -203,7 +263,7 @@ def check_shapes(block_m: int, block_n: int, block_k: int, num_warps: int) -> No
 def launch_grouped_gemm2_ws(x, weight, y, row_start, tile_start, ready, *, splits: int,
                             programs: int, block_m: int, block_n: int, block_k: int,
                             num_warps: int = 4, num_stages: int = 3,
-                            dest: torch.Tensor | None = None, smem_epilogue: bool = False,
+                            dest: torch.Tensor | None = None, publisher: bool = True,
                             warmup: bool = False, launcher: bool = False):
     """`gemm2.launch_grouped_gemm2`'s contract (x [T, K] and weight [E, N, K] in bf16, y,
     offsets, ready flags, optional dest) with the warp-specialized kernel. With `warmup`
@@ -215,7 +275,7 @@ def launch_grouped_gemm2_ws(x, weight, y, row_start, tile_start, ready, *, split
     if x.shape[0] == 0:
         return (lambda stream=None: None) if launcher else None
     args, meta = _ws_args(x, weight, y, row_start, tile_start, ready, splits, block_m,
-                          block_n, block_k, num_stages, dest, smem_epilogue)
+                          block_n, block_k, num_stages, dest, publisher)
     if warmup:
         return grouped_gemm2_ws_kernel.warmup(*args, grid=(1,), **meta)
     if launcher:

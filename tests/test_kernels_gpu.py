@@ -27,7 +27,7 @@ def _run(p, impl, splits, programs, dest=None, rows=None):
     return y, ready
 
 
-@pytest.mark.parametrize("impl", ["gluon", "gluon_smem_epilogue"])
+@pytest.mark.parametrize("impl", ["gluon", "gluon_inline_publish"])
 @pytest.mark.parametrize("case", ["ragged", "empty and hot experts"])
 def test_gluon_gemm2_gives_the_triton_kernels_bits_and_publishes_every_split(impl, case):
     kw = dict(hot=True, empty=(3, 7, 59)) if case != "ragged" else {}

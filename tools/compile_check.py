@@ -75,10 +75,10 @@ def kernels():
 
     layout = repr(gl.NVMMASharedLayout.get_default_for([128, 64], gl.bfloat16))
     gdesc = f"tensordesc<bf16[128,64],{layout}>"
-    for smem_epilogue in (False, True):  # (the Gluon kernel: GluonASTSource below)
+    for publisher in (True, False):  # (the Gluon kernel: GluonASTSource below)
         meta = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, SEARCH_STEPS=6, STAGES=3,
-                    COL_ALIGN=16, SCATTER=True, EPILOGUE_CONVERT=smem_epilogue)
-        yield (f"grouped_gemm2_ws smem_epilogue={smem_epilogue}",
+                    COL_ALIGN=16, SCATTER=True, PUBLISHER=publisher)
+        yield (f"grouped_gemm2_ws publisher={publisher}",
                gemm2_ws.grouped_gemm2_ws_kernel,
                _signature({"x_desc": gdesc, "w_desc": gdesc, "y_ptr": "*bf16",
                            "row_start_ptr": "*i32", "tile_start_ptr": "*i32",

@@ -49,7 +49,7 @@ VARIANTS = {
     "tokens cp.async s2": R(GPU_TILES, comm_rows=128, comm_stages=2),
     # GEMM2 by the warp-specialized Gluon kernel (kernels/gemm2_ws.py, session 7)
     "tokens+gluon": R(GPU_TILES, gemm_impl="gluon"),
-    "tokens+gluon_smem": R(GPU_TILES, gemm_impl="gluon_smem_epilogue"),
+    "tokens+gluon_inline": R(GPU_TILES, gemm_impl="gluon_inline_publish"),
     "rows+gluon": R(GPU_TILES, token_major=False, gemm_impl="gluon"),
 }
 CASES = ["qwen/TP2EP1/16384", "qwen/TP2EP1/4096", "deepseek/TP2EP1/16384",

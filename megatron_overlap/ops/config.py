@@ -104,8 +104,8 @@ class TileConfig:
 
     `gemm_impl`: "triton" (`kernels/gemm2.py`, every backend) or a warp-specialized
     Gluon kernel (`kernels/gemm2_ws.py`: a loader warp runs the TMA loads ahead across
-    tiles; CUDA on Hopper only), "gluon" storing from the accumulator's registers,
-    "gluon_smem_epilogue" through a layout change in shared memory first.
+    tiles; CUDA on Hopper only): "gluon" publishes each stored tile from a warp of its
+    own, "gluon_inline_publish" from the warpgroup that stored it, as the Triton kernel.
     """
 
     block_m: int
