@@ -22,6 +22,8 @@ against the Triton kernel's, and the op picks it with `TileConfig.gemm_impl = "g
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
@@ -234,11 +236,16 @@ def grouped_gemm2_ws_kernel(
         ], [1], [24])
 
 
+@functools.lru_cache(maxsize=16)
+def _smem_layout(rows: int, cols: int):
+    # (cached: building it costs ~9 us of host time on the launch path, twice per launch)
+    return gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16)
+
+
 def _ws_args(x, weight, y, row_start, tile_start, ready, splits, block_m, block_n, block_k,
              stages, dest, publisher):
     num_experts, hidden, k = weight.shape
-    a_layout = gl.NVMMASharedLayout.get_default_for([block_m, block_k], gl.bfloat16)
-    b_layout = gl.NVMMASharedLayout.get_default_for([block_n, block_k], gl.bfloat16)
+    a_layout, b_layout = _smem_layout(block_m, block_k), _smem_layout(block_n, block_k)
     x_desc = TensorDescriptor.from_tensor(x, [block_m, block_k], a_layout)
     w_desc = TensorDescriptor.from_tensor(weight.view(num_experts * hidden, k),
                                           [block_n, block_k], b_layout)

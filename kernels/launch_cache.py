@@ -120,7 +120,7 @@ class LaunchCache:
             elif isinstance(a, GluonDescriptor):
                 parts.append((a.base.dtype, tuple(a.block_shape), a.base.data_ptr() % 16 == 0,
                                tuple(a.strides), tuple(s % 16 == 0 for s in a.shape),
-                               a.padding, repr(a.layout)))
+                               a.padding, a.layout))
             else:  # a kind we do not know how Triton specializes: no fast path
                 return None
         return tuple(parts), tuple(meta.items())
