@@ -28,6 +28,7 @@ all; tile 37 is split 1, row tile 0 (expert 0, rows 0..127), columns 1664..1791.
 
 from __future__ import annotations
 
+import functools
 from array import array
 from itertools import accumulate
 
@@ -198,6 +199,7 @@ def launch_grouped_gemm2(
     "triton" (this kernel) or a Gluon kernel of `gemm2_ws` (CUDA only), same contract.
     """
     _check_dest(x, dest)
+    impl = resolve_impl(impl, x, block_m, block_n, num_warps)
     if impl != "triton":
         return _gluon(impl)(x, weight, y, row_start, tile_start, ready, **_ws_kwargs(
             impl, splits, programs, block_m, block_n, block_k, num_warps, num_stages, dest),
@@ -222,6 +224,7 @@ def grouped_gemm2_launcher(x, weight, y, row_start, tile_start, ready, *, splits
     with its kernel compiled and loaded now: launched after GatherRS, GEMM2 must not wait
     for a JIT compile or a lazy module load while communication CTAs spin on its flags."""
     _check_dest(x, dest)
+    impl = resolve_impl(impl, x, block_m, block_n, num_warps)
     if impl != "triton":
         return _gluon(impl)(x, weight, y, row_start, tile_start, ready, **_ws_kwargs(
             impl, splits, programs, block_m, block_n, block_k, num_warps, num_stages, dest),
@@ -238,8 +241,29 @@ _GEMM2 = LaunchCache(grouped_gemm2_kernel)
 
 #: GEMM2 implementations: this file's Triton kernel, and the warp-specialized Gluon
 #: kernel of `gemm2_ws` (Hopper): tiles published by a warp of their own, or by the
-#: warpgroup that stored them ("gluon_inline_publish")
+#: warpgroup that stored them ("gluon_inline_publish"); "auto" picks (`resolve_impl`)
 IMPLS = ("triton", "gluon", "gluon_inline_publish")
+
+
+def resolve_impl(impl: str, x: torch.Tensor, block_m: int, block_n: int, num_warps: int) -> str:
+    """`impl`, or for "auto" the Gluon kernel where it runs and measured faster (bf16 on
+    a Hopper GPU with its one tile shape; docs/RESULTS.md, session 7), else Triton's."""
+    if impl != "auto":
+        return impl
+    ok = (x.is_cuda and x.dtype == torch.bfloat16 and block_m == 128 and block_n <= 128
+          and num_warps == 4 and _gluon_runs_on(x.device.index or 0))
+    return "gluon" if ok else "triton"
+
+
+@functools.lru_cache(maxsize=16)
+def _gluon_runs_on(device_index: int) -> bool:
+    if torch.cuda.get_device_capability(device_index) != (9, 0):
+        return False  # wgmma and this TMA pipeline are sm_90 only
+    try:
+        from . import gemm2_ws  # noqa: F401 - a Triton without (this) Gluon API
+    except (ImportError, AttributeError):
+        return False
+    return True
 
 
 def _check_dest(x, dest) -> None:

@@ -75,3 +75,12 @@ def test_gluon_gemm2_rejects_shapes_and_dtypes_it_is_not_written_for():
     with pytest.raises(ValueError, match="bf16"):
         gemm2.launch_grouped_gemm2(p["x"].half(), p["weight"].half(), y.half(), row_start,
                                    tile_start, ready, block_m=128, block_n=128, **common)
+
+
+def test_auto_picks_the_gluon_kernel_for_bf16_on_hopper_and_triton_otherwise():
+    x = torch.empty(4, 64, dtype=torch.bfloat16, device="cuda")
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    assert gemm2.resolve_impl("auto", x, 128, 128, 4) == ("gluon" if hopper else "triton")
+    assert gemm2.resolve_impl("auto", x.half(), 128, 128, 4) == "triton"
+    assert gemm2.resolve_impl("auto", x, 128, 256, 8) == "triton"
+    assert gemm2.resolve_impl("triton", x, 128, 128, 4) == "triton"

@@ -138,6 +138,21 @@ def test_bad_sizes_and_backends_raise_clear_errors():
         call(p, 30, 2, dataclasses.replace(INTERP, tiles=gluon))
 
 
+def test_auto_gemm_kernel_is_the_triton_one_off_cuda():
+    """gemm_impl "auto" (the GPU default) resolves per device and dtype; on CPU tensors
+    (the interpreter) it is the Triton kernel, and the op runs with it."""
+    from megatron_overlap.kernels import gemm2
+
+    x = torch.empty(4, 16, dtype=torch.bfloat16)
+    assert GPU_TILES.gemm_impl == "auto" and INTERPRET_TILES.gemm_impl == "triton"
+    assert gemm2.resolve_impl("auto", x, 128, 128, 4) == "triton"
+    assert op_module._resolved(GPU_TILES, x.device, x.dtype).gemm_impl == "triton"
+    auto = dataclasses.replace(INTERPRET_TILES, gemm_impl="auto")
+    p = routed_problem(0, 1, tokens=30, experts=3, topk=2, ffn=16, hidden=32)
+    got = call(p, 30, 2, dataclasses.replace(INTERP, tiles=auto))
+    assert rel_err(got, fp64_rank_partial(p, 30)) < 1e-2
+
+
 def test_tiles_file_from_the_environment_replaces_the_gpu_defaults(tmp_path, monkeypatch):
     import json
 
@@ -163,7 +178,7 @@ def test_tiles_file_from_the_environment_replaces_the_gpu_defaults(tmp_path, mon
                                          "comm": [64, 1024, 32, True, 1, False]}}))
     config.load_tiles.cache_clear()
     assert not config.gpu_tiles().token_major
-    assert config.gpu_tiles().gemm_impl == "triton"  # files before the Gluon kernel
+    assert config.gpu_tiles().gemm_impl == "auto"  # files before the Gluon kernel: the default
     good.write_text(json.dumps({"best": {"gemm": [128, 128, 64, 4, 3, False, "gluon"],
                                          "comm": [256, 1024, 32, True, 1, True]}}))
     config.load_tiles.cache_clear()

@@ -117,9 +117,10 @@ def test_gluon_gemm2_gives_the_ops_bits_for_every_c_l_and_helper_setting(ep):
     ref = _fp32_partial(p, shape["tokens"]).double().cpu()
     R = dataclasses.replace
     base = gemm2_gather_rs(p["x"], p["weight"], p["counts"], p["token_index"],
-                           shape["tokens"], 4, None, comm_ctas=8, splits=4, config=TRITON)
+                           shape["tokens"], 4, None, comm_ctas=8, splits=4,
+                           config=R(TRITON, tiles=R(GPU_TILES, gemm_impl="triton")))
     outs = []
-    for impl in ("gluon", "gluon_inline_publish"):
+    for impl in ("auto", "gluon", "gluon_inline_publish"):
         for helpers in (True, False):
             cfg = R(TRITON, tiles=R(GPU_TILES, gemm_impl=impl), tail_helpers=helpers)
             for c, l in ((3, 1), (16, 4), (40, 2)):

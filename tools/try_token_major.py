@@ -42,12 +42,14 @@ from megatron_overlap.ops.config import GPU_TILES  # noqa: E402
 from megatron_overlap.ops.op import plan_cache_of, prepare  # noqa: E402
 
 R = dataclasses.replace
+TRITON_TILES = R(GPU_TILES, gemm_impl="triton")  # GEMM2 by the Triton kernel
 VARIANTS = {
-    "rows": R(GPU_TILES, token_major=False),  # GEMM2's row order (shipped until session 6)
-    "tokens": GPU_TILES,
-    "tokens w16": R(GPU_TILES, comm_warps=16),
-    "tokens cp.async s2": R(GPU_TILES, comm_rows=128, comm_stages=2),
-    # GEMM2 by the warp-specialized Gluon kernel (kernels/gemm2_ws.py, session 7)
+    "rows": R(TRITON_TILES, token_major=False),  # GEMM2's row order (shipped until session 6)
+    "tokens": TRITON_TILES,  # (shipped in session 6)
+    "tokens w16": R(TRITON_TILES, comm_warps=16),
+    "tokens cp.async s2": R(TRITON_TILES, comm_rows=128, comm_stages=2),
+    # GEMM2 by the warp-specialized Gluon kernel (kernels/gemm2_ws.py; session 7, the
+    # default on Hopper: gemm_impl "auto")
     "tokens+gluon": R(GPU_TILES, gemm_impl="gluon"),
     "tokens+gluon_inline": R(GPU_TILES, gemm_impl="gluon_inline_publish"),
     "rows+gluon": R(GPU_TILES, token_major=False, gemm_impl="gluon"),

@@ -102,7 +102,8 @@ class TileConfig:
     Under EP (tokens with rows elsewhere) y stays in GEMM2's row order: there the
     layout measured no faster and would double y (M k rows for about M k / EP).
 
-    `gemm_impl`: "triton" (`kernels/gemm2.py`, every backend) or a warp-specialized
+    `gemm_impl`: "auto" (the default: the Gluon kernel for bf16 on Hopper, else Triton's;
+    `gemm2.resolve_impl`), "triton" (`kernels/gemm2.py`, every backend) or a warp-specialized
     Gluon kernel (`kernels/gemm2_ws.py`: a loader warp runs the TMA loads ahead across
     tiles; CUDA on Hopper only): "gluon" publishes each stored tile from a warp of its
     own, "gluon_inline_publish" from the warpgroup that stored it, as the Triton kernel.
@@ -120,15 +121,15 @@ class TileConfig:
     comm_stages: int = 1  # GatherRS item-loop pipeline depth (1 = none)
     comm_slot_loop: bool = True  # gather one [TM, TN] tile per top-k slot (else [TM, k, TN])
     token_major: bool = True  # y rows in (token, slot) order: GEMM2 scatters, GatherRS streams
-    gemm_impl: str = "triton"  # GEMM2 kernel: "triton", or Gluon's warp-specialized ones
+    gemm_impl: str = "auto"  # GEMM2 kernel: "auto", "triton", or a warp-specialized Gluon one
 
     def __post_init__(self) -> None:
         from ..kernels.gemm2 import IMPLS
 
-        if self.gemm_impl not in IMPLS:
-            raise ValueError(f"TileConfig.gemm_impl must be one of {IMPLS}, got "
-                             f"{self.gemm_impl!r}")
-        if self.gemm_impl != "triton" and (self.block_m != 128 or self.block_n > 128
+        if self.gemm_impl not in ("auto",) + IMPLS:
+            raise ValueError(f"TileConfig.gemm_impl must be one of {('auto',) + IMPLS}, "
+                             f"got {self.gemm_impl!r}")
+        if self.gemm_impl not in ("triton", "auto") and (self.block_m != 128 or self.block_n > 128
                                            or self.gemm_warps != 4):
             raise ValueError(f"TileConfig.gemm_impl={self.gemm_impl!r} runs 128 x (<= 128) "
                              f"tiles on 4 warps, got {self.block_m} x {self.block_n}, "
@@ -179,7 +180,7 @@ def gpu_tiles() -> TileConfig:
 
 
 #: The interpreter: small tiles so tiny test shapes still span many tiles and splits.
-INTERPRET_TILES = TileConfig(16, 16, 16, 4, 1, 16, 16, 4)
+INTERPRET_TILES = TileConfig(16, 16, 16, 4, 1, 16, 16, 4, gemm_impl="triton")
 #: SMs of the virtual device the interpreter plans for (small, so P stays small).
 INTERPRET_SMS = int(os.environ.get("MEGATRON_OVERLAP_INTERPRET_SMS", 20))
 

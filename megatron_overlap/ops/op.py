@@ -30,7 +30,7 @@ from ..kernels import gemm2
 from ..kernels.routing_table import combine_table, launch_routing_table
 from ..planner import Workload, expert_row_tiles, reservation
 from .buffer import OverlapBuffer
-from .config import OverlapConfig, default_splits, resolve_backend
+from .config import OverlapConfig, TileConfig, default_splits, resolve_backend
 from .reference import all_gather, grouped_mm, reference_forward
 
 log = logging.getLogger("megatron_overlap")
@@ -274,6 +274,17 @@ class Launch:
     kwargs: dict  # for OverlapBuffer.launch
 
 
+@functools.lru_cache(maxsize=64)
+def _resolved(tiles: TileConfig, device: torch.device, dtype: torch.dtype) -> TileConfig:
+    """tiles with gemm_impl "auto" replaced by the kernel it picks for this device and
+    dtype, so the planner's residency and the launch come from the same binary."""
+    if tiles.gemm_impl != "auto":
+        return tiles
+    probe = torch.empty(0, dtype=dtype, device=device)
+    return dataclasses.replace(tiles, gemm_impl=gemm2.resolve_impl(
+        "auto", probe, tiles.block_m, tiles.block_n, tiles.gemm_warps))
+
+
 def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=None,
             group=None, *, comm_ctas=None, splits=None, config=None) -> Launch:
     """Validate, choose the backend, plan C and L, and size the workspace (no launch)."""
@@ -306,7 +317,7 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
                          f"is not a multiple of 16 (K % 8 == 0 for bf16)")
     buf = OverlapBuffer.get(group, x.device, backend)
     buf.check(sync=False)
-    tiles = config.tiles or buf.default_tiles()
+    tiles = _resolved(config.tiles or buf.default_tiles(), x.device, x.dtype)
     if tiles.gemm_impl != "triton" and (backend != "triton" or x.dtype != torch.bfloat16):
         raise ValueError(f"TileConfig.gemm_impl={tiles.gemm_impl!r} is a Gluon kernel for "
                          f"bf16 on CUDA; got the {backend} backend and {x.dtype} "
