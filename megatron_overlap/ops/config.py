@@ -102,8 +102,9 @@ class TileConfig:
     Under EP (tokens with rows elsewhere) y stays in GEMM2's row order: there the
     layout measured no faster and would double y (M k rows for about M k / EP).
 
-    `gemm_impl`: "auto" (the default: the Gluon kernel for bf16 on Hopper, else Triton's;
-    `gemm2.resolve_impl`), "triton" (`kernels/gemm2.py`, every backend) or a warp-specialized
+    `gemm_impl`: "auto" (the default: the Gluon kernel for bf16 on Hopper where y is
+    token-major, Triton's elsewhere; `op._resolved`), "triton" (`kernels/gemm2.py`, every
+    backend) or a warp-specialized
     Gluon kernel (`kernels/gemm2_ws.py`: a loader warp runs the TMA loads ahead across
     tiles; CUDA on Hopper only): "gluon" publishes each stored tile from a warp of its
     own, "gluon_inline_publish" from the warpgroup that stored it, as the Triton kernel.

@@ -277,12 +277,14 @@ class Launch:
 @functools.lru_cache(maxsize=64)
 def _resolved(tiles: TileConfig, device: torch.device, dtype: torch.dtype) -> TileConfig:
     """tiles with gemm_impl "auto" replaced by the kernel it picks for this device and
-    dtype, so the planner's residency and the launch come from the same binary."""
+    dtype, so the planner's residency and the launch come from the same binary: the
+    Gluon kernel where y is token-major (TP layouts: 4-12% faster overlapped on H200),
+    Triton's under GEMM2's row order (EP: no gain measured there; docs/RESULTS.md)."""
     if tiles.gemm_impl != "auto":
         return tiles
     probe = torch.empty(0, dtype=dtype, device=device)
-    return dataclasses.replace(tiles, gemm_impl=gemm2.resolve_impl(
-        "auto", probe, tiles.block_m, tiles.block_n, tiles.gemm_warps))
+    impl = gemm2.resolve_impl("auto", probe, tiles.block_m, tiles.block_n, tiles.gemm_warps)
+    return dataclasses.replace(tiles, gemm_impl=impl if tiles.token_major else "triton")
 
 
 def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=None,
@@ -317,11 +319,12 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
                          f"is not a multiple of 16 (K % 8 == 0 for bf16)")
     buf = OverlapBuffer.get(group, x.device, backend)
     buf.check(sync=False)
-    tiles = _resolved(config.tiles or buf.default_tiles(), x.device, x.dtype)
-    if tiles.gemm_impl != "triton" and (backend != "triton" or x.dtype != torch.bfloat16):
+    tiles = config.tiles or buf.default_tiles()
+    if tiles.gemm_impl not in ("triton", "auto") and (backend != "triton"
+                                                      or x.dtype != torch.bfloat16):
         raise ValueError(f"TileConfig.gemm_impl={tiles.gemm_impl!r} is a Gluon kernel for "
                          f"bf16 on CUDA; got the {backend} backend and {x.dtype} "
-                         f"(gemm_impl='triton' runs everywhere)")
+                         f"(gemm_impl='triton' or 'auto' runs everywhere)")
     # expert row / tile offsets (with host counts: one copy that also carries the counts)
     # and the combine table in one kernel that also checks the row order
     if counts is not None:
@@ -334,6 +337,7 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
     # than k rows) and y's row numbers fit int32; else GEMM2's row order
     if tiles.token_major and (x.shape[0] != num_tokens * topk or num_tokens * topk >= 1 << 31):
         tiles = _row_order(tiles)
+    tiles = _resolved(tiles, x.device, x.dtype)
     dest = (torch.empty(x.shape[0], dtype=torch.int32, device=x.device)
             if tiles.token_major else None)
     table = launch_routing_table(token_index, offsets[0], num_tokens, topk, buf.error, dest)
