@@ -189,6 +189,7 @@ def launch_grouped_gemm2(
     block_m: int, block_n: int, block_k: int, num_warps: int = 4, num_stages: int = 3,
     kernel=grouped_gemm2_kernel, upcast: bool = False, warmup: bool = False,
     flatten: bool = False, dest: torch.Tensor | None = None, impl: str = "triton",
+    launcher: bool = False,
 ):
     """Launch with exactly `programs` persistent CTAs. x [T, K], weight [E, N, K]; y [T, N],
     or with `dest` ([T] int32) any [R, N] with row j of the product stored at y[dest[j]]
@@ -196,14 +197,19 @@ def launch_grouped_gemm2(
 
     x and weight must be contiguous with 16-byte aligned rows (the op checks). With
     `warmup` it compiles without launching and returns the compiled kernel. `impl`:
-    "triton" (this kernel) or a Gluon kernel of `gemm2_ws` (CUDA only), same contract.
+    "triton" (this kernel), "auto" or a Gluon kernel of `gemm2_ws` (CUDA only), same
+    contract; `launcher` (Gluon only) is `grouped_gemm2_launcher`'s callable.
     """
     _check_dest(x, dest)
     impl = resolve_impl(impl, x, block_m, block_n, num_warps)
     if impl != "triton":
-        return _gluon(impl)(x, weight, y, row_start, tile_start, ready, **_ws_kwargs(
-            impl, splits, programs, block_m, block_n, block_k, num_warps, num_stages, dest),
-            warmup=warmup)
+        return _gluon(impl)(x, weight, y, row_start, tile_start, ready, splits=splits,
+                            programs=programs, block_m=block_m, block_n=block_n,
+                            block_k=block_k, num_warps=num_warps, num_stages=num_stages,
+                            dest=dest, publisher=impl != "gluon_inline_publish",
+                            warmup=warmup, launcher=launcher)
+    if launcher:
+        raise ValueError("launcher=True is for the Gluon kernels: use grouped_gemm2_launcher")
     if x.shape[0] == 0:
         return None  # no rows, no tiles: every split is ready with zero tiles
     args, meta = _gemm2_args(x, weight, y, row_start, tile_start, ready, splits, block_m,
@@ -223,12 +229,13 @@ def grouped_gemm2_launcher(x, weight, y, row_start, tile_start, ready, *, splits
     """A callable `launch(stream=None)` that launches GEMM2 (as `launch_grouped_gemm2`),
     with its kernel compiled and loaded now: launched after GatherRS, GEMM2 must not wait
     for a JIT compile or a lazy module load while communication CTAs spin on its flags."""
+    if resolve_impl(impl, x, block_m, block_n, num_warps) != "triton":
+        return launch_grouped_gemm2(x, weight, y, row_start, tile_start, ready,
+                                    splits=splits, programs=programs, block_m=block_m,
+                                    block_n=block_n, block_k=block_k, num_warps=num_warps,
+                                    num_stages=num_stages, dest=dest, impl=impl,
+                                    launcher=True)
     _check_dest(x, dest)
-    impl = resolve_impl(impl, x, block_m, block_n, num_warps)
-    if impl != "triton":
-        return _gluon(impl)(x, weight, y, row_start, tile_start, ready, **_ws_kwargs(
-            impl, splits, programs, block_m, block_n, block_k, num_warps, num_stages, dest),
-            launcher=True)
     if x.shape[0] == 0:
         return lambda stream=None: None
     args, meta = _gemm2_args(x, weight, y, row_start, tile_start, ready, splits, block_m,
@@ -279,12 +286,6 @@ def _gluon(impl: str):
 
     return gemm2_ws.launch_grouped_gemm2_ws
 
-
-def _ws_kwargs(impl, splits, programs, block_m, block_n, block_k, num_warps, num_stages,
-               dest) -> dict:
-    return dict(splits=splits, programs=programs, block_m=block_m, block_n=block_n,
-                block_k=block_k, num_warps=num_warps, num_stages=num_stages, dest=dest,
-                publisher=impl != "gluon_inline_publish")
 
 
 def grouped_gemm2_reference(x: torch.Tensor, weight: torch.Tensor,

@@ -73,6 +73,22 @@ def test_pipelined_gather_gives_the_same_bits_for_every_depth_and_item_shape(top
     assert all(torch.equal(o, outs[0]) for o in outs)
 
 
+def _over_c_l_and_helpers(p, tokens, tiles_list):
+    """The op's top-4 output for each tiles config, with and without tail helpers, at
+    three (C, L) points."""
+    import dataclasses
+
+    outs = []
+    for tiles in tiles_list:
+        for helpers in (True, False):
+            cfg = dataclasses.replace(TRITON, tiles=tiles, tail_helpers=helpers)
+            for c, l in ((3, 1), (16, 4), (40, 2)):
+                outs.append(gemm2_gather_rs(p["x"], p["weight"], p["counts"],
+                                            p["token_index"], tokens, 4, None,
+                                            comm_ctas=c, splits=l, config=cfg))
+    return outs
+
+
 @pytest.mark.parametrize("ep", [1, 2])
 def test_token_major_y_gives_the_bits_of_gemm2_row_order(ep):
     """GEMM2 scattering its rows to (token, slot) order and GatherRS computing their
@@ -90,15 +106,9 @@ def test_token_major_y_gives_the_bits_of_gemm2_row_order(ep):
     rows = R(TRITON, tiles=R(GPU_TILES, token_major=False))
     base = gemm2_gather_rs(p["x"], p["weight"], p["counts"], p["token_index"],
                            shape["tokens"], 4, None, comm_ctas=8, splits=4, config=rows)
-    outs = []
-    for tiles in (GPU_TILES, R(GPU_TILES, comm_rows=128, comm_stages=2)):
-        assert tiles.token_major
-        for helpers in (True, False):
-            cfg = R(TRITON, tiles=tiles, tail_helpers=helpers)
-            for c, l in ((3, 1), (16, 4), (40, 2)):
-                outs.append(gemm2_gather_rs(p["x"], p["weight"], p["counts"],
-                                            p["token_index"], shape["tokens"], 4, None,
-                                            comm_ctas=c, splits=l, config=cfg))
+    token_major = (GPU_TILES, R(GPU_TILES, comm_rows=128, comm_stages=2))
+    assert all(t.token_major for t in token_major)
+    outs = _over_c_l_and_helpers(p, shape["tokens"], token_major)
     assert not torch.isnan(base).any()
     assert rel_err(base, ref) < 1e-2
     assert all(torch.equal(o, base) for o in outs)
@@ -119,14 +129,8 @@ def test_gluon_gemm2_gives_the_ops_bits_for_every_c_l_and_helper_setting(ep):
     base = gemm2_gather_rs(p["x"], p["weight"], p["counts"], p["token_index"],
                            shape["tokens"], 4, None, comm_ctas=8, splits=4,
                            config=R(TRITON, tiles=R(GPU_TILES, gemm_impl="triton")))
-    outs = []
-    for impl in ("auto", "gluon", "gluon_inline_publish"):
-        for helpers in (True, False):
-            cfg = R(TRITON, tiles=R(GPU_TILES, gemm_impl=impl), tail_helpers=helpers)
-            for c, l in ((3, 1), (16, 4), (40, 2)):
-                outs.append(gemm2_gather_rs(p["x"], p["weight"], p["counts"],
-                                            p["token_index"], shape["tokens"], 4, None,
-                                            comm_ctas=c, splits=l, config=cfg))
+    outs = _over_c_l_and_helpers(p, shape["tokens"], [
+        R(GPU_TILES, gemm_impl=impl) for impl in ("auto", "gluon", "gluon_inline_publish")])
     assert not torch.isnan(base).any()
     assert rel_err(base, ref) < 1e-2
     assert all(torch.equal(o, base) for o in outs)

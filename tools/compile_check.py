@@ -23,6 +23,16 @@ def _signature(pointers: dict, scalars: dict, constexprs: dict) -> dict:
     return sig
 
 
+def _gemm2_signature(desc: str, constexprs: dict) -> dict:
+    """Both GEMM2 kernels' argument list (x and weight descriptors of type `desc`)."""
+    return _signature({"x_desc": desc, "w_desc": desc, "y_ptr": "*bf16",
+                       "row_start_ptr": "*i32", "tile_start_ptr": "*i32",
+                       "ready_ptr": "*i32", "dest_ptr": "*i32"},
+                      {n: "i32" for n in ("num_experts", "K", "N", "split_width",
+                                          "num_splits", "dest_rows", "stride_ym",
+                                          "stride_yn")}, constexprs)
+
+
 def kernels():
     """(name, jit function, signature, constexprs, options, attrs) per kernel and mode."""
     from megatron_overlap.kernels import gather_rs as grs
@@ -58,35 +68,22 @@ def kernels():
            _signature({"recv_ptr": "*bf16", "out_ptr": "*bf16"},
                       {"numel": "i32", "slot_stride": "i32"}, {"WORLD": 0, "BLOCK": 0}),
            dict(WORLD=2, BLOCK=2048), dict(num_warps=4), None)
-    desc = "tensordesc<bf16[128,64]>"
     for scatter in (False, True):
         meta = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, EXPERTS_POW2=64, UPCAST=False,
                     COL_ALIGN=16, FLATTEN=False, SCATTER=scatter)
         yield (f"grouped_gemm2 scatter={scatter}", gemm2.grouped_gemm2_kernel,
-               _signature({"x_desc": desc, "w_desc": desc, "y_ptr": "*bf16",
-                           "row_start_ptr": "*i32", "tile_start_ptr": "*i32",
-                           "ready_ptr": "*i32", "dest_ptr": "*i32"},
-                          {n: "i32" for n in ("num_experts", "K", "N", "split_width",
-                                              "num_splits", "dest_rows", "stride_ym",
-                                              "stride_yn")}, meta),
-               meta, dict(num_warps=4, num_stages=3), None)
+               _gemm2_signature("tensordesc<bf16[128,64]>", meta), meta,
+               dict(num_warps=4, num_stages=3), None)
     from megatron_overlap.kernels import gemm2_ws
     from triton.experimental.gluon import language as gl
 
     layout = repr(gl.NVMMASharedLayout.get_default_for([128, 64], gl.bfloat16))
-    gdesc = f"tensordesc<bf16[128,64],{layout}>"
     for publisher in (True, False):  # (the Gluon kernel: GluonASTSource below)
         meta = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, SEARCH_STEPS=6, STAGES=3,
                     COL_ALIGN=16, SCATTER=True, PUBLISHER=publisher)
-        yield (f"grouped_gemm2_ws publisher={publisher}",
-               gemm2_ws.grouped_gemm2_ws_kernel,
-               _signature({"x_desc": gdesc, "w_desc": gdesc, "y_ptr": "*bf16",
-                           "row_start_ptr": "*i32", "tile_start_ptr": "*i32",
-                           "ready_ptr": "*i32", "dest_ptr": "*i32"},
-                          {n: "i32" for n in ("num_experts", "K", "N", "split_width",
-                                              "num_splits", "dest_rows", "stride_ym",
-                                              "stride_yn")}, meta),
-               meta, dict(num_warps=4, maxnreg=gemm2_ws.MAXNREG), None)
+        yield (f"grouped_gemm2_ws publisher={publisher}", gemm2_ws.grouped_gemm2_ws_kernel,
+               _gemm2_signature(f"tensordesc<bf16[128,64],{layout}>", meta), meta,
+               dict(num_warps=4, maxnreg=gemm2_ws.MAXNREG), None)
     for dest in (False, True):
         meta = dict(BLOCK_T=64, EXPERTS_POW2=64, SEARCH_STEPS=17, TOPK_POW2=4, CHECK_ROWS=256,
                     EXPERT_STEPS=7, WINDOW_STEPS=7, WRITE_DEST=dest)
