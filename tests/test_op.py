@@ -153,6 +153,25 @@ def test_auto_gemm_kernel_is_the_triton_one_off_cuda():
     assert rel_err(got, fp64_rank_partial(p, 30)) < 1e-2
 
 
+def test_auto_takes_the_gluon_kernel_only_where_y_is_token_major(monkeypatch):
+    """Where the kernel-level choice is the Gluon GEMM2 (Hopper, bf16), the op takes it
+    for a token-major y (TP) and keeps the Triton kernel for GEMM2's row order (EP),
+    where it measured no faster."""
+    from megatron_overlap.kernels import gemm2
+
+    monkeypatch.setattr(gemm2, "resolve_impl", lambda impl, *a: "gluon")
+    op_module._resolved.cache_clear()
+    try:
+        x = torch.empty(0, dtype=torch.bfloat16)
+        assert op_module._resolved(GPU_TILES, x.device, x.dtype).gemm_impl == "gluon"
+        rows = dataclasses.replace(GPU_TILES, token_major=False)
+        assert op_module._resolved(rows, x.device, x.dtype).gemm_impl == "triton"
+        forced = dataclasses.replace(rows, gemm_impl="gluon")  # an explicit choice stays
+        assert op_module._resolved(forced, x.device, x.dtype) is forced
+    finally:
+        op_module._resolved.cache_clear()
+
+
 def test_tiles_file_from_the_environment_replaces_the_gpu_defaults(tmp_path, monkeypatch):
     import json
 
