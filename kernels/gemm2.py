@@ -29,6 +29,7 @@ all; tile 37 is split 1, row tile 0 (expert 0, rows 0..127), columns 1664..1791.
 from __future__ import annotations
 
 import functools
+import warnings
 from array import array
 from itertools import accumulate
 
@@ -267,8 +268,15 @@ def _gluon_runs_on(device_index: int) -> bool:
     if torch.cuda.get_device_capability(device_index) != (9, 0):
         return False  # wgmma and this TMA pipeline are sm_90 only
     try:
-        from . import gemm2_ws  # noqa: F401 - a Triton without (this) Gluon API
-    except (ImportError, AttributeError):
+        from . import gemm2_ws
+    except (ImportError, AttributeError):  # a Triton without (this) Gluon API
+        return False
+    try:  # one small compile: a Triton whose Gluon cannot build the kernel falls back here
+        gemm2_ws.compile_probe(device_index)  # instead of failing inside the op's launch
+    except Exception as err:  # noqa: BLE001 - any compiler error means "not here"
+        warnings.warn(f"the Gluon GEMM2 does not build with Triton {triton.__version__} "
+                      f"({type(err).__name__}: {str(err)[:200]}); GEMM2 runs the Triton "
+                      f"kernel", RuntimeWarning, stacklevel=2)
         return False
     return True
 

@@ -292,3 +292,16 @@ def launch_grouped_gemm2_ws(x, weight, y, row_start, tile_start, ready, *, split
 
 
 _GEMM2_WS = LaunchCache(grouped_gemm2_ws_kernel)
+
+
+def compile_probe(device_index: int) -> None:
+    """Compile (not launch) the kernel for a one-tile problem on this GPU: raises what the
+    compiler raises where this Triton's Gluon cannot build it."""
+    dev = torch.device("cuda", device_index)
+    x = torch.zeros(128, 64, dtype=torch.bfloat16, device=dev)
+    w = torch.zeros(1, 128, 64, dtype=torch.bfloat16, device=dev)
+    y = torch.zeros(128, 128, dtype=torch.bfloat16, device=dev)
+    idx = torch.zeros(2, dtype=torch.int32, device=dev)
+    dest = torch.zeros(128, dtype=torch.int32, device=dev)
+    launch_grouped_gemm2_ws(x, w, y, idx, idx, idx, splits=1, programs=1, block_m=128,
+                            block_n=128, block_k=64, dest=dest, warmup=True)

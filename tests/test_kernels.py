@@ -514,3 +514,27 @@ def test_layout_arguments_of_wrong_type_or_size_raise_clear_errors():
     with pytest.raises(ValueError, match="one slot at a time"):
         grs.launch_gather_rs(*launch["args"], token_major=True, slot_loop=False,
                              **launch["kwargs"])
+
+
+def test_auto_falls_back_to_triton_with_a_warning_where_gluon_cannot_build(monkeypatch):
+    """A Hopper GPU whose Triton cannot compile the Gluon GEMM2 gets the Triton kernel
+    and one RuntimeWarning, not a compile error inside the op's first launch."""
+    from megatron_overlap.kernels import gemm2, gemm2_ws
+
+    def broken(device_index):
+        raise RuntimeError("PassManager::run failed")
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=None: (9, 0))
+    monkeypatch.setattr(gemm2_ws, "compile_probe", broken)
+    gemm2._gluon_runs_on.cache_clear()
+    try:
+        with pytest.warns(RuntimeWarning, match="Gluon GEMM2 does not build"):
+            assert not gemm2._gluon_runs_on(0)
+        monkeypatch.setattr(gemm2_ws, "compile_probe", lambda device_index: None)
+        gemm2._gluon_runs_on.cache_clear()
+        assert gemm2._gluon_runs_on(0)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda i=None: (10, 0))
+        gemm2._gluon_runs_on.cache_clear()
+        assert not gemm2._gluon_runs_on(0)  # wgmma is sm_90 only
+    finally:
+        gemm2._gluon_runs_on.cache_clear()
