@@ -168,15 +168,21 @@ def split_width(hidden: int, splits: int) -> int:
     return -(-hidden // splits)
 
 
+def operands(weight, y, row_start, tile_start, ready, splits, dest) -> tuple:
+    """Both GEMM2 kernels' arguments after the two tensor descriptors."""
+    num_experts, hidden, k = weight.shape
+    return (y, row_start, tile_start, ready, dest if dest is not None else row_start,
+            num_experts, k, hidden, split_width(hidden, splits), splits, y.shape[0],
+            y.stride(0), y.stride(1))
+
+
 def _gemm2_args(x, weight, y, row_start, tile_start, ready, splits, block_m, block_n,
                 block_k, num_warps, num_stages, upcast, flatten, dest=None):
     num_experts, hidden, k = weight.shape
     x_desc = TensorDescriptor.from_tensor(x, [block_m, block_k])
     w_desc = TensorDescriptor.from_tensor(weight.view(num_experts * hidden, k),
                                           [block_n, block_k])
-    args = (x_desc, w_desc, y, row_start, tile_start, ready,
-            dest if dest is not None else row_start, num_experts, k, hidden,
-            split_width(hidden, splits), splits, y.shape[0], y.stride(0), y.stride(1))
+    args = (x_desc, w_desc) + operands(weight, y, row_start, tile_start, ready, splits, dest)
     meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                 EXPERTS_POW2=next_pow2(num_experts), UPCAST=upcast,
                 COL_ALIGN=column_alignment(hidden, splits), FLATTEN=flatten,
@@ -202,7 +208,8 @@ def launch_grouped_gemm2(
     contract; `launcher` (Gluon only) is `grouped_gemm2_launcher`'s callable.
     """
     _check_dest(x, dest)
-    impl = resolve_impl(impl, x, block_m, block_n, num_warps)
+    impl = resolve_impl(impl, x.device, x.dtype, block_m, block_n, num_warps,
+                        dest is not None)
     if impl != "triton":
         return _gluon(impl)(x, weight, y, row_start, tile_start, ready, splits=splits,
                             programs=programs, block_m=block_m, block_n=block_n,
@@ -230,7 +237,8 @@ def grouped_gemm2_launcher(x, weight, y, row_start, tile_start, ready, *, splits
     """A callable `launch(stream=None)` that launches GEMM2 (as `launch_grouped_gemm2`),
     with its kernel compiled and loaded now: launched after GatherRS, GEMM2 must not wait
     for a JIT compile or a lazy module load while communication CTAs spin on its flags."""
-    if resolve_impl(impl, x, block_m, block_n, num_warps) != "triton":
+    if resolve_impl(impl, x.device, x.dtype, block_m, block_n, num_warps,
+                    dest is not None) != "triton":
         return launch_grouped_gemm2(x, weight, y, row_start, tile_start, ready,
                                     splits=splits, programs=programs, block_m=block_m,
                                     block_n=block_n, block_k=block_k, num_warps=num_warps,
@@ -253,13 +261,16 @@ _GEMM2 = LaunchCache(grouped_gemm2_kernel)
 IMPLS = ("triton", "gluon", "gluon_inline_publish")
 
 
-def resolve_impl(impl: str, x: torch.Tensor, block_m: int, block_n: int, num_warps: int) -> str:
-    """`impl`, or for "auto" the Gluon kernel where it runs and measured faster (bf16 on
-    a Hopper GPU with its one tile shape; docs/RESULTS.md, session 7), else Triton's."""
+def resolve_impl(impl: str, device: torch.device, dtype: torch.dtype, block_m: int,
+                 block_n: int, num_warps: int, scatter: bool) -> str:
+    """`impl`, or for "auto" the Gluon kernel where it runs and measured faster: bf16 on a
+    Hopper GPU with its one tile shape, storing a token-major y (`scatter`, the TP
+    layouts: 4-12% faster overlapped; in GEMM2's row order, under EP, no gain measured;
+    docs/RESULTS.md, session 7); else Triton's."""
     if impl != "auto":
         return impl
-    ok = (x.is_cuda and x.dtype == torch.bfloat16 and block_m == 128 and block_n <= 128
-          and num_warps == 4 and _gluon_runs_on(x.device.index or 0))
+    ok = (scatter and device.type == "cuda" and dtype == torch.bfloat16 and block_m == 128
+          and block_n <= 128 and num_warps == 4 and _gluon_runs_on(device.index or 0))
     return "gluon" if ok else "triton"
 
 

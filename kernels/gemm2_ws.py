@@ -31,7 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, war
                                                                warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .gemm2 import column_alignment, split_width
+from .gemm2 import column_alignment, operands
 from .launch_cache import LaunchCache
 
 # (Triton 3.6 names the partition-wide barrier thread_barrier, 3.7 barrier)
@@ -249,9 +249,7 @@ def _ws_args(x, weight, y, row_start, tile_start, ready, splits, block_m, block_
     x_desc = TensorDescriptor.from_tensor(x, [block_m, block_k], a_layout)
     w_desc = TensorDescriptor.from_tensor(weight.view(num_experts * hidden, k),
                                           [block_n, block_k], b_layout)
-    args = (x_desc, w_desc, y, row_start, tile_start, ready,
-            dest if dest is not None else row_start, num_experts, k, hidden,
-            split_width(hidden, splits), splits, y.shape[0], y.stride(0), y.stride(1))
+    args = (x_desc, w_desc) + operands(weight, y, row_start, tile_start, ready, splits, dest)
     meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                 SEARCH_STEPS=(num_experts - 1).bit_length(), STAGES=stages,
                 COL_ALIGN=column_alignment(hidden, splits), SCATTER=dest is not None,

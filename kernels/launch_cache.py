@@ -113,14 +113,10 @@ class LaunchCache:
                 parts.append(a)
             elif isinstance(a, int):
                 parts.append(_int_class(a) if no_spec else a)
-            elif isinstance(a, TensorDescriptor):
+            elif isinstance(a, (TensorDescriptor, GluonDescriptor)):
                 parts.append((a.base.dtype, tuple(a.block_shape), a.base.data_ptr() % 16 == 0,
                                tuple(a.strides), tuple(s % 16 == 0 for s in a.shape),
-                               a.padding))
-            elif isinstance(a, GluonDescriptor):
-                parts.append((a.base.dtype, tuple(a.block_shape), a.base.data_ptr() % 16 == 0,
-                               tuple(a.strides), tuple(s % 16 == 0 for s in a.shape),
-                               a.padding, a.layout))
+                               a.padding, getattr(a, "layout", None)))
             else:  # a kind we do not know how Triton specializes: no fast path
                 return None
         return tuple(parts), tuple(meta.items())

@@ -78,9 +78,11 @@ def test_gluon_gemm2_rejects_shapes_and_dtypes_it_is_not_written_for():
 
 
 def test_auto_picks_the_gluon_kernel_for_bf16_on_hopper_and_triton_otherwise():
-    x = torch.empty(4, 64, dtype=torch.bfloat16, device="cuda")
+    dev, bf16 = torch.device("cuda", torch.cuda.current_device()), torch.bfloat16
     hopper = torch.cuda.get_device_capability() == (9, 0)
-    assert gemm2.resolve_impl("auto", x, 128, 128, 4) == ("gluon" if hopper else "triton")
-    assert gemm2.resolve_impl("auto", x.half(), 128, 128, 4) == "triton"
-    assert gemm2.resolve_impl("auto", x, 128, 256, 8) == "triton"
-    assert gemm2.resolve_impl("triton", x, 128, 128, 4) == "triton"
+    assert gemm2.resolve_impl("auto", dev, bf16, 128, 128, 4, True) == (
+        "gluon" if hopper else "triton")
+    assert gemm2.resolve_impl("auto", dev, torch.float16, 128, 128, 4, True) == "triton"
+    assert gemm2.resolve_impl("auto", dev, bf16, 128, 256, 8, True) == "triton"
+    assert gemm2.resolve_impl("auto", dev, bf16, 128, 128, 4, False) == "triton"  # rows
+    assert gemm2.resolve_impl("triton", dev, bf16, 128, 128, 4, True) == "triton"

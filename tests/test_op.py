@@ -145,7 +145,7 @@ def test_auto_gemm_kernel_is_the_triton_one_off_cuda():
 
     x = torch.empty(4, 16, dtype=torch.bfloat16)
     assert GPU_TILES.gemm_impl == "auto" and INTERPRET_TILES.gemm_impl == "triton"
-    assert gemm2.resolve_impl("auto", x, 128, 128, 4) == "triton"
+    assert gemm2.resolve_impl("auto", x.device, x.dtype, 128, 128, 4, True) == "triton"
     assert op_module._resolved(GPU_TILES, x.device, x.dtype).gemm_impl == "triton"
     auto = dataclasses.replace(INTERPRET_TILES, gemm_impl="auto")
     p = routed_problem(0, 1, tokens=30, experts=3, topk=2, ffn=16, hidden=32)
@@ -154,20 +154,21 @@ def test_auto_gemm_kernel_is_the_triton_one_off_cuda():
 
 
 def test_auto_takes_the_gluon_kernel_only_where_y_is_token_major(monkeypatch):
-    """Where the kernel-level choice is the Gluon GEMM2 (Hopper, bf16), the op takes it
-    for a token-major y (TP) and keeps the Triton kernel for GEMM2's row order (EP),
-    where it measured no faster."""
+    """Where the Gluon GEMM2 runs (Hopper, bf16), "auto" takes it for a token-major y
+    (TP) and keeps the Triton kernel for GEMM2's row order (EP), where it measured no
+    faster; an explicit choice stays."""
     from megatron_overlap.kernels import gemm2
 
-    monkeypatch.setattr(gemm2, "resolve_impl", lambda impl, *a: "gluon")
+    monkeypatch.setattr(gemm2, "_gluon_runs_on", lambda device_index: True)
     op_module._resolved.cache_clear()
+    cuda, bf16 = torch.device("cuda", 0), torch.bfloat16  # (no tensor is made there)
     try:
-        x = torch.empty(0, dtype=torch.bfloat16)
-        assert op_module._resolved(GPU_TILES, x.device, x.dtype).gemm_impl == "gluon"
+        assert op_module._resolved(GPU_TILES, cuda, bf16).gemm_impl == "gluon"
         rows = dataclasses.replace(GPU_TILES, token_major=False)
-        assert op_module._resolved(rows, x.device, x.dtype).gemm_impl == "triton"
-        forced = dataclasses.replace(rows, gemm_impl="gluon")  # an explicit choice stays
-        assert op_module._resolved(forced, x.device, x.dtype) is forced
+        assert op_module._resolved(rows, cuda, bf16).gemm_impl == "triton"
+        assert op_module._resolved(GPU_TILES, cuda, torch.float16).gemm_impl == "triton"
+        forced = dataclasses.replace(rows, gemm_impl="gluon")
+        assert op_module._resolved(forced, cuda, bf16) is forced
     finally:
         op_module._resolved.cache_clear()
 

@@ -103,7 +103,7 @@ class TileConfig:
     layout measured no faster and would double y (M k rows for about M k / EP).
 
     `gemm_impl`: "auto" (the default: the Gluon kernel for bf16 on Hopper where y is
-    token-major, Triton's elsewhere; `op._resolved`), "triton" (`kernels/gemm2.py`, every
+    token-major, Triton's elsewhere; `gemm2.resolve_impl`), "triton" (`kernels/gemm2.py`, every
     backend) or a warp-specialized
     Gluon kernel (`kernels/gemm2_ws.py`: a loader warp runs the TMA loads ahead across
     tiles; CUDA on Hopper only): "gluon" publishes each stored tile from a warp of its

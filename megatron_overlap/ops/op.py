@@ -276,15 +276,14 @@ class Launch:
 
 @functools.lru_cache(maxsize=64)
 def _resolved(tiles: TileConfig, device: torch.device, dtype: torch.dtype) -> TileConfig:
-    """tiles with gemm_impl "auto" replaced by the kernel it picks for this device and
-    dtype, so the planner's residency and the launch come from the same binary: the
-    Gluon kernel where y is token-major (TP layouts: 4-12% faster overlapped on H200),
-    Triton's under GEMM2's row order (EP: no gain measured there; docs/RESULTS.md)."""
+    """tiles with gemm_impl "auto" replaced by the kernel `gemm2.resolve_impl` picks for
+    this device, dtype and y layout, so the planner's residency and the launch come from
+    the same binary."""
     if tiles.gemm_impl != "auto":
         return tiles
-    probe = torch.empty(0, dtype=dtype, device=device)
-    impl = gemm2.resolve_impl("auto", probe, tiles.block_m, tiles.block_n, tiles.gemm_warps)
-    return dataclasses.replace(tiles, gemm_impl=impl if tiles.token_major else "triton")
+    return dataclasses.replace(tiles, gemm_impl=gemm2.resolve_impl(
+        "auto", device, dtype, tiles.block_m, tiles.block_n, tiles.gemm_warps,
+        tiles.token_major))
 
 
 def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=None,
