@@ -222,7 +222,8 @@ def sum_partials_kernel(recv_ptr, out_ptr, numel, slot_stride, WORLD: tl.constex
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-_GATHER_RS = LaunchCache(gather_rs_kernel)
+# (max_shared: its CTAs share SMs with GEMM2's: the tail helpers, the shared placement)
+_GATHER_RS = LaunchCache(gather_rs_kernel, max_shared=True)
 _SUM_PARTIALS = LaunchCache(sum_partials_kernel)
 
 
@@ -247,7 +248,7 @@ def launch_gather_rs(
     dst_slot_stride: int, dst_row_stride: int, programs: int, block_tm: int, block_tn: int,
     num_warps: int = 16, kernel=gather_rs_kernel, warmup: bool = False, item_stages: int = 1,
     slot_loop: bool = True, helpers: int = 0, launch_helpers: bool = False, stream=None,
-    token_major: bool = False,
+    token_major: bool = False, maxnreg: int | None = None,
 ):
     """Launch exactly `programs` communication CTAs. y [T, N] in GEMM2's row order, or
     with `token_major` [M * k, N] with slot j of token t at row t * k + j, which needs
@@ -256,7 +257,8 @@ def launch_gather_rs(
     with world == 1 the output itself (`dst_ptrs` is then not read); `item_stages`:
     software-pipeline depth of the item loop (1 = none); `helpers`: H tail helpers share
     the last split; `launch_helpers` launches those H programs (after GEMM2, on its
-    stream) instead of the `programs` communication CTAs."""
+    stream) instead of the `programs` communication CTAs; `maxnreg` caps the registers
+    per thread (None: the compiler's choice)."""
     if token_major and not slot_loop:
         raise ValueError("a token-major y is gathered one slot at a time (slot_loop=True)")
     hidden = y.shape[1]
@@ -271,6 +273,8 @@ def launch_gather_rs(
                 HAS_PROBS=probs is not None, COL_ALIGN=column_alignment(hidden, splits),
                 SLOT_LOOP=slot_loop, ITEM_STAGES=stages, TOKEN_MAJOR=token_major,
                 num_warps=num_warps, num_stages=1)
+    if maxnreg is not None:
+        meta["maxnreg"] = maxnreg
     if warmup:
         return kernel.warmup(*args, grid=(1,), **meta)
     grid = (helpers if launch_helpers else programs,)

@@ -177,7 +177,7 @@ def operands(weight, y, row_start, tile_start, ready, splits, dest) -> tuple:
 
 
 def _gemm2_args(x, weight, y, row_start, tile_start, ready, splits, block_m, block_n,
-                block_k, num_warps, num_stages, upcast, flatten, dest=None):
+                block_k, num_warps, num_stages, upcast, flatten, dest=None, maxnreg=None):
     num_experts, hidden, k = weight.shape
     x_desc = TensorDescriptor.from_tensor(x, [block_m, block_k])
     w_desc = TensorDescriptor.from_tensor(weight.view(num_experts * hidden, k),
@@ -187,6 +187,8 @@ def _gemm2_args(x, weight, y, row_start, tile_start, ready, splits, block_m, blo
                 EXPERTS_POW2=next_pow2(num_experts), UPCAST=upcast,
                 COL_ALIGN=column_alignment(hidden, splits), FLATTEN=flatten,
                 SCATTER=dest is not None, num_warps=num_warps, num_stages=num_stages)
+    if maxnreg is not None:
+        meta["maxnreg"] = maxnreg
     return args, meta
 
 
@@ -196,7 +198,7 @@ def launch_grouped_gemm2(
     block_m: int, block_n: int, block_k: int, num_warps: int = 4, num_stages: int = 3,
     kernel=grouped_gemm2_kernel, upcast: bool = False, warmup: bool = False,
     flatten: bool = False, dest: torch.Tensor | None = None, impl: str = "triton",
-    launcher: bool = False,
+    launcher: bool = False, maxnreg: int | None = None,
 ):
     """Launch with exactly `programs` persistent CTAs. x [T, K], weight [E, N, K]; y [T, N],
     or with `dest` ([T] int32) any [R, N] with row j of the product stored at y[dest[j]]
@@ -205,7 +207,9 @@ def launch_grouped_gemm2(
     x and weight must be contiguous with 16-byte aligned rows (the op checks). With
     `warmup` it compiles without launching and returns the compiled kernel. `impl`:
     "triton" (this kernel), "auto" or a Gluon kernel of `gemm2_ws` (CUDA only), same
-    contract; `launcher` (Gluon only) is `grouped_gemm2_launcher`'s callable.
+    contract; `launcher` (Gluon only) is `grouped_gemm2_launcher`'s callable. `maxnreg`
+    caps the registers per thread (None: the compiler's choice; the Gluon kernel's
+    `gemm2_ws.MAXNREG`), so that other kernels' CTAs fit beside two of these per SM.
     """
     _check_dest(x, dest)
     impl = resolve_impl(impl, x.device, x.dtype, block_m, block_n, num_warps,
@@ -215,13 +219,14 @@ def launch_grouped_gemm2(
                             programs=programs, block_m=block_m, block_n=block_n,
                             block_k=block_k, num_warps=num_warps, num_stages=num_stages,
                             dest=dest, publisher=impl != "gluon_inline_publish",
-                            warmup=warmup, launcher=launcher)
+                            warmup=warmup, launcher=launcher, maxnreg=maxnreg)
     if launcher:
         raise ValueError("launcher=True is for the Gluon kernels: use grouped_gemm2_launcher")
     if x.shape[0] == 0:
         return None  # no rows, no tiles: every split is ready with zero tiles
     args, meta = _gemm2_args(x, weight, y, row_start, tile_start, ready, splits, block_m,
-                             block_n, block_k, num_warps, num_stages, upcast, flatten, dest)
+                             block_n, block_k, num_warps, num_stages, upcast, flatten, dest,
+                             maxnreg)
     if warmup:
         return kernel.warmup(*args, grid=(1,), **meta)
     if kernel is grouped_gemm2_kernel:
@@ -233,7 +238,7 @@ def grouped_gemm2_launcher(x, weight, y, row_start, tile_start, ready, *, splits
                            programs: int, block_m: int, block_n: int, block_k: int,
                            num_warps: int = 4, num_stages: int = 3, upcast: bool = False,
                            flatten: bool = False, dest: torch.Tensor | None = None,
-                           impl: str = "triton"):
+                           impl: str = "triton", maxnreg: int | None = None):
     """A callable `launch(stream=None)` that launches GEMM2 (as `launch_grouped_gemm2`),
     with its kernel compiled and loaded now: launched after GatherRS, GEMM2 must not wait
     for a JIT compile or a lazy module load while communication CTAs spin on its flags."""
@@ -243,12 +248,13 @@ def grouped_gemm2_launcher(x, weight, y, row_start, tile_start, ready, *, splits
                                     splits=splits, programs=programs, block_m=block_m,
                                     block_n=block_n, block_k=block_k, num_warps=num_warps,
                                     num_stages=num_stages, dest=dest, impl=impl,
-                                    launcher=True)
+                                    launcher=True, maxnreg=maxnreg)
     _check_dest(x, dest)
     if x.shape[0] == 0:
         return lambda stream=None: None
     args, meta = _gemm2_args(x, weight, y, row_start, tile_start, ready, splits, block_m,
-                             block_n, block_k, num_warps, num_stages, upcast, flatten, dest)
+                             block_n, block_k, num_warps, num_stages, upcast, flatten, dest,
+                             maxnreg)
     hit = _GEMM2.compiled(args, meta)
     return lambda stream=None: _GEMM2.launch((programs,), args, meta, hit, stream=stream)
 

@@ -243,7 +243,7 @@ def _smem_layout(rows: int, cols: int):
 
 
 def _ws_args(x, weight, y, row_start, tile_start, ready, splits, block_m, block_n, block_k,
-             stages, dest, publisher):
+             stages, dest, publisher, maxnreg=None):
     num_experts, hidden, k = weight.shape
     a_layout, b_layout = _smem_layout(block_m, block_k), _smem_layout(block_n, block_k)
     x_desc = TensorDescriptor.from_tensor(x, [block_m, block_k], a_layout)
@@ -253,7 +253,8 @@ def _ws_args(x, weight, y, row_start, tile_start, ready, splits, block_m, block_
     meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                 SEARCH_STEPS=(num_experts - 1).bit_length(), STAGES=stages,
                 COL_ALIGN=column_alignment(hidden, splits), SCATTER=dest is not None,
-                PUBLISHER=publisher, num_warps=4, maxnreg=MAXNREG)
+                PUBLISHER=publisher, num_warps=4,
+                maxnreg=MAXNREG if maxnreg is None else maxnreg)
     return args, meta
 
 
@@ -269,7 +270,8 @@ def launch_grouped_gemm2_ws(x, weight, y, row_start, tile_start, ready, *, split
                             programs: int, block_m: int, block_n: int, block_k: int,
                             num_warps: int = 4, num_stages: int = 3,
                             dest: torch.Tensor | None = None, publisher: bool = True,
-                            warmup: bool = False, launcher: bool = False):
+                            warmup: bool = False, launcher: bool = False,
+                            maxnreg: int | None = None):
     """`gemm2.launch_grouped_gemm2`'s contract (x [T, K] and weight [E, N, K] in bf16, y,
     offsets, ready flags, optional dest) with the warp-specialized kernel. With `warmup`
     it returns the compiled kernel; with `launcher` a `launch(stream=None)` callable whose
@@ -280,7 +282,7 @@ def launch_grouped_gemm2_ws(x, weight, y, row_start, tile_start, ready, *, split
     if x.shape[0] == 0:
         return (lambda stream=None: None) if launcher else None
     args, meta = _ws_args(x, weight, y, row_start, tile_start, ready, splits, block_m,
-                          block_n, block_k, num_stages, dest, publisher)
+                          block_n, block_k, num_stages, dest, publisher, maxnreg)
     if warmup:
         return grouped_gemm2_ws_kernel.warmup(*args, grid=(1,), **meta)
     if launcher:

@@ -83,11 +83,33 @@ def _no_launch_hooks() -> bool:
                for h in (rt.launch_enter_hook, rt.launch_exit_hook))
 
 
-class LaunchCache:
-    """Compiled-kernel launches of one `@triton.jit` kernel whose constexprs come last."""
+#: CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT (cuda.h), in percent of the maximum
+_CARVEOUT_ATTRIBUTE = 9
 
-    def __init__(self, kernel):
+
+def prefer_max_shared(binary) -> None:
+    """Ask the driver to configure an SM running this kernel with the largest shared-memory
+    carveout. An SM runs CTAs of several kernels only under one L1/shared split: without
+    this the driver gives a kernel that needs little shared memory (GatherRS: 4 KB) a small
+    carveout, and no GEMM2 CTA (~100 KB each) can join an SM one of its CTAs runs on until
+    it exits, which for a CTA waiting on GEMM2's flags is never (a time-out)."""
+    import ctypes
+
+    lib = ctypes.CDLL("libcuda.so.1")
+    rc = lib.cuFuncSetAttribute(ctypes.c_void_p(binary.function), _CARVEOUT_ATTRIBUTE, 100)
+    if rc != 0:
+        raise RuntimeError(f"cuFuncSetAttribute(PREFERRED_SHARED_MEMORY_CARVEOUT) failed: {rc}")
+
+
+class LaunchCache:
+    """Compiled-kernel launches of one `@triton.jit` kernel whose constexprs come last.
+
+    `max_shared`: set the largest shared-memory carveout on every binary it loads
+    (`prefer_max_shared`), for kernels whose CTAs must share SMs with GEMM2's."""
+
+    def __init__(self, kernel, max_shared: bool = False):
         self.kernel = kernel
+        self.max_shared = max_shared
         self._compiled: dict = {}
         params = getattr(kernel, "params", None)  # the interpreter's functions have none
         self.active = params is not None
@@ -138,6 +160,8 @@ class LaunchCache:
             # CUDA loads modules lazily, and loading may wait for running kernels (a
             # spinning GatherRS among them): load it now.
             binary._init_handles()
+            if self.max_shared:
+                prefer_max_shared(binary)
             hit = self._compiled[key] = (binary, tuple(meta[n] for n in self.constexprs),
                                          _raw_launch(binary))
         return hit

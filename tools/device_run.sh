@@ -49,6 +49,8 @@ for s in "$@"; do
         --json "$OUT/exp_comm_pipeline.json" ;;
     try_token_major) stage try_token_major ${TM_SECS:-400} python3 "$REPO/tools/try_token_major.py" \
         ${TM_CASES:+--cases $TM_CASES} ${TM_ARGS:-} --json "$OUT/exp_token_major.json" ;;
+    try_shared_sms) stage try_shared_sms ${SH_SECS:-400} python3 "$REPO/tools/try_shared_sms.py" \
+        ${SH_CASES:+--cases $SH_CASES} ${SH_ARGS:-} --json "$OUT/exp_shared_sms${TAG:-}.json" ;;
     try_sum_partials) stage try_sum_partials 150 python3 "$REPO/tools/try_sum_partials.py" \
         --json "$OUT/exp_sum_partials.json" ;;
     timeline) for b in auto reference; do for s in ${SEQS:-4096 16384}; do
@@ -116,4 +118,4 @@ if compgen -G "$OUT/*.json" > /dev/null; then
   # one archive per invocation: a later call in the same device run must not replace it
   (cd "$OUT" && tar czf "results_$(date +%H%M%S).tgz" ./*.json && rm -f ./*.json)
 fi
-grep -E "^===|^[a-z]+/TP[0-9]EP[0-9]/[0-9]+: GatherRS|^variant |^(rows|tokens)|rho_ref|^comm alone|^[a-z]+/TP|^chosen|^gemm2 |^comm rows|^torch._grouped|^torch gather|^(qwen|granite|deepseek) |^  (host|api |gpu |prof )|^cProfile|^host |^torch copy|^layer |^prefill|speedup|^moe-overlap|^    [A-Z][a-zA-Z ]+ +[a-z%/]+ +[0-9]|^  (stock|overlap|speedup)|passed|failed|Error|error" "$LOG" | grep -v Warning | tail -n 80
+grep -E "^===|^[a-z]+/TP[0-9]EP[0-9]/[0-9]+: GatherRS|^variant |^(rows|tokens)|rho_ref|^comm alone|^[a-z]+/TP|^chosen|^gemm2 |^comm rows|^torch._grouped|^torch gather|^(qwen|granite|deepseek) |^  (host|api |gpu |prof )|^cProfile|^host |^torch copy|^layer |^prefill|speedup|^moe-overlap|^    [A-Z][a-zA-Z ]+ +[a-z%/]+ +[0-9]|^  (stock|overlap|speedup)|^  (partition|shared|torch)|passed|failed|Error|error" "$LOG" | grep -v Warning | tail -n 80

@@ -188,7 +188,7 @@ class OverlapBuffer:
             x, w, y, idx, idx, self.ready, splits=1, programs=1, block_m=t.block_m,
             block_n=t.block_n, block_k=t.block_k, num_warps=t.gemm_warps,
             num_stages=t.gemm_stages, flatten=t.gemm_flatten, warmup=True, dest=dest,
-            impl=t.gemm_impl)
+            impl=t.gemm_impl, maxnreg=t.gemm_maxnreg)
         table = torch.zeros(1, slots, dtype=torch.int32, device=dev)
         ptrs = torch.zeros(1, dtype=torch.int64, device=dev)
         ck = grs.launch_gather_rs(
@@ -197,14 +197,18 @@ class OverlapBuffer:
             max_spins=1, partial_like=y, dst_slot_stride=0, dst_row_stride=1, programs=1,
             block_tm=comm_tm, block_tn=comm_tn, num_warps=t.comm_warps,
             item_stages=t.comm_stages, slot_loop=t.comm_slot_loop, warmup=True,
-            token_major=t.token_major)
+            token_major=t.token_major, maxnreg=t.comm_maxnreg)
         occ, self.compiled_resources = [], {}
+        # (per kernel family too: `compiled_resources` is the latest family's only)
+        self.resources_of = getattr(self, "resources_of", {})
+        self.resources_of[(t, comm_tm, comm_tn, slots)] = self.compiled_resources
         for name, k in (("gemm2", gk), ("gather_rs", ck)):
             k._init_handles()  # (warps from the binary: a warp-specialized one has more)
             occ.append(resident_ctas(k.n_regs, k.metadata.num_warps * 32,
                                      k.metadata.shared).ctas_per_sm)
             self.compiled_resources[name] = dict(registers=k.n_regs, shared=k.metadata.shared,
-                                                 spills=k.n_spills, ctas_per_sm=occ[-1])
+                                                 spills=k.n_spills, ctas_per_sm=occ[-1],
+                                                 warps=k.metadata.num_warps)
         return occ[0], occ[1]
 
     # ---------------------------------------------------------------- errors
@@ -290,7 +294,8 @@ class OverlapBuffer:
         gemm_args = dict(splits=splits, programs=plan.compute_slots, block_m=t.block_m,
                          block_n=t.block_n, block_k=t.block_k, num_warps=t.gemm_warps,
                          num_stages=t.gemm_stages, upcast=self.backend == "interpret",
-                         flatten=t.gemm_flatten, dest=dest, impl=t.gemm_impl)
+                         flatten=t.gemm_flatten, dest=dest, impl=t.gemm_impl,
+                         maxnreg=t.gemm_maxnreg)
         if "comm" not in phases:
             gemm2.launch_grouped_gemm2(x, weight, y, row_start, tile_start, self.ready,
                                        **gemm_args)
@@ -316,7 +321,8 @@ class OverlapBuffer:
                     dst_slot_stride=slot_stride, dst_row_stride=row_stride,
                     programs=plan.comm_ctas, block_tm=comm_tm, block_tn=comm_tn,
                     num_warps=t.comm_warps, item_stages=t.comm_stages,
-                    slot_loop=t.comm_slot_loop, helpers=helpers, token_major=dest is not None)
+                    slot_loop=t.comm_slot_loop, helpers=helpers, token_major=dest is not None,
+                    maxnreg=t.comm_maxnreg)
         flags = (y, table, probs, dst, signals, self.ready, self.done, self.error, tile_start)
         if "gemm2" not in phases:
             grs.launch_gather_rs(*flags, **comm)

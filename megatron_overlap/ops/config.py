@@ -123,6 +123,8 @@ class TileConfig:
     comm_slot_loop: bool = True  # gather one [TM, TN] tile per top-k slot (else [TM, k, TN])
     token_major: bool = True  # y rows in (token, slot) order: GEMM2 scatters, GatherRS streams
     gemm_impl: str = "auto"  # GEMM2 kernel: "auto", "triton", or a warp-specialized Gluon one
+    gemm_maxnreg: int | None = None  # register cap per GEMM2 thread (None: the kernel's own)
+    comm_maxnreg: int | None = None  # register cap per GatherRS thread (None: the compiler's)
 
     def __post_init__(self) -> None:
         from ..kernels.gemm2 import IMPLS
@@ -135,6 +137,12 @@ class TileConfig:
             raise ValueError(f"TileConfig.gemm_impl={self.gemm_impl!r} runs 128 x (<= 128) "
                              f"tiles on 4 warps, got {self.block_m} x {self.block_n}, "
                              f"{self.gemm_warps} warps")
+        for name in ("gemm_maxnreg", "comm_maxnreg"):
+            cap = getattr(self, name)
+            if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int)
+                                    or not 24 <= cap <= 248 or cap % 8):
+                raise ValueError(f"TileConfig.{name} must be None or a multiple of 8 in "
+                                 f"[24, 248] (registers per thread), got {cap!r}")
         if self.token_major and not self.comm_slot_loop:
             raise ValueError("a token-major y is gathered one slot at a time: "
                              "comm_slot_loop must be True (or token_major False)")
