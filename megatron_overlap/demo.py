@@ -57,8 +57,10 @@ def decision_rows(preset: Preset, layouts=tuple(LAYOUTS), routings=("uniform", "
 def op_decision(preset: Preset, tokens: int, hidden: int, ffn: int, world: int, counts,
                 topk: int):
     """The plan `gemm2_gather_rs` would make on the device `preset` describes (its
-    o_comp / o_comm), with GPU_TILES and tail helpers on, from host counts."""
-    from .ops.config import GPU_TILES
+    o_comp / o_comm) in the partition placement (`PARTITION_TILES`), tail helpers on,
+    from host counts. (The shared placement, the default on Hopper, plans C = G: one
+    communication CTA beside GEMM2's on every SM.)"""
+    from .ops.config import PARTITION_TILES as GPU_TILES
     from .ops.op import rank_splits
 
     local_topk = round(4 * sum(counts) / tokens) / 4
@@ -76,7 +78,8 @@ def op_decision(preset: Preset, tokens: int, hidden: int, ffn: int, world: int, 
 
 
 def print_decision_table(preset: Preset, layouts=tuple(LAYOUTS), as_op: bool = False) -> None:
-    what = "the op's decisions" if as_op else "the paper's model"
+    what = ("the op's decisions, partition placement; the shared placement, the default "
+            "on Hopper, takes C = G" if as_op else "the paper's model")
     print(f"Planner decisions ({what}), preset {preset.name} (G={preset.device.available_sms} SMs, "
           f"o_comp={preset.kernel.o_comp}, o_comm={preset.kernel.o_comm}, "
           f"C_max={preset.calibration.c_max}); B={BATCH}, counts of EP rank 0; skew targets "

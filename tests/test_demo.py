@@ -27,4 +27,4 @@ def test_planner_only_demo_prints_both_tables(capsys):
     assert run_demo(planner_only=True) == 0
     out = capsys.readouterr().out
     assert "(the paper's model), preset a100-paper" in out
-    assert "(the op's decisions), preset h200" in out
+    assert "(the op's decisions, partition placement; the shared placement, the default on Hopper, takes C = G), preset h200" in out

@@ -9,7 +9,7 @@ import torch
 from dist_harness import run_ranks
 from megatron_overlap.ops import OverlapConfig, OverlapTimeoutError, gemm2_gather_rs
 from megatron_overlap.ops import op as op_module
-from megatron_overlap.ops.config import GPU_TILES, INTERPRET_TILES
+from megatron_overlap.ops.config import GPU_TILES, INTERPRET_TILES, PARTITION_TILES
 from routing_cases import fp64_rank_partial, rel_err, routed_problem
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU backends")
@@ -28,6 +28,9 @@ def _row_order_config():
 
 
 ROW_ORDER = _row_order_config()  # GEMM2's output in its own row order (not token-major)
+# one small communication CTA beside GEMM2's on every SM of the virtual device
+SHARED = OverlapConfig(backend="interpret",
+                       tiles=dataclasses.replace(INTERPRET_TILES, placement="shared"))
 
 
 def call(p, tokens, topk, config, probs=False, group=None, **kw):
@@ -53,6 +56,47 @@ def test_output_independent_of_comm_ctas_and_splits():
     outs["no helpers"] = call(p, 40, 3, NO_HELPERS, comm_ctas=2, splits=2)
     first = outs[(1, 1)]
     assert all(torch.equal(o, first) for o in outs.values())
+
+
+def test_shared_placement_gives_the_partitions_bits_with_a_comm_cta_on_every_sm():
+    from megatron_overlap.ops.config import INTERPRET_SMS
+
+    p = routed_problem(0, 1, tokens=40, experts=4, topk=3, ffn=16, hidden=48, empty=(2,))
+    first = call(p, 40, 3, INTERP, comm_ctas=2, splits=2)
+    out, plan = call(p, 40, 3, SHARED, return_plan=True)
+    # GEMM2 keeps every SM; the planner puts one communication CTA beside it on each
+    assert (plan.comm_ctas, plan.reservation, plan.compute_slots) == (
+        INTERPRET_SMS, 0, 2 * INTERPRET_SMS)
+    assert torch.equal(out, first)
+    for c, l in ((1, 1), (3, 4), (INTERPRET_SMS, 2)):
+        assert torch.equal(call(p, 40, 3, SHARED, comm_ctas=c, splits=l), first)
+    with pytest.raises(ValueError, match="one communication CTA beside GEMM2's per SM"):
+        call(p, 40, 3, SHARED, comm_ctas=INTERPRET_SMS + 1)
+
+
+def test_shared_placement_that_does_not_fit_an_sm_plans_the_partition(monkeypatch):
+    """Where the compiled kernels do not fit one SM together (the op reads it from the
+    binaries on CUDA), the op warns and plans and launches the partition placement."""
+    from megatron_overlap.ops.buffer import OverlapBuffer
+
+    monkeypatch.setattr(OverlapBuffer, "_occupancies",
+                        lambda self, *a: (2, 1, "registers"))
+    p = routed_problem(0, 1, tokens=30, experts=3, topk=2, ffn=16, hidden=32)
+    config = dataclasses.replace(SHARED, sm_margin=3)  # (a plan cache of its own)
+    with pytest.warns(RuntimeWarning, match="shared placement does not fit one SM"):
+        out, plan = call(p, 30, 2, config, return_plan=True)
+    assert plan.reservation >= 1 and plan.comm_ctas < 17
+    assert rel_err(out, fp64_rank_partial(p, 30)) < 1e-2
+
+
+def test_placement_and_register_caps_are_validated():
+    with pytest.raises(ValueError, match="placement must be one of"):
+        dataclasses.replace(INTERPRET_TILES, placement="interleaved")
+    for bad in (20, 250, 100, True):
+        with pytest.raises(ValueError, match="multiple of 8 in"):
+            dataclasses.replace(INTERPRET_TILES, comm_maxnreg=bad)
+    assert GPU_TILES.placement == "shared" and PARTITION_TILES.placement == "partition"
+    assert (GPU_TILES.comm_warps, PARTITION_TILES.comm_warps) == (4, 32)
 
 
 @pytest.mark.parametrize("ep", [1, 2])
@@ -168,7 +212,13 @@ def test_auto_takes_the_gluon_kernel_only_where_y_is_token_major(monkeypatch):
         assert op_module._resolved(rows, cuda, bf16).gemm_impl == "triton"
         assert op_module._resolved(GPU_TILES, cuda, torch.float16).gemm_impl == "triton"
         forced = dataclasses.replace(rows, gemm_impl="gluon")
-        assert op_module._resolved(forced, cuda, bf16) is forced
+        assert op_module._resolved(forced, cuda, bf16).gemm_impl == "gluon"
+        # the shared placement (GPU_TILES) gets the register caps of the kernel chosen
+        caps = {impl: (t.gemm_maxnreg, t.comm_maxnreg) for impl, t in (
+            ("gluon", op_module._resolved(GPU_TILES, cuda, bf16)),
+            ("triton", op_module._resolved(rows, cuda, bf16)))}
+        assert caps == {"gluon": (104, 96), "triton": (200, 96)}
+        assert op_module._resolved(PARTITION_TILES, cuda, bf16).gemm_maxnreg is None
     finally:
         op_module._resolved.cache_clear()
 
@@ -203,6 +253,12 @@ def test_tiles_file_from_the_environment_replaces_the_gpu_defaults(tmp_path, mon
                                          "comm": [256, 1024, 32, True, 1, True]}}))
     config.load_tiles.cache_clear()
     assert config.gpu_tiles().gemm_impl == "gluon"
+    assert config.gpu_tiles().placement == "partition"  # files before the shared placement
+    good.write_text(json.dumps({"best": {"gemm": [128, 128, 64, 4, 3, False, "auto"],
+                                         "comm": [32, 512, 4, True, 1, True],
+                                         "placement": "shared"}}))
+    config.load_tiles.cache_clear()
+    assert (config.gpu_tiles().placement, config.gpu_tiles().comm_warps) == ("shared", 4)
     for bad, text in (("missing.json", None), ("broken.json", "{"),
                       ("wrong.json", json.dumps({"best": {"gemm": [1, 2]}}))):
         path = tmp_path / bad
@@ -316,6 +372,9 @@ def _two_rank_scenarios(rank, world):
                                   comm_ctas=3, splits=4)
         outs["row order"] = call(p, tokens, topk, ROW_ORDER, probs=True, group=group,
                                  comm_ctas=2, splits=2)
+        outs["shared"] = call(p, tokens, topk, SHARED, probs=True, group=group)
+        outs["shared C=3"] = call(p, tokens, topk, SHARED, probs=True, group=group,
+                                  comm_ctas=3, splits=4)
         ref = call(p, tokens, topk, REF, probs=True, group=group)
         first = outs[(1, 1)]
         results[name] = dict(

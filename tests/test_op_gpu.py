@@ -52,7 +52,7 @@ def test_pipelined_gather_gives_the_same_bits_for_every_depth_and_item_shape(top
     the two padding slots of 8."""
     import dataclasses
 
-    from megatron_overlap.ops.config import GPU_TILES
+    from megatron_overlap.ops.config import PARTITION_TILES as GPU_TILES  # (32-warp CTAs)
 
     shape = dict(SHAPE, topk=topk, tokens=3000)  # 3000: a ragged last item
     p = routed_problem(0, 1, device="cuda", seed=1, **shape)
@@ -97,7 +97,7 @@ def test_token_major_y_gives_the_bits_of_gemm2_row_order(ep):
     helpers; ep=2 (tokens with rows elsewhere) keeps the row order with the same tiles."""
     import dataclasses
 
-    from megatron_overlap.ops.config import GPU_TILES
+    from megatron_overlap.ops.config import PARTITION_TILES as GPU_TILES  # (32-warp CTAs)
 
     shape = dict(SHAPE, tokens=3000)  # a ragged last item
     p = routed_problem(0, 1, device="cuda", seed=2, ep=ep, **shape)
@@ -120,7 +120,7 @@ def test_gluon_gemm2_gives_the_ops_bits_for_every_c_l_and_helper_setting(ep):
     with the Triton GEMM2: token-major (ep=1) and row order (ep=2), over C, L, tails."""
     import dataclasses
 
-    from megatron_overlap.ops.config import GPU_TILES
+    from megatron_overlap.ops.config import PARTITION_TILES as GPU_TILES  # (32-warp CTAs)
 
     shape = dict(SHAPE, tokens=3000)
     p = routed_problem(0, 1, device="cuda", seed=3, ep=ep, **shape)
@@ -131,6 +131,40 @@ def test_gluon_gemm2_gives_the_ops_bits_for_every_c_l_and_helper_setting(ep):
                            config=R(TRITON, tiles=R(GPU_TILES, gemm_impl="triton")))
     outs = _over_c_l_and_helpers(p, shape["tokens"], [
         R(GPU_TILES, gemm_impl=impl) for impl in ("auto", "gluon", "gluon_inline_publish")])
+    assert not torch.isnan(base).any()
+    assert rel_err(base, ref) < 1e-2
+    assert all(torch.equal(o, base) for o in outs)
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_shared_placement_gives_the_partitions_bits_with_a_comm_cta_on_every_sm(ep):
+    """One 4-warp GatherRS CTA beside GEMM2's on every SM (the default, GPU_TILES): the
+    compiled kernels fit one SM together (no fall-back warning), the planner takes every
+    SM, and the output has the partition's bits for every C, L and tail setting, with
+    the default GEMM2 (Gluon under TP) and the Triton one."""
+    import dataclasses
+    import warnings
+
+    from megatron_overlap.ops.config import GPU_TILES, PARTITION_TILES
+
+    shape = dict(SHAPE, tokens=3000)
+    p = routed_problem(0, 1, device="cuda", seed=4, ep=ep, **shape)
+    ref = _fp32_partial(p, shape["tokens"]).double().cpu()
+    R = dataclasses.replace
+    base = gemm2_gather_rs(p["x"], p["weight"], p["counts"], p["token_index"],
+                           shape["tokens"], 4, None, comm_ctas=8, splits=4,
+                           config=R(TRITON, tiles=PARTITION_TILES))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # the placement must fit
+        out, plan = gemm2_gather_rs(p["x"], p["weight"], p["counts"], p["token_index"],
+                                    shape["tokens"], 4, None, config=TRITON, return_plan=True)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    assert (plan.comm_ctas, plan.reservation) == (sms, 0)
+    outs = [out] + _over_c_l_and_helpers(p, shape["tokens"], [
+        GPU_TILES, R(GPU_TILES, gemm_impl="triton"), R(GPU_TILES, comm_rows=16, comm_tn=1024)])
+    for c in (1, sms // 2, sms):
+        outs.append(gemm2_gather_rs(p["x"], p["weight"], p["counts"], p["token_index"],
+                                    shape["tokens"], 4, None, comm_ctas=c, config=TRITON))
     assert not torch.isnan(base).any()
     assert rel_err(base, ref) < 1e-2
     assert all(torch.equal(o, base) for o in outs)

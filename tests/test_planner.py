@@ -326,3 +326,42 @@ def test_overlap_factor_and_local_topk_are_neutral_when_unset_and_act_when_set()
         dataclasses.replace(cal, overlap_factor=0)
     with pytest.raises(ValueError, match="local_topk"):
         dataclasses.replace(w, local_topk=-1)
+
+
+# ------------------------------------------------------------ the shared placement
+SHARED = KernelSpec(128, 128, 8, 512, 2, 5, tail_helpers=True, shared_sms=True)
+H200 = DeviceSpec("NVIDIA H200", 132)
+
+
+def test_shared_placement_reserves_no_sm_and_puts_a_comm_cta_on_every_sm():
+    w = Workload(65536, 2048, 704, 2, 4, (4369,) * 60, topk=4)
+    d = plan(w, SHARED, H200, CAL)
+    assert reservation(40, SHARED) == 0 and compute_slots(40, SHARED, H200) == 2 * 132
+    assert d.comm_ctas == 132 and d.reservation == 0 and d.compute_slots == 264
+    curve = [t for _, t in d.curve]
+    assert len(curve) == 132  # C = 1..G: one beside GEMM2 on each SM at most
+    assert all(b <= a * (1 + 1e-9) for a, b in zip(curve, curve[1:]))  # never rises with C
+    # an explicit C: accepted up to G, refused above (no second CTA fits beside GEMM2)
+    assert plan(w, SHARED, H200, CAL, comm_ctas=66).comm_ctas == 66
+    with pytest.raises(ValueError, match="one communication CTA beside GEMM2's per SM"):
+        plan(w, SHARED, H200, CAL, comm_ctas=133)
+    # the partition placement of the same tiles reserves SMs: fewer compute slots
+    part = plan(w, dataclasses.replace(SHARED, shared_sms=False), H200, CAL)
+    assert part.reservation >= 1 and part.compute_slots < 264
+
+
+def test_shared_placement_flag_must_be_a_bool():
+    with pytest.raises(ValueError, match="shared_sms must be a bool"):
+        KernelSpec(128, 128, 8, 512, 2, 5, shared_sms=1)
+
+
+def test_two_gemm2_ctas_and_one_small_gather_cta_share_an_sm_exactly():
+    from megatron_overlap.planner import co_resident
+
+    # the Gluon GEMM2 (8 warps, 104 registers, 106620 B) twice + GatherRS (4 warps, 96)
+    gluon, comm = (104, 256, 106620, 2), (96, 128, 4096, 1)
+    assert co_resident([gluon, comm]) is None  # 2 x 2 x 3328 + 3072 = 16384 per partition
+    assert co_resident([(112, 256, 106620, 2), comm]) == "registers"
+    assert co_resident([gluon, (96, 128, 20 * 1024, 1)]) == "shared memory"
+    # the partition's 32-warp GatherRS CTA takes a whole SM
+    assert co_resident([gluon, (62, 1024, 32768, 1)]) == "registers"

@@ -64,6 +64,14 @@ def kernels():
         name = f"gather_rs slot_loop={slot_loop} item_stages={stages}" + (" token_major" * tokens)
         yield (name, grs.gather_rs_kernel, _signature(comm_ptrs, comm_ints, meta), meta,
                dict(num_warps=32), attrs)
+    # the shared placement's small CTA beside GEMM2's (4 warps, capped registers)
+    from megatron_overlap.ops.config import SHARED_COMM_MAXNREG, SHARED_GEMM_MAXNREG
+
+    meta = dict(BLOCK_TM=8, BLOCK_TN=512, TOPK_POW2=4, HAS_PROBS=False, COL_ALIGN=16,
+                SLOT_LOOP=True, ITEM_STAGES=1, TOKEN_MAJOR=True, stride_yn=1)
+    yield ("gather_rs shared placement token_major", grs.gather_rs_kernel,
+           _signature(comm_ptrs, comm_ints, meta), meta,
+           dict(num_warps=4, maxnreg=SHARED_COMM_MAXNREG), attrs)
     yield ("sum_partials", grs.sum_partials_kernel,
            _signature({"recv_ptr": "*bf16", "out_ptr": "*bf16"},
                       {"numel": "i32", "slot_stride": "i32"}, {"WORLD": 0, "BLOCK": 0}),
@@ -78,12 +86,14 @@ def kernels():
     from triton.experimental.gluon import language as gl
 
     layout = repr(gl.NVMMASharedLayout.get_default_for([128, 64], gl.bfloat16))
-    for publisher in (True, False):  # (the Gluon kernel: GluonASTSource below)
+    for publisher, maxnreg in ((True, gemm2_ws.MAXNREG), (False, gemm2_ws.MAXNREG),
+                               (True, SHARED_GEMM_MAXNREG["gluon"])):
         meta = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, SEARCH_STEPS=6, STAGES=3,
                     COL_ALIGN=16, SCATTER=True, PUBLISHER=publisher)
-        yield (f"grouped_gemm2_ws publisher={publisher}", gemm2_ws.grouped_gemm2_ws_kernel,
+        yield (f"grouped_gemm2_ws publisher={publisher} maxnreg={maxnreg}",
+               gemm2_ws.grouped_gemm2_ws_kernel,
                _gemm2_signature(f"tensordesc<bf16[128,64],{layout}>", meta), meta,
-               dict(num_warps=4, maxnreg=gemm2_ws.MAXNREG), None)
+               dict(num_warps=4, maxnreg=maxnreg), None)
     for dest in (False, True):
         meta = dict(BLOCK_T=64, EXPERTS_POW2=64, SEARCH_STEPS=17, TOPK_POW2=4, CHECK_ROWS=256,
                     EXPERT_STEPS=7, WINDOW_STEPS=7, WRITE_DEST=dest)

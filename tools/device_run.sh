@@ -72,7 +72,7 @@ for s in "$@"; do
     bench_all) for lay in ${LAYOUTS:-TP2EP1 TP1EP2}; do
         stage bench_all_$lay ${BENCH_SECS:-170} $TR "$REPO/tools/bench_op.py" \
           --model granite,qwen,deepseek --layout $lay --seqs 1024,4096,16384 \
-          --routing ${ROUTING:-uniform,p90} --cset 1,2,3,4,6,8,12,16,20,24,28,32,40,48 \
+          --routing ${ROUTING:-uniform,p90} --cset ${BENCH_CSET:-1,2,3,4,6,8,12,16,20,24,28,32,40,48} \
           --samples 10 --warmup 2 --confirm ${CONFIRM:-20} --preset "${PRESET:-$OUT/h200.json}" \
           --json "$OUT/op_all_${TAG:-}$lay.json"; done ;;
     gluon_tiles)  # later stages run GEMM2 by the Gluon kernel (TileConfig.gemm_impl)

@@ -3,20 +3,22 @@
     python tools/try_shared_sms.py --json out/exp_shared_sms.json        # one GPU
     python tools/try_shared_sms.py --smoke                               # CPU, interpreter
 
-The op partitions the GPU (the paper's scheme): C communication CTAs of 32 warps take
-R(C) SMs whole and GEMM2 runs on the G - R(C) others. What bounds the overlapped
-operator now is GEMM2 on those fewer SMs (docs/RESULTS.md, "What limits us now"), while
-the communication side is latency-bound loads that use little of an SM. Here instead
-GEMM2 gets all G SMs (P = o_comp G) and one small GatherRS CTA (4 warps, a few rows per
-item) sits beside its two CTAs on each SM, in the registers and shared memory they
-leave: with the Gluon GEMM2 capped at `--gemm-maxnreg` registers (2 x 256 threads x 104
-= 53248 of 65536) a 4-warp GatherRS CTA of <= 96 registers fits (12288). Whether each
-arm's CTAs fit is computed from the compiled binaries and printed.
+The partition placement (the paper's scheme, `PARTITION_TILES`): C communication CTAs
+of 32 warps take R(C) SMs whole and GEMM2 runs on the G - R(C) others. What bounded the
+overlapped operator there is GEMM2 on those fewer SMs (docs/RESULTS.md, "What limits us
+now"), while the communication side is latency-bound loads that use little of an SM.
+The shared placement (`TileConfig.placement = "shared"`, the default `GPU_TILES` since
+session 8): GEMM2 keeps all G SMs (P = o_comp G) and one 4-warp GatherRS CTA sits beside
+its two CTAs on each SM, in the registers (capped) and shared memory they leave; the
+GatherRS binaries ask for the largest shared-memory carveout, without which an SM
+running one takes no GEMM2 CTA (a time-out: `docs/data/exp_shared_sms_s8_deadlock.json`).
 
-Per case (model/layout/S, uniform routing, rank 0's workload): every variant's output
-equals the partition's bit for bit (output poisoned first). ABBA-interleaved, per
-variant: GEMM2 alone on all SMs, GatherRS alone (flags preset), the overlapped
-kernels (host work done once), with and without tail helpers; torch's GEMM2 alone.
+Per case (model/layout/S, uniform routing, rank 0's workload): every arm's output equals
+the partition's bit for bit (output poisoned first). Each policy is warmed up and
+checked on its own, synchronized (a time-out is reported and the policy left out), then
+ABBA-interleaved: GEMM2 alone on all SMs, the overlapped kernels at the planner's C and
+(shared arms) at each C of --cset, GatherRS alone (flags preset), the whole op, and
+torch's GEMM2 alone.
 """
 
 from __future__ import annotations
@@ -33,34 +35,15 @@ from benchlib import abba, env_info, summarize, without_samples, write_json  # n
 from workloads import OpCase, rank_inputs  # noqa: E402
 
 from megatron_overlap.ops import OverlapConfig, gemm2_gather_rs  # noqa: E402
-from megatron_overlap.ops.config import GPU_TILES, INTERPRET_TILES  # noqa: E402
+from megatron_overlap.ops.config import GPU_TILES, INTERPRET_TILES, PARTITION_TILES  # noqa: E402
 from megatron_overlap.ops.op import plan_cache_of, prepare  # noqa: E402
 
 R = dataclasses.replace
 CASES = ["qwen/TP2EP1/16384", "qwen/TP2EP1/4096", "deepseek/TP2EP1/16384",
          "granite/TP2EP1/16384", "qwen/TP1EP2/16384", "deepseek/TP1EP2/4096"]
-REGS, SMEM, THREADS = 65536, 233472, 2048  # per H200 SM (228 KB shared, 1 KB per CTA reserved)
 
 
-def cta_footprint(res: dict, warps: int) -> tuple[int, int]:
-    """(registers, shared bytes) one resident CTA takes: registers go per warp in units
-    of 256, shared memory with the 1 KB the driver reserves per CTA."""
-    per_warp = -(-res["registers"] * 32 // 256) * 256
-    return warps * per_warp, res["shared"] + 1024
-
-
-def fits(buf, key, gemm_ctas: int) -> dict:
-    """Whether `gemm_ctas` GEMM2 CTAs and one GatherRS CTA fit on one SM together."""
-    res = getattr(buf, "resources_of", {}).get(key)
-    if not res:
-        return dict(fits=None)
-    g_regs, g_smem = cta_footprint(res["gemm2"], res["gemm2"]["warps"])
-    c_regs, c_smem = cta_footprint(res["gather_rs"], res["gather_rs"]["warps"])
-    regs, smem = gemm_ctas * g_regs + c_regs, gemm_ctas * g_smem + c_smem
-    return dict(fits=regs <= REGS and smem <= SMEM, regs=regs, smem=smem, **res)
-
-
-def arms(inp, variants: dict, cset, backend, sms_override=None):
+def arms(inp, variants: dict, cset, backend):
     args = (inp["x"], inp["weight"], inp["counts_list"], inp["token_index"], inp["tokens"],
             inp["topk"], None, None)
     out = torch.empty(inp["tokens"], inp["hidden"], dtype=inp["x"].dtype, device=inp["x"].device)
@@ -71,32 +54,29 @@ def arms(inp, variants: dict, cset, backend, sms_override=None):
         launch = prepare(*args, config=cfg)
         buf, cache = launch.buffer, plan_cache_of(launch)
         bufs.append(buf)
-        sms = sms_override or cache.device.available_sms
-        all_sms = launch.plan._replace(compute_slots=cache.kernel.o_comp * sms)
+        all_sms = launch.plan._replace(compute_slots=cache.kernel.o_comp * cache.device.available_sms)
 
-        def run(plan, _l=launch, _b=buf, **kw):
-            kwargs = {**_l.kwargs, **kw}
-            return lambda: _b.launch(inp["x"], inp["weight"], _l.counts_dev, _l.table, None,
-                                     out, plan=plan, **kwargs)
+        def run(lau, plan=None, _b=buf, **kw):
+            kwargs = {**lau.kwargs, **kw}
+            return lambda: _b.launch(inp["x"], inp["weight"], lau.counts_dev, lau.table, None,
+                                     out, plan=plan or lau.plan, **kwargs)
 
-        pol[f"{name} | gemm2 alone"] = run(all_sms, phases=("gemm2",))
-        if name == "partition":
-            pol[f"{name} | overlap planner C={launch.plan.comm_ctas}"] = run(launch.plan)
-            pol[f"{name} | whole op"] = lambda _c=cfg: gemm2_gather_rs(*args, config=_c)
-            checks[name] = run(launch.plan)
-        else:
+        pol[f"{name} | gemm2 alone"] = run(launch, all_sms, phases=("gemm2",))
+        pol[f"{name} | overlap planner C={launch.plan.comm_ctas}"] = run(launch)
+        pol[f"{name} | comm alone C={launch.plan.comm_ctas}"] = run(launch, phases=("comm",), y=y)
+        pol[f"{name} | whole op"] = lambda _c=cfg: gemm2_gather_rs(*args, config=_c)
+        checks[name] = run(launch)
+        if cache.kernel.shared_sms:
             for c in cset:
-                plan = all_sms._replace(comm_ctas=c, reservation=0)
-                pol[f"{name} | comm alone C={c}"] = run(plan, phases=("comm",), y=y)
-                pol[f"{name} | overlap C={c} H={sms}"] = run(plan, helpers=sms)
-                pol[f"{name} | overlap C={c} H=0"] = run(plan, helpers=0)
-            checks[name] = run(all_sms._replace(comm_ctas=cset[-1], reservation=0), helpers=sms)
-        slots = 1 << (inp["topk"] - 1).bit_length()
-        family = (launch.kwargs["tiles"], launch.kwargs["comm_tm"], launch.kwargs["comm_tn"], slots)
+                pol[f"{name} | overlap C={c}"] = run(prepare(*args, comm_ctas=c, config=cfg))
         facts[name] = dict(planner_c=launch.plan.comm_ctas, splits=launch.plan.splits,
-                           o_comp=cache.kernel.o_comp,
+                           o_comp=cache.kernel.o_comp, shared_sms=cache.kernel.shared_sms,
+                           helpers=launch.kwargs["helpers"],
                            comm_tile=(launch.kwargs["comm_tm"], launch.kwargs["comm_tn"]),
-                           **fits(buf, family, cache.kernel.o_comp))
+                           resources=dict(getattr(buf, "resources_of", {}).get(
+                               (launch.kwargs["tiles"], launch.kwargs["comm_tm"],
+                                launch.kwargs["comm_tn"], 1 << (inp["topk"] - 1).bit_length()),
+                               {})))
     if backend == "triton":
         from megatron_overlap.ops.reference import grouped_mm
 
@@ -138,20 +118,9 @@ def drop_failing(pol: dict, bufs, device, repeats: int = 1, sync: bool = True) -
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cases", default=",".join(CASES))
-    ap.add_argument("--cset", default="132", help="GatherRS CTAs of the shared arm")
-    ap.add_argument("--comm", default="32x512,32x1024,16x1024",
-                    help="rows x columns per item, one shared arm each (comma list)")
-    ap.add_argument("--gemm", default="triton,gluon",
-                    help="GEMM2 kernels of the shared arms (gluon: TP layouts only)")
-    ap.add_argument("--gluon-maxnreg", type=int, default=104,
-                    help="register cap of the Gluon GEMM2 in a shared arm, and of GatherRS beside it")
-    ap.add_argument("--gluon-comm-maxnreg", type=int, default=96)
-    ap.add_argument("--gemm-maxnreg", type=int, default=0,
-                    help="register cap of the shared arm's Triton GEMM2 (0: its own)")
-    ap.add_argument("--comm-maxnreg", type=int, default=160)
-    ap.add_argument("--ep-gemm-maxnreg", type=int, default=200,
-                    help="the same caps where y stays in row order (EP: GEMM2 228 registers)")
-    ap.add_argument("--ep-comm-maxnreg", type=int, default=112)
+    ap.add_argument("--cset", default="66", help="more C for the shared arms (<= G)")
+    ap.add_argument("--comm", default="16x1024",
+                    help="more shared arms: rows x columns per item (comma list)")
     ap.add_argument("--samples", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--probe-unsynced", action="store_true",
@@ -160,37 +129,27 @@ def main() -> int:
     ap.add_argument("--smoke", action="store_true", help="CPU check: interpreter, tiny shape")
     args = ap.parse_args()
     items = [tuple(int(v) for v in c.split("x")) for c in args.comm.split(",") if c]
-    backend, device, base, sms = "triton", "cuda", GPU_TILES, None
+    backend, device, shared, partition = "triton", "cuda", GPU_TILES, PARTITION_TILES
     if args.smoke:
-        backend, device, base, sms = "interpret", "cpu", INTERPRET_TILES, 4
-        args.cases, args.cset, args.samples, args.warmup = "tiny/TP2EP1/16,tiny/TP1EP2/16", "2,4", 2, 1
+        backend, device = "interpret", "cpu"
+        shared, partition = R(INTERPRET_TILES, placement="shared"), INTERPRET_TILES
+        args.cases, args.cset, args.samples, args.warmup = "tiny/TP2EP1/16,tiny/TP1EP2/16", "4", 2, 1
         items = [(8, 16)]
     elif not torch.cuda.is_available():
         print("try_shared_sms: needs a CUDA GPU (or --smoke)")
         return 2
-    cset = [int(c) for c in args.cset.split(",")]
+    cset = [int(c) for c in args.cset.split(",") if c]
     results = []
     for spec in args.cases.split(","):
         model, layout, seq = spec.split("/")
         inp = rank_inputs(OpCase(model, layout, int(seq), "uniform"), 0, device)
-        token_major = inp["x"].shape[0] == inp["tokens"] * inp["topk"]
-        gemm_cap = args.gemm_maxnreg if token_major else args.ep_gemm_maxnreg
-        comm_cap = args.comm_maxnreg if token_major else args.ep_comm_maxnreg
-        variants = {"partition": base}
-        for gemm in ([base.gemm_impl] if args.smoke else args.gemm.split(",")):
-            if gemm == "gluon" and not token_major:
-                continue
-            caps = ((args.gluon_maxnreg, args.gluon_comm_maxnreg) if gemm == "gluon"
-                    else (gemm_cap or None, comm_cap))
-            for rows, tn in items:
-                variants[f"shared {gemm} {rows}x{tn}"] = R(
-                    base, comm_warps=4, comm_rows=rows, comm_tn=tn, gemm_impl=gemm,
-                    comm_maxnreg=None if args.smoke else caps[1],
-                    gemm_maxnreg=None if args.smoke else caps[0])
+        variants = {"partition": partition, "shared": shared}
+        for rows, tn in items:
+            variants[f"shared {rows}x{tn}"] = R(shared, comm_rows=rows, comm_tn=tn)
         ref = gemm2_gather_rs(inp["x"], inp["weight"], inp["counts_list"], inp["token_index"],
                               inp["tokens"], inp["topk"], None, None,
                               config=OverlapConfig(backend="reference")).float()
-        pol, facts, checks, out, bufs = arms(inp, variants, cset, backend, sms)
+        pol, facts, checks, out, bufs = arms(inp, variants, cset, backend)
         first = None
         for name, check in checks.items():
             out.fill_(float("nan"))  # poisoned: every element must be written
@@ -202,9 +161,6 @@ def main() -> int:
             facts[name].update(bitwise_as_partition=bool(torch.equal(got, first)),
                                unwritten=int(torch.isnan(got).sum()),
                                rel_err=float((got.float() - ref).norm() / ref.norm()))
-        print(spec, {n: {k: f.get(k) for k in ("fits", "regs", "smem", "gemm2", "gather_rs",
-                                               "bitwise_as_partition", "unwritten")}
-                     for n, f in facts.items()}, flush=True)
         failed = drop_failing(pol, bufs, device, repeats=args.warmup)
         if args.probe_unsynced:  # the same calls back to back, no sync between them
             unsynced = drop_failing(dict(pol), bufs, device, repeats=3, sync=False)
@@ -229,10 +185,11 @@ def main() -> int:
 def report(spec, facts, stats) -> None:
     print(f"\n{spec}")
     for name, f in facts.items():
-        print(f"  {name}: C*={f['planner_c']} L={f['splits']} o_comp={f['o_comp']} "
-              f"comm tile={f['comm_tile']} fits={f.get('fits')} regs={f.get('regs')} "
-              f"smem={f.get('smem')} bitwise={f['bitwise_as_partition']} "
-              f"unwritten={f['unwritten']} rel_err={f['rel_err']:.2e}")
+        res = {k: (v.get("registers"), v.get("shared")) for k, v in f["resources"].items()}
+        print(f"  {name}: C*={f['planner_c']} L={f['splits']} shared={f['shared_sms']} "
+              f"H={f['helpers']} comm tile={f['comm_tile']} (registers, shared) {res} "
+              f"bitwise={f['bitwise_as_partition']} unwritten={f['unwritten']} "
+              f"rel_err={f['rel_err']:.2e}")
     for key, s in stats.items():
         print(f"  {key:44} {s['median']:8.3f} ms  [{s['ci_low']:.3f}, {s['ci_high']:.3f}]")
 

@@ -11,6 +11,7 @@ barrier words. Local flags: ready[L_MAX], done, error (int32).
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -19,7 +20,7 @@ import triton
 from ..kernels import gather_rs as grs
 from ..kernels import gemm2
 from ..kernels.routing_table import ERR_TOPK, ERR_UNSORTED
-from ..planner import PlanCache, ranking_calibration, resident_ctas
+from ..planner import PlanCache, co_resident, ranking_calibration, resident_ctas
 from .config import (INTERPRET_TILES, OverlapConfig, TileConfig, calibration_for, device_spec,
                      gpu_tiles, kernel_spec)
 from .peer_memory import PeerMemory
@@ -162,10 +163,17 @@ class OverlapBuffer:
         cache = self._caches.get(key)
         if cache is None:
             device = device_spec(self.device, config.sm_margin)
-            o_comp, o_comm = self._occupancies(tiles, comm_tm, comm_tn, slots)
+            o_comp, o_comm, misfit = self._occupancies(tiles, comm_tm, comm_tn, slots)
+            shared = tiles.placement == "shared" and misfit is None
+            if tiles.placement == "shared" and not shared:
+                warnings.warn(f"megatron-overlap: the shared placement does not fit one SM "
+                              f"({misfit}: {getattr(self, 'compiled_resources', None)}); "
+                              f"planning and "
+                              f"launching the partition placement instead", RuntimeWarning,
+                              stacklevel=3)
             # the model serves the last split as the launch does: with the tail helpers
             # when they run (KernelSpec.tail_helpers)
-            spec = kernel_spec(tiles, comm_tm, comm_tn, o_comp, o_comm, helpers)
+            spec = kernel_spec(tiles, comm_tm, comm_tn, o_comp, o_comm, helpers, shared)
             calib = calibration_for(device, config.preset)
             if ranking:
                 calib = ranking_calibration(calib)
@@ -174,10 +182,12 @@ class OverlapBuffer:
         return cache
 
     def _occupancies(self, t: TileConfig, comm_tm: int, comm_tn: int,
-                     slots: int) -> tuple[int, int]:
-        """o_comp, o_comm from the compiled kernels' registers and shared memory."""
+                     slots: int) -> tuple[int, int, str | None]:
+        """o_comp, o_comm from the compiled kernels' registers and shared memory, and
+        None if o_comp GEMM2 CTAs and one GatherRS CTA fit one SM together (the shared
+        placement), else the resource that does not."""
         if self.backend != "triton":
-            return 2, 1  # the interpreter has no binary; any residency plans correctly
+            return 2, 1, None  # the interpreter has no binary; any residency plans correctly
         dev = self.device
         x = torch.empty(t.block_m, t.block_k, dtype=torch.bfloat16, device=dev)
         w = torch.empty(1, t.block_n, t.block_k, dtype=torch.bfloat16, device=dev)
@@ -209,7 +219,9 @@ class OverlapBuffer:
             self.compiled_resources[name] = dict(registers=k.n_regs, shared=k.metadata.shared,
                                                  spills=k.n_spills, ctas_per_sm=occ[-1],
                                                  warps=k.metadata.num_warps)
-        return occ[0], occ[1]
+        misfit = co_resident([(k.n_regs, k.metadata.num_warps * 32, k.metadata.shared, count)
+                              for k, count in ((gk, occ[0]), (ck, 1))])
+        return occ[0], occ[1], misfit
 
     # ---------------------------------------------------------------- errors
     def check(self, sync: bool = True) -> None:

@@ -80,6 +80,9 @@ class OverlapConfig:
                              f"None, got {m!r}")
 
 
+PLACEMENTS = ("partition", "shared")
+
+
 @dataclass(frozen=True)
 class TileConfig:
     """Compile-time shapes of the two kernels.
@@ -108,6 +111,16 @@ class TileConfig:
     Gluon kernel (`kernels/gemm2_ws.py`: a loader warp runs the TMA loads ahead across
     tiles; CUDA on Hopper only): "gluon" publishes each stored tile from a warp of its
     own, "gluon_inline_publish" from the warpgroup that stored it, as the Triton kernel.
+
+    `placement`: where the communication CTAs run. "partition" (the paper's scheme):
+    C CTAs take R(C) SMs of their own and GEMM2 runs on the rest. "shared": one small
+    GatherRS CTA (comm_warps = 4) beside GEMM2's CTAs on every SM, in the registers they
+    leave (the op caps both kernels' registers on CUDA: `SHARED_GEMM_MAXNREG`,
+    `SHARED_COMM_MAXNREG`), so GEMM2 keeps all G SMs; 0.84x-0.98x of the partition's
+    overlapped time on H200 (docs/RESULTS.md, session 8). Where the compiled kernels
+    do not fit one SM together the op plans and launches the partition instead.
+    `gemm_maxnreg` / `comm_maxnreg`: explicit register caps per thread (None: the
+    placement's default).
     """
 
     block_m: int
@@ -125,6 +138,7 @@ class TileConfig:
     gemm_impl: str = "auto"  # GEMM2 kernel: "auto", "triton", or a warp-specialized Gluon one
     gemm_maxnreg: int | None = None  # register cap per GEMM2 thread (None: the kernel's own)
     comm_maxnreg: int | None = None  # register cap per GatherRS thread (None: the compiler's)
+    placement: str = "partition"  # "partition": comm CTAs on SMs of their own; "shared"
 
     def __post_init__(self) -> None:
         from ..kernels.gemm2 import IMPLS
@@ -137,6 +151,9 @@ class TileConfig:
             raise ValueError(f"TileConfig.gemm_impl={self.gemm_impl!r} runs 128 x (<= 128) "
                              f"tiles on 4 warps, got {self.block_m} x {self.block_n}, "
                              f"{self.gemm_warps} warps")
+        if self.placement not in PLACEMENTS:
+            raise ValueError(f"TileConfig.placement must be one of {PLACEMENTS}, got "
+                             f"{self.placement!r}")
         for name in ("gemm_maxnreg", "comm_maxnreg"):
             cap = getattr(self, name)
             if cap is not None and (isinstance(cap, bool) or not isinstance(cap, int)
@@ -153,11 +170,21 @@ class TileConfig:
         return max(1, self.comm_rows // slots), min(self.comm_tn, 1 << max(0, (split_width - 1).bit_length()))
 
 
-#: Hopper defaults, chosen with `tools/tune_tiles.py`, `tools/try_overlap.py` and
-#: `tools/try_token_major.py` on H200 (docs/RESULTS.md): 32-warp GatherRS CTAs (one per
-#: SM, so R(C) = C holds), each gathering 256 rows x 1024 columns per item, one top-k
-#: slot at a time, from a token-major y.
-GPU_TILES = TileConfig(128, 128, 64, 4, 3, 256, 1024, 32)
+#: The partition placement on Hopper, chosen with `tools/tune_tiles.py`,
+#: `tools/try_overlap.py` and `tools/try_token_major.py` on H200 (docs/RESULTS.md):
+#: 32-warp GatherRS CTAs (one per SM, so R(C) = C holds), each gathering 256 rows x 1024
+#: columns per item, one top-k slot at a time, from a token-major y.
+PARTITION_TILES = TileConfig(128, 128, 64, 4, 3, 256, 1024, 32)
+#: Hopper defaults: the shared placement, one 4-warp GatherRS CTA per SM beside GEMM2's
+#: two, gathering 32 rows x 512 columns per item (`tools/try_shared_sms.py`: the fastest
+#: of 32 x 512 and 16 x 1024 in four of six cases, within 1% in the others).
+GPU_TILES = TileConfig(128, 128, 64, 4, 3, 32, 512, 4, placement="shared")
+#: Register caps of the shared placement, per thread: two GEMM2 CTAs and one 4-warp
+#: GatherRS CTA in one SM's 64K registers (Gluon: 2 x 8 warps x 32 x 104 + 4 x 32 x 96
+#: = 65536; Triton: 2 x 4 x 32 x 200 + 12288 = 63488). Compiled without spills on sm_90
+#: (the Gluon kernel's MMA warpgroup still gets 184 after the workers give theirs back).
+SHARED_GEMM_MAXNREG = {"triton": 200, "gluon": 104, "gluon_inline_publish": 104}
+SHARED_COMM_MAXNREG = 96
 _TILES_ENV = "MEGATRON_OVERLAP_TILES"
 
 
@@ -177,7 +204,9 @@ def load_tiles(path: str) -> TileConfig:
         return TileConfig(m, n, k, w, s, rows, tn, cw, bool(flat),
                           comm_stages=int(mode[1]) if len(mode) > 1 else 1,
                           comm_slot_loop=slot_loop, token_major=token_major,
-                          gemm_impl=str(impl[0]) if impl else GPU_TILES.gemm_impl)
+                          gemm_impl=str(impl[0]) if impl else GPU_TILES.gemm_impl,
+                          # files from before the placement: 32-warp CTAs, partitioned
+                          placement=str(best.get("placement", "partition")))
     except (OSError, KeyError, ValueError, TypeError) as err:
         raise ValueError(f"{path}: not a tune_tiles result ({err})") from err
 
@@ -256,6 +285,17 @@ def min_combine_elements(config: OverlapConfig, device: torch.device) -> int:
 
 
 def kernel_spec(tiles: TileConfig, comm_tm: int, comm_tn: int, o_comp: int,
-                o_comm: int, tail_helpers: bool = False) -> KernelSpec:
+                o_comm: int, tail_helpers: bool = False, shared_sms: bool = False) -> KernelSpec:
     return KernelSpec(tiles.block_m, tiles.block_n, comm_tm, comm_tn, o_comp, o_comm,
-                      tail_helpers)
+                      tail_helpers, shared_sms)
+
+
+def with_register_caps(tiles: TileConfig) -> TileConfig:
+    """The shared placement's register caps where the tiles leave them unset (CUDA)."""
+    if tiles.placement != "shared":
+        return tiles
+    import dataclasses
+
+    return dataclasses.replace(
+        tiles, gemm_maxnreg=tiles.gemm_maxnreg or SHARED_GEMM_MAXNREG[tiles.gemm_impl],
+        comm_maxnreg=tiles.comm_maxnreg or SHARED_COMM_MAXNREG)

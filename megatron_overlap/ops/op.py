@@ -30,7 +30,7 @@ from ..kernels import gemm2
 from ..kernels.routing_table import combine_table, launch_routing_table
 from ..planner import Workload, expert_row_tiles, reservation
 from .buffer import OverlapBuffer
-from .config import OverlapConfig, TileConfig, default_splits, resolve_backend
+from .config import OverlapConfig, TileConfig, default_splits, resolve_backend, with_register_caps
 from .reference import all_gather, grouped_mm, reference_forward
 
 log = logging.getLogger("megatron_overlap")
@@ -277,13 +277,14 @@ class Launch:
 @functools.lru_cache(maxsize=64)
 def _resolved(tiles: TileConfig, device: torch.device, dtype: torch.dtype) -> TileConfig:
     """tiles with gemm_impl "auto" replaced by the kernel `gemm2.resolve_impl` picks for
-    this device, dtype and y layout, so the planner's residency and the launch come from
-    the same binary."""
-    if tiles.gemm_impl != "auto":
-        return tiles
-    return dataclasses.replace(tiles, gemm_impl=gemm2.resolve_impl(
-        "auto", device, dtype, tiles.block_m, tiles.block_n, tiles.gemm_warps,
-        tiles.token_major))
+    this device, dtype and y layout (and, in the shared placement, that kernel's register
+    caps), so the planner's residency and the launch come from the same binary."""
+    if tiles.gemm_impl == "auto":
+        tiles = dataclasses.replace(tiles, gemm_impl=gemm2.resolve_impl(
+            "auto", device, dtype, tiles.block_m, tiles.block_n, tiles.gemm_warps,
+            tiles.token_major))
+    # the shared placement's register caps, for the kernel just chosen (compiled only)
+    return with_register_caps(tiles) if device.type == "cuda" else tiles
 
 
 def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=None,

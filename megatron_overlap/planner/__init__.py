@@ -20,7 +20,7 @@ from .model import (
     service_time,
     timed_plan,
 )
-from .occupancy import AMPERE_A100, HOPPER, Occupancy, SMLimits, resident_ctas
+from .occupancy import AMPERE_A100, HOPPER, Occupancy, SMLimits, co_resident, resident_ctas
 from .presets import A100_PAPER, Preset, get_preset, load_preset_file, preset_for_device, preset_names
 
 __all__ = [
@@ -28,5 +28,5 @@ __all__ = [
     "KernelSpec", "Occupancy", "Plan", "PlanCache", "Preset", "SMLimits", "Workload",
     "comm_tiles", "compute_slots", "compute_tiles", "expert_row_tiles", "get_preset", "load_preset_file",
     "makespan", "plan", "preset_for_device", "preset_names", "ranking_calibration", "reservation",
-    "resident_ctas", "service_ratio", "service_time", "timed_plan",
+    "co_resident", "resident_ctas", "service_ratio", "service_time", "timed_plan",
 ]

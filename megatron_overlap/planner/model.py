@@ -29,6 +29,15 @@ Glossary (names as in the paper, so this file reads beside section III):
 C* = argmin T(C) over 1..C_max with P(C) > 0; ties (|dT| <= 1e-9 T) go to the smaller
 Delta_comp = V_comp * P - W_comp (eq. 18), then to the smaller C.
 
+Beyond the paper, the shared placement (KernelSpec.shared_sms): the communication CTAs
+are small (4 warps) and sit beside GEMM2's CTAs on the SMs instead of taking SMs of
+their own, in the registers and shared memory two GEMM2 CTAs leave. Then R(C) = 0 and
+P = o_comp G for every C, and C runs up to G (one beside GEMM2 on each SM). GEMM2's
+persistent tiles are dealt to its CTAs in a fixed order, so an SM that carries a
+communication CTA is a straggler of every wave unless every SM carries one: ties go
+to the larger C, and with P independent of C the model's T(C) never rises with C, so
+C* = G (measured: C = G/2 was slower than G in all six cases, docs/RESULTS.md).
+
 Beyond the paper: C_sat, the communication CTAs whose traffic saturates the memory
 system and the peer links. Eq. 11 assumes every CTA moves data at the rate of one
 alone; on H200 a wave slows as more CTAs share the bandwidth, and GatherRS alone fits
@@ -164,13 +173,17 @@ class KernelSpec:
     # The op's tail helpers (module doc): the last split served after GEMM2 by
     # C + G - R(C) CTAs, up to C_max. The op sets it when it launches them.
     tail_helpers: bool = False
+    # The shared placement (module doc): communication CTAs beside GEMM2's, R(C) = 0.
+    shared_sms: bool = False
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
-            if f.name != "tail_helpers":
+            if f.name not in ("tail_helpers", "shared_sms"):
                 _require_int(self, f.name, 1)
-        if not isinstance(self.tail_helpers, bool):
-            raise ValueError(f"KernelSpec.tail_helpers must be a bool, got {self.tail_helpers!r}")
+        for name in ("tail_helpers", "shared_sms"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"KernelSpec.{name} must be a bool, got "
+                                 f"{getattr(self, name)!r}")
 
 
 @dataclass(frozen=True)
@@ -263,8 +276,9 @@ class Plan(NamedTuple):
 
 
 def reservation(c: int, kernel: KernelSpec) -> int:
-    """R(C) = ceil(C / o_comm): SMs that C resident communication CTAs need (eq. 2)."""
-    return _ceil(c, kernel.o_comm)
+    """R(C) = ceil(C / o_comm): SMs that C resident communication CTAs need (eq. 2);
+    0 in the shared placement (they sit beside GEMM2's CTAs)."""
+    return 0 if kernel.shared_sms else _ceil(c, kernel.o_comm)
 
 
 def compute_slots(c: int, kernel: KernelSpec, device: DeviceSpec) -> int:
@@ -393,6 +407,13 @@ def solve(
 ) -> tuple[int, tuple[tuple[int, float], ...]]:
     """Algorithm 1 on precomputed tile counts: C* and the T(C) curve."""
     g, o_comp, o_comm = device.available_sms, kernel.o_comp, kernel.o_comm
+    if kernel.shared_sms:  # P = o_comp G for every C <= G; ties to the larger C
+        ts = [makespan(w_comp, w_comm, o_comp * g, c, splits, rho, c_sat,
+                       tail_ctas(c, kernel, device, max(c_max, g)), overlap)
+              for c in range(1, g + 1)]
+        t_min = min(ts)
+        best = max(c for c, t in enumerate(ts, 1) if t - t_min <= _TIE_RTOL * t_min)
+        return best, tuple(zip(range(1, g + 1), ts))
     c_top = min(c_max, o_comm * (g - 1))  # the largest C with P(C) > 0
     if c_top < 1:
         raise ValueError(
@@ -448,6 +469,10 @@ def plan(
             raise ValueError(
                 f"comm_ctas={chosen} leaves no compute slots on {device.available_sms} SMs"
             )
+        if kernel.shared_sms and chosen > device.available_sms:
+            raise ValueError(f"comm_ctas={chosen}: the shared placement fits one "
+                             f"communication CTA beside GEMM2's per SM, at most "
+                             f"{device.available_sms}")
         best = chosen
     p = compute_slots(best, kernel, device)
     if best <= len(curve):

@@ -81,3 +81,31 @@ def resident_ctas(
             f"({limited_by})"
         )
     return Occupancy(bounds[limited_by], limited_by)
+
+
+def co_resident(parts, limits: SMLimits = HOPPER) -> str | None:
+    """None if one SM holds all of `parts` at once, else the resource that does not fit.
+
+    `parts`: (registers_per_thread, threads_per_cta, shared_bytes_per_cta, ctas) per
+    kernel, e.g. two GEMM2 CTAs and one GatherRS CTA (the shared placement). A CTA's
+    warps are spread over the four sub-partitions, each of which holds a quarter of the
+    register file; the SM's shared memory is configured once for all of them (the op
+    asks for the largest carveout)."""
+    regs = smem = threads = warps = ctas = 0
+    unit = limits.register_unit
+    for registers_per_thread, threads_per_cta, shared_bytes, count in parts:
+        w = -(-threads_per_cta // 32)
+        regs_per_warp = -(-registers_per_thread * 32 // unit) * unit
+        regs += count * -(-w // limits.sub_partitions) * regs_per_warp  # per sub-partition
+        smem += count * (-(-shared_bytes // limits.shared_unit) * limits.shared_unit
+                         + limits.shared_reserved_per_cta)
+        threads += count * w * 32
+        warps += count * w
+        ctas += count
+    for name, used, cap in (("registers", regs, limits.registers // limits.sub_partitions),
+                            ("shared memory", smem, limits.shared_bytes),
+                            ("threads", threads, limits.threads), ("warps", warps, limits.warps),
+                            ("ctas", ctas, limits.ctas)):
+        if used > cap:
+            return name
+    return None
