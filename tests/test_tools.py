@@ -314,3 +314,30 @@ def test_token_major_experiment_checks_both_layouts_give_the_shipped_bits(tmp_pa
     assert {n: (f["bitwise_as_shipped"], f["unwritten"], f["token_major"])
             for n, f in facts.items()} == {"rows": (True, 0, False), "tokens": (True, 0, True)}
     assert all(f["rel_err"] < 1e-2 for f in facts.values())
+
+
+def test_shared_placement_experiment_gives_the_partitions_bits_on_every_sm(tmp_path):
+    """The shared-placement experiment's CPU smoke run: both arms through the op's own
+    plan, the shared one with a communication CTA on every SM of the virtual device and
+    the partition's bits (poisoned output, reference error)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from megatron_overlap.ops.config import INTERPRET_SMS
+
+    tool = Path(__file__).resolve().parent.parent / "tools" / "try_shared_sms.py"
+    out = tmp_path / "exp.json"
+    done = subprocess.run([sys.executable, str(tool), "--smoke", "--comm", "",
+                           "--cases", "tiny/TP2EP1/16", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(out.read_text())["results"][0]
+    facts = result["facts"]
+    assert not result["failed"]
+    assert {n: (f["shared_sms"], f["bitwise_as_partition"], f["unwritten"])
+            for n, f in facts.items()} == {"partition": (False, True, 0),
+                                            "shared": (True, True, 0)}
+    assert facts["shared"]["planner_c"] == INTERPRET_SMS
+    assert all(f["rel_err"] < 1e-2 for f in facts.values())

@@ -55,7 +55,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from report import load  # noqa: E402
 from workloads import OpCase  # noqa: E402
 
-from megatron_overlap.ops.config import PARTITION_TILES as GPU_TILES  # noqa: E402  (these runs: the partition)
+# (these experiments and recorded runs are of the partition placement)
+from megatron_overlap.ops.config import PARTITION_TILES as GPU_TILES  # noqa: E402
 from megatron_overlap.ops.op import rank_splits  # noqa: E402
 from megatron_overlap.planner import (DeviceSpec, KernelSpec, Workload,  # noqa: E402
                                       get_preset, ranking_calibration)

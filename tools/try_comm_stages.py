@@ -26,7 +26,9 @@ from tune_tiles import COMM_CANDIDATES, comm_name, phase  # noqa: E402
 from workloads import OpCase, rank_inputs  # noqa: E402
 
 from megatron_overlap.ops import OverlapConfig, gemm2_gather_rs  # noqa: E402
-from megatron_overlap.ops.config import INTERPRET_TILES, PARTITION_TILES as GPU_TILES  # noqa: E402  (the partition)
+# (this experiment is of the partition placement)
+from megatron_overlap.ops.config import INTERPRET_TILES  # noqa: E402
+from megatron_overlap.ops.config import PARTITION_TILES as GPU_TILES  # noqa: E402
 
 
 def main() -> int:

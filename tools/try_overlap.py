@@ -29,7 +29,9 @@ from tune_tiles import comm_name, phase  # noqa: E402
 from workloads import OpCase, op_kwargs, rank_inputs  # noqa: E402
 
 from megatron_overlap.ops import OverlapConfig, gemm2_gather_rs  # noqa: E402
-from megatron_overlap.ops.config import INTERPRET_TILES, PARTITION_TILES as GPU_TILES  # noqa: E402  (the partition)
+# (this experiment is of the partition placement)
+from megatron_overlap.ops.config import INTERPRET_TILES  # noqa: E402
+from megatron_overlap.ops.config import PARTITION_TILES as GPU_TILES  # noqa: E402
 
 # (rows, TNc, warps, slot loop); the run recorded in docs/data/exp_overlap.json also had
 # a 400 ns nanosleep between readiness polls (no gain; the option was removed)

@@ -133,8 +133,10 @@ def main() -> int:
     if args.smoke:
         backend, device = "interpret", "cpu"
         shared, partition = R(INTERPRET_TILES, placement="shared"), INTERPRET_TILES
-        args.cases, args.cset, args.samples, args.warmup = "tiny/TP2EP1/16,tiny/TP1EP2/16", "4", 2, 1
-        items = [(8, 16)]
+        if args.cases == ",".join(CASES):
+            args.cases = "tiny/TP2EP1/16,tiny/TP1EP2/16"
+        args.cset, args.samples, args.warmup = "4", 2, 1
+        items = [(8, 16)] if args.comm else []
     elif not torch.cuda.is_available():
         print("try_shared_sms: needs a CUDA GPU (or --smoke)")
         return 2

@@ -38,7 +38,8 @@ from benchlib import abba, env_info, summarize, without_samples, write_json  # n
 from workloads import OpCase, rank_inputs  # noqa: E402
 
 from megatron_overlap.ops import OverlapConfig, gemm2_gather_rs  # noqa: E402
-from megatron_overlap.ops.config import PARTITION_TILES as GPU_TILES  # noqa: E402  (these runs: the partition)
+# (these experiments and recorded runs are of the partition placement)
+from megatron_overlap.ops.config import PARTITION_TILES as GPU_TILES  # noqa: E402
 from megatron_overlap.ops.op import plan_cache_of, prepare  # noqa: E402
 
 R = dataclasses.replace

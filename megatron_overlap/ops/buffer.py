@@ -166,11 +166,10 @@ class OverlapBuffer:
             o_comp, o_comm, misfit = self._occupancies(tiles, comm_tm, comm_tn, slots)
             shared = tiles.placement == "shared" and misfit is None
             if tiles.placement == "shared" and not shared:
+                found = getattr(self, "compiled_resources", None)
                 warnings.warn(f"megatron-overlap: the shared placement does not fit one SM "
-                              f"({misfit}: {getattr(self, 'compiled_resources', None)}); "
-                              f"planning and "
-                              f"launching the partition placement instead", RuntimeWarning,
-                              stacklevel=3)
+                              f"({misfit}: {found}); planning and launching the partition "
+                              f"placement instead", RuntimeWarning, stacklevel=3)
             # the model serves the last split as the launch does: with the tail helpers
             # when they run (KernelSpec.tail_helpers)
             spec = kernel_spec(tiles, comm_tm, comm_tn, o_comp, o_comm, helpers, shared)
