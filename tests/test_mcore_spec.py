@@ -157,6 +157,10 @@ def test_flags_parse_into_the_overlap_config(tmp_path):
     assert always.min_combine_elements == 0 and always.tail_helpers == OverlapConfig().tail_helpers
     plain = overlap_config_from_args(_parse(["--moe-overlap", "--moe-overlap-no-tail-helpers"]))
     assert plain.tail_helpers is False
+    assert auto.placement == OverlapConfig().placement  # "auto": the device default
+    part = overlap_config_from_args(_parse(["--moe-overlap", "--moe-overlap-placement",
+                                            "partition"]))
+    assert part.placement == "partition"
     assert overlap_config_from_args(_parse(["--moe-overlap-comm-ctas", "4"])) is None
     assert overlap_config_from_args(argparse.Namespace()) is None
 

@@ -491,3 +491,25 @@ def test_splits_ranked_without_the_helper_terms_and_c_from_the_full_model():
     assert ranked != full_ranked  # the two models disagree on this workload
     assert launch.plan.splits == ranked
     assert launch.plan.comm_ctas == decide(ranked, True).comm_ctas
+
+
+def test_config_placement_picks_the_default_tiles_of_that_placement():
+    """OverlapConfig.placement (env MEGATRON_OVERLAP_PLACEMENT, Megatron's
+    --moe-overlap-placement) chooses the placement of the default tiles: on CUDA the
+    tuned tiles of each (GPU_TILES, PARTITION_TILES), under the interpreter its tiles."""
+    from megatron_overlap.ops.buffer import OverlapBuffer
+
+    buf = object.__new__(OverlapBuffer)
+    buf.backend = "triton"
+    assert buf.default_tiles() is GPU_TILES
+    assert buf.default_tiles("partition") is PARTITION_TILES
+    assert buf.default_tiles("shared") is GPU_TILES
+    buf.backend = "interpret"
+    assert buf.default_tiles("shared") == dataclasses.replace(INTERPRET_TILES,
+                                                              placement="shared")
+    with pytest.raises(ValueError, match="placement must be one of"):
+        OverlapConfig(placement="interleaved")
+    p = routed_problem(0, 1, tokens=30, experts=3, topk=2, ffn=16, hidden=32)
+    _, plan = call(p, 30, 2, OverlapConfig(backend="interpret", placement="shared"),
+                   return_plan=True)
+    assert plan.reservation == 0

@@ -62,6 +62,12 @@ def add_moe_overlap_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                        help="Leave the last split to the C communication CTAs (default: when "
                        "GEMM2 ends, one more GatherRS CTA per SM it leaves shares it; same "
                        "output either way). Also MEGATRON_OVERLAP_TAIL_HELPERS=0.")
+    group.add_argument("--moe-overlap-placement", choices=("auto", "shared", "partition"),
+                       default="auto",
+                       help="Where the communication CTAs run: shared (one beside GEMM2's on "
+                       "every SM, the Hopper default), partition (SMs of their own, the "
+                       "paper's scheme) or auto (the device default; also "
+                       "MEGATRON_OVERLAP_PLACEMENT).")
     group.add_argument("--moe-overlap-calibration", default=None, metavar="FILE",
                        help="Calibration JSON (tools/calibrate.py) or preset name; default: the "
                        "shipped calibration for this device.")
@@ -86,6 +92,8 @@ def overlap_config_from_args(args) -> OverlapConfig | None:
         splits=getattr(args, "moe_overlap_splits", None),
         preset=calibration,
         min_combine_elements=getattr(args, "moe_overlap_min_elements", None),
+        **({"placement": placement} if (placement := getattr(
+            args, "moe_overlap_placement", "auto")) != "auto" else {}),
         **({"tail_helpers": False} if getattr(args, "moe_overlap_no_tail_helpers", False)
            else {}),
     )

@@ -11,6 +11,7 @@ barrier words. Local flags: ready[L_MAX], done, error (int32).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import warnings
 
 import torch
@@ -21,8 +22,8 @@ from ..kernels import gather_rs as grs
 from ..kernels import gemm2
 from ..kernels.routing_table import ERR_TOPK, ERR_UNSORTED
 from ..planner import PlanCache, co_resident, ranking_calibration, resident_ctas
-from .config import (INTERPRET_TILES, OverlapConfig, TileConfig, calibration_for, device_spec,
-                     gpu_tiles, kernel_spec)
+from .config import (GPU_TILES, INTERPRET_TILES, PARTITION_TILES, OverlapConfig, TileConfig,
+                     calibration_for, device_spec, gpu_tiles, kernel_spec)
 from .peer_memory import PeerMemory
 
 L_MAX = 64
@@ -143,8 +144,16 @@ class OverlapBuffer:
         return raw.view(dtype).view(self.world, cap, hidden)
 
     # ---------------------------------------------------------------- planning
-    def default_tiles(self) -> TileConfig:
-        return INTERPRET_TILES if self.backend == "interpret" else gpu_tiles()
+    def default_tiles(self, placement: str | None = None) -> TileConfig:
+        """The backend's tiles (`gpu_tiles()` on CUDA), in `placement` when given: on
+        CUDA the tuned tiles of that placement (GPU_TILES / PARTITION_TILES) unless a
+        tiles file names the shapes, whose placement it then replaces."""
+        tiles = INTERPRET_TILES if self.backend == "interpret" else gpu_tiles()
+        if placement is None or placement == tiles.placement:
+            return tiles
+        if self.backend != "interpret" and tiles in (GPU_TILES, PARTITION_TILES):
+            return GPU_TILES if placement == "shared" else PARTITION_TILES
+        return dataclasses.replace(tiles, placement=placement)
 
     def remember(self, key: tuple, decision: tuple) -> None:
         """Keep an op decision (bounded: routing can make many distinct row-tile counts)."""

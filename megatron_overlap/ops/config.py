@@ -14,6 +14,7 @@ from ..planner import A100_PAPER, Calibration, DeviceSpec, KernelSpec, get_prese
 log = logging.getLogger("megatron_overlap")
 
 BACKENDS = ("auto", "triton", "interpret", "reference")
+PLACEMENTS = ("partition", "shared")  # TileConfig.placement
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,10 @@ class OverlapConfig:
         share the last split (which becomes ready only then) with the C communication
         CTAs; False (or MEGATRON_OVERLAP_TAIL_HELPERS=0) leaves the last split to the C
         CTAs, as the paper's model assumes.
+    placement: where the communication CTAs run when `tiles` is None (TileConfig.placement):
+        "shared" (one beside GEMM2's on every SM; the Hopper default), "partition" (SMs
+        of their own, the paper's scheme), or None (the default tiles' own; env
+        MEGATRON_OVERLAP_PLACEMENT sets it too).
     min_combine_elements: read by OverlapMoELayer, not by the op: a layer whose combined
         output (tokens x hidden) has fewer elements runs the stock Megatron path, where the
         overlap's extra host work costs more than it saves. None = the calibration's value
@@ -60,8 +65,12 @@ class OverlapConfig:
     tiles: "TileConfig | None" = None
     min_combine_elements: int | None = None
     tail_helpers: bool = os.environ.get("MEGATRON_OVERLAP_TAIL_HELPERS", "1") != "0"
+    placement: str | None = os.environ.get("MEGATRON_OVERLAP_PLACEMENT") or None
 
     def __post_init__(self) -> None:
+        if self.placement is not None and self.placement not in PLACEMENTS:
+            raise ValueError(f"OverlapConfig.placement must be one of {PLACEMENTS} or None, "
+                             f"got {self.placement!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"OverlapConfig.backend must be one of {BACKENDS}, got {self.backend!r}")
         for name in ("comm_ctas", "splits"):
@@ -78,9 +87,6 @@ class OverlapConfig:
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 0):
             raise ValueError(f"OverlapConfig.min_combine_elements must be an int >= 0 or "
                              f"None, got {m!r}")
-
-
-PLACEMENTS = ("partition", "shared")
 
 
 @dataclass(frozen=True)

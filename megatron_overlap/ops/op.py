@@ -319,7 +319,7 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
                          f"is not a multiple of 16 (K % 8 == 0 for bf16)")
     buf = OverlapBuffer.get(group, x.device, backend)
     buf.check(sync=False)
-    tiles = config.tiles or buf.default_tiles()
+    tiles = config.tiles or buf.default_tiles(config.placement)
     if tiles.gemm_impl not in ("triton", "auto") and (backend != "triton"
                                                       or x.dtype != torch.bfloat16):
         raise ValueError(f"TileConfig.gemm_impl={tiles.gemm_impl!r} is a Gluon kernel for "
