@@ -18,6 +18,8 @@ JIT) and then launches the binary it got; `TRITON_INTERPRET=1` or
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import os
 
 import torch
@@ -87,15 +89,23 @@ def _no_launch_hooks() -> bool:
 _CARVEOUT_ATTRIBUTE = 9
 
 
+@functools.lru_cache(maxsize=1)
+def _libcuda():
+    try:
+        return ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+
+
 def prefer_max_shared(binary) -> None:
     """Ask the driver to configure an SM running this kernel with the largest shared-memory
     carveout. An SM runs CTAs of several kernels only under one L1/shared split: without
     this the driver gives a kernel that needs little shared memory (GatherRS: 4 KB) a small
     carveout, and no GEMM2 CTA (~100 KB each) can join an SM one of its CTAs runs on until
     it exits, which for a CTA waiting on GEMM2's flags is never (a time-out)."""
-    import ctypes
-
-    lib = ctypes.CDLL("libcuda.so.1")
+    lib = _libcuda()
+    if lib is None:  # no NVIDIA driver (another backend): nothing to configure
+        return
     rc = lib.cuFuncSetAttribute(ctypes.c_void_p(binary.function), _CARVEOUT_ATTRIBUTE, 100)
     if rc != 0:
         raise RuntimeError(f"cuFuncSetAttribute(PREFERRED_SHARED_MEMORY_CARVEOUT) failed: {rc}")

@@ -538,3 +538,35 @@ def test_auto_falls_back_to_triton_with_a_warning_where_gluon_cannot_build(monke
         assert not gemm2._gluon_runs_on(0)  # wgmma is sm_90 only
     finally:
         gemm2._gluon_runs_on.cache_clear()
+
+
+def test_gather_binaries_ask_the_driver_for_the_largest_shared_carveout(monkeypatch):
+    """GatherRS CTAs share SMs with GEMM2's (tail helpers, the shared placement), which an
+    SM allows only under one L1/shared split: every GatherRS binary the launch cache loads
+    asks for the largest carveout (CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT =
+    9, 100%); a driver error is raised, and without an NVIDIA driver nothing is asked."""
+    from megatron_overlap.kernels import launch_cache as lc
+
+    calls = []
+
+    class FakeDriver:
+        rc = 0
+
+        def cuFuncSetAttribute(self, function, attribute, value):
+            calls.append((function.value, attribute, value))
+            return self.rc
+
+    class Binary:
+        function = 1234
+
+    driver = FakeDriver()
+    monkeypatch.setattr(lc, "_libcuda", lambda: driver)
+    lc.prefer_max_shared(Binary())
+    assert calls == [(1234, 9, 100)]
+    driver.rc = 1
+    with pytest.raises(RuntimeError, match="PREFERRED_SHARED_MEMORY_CARVEOUT"):
+        lc.prefer_max_shared(Binary())
+    monkeypatch.setattr(lc, "_libcuda", lambda: None)
+    lc.prefer_max_shared(Binary())  # no driver: no call, no error
+    assert len(calls) == 2
+    assert grs._GATHER_RS.max_shared and not gemm2._GEMM2.max_shared
