@@ -341,3 +341,18 @@ def test_shared_placement_experiment_gives_the_partitions_bits_on_every_sm(tmp_p
                                             "shared": (True, True, 0)}
     assert facts["shared"]["planner_c"] == INTERPRET_SMS
     assert all(f["rel_err"] < 1e-2 for f in facts.values())
+
+
+def test_shared_placement_takes_every_sm_under_every_fitted_model_variant(capsys):
+    """Run 29 (the shared placement on one H200): whatever rho scale and saturation the
+    model is given, it picks C = G for all 36 workloads, so C* does not rest on rho,
+    which is calibrated for the partition's CTAs (docs/RESULTS.md, session 8)."""
+    import argparse
+
+    import analyze_runs
+
+    analyze_runs.shared_curves(argparse.Namespace(preset="h200", runs="op29g1,op29g1p50",
+                                                  data=analyze_runs.DATA))
+    out = capsys.readouterr().out
+    assert out.startswith("36 workloads")
+    assert "C* over all 36 variants: [132]" in out

@@ -9,6 +9,7 @@
     python tools/analyze_runs.py helpers --runs op15,op15p50
     python tools/analyze_runs.py host-exposed --runs op15,op17,op19,op20
     python tools/analyze_runs.py fit-f --runs op15,op15p50,op16
+    python tools/analyze_runs.py shared-curves --runs op29g1,op29g1p50
 
 replay: the planner's C* for each recorded workload under a calibration (the shipped
     one, optionally with K_epi / topk_ref replaced; `none` removes a term), timed by the
@@ -334,10 +335,49 @@ def host_exposed(args) -> None:
               f"reference {f:.3f} ms, ratio {o / f:.2f} over {len(ours)} workloads")
 
 
+def shared_curves(args) -> None:
+    """Shared-placement runs: how well the model's T(C), with rho scaled by s and a
+    saturation C_sat, matches each measured sweep (both divided by their minimum; RMS of
+    the log ratio over every swept C), and the C* it picks (the planner's rule: ties
+    to the larger C)."""
+    from megatron_overlap.ops.config import GPU_TILES as SHARED_TILES
+
+    calib = get_preset(args.preset).calibration
+    rows = _rows(args.runs, args.data)
+    fits = []
+    for c_sat in (None, 8, 16, 32, 64, 128):
+        for scale in (0.3, 0.5, 1.0, 1.5, 2.0, 4.0):
+            err, n, chosen = 0.0, 0, set()
+            for r in rows:
+                shape = MODELS[r["model"]]
+                tp, _ = LAYOUTS[r["layout"]]
+                splits = r["splits"]
+                tm, tn = SHARED_TILES.comm_shape(shape.topk, -(-shape.hidden // splits))
+                kernel = KernelSpec(128, 128, tm, tn, 2, 1, True, True)
+                w = Workload(BATCH * r["seq"], shape.hidden, shape.ffn_per_rank(tp),
+                             _world(r), splits, (1,), topk=shape.topk, local_topk=_local_topk(r))
+                c, curve = solve(r["w_comp"], r["w_comm"], scale * service_ratio(w, kernel, calib),
+                                 splits, kernel, DeviceSpec("H200", 132), calib.c_max, c_sat,
+                                 calib.overlap_factor)
+                curve, sweep = dict(curve), _sweep(r)
+                chosen.add(c)
+                t_min, p_min = min(sweep.values()), min(curve[c] for c in sweep)
+                for c_, t in sweep.items():
+                    err += math.log((t / t_min) / (curve[c_] / p_min)) ** 2
+                    n += 1
+            fits.append((math.sqrt(err / n), c_sat, scale, sorted(chosen)))
+    print(f"{len(rows)} workloads; best fits first (RMS log error, C_sat, rho scale, C* chosen):")
+    for rms, c_sat, scale, chosen in sorted(fits, key=lambda f: f[0])[:6]:
+        print(f"  {rms:.3f}  C_sat={c_sat}  rho x {scale}  C* in {chosen}")
+    shipped = next(f for f in fits if f[1] is None and f[2] == 1.0)
+    print(f"  shipped model (no C_sat, rho x 1): {shipped[0]:.3f}, C* in {shipped[3]}")
+    print(f"  C* over all {len(fits)} variants: {sorted(set().union(*map(set, (f[3] for f in fits))))}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("what", choices=("replay", "k-epi", "bias", "amdahl", "threshold",
-                                     "helpers", "host-exposed", "fit-f"))
+                                     "helpers", "host-exposed", "fit-f", "shared-curves"))
     ap.add_argument("--runs", default="op13,op13p50", help="run tags (file name prefixes)")
     ap.add_argument("--preset", default="h200")
     ap.add_argument("--k-epi", default=None, help="replace the calibration's (or 'none')")
@@ -373,6 +413,8 @@ def main() -> int:
         host_exposed(args)
     elif args.what == "fit-f":
         fit_f(args)
+    elif args.what == "shared-curves":
+        shared_curves(args)
     else:
         amdahl(args)
     return 0
