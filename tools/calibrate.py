@@ -163,6 +163,12 @@ def main() -> int:
     inp = rank_inputs(case, rank, device)
 
     tiles = tiles_from_json(args.tiles)
+    if tiles is None and backend == "triton":
+        # rho_ref is defined for the partition's CTAs (the shipped file was measured so);
+        # the shared placement's C* does not rest on it (docs/RESULTS.md, session 8)
+        from megatron_overlap.ops.config import PARTITION_TILES
+
+        tiles = PARTITION_TILES
     comp_fn, launch = phase_timer(inp, group, args.c_cal, ("gemm2",), args.splits, backend, tiles)
     # the same GEMM2 at half the reduction dim: same tiles and waves, so the two times
     # give the per-wave cost that does not scale with K (K_epi)

@@ -2,6 +2,10 @@
 whole GPU and GatherRS alone at fixed C, for candidate shapes, with compiled resources.
 
     torchrun --nproc-per-node 2 tools/tune_tiles.py --json out/tiles.json
+
+It tunes the partition placement (32-warp GatherRS CTAs on SMs of their own, whose
+SM-time at C = 32 it compares) and writes `"placement": "partition"`; the shared
+placement's item shape (GPU_TILES) was chosen overlapped, with tools/try_shared_sms.py.
 """
 
 from __future__ import annotations
@@ -20,8 +24,8 @@ from benchlib import (abba, env_info, smoke_setup,  # noqa: E402
 from workloads import OpCase, rank_inputs  # noqa: E402
 
 from megatron_overlap.ops import OverlapConfig  # noqa: E402
-from megatron_overlap.ops.config import (GPU_TILES, INTERPRET_TILES, TileConfig,  # noqa: E402
-                                         load_tiles)
+from megatron_overlap.ops.config import (INTERPRET_TILES, PARTITION_TILES,  # noqa: E402
+                                         TileConfig, load_tiles)
 from megatron_overlap.kernels import routing_table as rt  # noqa: E402
 from megatron_overlap.ops.op import plan_cache_of, prepare  # noqa: E402
 from megatron_overlap.ops.reference import grouped_mm  # noqa: E402
@@ -80,7 +84,7 @@ def choose(stats, info, gemm, comm) -> dict:
     return {"gemm": [g.block_m, g.block_n, g.block_k, g.gemm_warps, g.gemm_stages,
                      g.gemm_flatten],
             "comm": [c.comm_rows, c.comm_tn, c.comm_warps, c.comm_slot_loop, c.comm_stages,
-                     c.token_major]}
+                     c.token_major], "placement": c.placement}
 
 
 def comm_name(t: TileConfig) -> str:
@@ -109,7 +113,7 @@ def main() -> int:
     rank = dist.get_rank()
     group = dist.group.WORLD
     inp = rank_inputs(OpCase(args.model, args.layout, args.seq, "uniform"), rank, device)
-    base = INTERPRET_TILES if backend == "interpret" else GPU_TILES
+    base = INTERPRET_TILES if backend == "interpret" else PARTITION_TILES
     gemm = [dataclasses.replace(base, block_m=m, block_n=n, block_k=k, gemm_warps=w,
                                 gemm_stages=s, gemm_flatten=f)
             for m, n, k, w, s, f in GEMM_CANDIDATES]
