@@ -86,6 +86,10 @@ class OverlapBuffer:
         self._signal_ptrs: torch.Tensor | None = None
         self._caches: dict[tuple, PlanCache] = {}
         self.decisions: dict[tuple, tuple] = {}  # the op's (plan, launch arguments) by key
+        # registers / shared memory / warps of the compiled kernels, per kernel family
+        # (tiles, comm tile, slots); `compiled_resources` is the latest family's
+        self.resources_of: dict[tuple, dict] = {}
+        self.compiled_resources: dict | None = None
         self._occupancy: dict[tuple, int] = {}
         self._pending: tuple | None = None  # (event, pinned error word, expected)
         if device.type == "cuda":
@@ -175,9 +179,9 @@ class OverlapBuffer:
             o_comp, o_comm, misfit = self._occupancies(tiles, comm_tm, comm_tn, slots)
             shared = tiles.placement == "shared" and misfit is None
             if tiles.placement == "shared" and not shared:
-                found = getattr(self, "compiled_resources", None)
                 warnings.warn(f"megatron-overlap: the shared placement does not fit one SM "
-                              f"({misfit}: {found}); planning and launching the partition "
+                              f"({misfit}: {self.compiled_resources}); planning and "
+                              f"launching the partition "
                               f"placement instead", RuntimeWarning, stacklevel=3)
             # the model serves the last split as the launch does: with the tail helpers
             # when they run (KernelSpec.tail_helpers)
@@ -217,8 +221,6 @@ class OverlapBuffer:
             item_stages=t.comm_stages, slot_loop=t.comm_slot_loop, warmup=True,
             token_major=t.token_major, maxnreg=t.comm_maxnreg)
         occ, self.compiled_resources = [], {}
-        # (per kernel family too: `compiled_resources` is the latest family's only)
-        self.resources_of = getattr(self, "resources_of", {})
         self.resources_of[(t, comm_tm, comm_tn, slots)] = self.compiled_resources
         for name, k in (("gemm2", gk), ("gather_rs", ck)):
             k._init_handles()  # (warps from the binary: a warp-specialized one has more)
