@@ -160,9 +160,10 @@ class OverlapMoELayer(MoELayer):
             log.info("moe-overlap layer %s: reference backend (not overlapped), %s",
                      self.layer_number, sig)
         else:
-            log.info("moe-overlap layer %s: C=%d L=%d P=%d predicted T=%.1f (%s), %s",
-                     self.layer_number, plan.comm_ctas, plan.splits, plan.compute_slots,
-                     plan.predicted, plan.source, sig)
+            # R = 0: the shared placement (communication CTAs beside GEMM2's)
+            log.info("moe-overlap layer %s: C=%d R=%d L=%d P=%d predicted T=%.1f (%s), %s",
+                     self.layer_number, plan.comm_ctas, plan.reservation, plan.splits,
+                     plan.compute_slots, plan.predicted, plan.source, sig)
 
 
 def set_overlap_enabled(model, enabled: bool) -> int:
