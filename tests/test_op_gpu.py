@@ -89,6 +89,20 @@ def _over_c_l_and_helpers(p, tokens, tiles_list):
     return outs
 
 
+def _ragged_case(seed, ep, tiles):
+    """A top-4 problem with a ragged last item, its fp32 reference, and the op's output
+    with `tiles` at C = 8, L = 4: what the variants of a test must equal bit for bit."""
+    import dataclasses
+
+    shape = dict(SHAPE, tokens=3000)
+    p = routed_problem(0, 1, device="cuda", seed=seed, ep=ep, **shape)
+    ref = _fp32_partial(p, shape["tokens"]).double().cpu()
+    base = gemm2_gather_rs(p["x"], p["weight"], p["counts"], p["token_index"],
+                           shape["tokens"], 4, None, comm_ctas=8, splits=4,
+                           config=dataclasses.replace(TRITON, tiles=tiles))
+    return shape, p, ref, base
+
+
 @pytest.mark.parametrize("ep", [1, 2])
 def test_token_major_y_gives_the_bits_of_gemm2_row_order(ep):
     """GEMM2 scattering its rows to (token, slot) order and GatherRS computing their
@@ -99,13 +113,8 @@ def test_token_major_y_gives_the_bits_of_gemm2_row_order(ep):
 
     from megatron_overlap.ops.config import PARTITION_TILES as GPU_TILES  # (32-warp CTAs)
 
-    shape = dict(SHAPE, tokens=3000)  # a ragged last item
-    p = routed_problem(0, 1, device="cuda", seed=2, ep=ep, **shape)
-    ref = _fp32_partial(p, shape["tokens"]).double().cpu()
     R = dataclasses.replace
-    rows = R(TRITON, tiles=R(GPU_TILES, token_major=False))
-    base = gemm2_gather_rs(p["x"], p["weight"], p["counts"], p["token_index"],
-                           shape["tokens"], 4, None, comm_ctas=8, splits=4, config=rows)
+    shape, p, ref, base = _ragged_case(2, ep, R(GPU_TILES, token_major=False))
     token_major = (GPU_TILES, R(GPU_TILES, comm_rows=128, comm_stages=2))
     assert all(t.token_major for t in token_major)
     outs = _over_c_l_and_helpers(p, shape["tokens"], token_major)
@@ -122,13 +131,8 @@ def test_gluon_gemm2_gives_the_ops_bits_for_every_c_l_and_helper_setting(ep):
 
     from megatron_overlap.ops.config import PARTITION_TILES as GPU_TILES  # (32-warp CTAs)
 
-    shape = dict(SHAPE, tokens=3000)
-    p = routed_problem(0, 1, device="cuda", seed=3, ep=ep, **shape)
-    ref = _fp32_partial(p, shape["tokens"]).double().cpu()
     R = dataclasses.replace
-    base = gemm2_gather_rs(p["x"], p["weight"], p["counts"], p["token_index"],
-                           shape["tokens"], 4, None, comm_ctas=8, splits=4,
-                           config=R(TRITON, tiles=R(GPU_TILES, gemm_impl="triton")))
+    shape, p, ref, base = _ragged_case(3, ep, R(GPU_TILES, gemm_impl="triton"))
     outs = _over_c_l_and_helpers(p, shape["tokens"], [
         R(GPU_TILES, gemm_impl=impl) for impl in ("auto", "gluon", "gluon_inline_publish")])
     assert not torch.isnan(base).any()
@@ -147,13 +151,8 @@ def test_shared_placement_gives_the_partitions_bits_with_a_comm_cta_on_every_sm(
 
     from megatron_overlap.ops.config import GPU_TILES, PARTITION_TILES
 
-    shape = dict(SHAPE, tokens=3000)
-    p = routed_problem(0, 1, device="cuda", seed=4, ep=ep, **shape)
-    ref = _fp32_partial(p, shape["tokens"]).double().cpu()
     R = dataclasses.replace
-    base = gemm2_gather_rs(p["x"], p["weight"], p["counts"], p["token_index"],
-                           shape["tokens"], 4, None, comm_ctas=8, splits=4,
-                           config=R(TRITON, tiles=PARTITION_TILES))
+    shape, p, ref, base = _ragged_case(4, ep, PARTITION_TILES)
     with warnings.catch_warnings():
         warnings.simplefilter("error", RuntimeWarning)  # the placement must fit
         out, plan = gemm2_gather_rs(p["x"], p["weight"], p["counts"], p["token_index"],

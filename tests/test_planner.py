@@ -365,3 +365,6 @@ def test_two_gemm2_ctas_and_one_small_gather_cta_share_an_sm_exactly():
     assert co_resident([gluon, (96, 128, 20 * 1024, 1)]) == "shared memory"
     # the partition's 32-warp GatherRS CTA takes a whole SM
     assert co_resident([gluon, (62, 1024, 32768, 1)]) == "registers"
+    for bad in ((0, 128, 0, 1), (96, 2048, 0, 1), (96, 128, -1, 1), (96, 128, 0, -1)):
+        with pytest.raises(ValueError, match="co_resident: each part"):
+            co_resident([gluon, bad])

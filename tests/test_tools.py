@@ -295,22 +295,27 @@ def test_replay_reproduces_the_decisions_of_the_one_gpu_runs_at_their_group_size
         (r["comm_ctas"], r["splits"]) for r in rows]
 
 
-def test_token_major_experiment_checks_both_layouts_give_the_shipped_bits(tmp_path):
-    """The experiment's CPU smoke run: its correctness gate (poisoned output, bitwise
-    against the first variant, reference error) passes, and the op stored y token-major
-    for the TP case only."""
+def _smoke_result(tmp_path, tool_name: str, *argv) -> dict:
+    """The first case's result of an experiment's CPU smoke run (tiny TP2EP1)."""
     import json
     import subprocess
     import sys
     from pathlib import Path
 
-    tool = Path(__file__).resolve().parent.parent / "tools" / "try_token_major.py"
+    tool = Path(__file__).resolve().parent.parent / "tools" / tool_name
     out = tmp_path / "exp.json"
-    done = subprocess.run([sys.executable, str(tool), "--smoke", "--variants", "rows,tokens",
+    done = subprocess.run([sys.executable, str(tool), "--smoke", *argv,
                            "--cases", "tiny/TP2EP1/16", "--json", str(out)],
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
-    facts = json.loads(out.read_text())["results"][0]["facts"]
+    return json.loads(out.read_text())["results"][0]
+
+
+def test_token_major_experiment_checks_both_layouts_give_the_shipped_bits(tmp_path):
+    """The experiment's CPU smoke run: its correctness gate (poisoned output, bitwise
+    against the first variant, reference error) passes, and the op stored y token-major
+    for the TP case only."""
+    facts = _smoke_result(tmp_path, "try_token_major.py", "--variants", "rows,tokens")["facts"]
     assert {n: (f["bitwise_as_shipped"], f["unwritten"], f["token_major"])
             for n, f in facts.items()} == {"rows": (True, 0, False), "tokens": (True, 0, True)}
     assert all(f["rel_err"] < 1e-2 for f in facts.values())
@@ -320,20 +325,9 @@ def test_shared_placement_experiment_gives_the_partitions_bits_on_every_sm(tmp_p
     """The shared-placement experiment's CPU smoke run: both arms through the op's own
     plan, the shared one with a communication CTA on every SM of the virtual device and
     the partition's bits (poisoned output, reference error)."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
     from megatron_overlap.ops.config import INTERPRET_SMS
 
-    tool = Path(__file__).resolve().parent.parent / "tools" / "try_shared_sms.py"
-    out = tmp_path / "exp.json"
-    done = subprocess.run([sys.executable, str(tool), "--smoke", "--comm", "",
-                           "--cases", "tiny/TP2EP1/16", "--json", str(out)],
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    result = json.loads(out.read_text())["results"][0]
+    result = _smoke_result(tmp_path, "try_shared_sms.py", "--comm", "")
     facts = result["facts"]
     assert not result["failed"]
     assert {n: (f["shared_sms"], f["bitwise_as_partition"], f["unwritten"])

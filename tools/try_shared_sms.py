@@ -53,7 +53,8 @@ def arms(inp, variants: dict, cset, backend):
         cfg = OverlapConfig(tiles=t, backend=backend)
         launch = prepare(*args, config=cfg)
         buf, cache = launch.buffer, plan_cache_of(launch)
-        bufs.append(buf)
+        if buf not in bufs:  # (the arms share one buffer per device)
+            bufs.append(buf)
         all_sms = launch.plan._replace(compute_slots=cache.kernel.o_comp * cache.device.available_sms)
 
         def run(lau, plan=None, _b=buf, **kw):
@@ -73,7 +74,7 @@ def arms(inp, variants: dict, cset, backend):
                            o_comp=cache.kernel.o_comp, shared_sms=cache.kernel.shared_sms,
                            helpers=launch.kwargs["helpers"],
                            comm_tile=(launch.kwargs["comm_tm"], launch.kwargs["comm_tn"]),
-                           resources=dict(getattr(buf, "resources_of", {}).get(
+                           resources=dict(buf.resources_of.get(
                                (launch.kwargs["tiles"], launch.kwargs["comm_tm"],
                                 launch.kwargs["comm_tn"], 1 << (inp["topk"] - 1).bit_length()),
                                {})))
@@ -110,7 +111,7 @@ def drop_failing(pol: dict, bufs, device, repeats: int = 1, sync: bool = True) -
             failed[name] = f"{type(err).__name__}: {str(err)[:300]}"
             print(f"  FAILED {name}: {failed[name]}")
             del pol[name]
-            for b in {id(b): b for b in bufs}.values():
+            for b in bufs:
                 b.reset()
     return failed
 
@@ -175,7 +176,7 @@ def main() -> int:
         except Exception as err:  # noqa: BLE001 - a time-out in one case, not the run
             print(f"  FAILED timing {spec}: {type(err).__name__}: {str(err)[:300]}")
             results.append(dict(case=spec, facts=facts, failed=failed, timing_error=str(err)))
-            for b in {id(b): b for b in bufs}.values():
+            for b in bufs:
                 b.reset()
             continue
         results.append(dict(case=spec, facts=facts, failed=failed, stats=without_samples(stats)))

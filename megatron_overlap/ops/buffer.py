@@ -181,8 +181,8 @@ class OverlapBuffer:
             if tiles.placement == "shared" and not shared:
                 warnings.warn(f"megatron-overlap: the shared placement does not fit one SM "
                               f"({misfit}: {self.compiled_resources}); planning and "
-                              f"launching the partition "
-                              f"placement instead", RuntimeWarning, stacklevel=3)
+                              f"launching the partition placement instead", RuntimeWarning,
+                              stacklevel=3)
             # the model serves the last split as the launch does: with the tail helpers
             # when they run (KernelSpec.tail_helpers)
             spec = kernel_spec(tiles, comm_tm, comm_tn, o_comp, o_comm, helpers, shared)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import os
@@ -300,8 +301,6 @@ def with_register_caps(tiles: TileConfig) -> TileConfig:
     """The shared placement's register caps where the tiles leave them unset (CUDA)."""
     if tiles.placement != "shared":
         return tiles
-    import dataclasses
-
     return dataclasses.replace(
         tiles, gemm_maxnreg=tiles.gemm_maxnreg or SHARED_GEMM_MAXNREG[tiles.gemm_impl],
         comm_maxnreg=tiles.comm_maxnreg or SHARED_COMM_MAXNREG)

@@ -94,6 +94,12 @@ def co_resident(parts, limits: SMLimits = HOPPER) -> str | None:
     regs = smem = threads = warps = ctas = 0
     unit = limits.register_unit
     for registers_per_thread, threads_per_cta, shared_bytes, count in parts:
+        if not (0 < registers_per_thread <= limits.max_registers_per_thread
+                and 0 < threads_per_cta <= 1024 and shared_bytes >= 0 and count >= 0):
+            raise ValueError(f"co_resident: each part is (registers per thread in 1.."
+                             f"{limits.max_registers_per_thread}, threads per CTA in "
+                             f"1..1024, shared bytes >= 0, CTAs >= 0), got "
+                             f"{(registers_per_thread, threads_per_cta, shared_bytes, count)}")
         w = -(-threads_per_cta // 32)
         regs_per_warp = -(-registers_per_thread * 32 // unit) * unit
         regs += count * -(-w // limits.sub_partitions) * regs_per_warp  # per sub-partition
