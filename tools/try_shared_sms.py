@@ -18,7 +18,9 @@ the partition's bit for bit (output poisoned first). Each policy is warmed up an
 checked on its own, synchronized (a time-out is reported and the policy left out), then
 ABBA-interleaved: GEMM2 alone on all SMs, the overlapped kernels at the planner's C and
 (shared arms) at each C of --cset, GatherRS alone (flags preset), the whole op, and
-torch's GEMM2 alone.
+torch's GEMM2 alone. The shared placement launches GEMM2 first; its "comm first" arm
+runs the same plan with GatherRS launched first (the partition's order), and --splits
+adds shared arms at other L than the ranked one.
 """
 
 from __future__ import annotations
@@ -49,8 +51,8 @@ def arms(inp, variants: dict, cset, backend):
     out = torch.empty(inp["tokens"], inp["hidden"], dtype=inp["x"].dtype, device=inp["x"].device)
     y = torch.randn(inp["x"].shape[0], inp["hidden"], device=out.device).to(out.dtype)
     pol, facts, checks, bufs = {}, {}, {}, []
-    for name, t in variants.items():
-        cfg = OverlapConfig(tiles=t, backend=backend)
+    for name, (t, splits) in variants.items():
+        cfg = OverlapConfig(tiles=t, backend=backend, splits=splits)
         launch = prepare(*args, config=cfg)
         buf, cache = launch.buffer, plan_cache_of(launch)
         if buf not in bufs:  # (the arms share one buffer per device)
@@ -67,10 +69,15 @@ def arms(inp, variants: dict, cset, backend):
         pol[f"{name} | comm alone C={launch.plan.comm_ctas}"] = run(launch, phases=("comm",), y=y)
         pol[f"{name} | whole op"] = lambda _c=cfg: gemm2_gather_rs(*args, config=_c)
         checks[name] = run(launch)
+        if cache.kernel.shared_sms and splits is None:  # the launch order, same plan
+            pol[f"{name} | overlap planner C={launch.plan.comm_ctas} comm first"] = run(
+                launch, comm_first=True)
+            checks[f"{name} comm first"] = run(launch, comm_first=True)
+            facts[f"{name} comm first"] = dict(plan_of=name)
         if cache.kernel.shared_sms:
             for c in cset:
                 pol[f"{name} | overlap C={c}"] = run(prepare(*args, comm_ctas=c, config=cfg))
-        facts[name] = dict(planner_c=launch.plan.comm_ctas, splits=launch.plan.splits,
+        facts.setdefault(name, {}).update(planner_c=launch.plan.comm_ctas, splits=launch.plan.splits,
                            o_comp=cache.kernel.o_comp, shared_sms=cache.kernel.shared_sms,
                            helpers=launch.kwargs["helpers"],
                            comm_tile=(launch.kwargs["comm_tm"], launch.kwargs["comm_tn"]),
@@ -122,6 +129,8 @@ def main() -> int:
     ap.add_argument("--cset", default="66", help="more C for the shared arms (<= G)")
     ap.add_argument("--comm", default="16x1024",
                     help="more shared arms: rows x columns per item (comma list)")
+    ap.add_argument("--splits", default="",
+                    help="more shared arms: L instead of the ranked one (comma list)")
     ap.add_argument("--samples", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--probe-unsynced", action="store_true",
@@ -138,6 +147,7 @@ def main() -> int:
             args.cases = "tiny/TP2EP1/16,tiny/TP1EP2/16"
         args.cset, args.samples, args.warmup = "4", 2, 1
         items = [(8, 16)] if args.comm else []
+        args.splits = "2" if args.splits else ""
     elif not torch.cuda.is_available():
         print("try_shared_sms: needs a CUDA GPU (or --smoke)")
         return 2
@@ -146,9 +156,11 @@ def main() -> int:
     for spec in args.cases.split(","):
         model, layout, seq = spec.split("/")
         inp = rank_inputs(OpCase(model, layout, int(seq), "uniform"), 0, device)
-        variants = {"partition": partition, "shared": shared}
+        variants = {"partition": (partition, None), "shared": (shared, None)}
         for rows, tn in items:
-            variants[f"shared {rows}x{tn}"] = R(shared, comm_rows=rows, comm_tn=tn)
+            variants[f"shared {rows}x{tn}"] = (R(shared, comm_rows=rows, comm_tn=tn), None)
+        for splits in (int(v) for v in args.splits.split(",") if v):
+            variants[f"shared L={splits}"] = (shared, splits)
         ref = gemm2_gather_rs(inp["x"], inp["weight"], inp["counts_list"], inp["token_index"],
                               inp["tokens"], inp["topk"], None, None,
                               config=OverlapConfig(backend="reference")).float()
@@ -188,6 +200,10 @@ def main() -> int:
 def report(spec, facts, stats) -> None:
     print(f"\n{spec}")
     for name, f in facts.items():
+        if "plan_of" in f:
+            print(f"  {name}: {f['plan_of']}'s plan, GatherRS launched before GEMM2 "
+                  f"bitwise={f['bitwise_as_partition']} unwritten={f['unwritten']}")
+            continue
         res = {k: (v.get("registers"), v.get("shared")) for k, v in f["resources"].items()}
         print(f"  {name}: C*={f['planner_c']} L={f['splits']} shared={f['shared_sms']} "
               f"H={f['helpers']} comm tile={f['comm_tile']} (registers, shared) {res} "

@@ -296,7 +296,7 @@ class OverlapBuffer:
 
     def launch(self, x, weight, counts_dev, table, probs, out, *, plan, splits, tiles,
                comm_tm, comm_tn, tokens_per_rank, max_spins, phases=("gemm2", "comm"),
-               y=None, offsets=None, helpers=0, dest=None):
+               y=None, offsets=None, helpers=0, dest=None, comm_first=None):
         """GEMM2 (P programs) and GatherRS (C programs), then the local sum over ranks.
 
         `offsets` (row_start, tile_start), when the caller has them, saves recomputing.
@@ -306,6 +306,8 @@ class OverlapBuffer:
         flags are preset and GatherRS reads the given `y`; without "comm" only GEMM2
         runs and the flags are cleared after it. `helpers`: tail-helper CTAs launched
         after GEMM2 to share the last split (none when GatherRS runs alone).
+        `comm_first`: launch GatherRS before GEMM2 (None: where the plan reserves SMs for
+        it, R > 0, the partition placement; see the launch below).
         """
         t = tiles
         hidden = weight.shape[1]
@@ -365,11 +367,23 @@ class OverlapBuffer:
             side = self.side_stream
             self._fork.record(main)
             side.wait_event(self._fork)
+            if comm_first is None:
+                comm_first = plan.reservation > 0
             with self._all_or_broken():
-                # Communication first: its C programs take their SMs before GEMM2 fills
-                # the rest, so both grids are co-resident (P(C) + R(C) fit by construction).
-                grs.launch_gather_rs(*flags, **comm)
-                launch_gemm2(stream=side)  # no `torch.cuda.stream` switch: it costs more
+                if comm_first:
+                    # The partition: GatherRS's C programs take their R(C) SMs before
+                    # GEMM2 fills the rest, so both grids are co-resident (P(C) + R(C)
+                    # fit by construction).
+                    grs.launch_gather_rs(*flags, **comm)
+                # no `torch.cuda.stream` switch: it costs more than the launch
+                launch_gemm2(stream=side)
+                if not comm_first:
+                    # The shared placement (R = 0): the GatherRS CTAs fit beside GEMM2's on
+                    # every SM, so the order decides no residency, and GEMM2 first starts
+                    # the GPU one launch earlier (the GatherRS launch's host time runs
+                    # while GEMM2 computes split 0, which GatherRS waits for anyway). It
+                    # is also the order that cannot deadlock: GEMM2 waits on nothing.
+                    grs.launch_gather_rs(*flags, **comm)
                 if helpers:  # queued behind GEMM2: they start on the SMs it leaves
                     grs.launch_gather_rs(*flags, **comm, launch_helpers=True, stream=side)
             self._join.record(side)
