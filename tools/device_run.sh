@@ -85,6 +85,10 @@ for s in "$@"; do
         -k regex:gather_rs_kernel -c 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
         --section WarpStateStats --section LaunchStats --section Occupancy \
         python3 "$REPO/tools/profile_gather.py" --comm-ctas ${NCU_C:-16} ;;
+    host_steps) for lay in ${STEP_LAYOUTS:-TP2EP1 TP1EP2}; do for s in ${SEQS:-4096 16384}; do
+        stage host_steps_${lay}_$s 60 torchrun --nproc-per-node 1 "$REPO/tools/host_steps.py" \
+          --model ${STEP_MODEL:-qwen} --layout $lay --seq $s --json "$OUT/steps_${TAG:-}${lay}_$s.json"
+        done; done ;;
     host) stage host 90 $TR "$REPO/tools/host_overhead.py" ${CPROFILE:+--cprofile $CPROFILE} --json "$OUT/host_TP2EP1.json" ;;
     layers) for lay in "2 1" "1 2"; do set -- $lay
         stage layer_TP$1EP$2 100 $TR "$REPO/tools/bench_layer.py" --models granite,qwen,deepseek \
@@ -126,4 +130,4 @@ if compgen -G "$OUT/*.json" > /dev/null; then
   # one archive per invocation: a later call in the same device run must not replace it
   (cd "$OUT" && tar czf "results_$(date +%H%M%S).tgz" ./*.json && rm -f ./*.json)
 fi
-grep -E "^===|^[a-z]+/TP[0-9]EP[0-9]/[0-9]+: GatherRS|^variant |^(rows|tokens)|rho_ref|^comm alone|^[a-z]+/TP|^chosen|^gemm2 |^comm rows|^torch._grouped|^torch gather|^(qwen|granite|deepseek) |^  (host|api |gpu |prof )|^cProfile|^host |^torch copy|^layer |^prefill|speedup|^moe-overlap|^    [A-Z][a-zA-Z ]+ +[a-z%/]+ +[0-9]|^  (stock|overlap|speedup)|^  (partition|shared|torch)|passed|failed|Error|error" "$LOG" | grep -v Warning | tail -n 80
+grep -E "^===|^[a-z]+/TP[0-9]EP[0-9]/[0-9]+: GatherRS|^variant |^(rows|tokens)|rho_ref|^comm alone|^[a-z]+/TP|^chosen|^gemm2 |^comm rows|^torch._grouped|^torch gather|^(qwen|granite|deepseek) |^  (host|api |gpu |prof )|^cProfile|^host |^  step |^torch copy|^layer |^prefill|speedup|^moe-overlap|^    [A-Z][a-zA-Z ]+ +[a-z%/]+ +[0-9]|^  (stock|overlap|speedup)|^  (partition|shared|torch)|passed|failed|Error|error" "$LOG" | grep -v Warning | tail -n 80

@@ -1,0 +1,147 @@
+"""When each host step of one op call starts and ends, without a profiler's inflation.
+
+    torchrun --nproc-per-node 1 tools/host_steps.py --model qwen --seq 4096 --json out/steps.json
+    python tools/host_steps.py --smoke                                    # CPU, interpreter
+
+The operator's host work between Megatron's sync and the GEMM2 launch is time the GPU
+waits (docs/RESULTS.md, "What limits us now"). `host_timeline.py` shows it with
+torch.profiler, which roughly doubles every step (each Python call and CUDA API call is
+recorded); `host_overhead.py` times steps in back-to-back loops, where the caches are
+warm and no step follows a sync. Here each call runs as the benchmarks time it (right
+after a synchronize), and the op's own functions are wrapped by a timer that costs well
+under a microsecond: for every step, its start and end in us after the op was entered,
+median over the calls. The row to read is the GEMM2 launch: everything before it is
+exposed latency.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+from benchlib import env_info, smoke_setup, write_json  # noqa: E402
+from workloads import OpCase, op_kwargs, rank_inputs  # noqa: E402
+
+from megatron_overlap.kernels import gather_rs, gemm2, launch_cache  # noqa: E402
+from megatron_overlap.ops import OverlapConfig, buffer, gemm2_gather_rs, op  # noqa: E402
+
+_record: list | None = None
+
+
+def _timed(name, fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if _record is None:
+            return fn(*args, **kwargs)
+        label = name(args) if callable(name) else name
+        t0 = time.perf_counter_ns()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _record.append((label, t0, time.perf_counter_ns()))
+    return wrapper
+
+
+def _kernel_name(args) -> str:
+    k = args[0].kernel
+    return f"LaunchCache.launch {getattr(k, '__name__', None) or k.fn.__name__}"
+
+
+#: (owner, attribute, label): the op's steps, where the op looks them up
+STEPS = [
+    (op, "validate", "validate"), (op, "_host_counts", "_host_counts"),
+    (op, "resolve_backend", "resolve_backend"), (op, "_peer_capable", "_peer_capable"),
+    (buffer.OverlapBuffer, "check", "OverlapBuffer.check"),
+    (gemm2, "packed_offsets_host", "packed_offsets_host"),
+    (gemm2, "unpack_offsets", "unpack_offsets"), (op, "_resolved", "_resolved"),
+    (op, "launch_routing_table", "launch_routing_table"),
+    (op, "_plan_splits", "_plan_splits (cache miss)"),
+    (buffer.OverlapBuffer, "ensure", "OverlapBuffer.ensure"),
+    (op, "_log_decision", "_log_decision"), (op, "_forward", "_forward"),
+    (buffer.OverlapBuffer, "launch", "OverlapBuffer.launch"),
+    (gemm2, "grouped_gemm2_launcher", "grouped_gemm2_launcher (GEMM2 args, binary)"),
+    (gather_rs, "launch_gather_rs", "launch_gather_rs"),
+    (launch_cache.LaunchCache, "compiled", "LaunchCache.compiled (key, lookup)"),
+    (launch_cache.LaunchCache, "launch", _kernel_name),
+    (buffer.OverlapBuffer, "note_launch", "note_launch"),
+]
+
+
+def instrument() -> None:
+    for owner, attr, label in STEPS:
+        setattr(owner, attr, _timed(label, getattr(owner, attr)))
+
+
+def steps_of(fn, calls: int, sync) -> list[dict]:
+    """Median start / end (us after entering `fn`) of every recorded step, by occurrence."""
+    global _record
+    runs = []
+    for _ in range(calls):
+        sync()
+        _record = []
+        t0 = time.perf_counter_ns()
+        fn()
+        t1 = time.perf_counter_ns()
+        rec, _record = _record, None
+        seen: dict = {}
+        row = {("op call", 0): (0, t1 - t0)}
+        for label, a, b in rec:
+            n = seen[label] = seen.get(label, -1) + 1
+            row[(label, n)] = (a - t0, b - t0)
+        runs.append(row)
+    table = []
+    for key in runs[-1]:
+        starts = [r[key][0] for r in runs if key in r]
+        ends = [r[key][1] for r in runs if key in r]
+        table.append(dict(step=key[0], n=key[1], calls=len(starts),
+                          start_us=statistics.median(starts) / 1e3,
+                          end_us=statistics.median(ends) / 1e3))
+    return sorted(table, key=lambda r: r["start_us"])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="qwen")
+    ap.add_argument("--layout", default="TP2EP1")
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--calls", type=int, default=40)
+    ap.add_argument("--json", default="")
+    ap.add_argument("--smoke", action="store_true", help="CPU check: interpreter, tiny shape")
+    args = ap.parse_args()
+    backend, device = smoke_setup(args)
+    if args.smoke:
+        args.calls = 3
+    inp = rank_inputs(OpCase(args.model, args.layout, args.seq, "uniform"), dist.get_rank(),
+                      device)
+    run = op_kwargs(inp, dist.group.WORLD)
+    cfg = OverlapConfig(backend=backend)
+    for _ in range(3):  # compiled, planned, allocated
+        gemm2_gather_rs(**run, config=cfg)
+    instrument()
+
+    def sync():
+        if device == "cuda":
+            torch.cuda.synchronize()
+        dist.barrier()
+
+    table = steps_of(lambda: gemm2_gather_rs(**run, config=cfg), args.calls, sync)
+    if dist.get_rank() == 0:
+        print(f"host steps of one op call ({args.model} {args.layout} S={args.seq}, median "
+              f"of {args.calls} calls, each after a sync), us after entering the op:")
+        for r in table:
+            print(f"  step {r['step']:<48} {r['n']} {r['start_us']:8.1f} -> {r['end_us']:8.1f}")
+        write_json(args.json, dict(env=env_info(), command=" ".join(sys.argv), steps=table))
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
