@@ -178,6 +178,24 @@ def test_cached_binary_launches_give_the_bits_of_tritons_own_launches(monkeypatc
     assert all(torch.equal(f, jit) for f in fast)
 
 
+def test_calls_queued_far_ahead_of_the_gpu_keep_their_own_expert_offsets():
+    """Host counts of six routings (one hot, one with empty experts) go through the
+    pinned staging ring of four slots while the GPU is still busy, with no sync between
+    the calls: the ring wraps (and must wait), and every output equals that routing's
+    synchronized one."""
+    small = dict(tokens=1024, experts=16, topk=4, ffn=256, hidden=512)
+    probs = [routed_problem(0, 1, device="cuda", seed=s, hot=s == 2, empty=(3, 5) if s == 4
+                            else (), **small) for s in range(6)]
+    want = [_poisoned_call(p, small["tokens"], small["topk"]) for p in probs]
+    lazy = OverlapConfig(backend="triton")  # errors checked at the next call, no sync
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time: the host runs ahead of it
+    got = [gemm2_gather_rs(p["x"], p["weight"], p["counts"].tolist(), p["token_index"],
+                           small["tokens"], small["topk"], None, config=lazy) for p in probs]
+    torch.cuda.synchronize()
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
 def test_single_gpu_hot_expert_and_planner_choice():
     p = routed_problem(0, 1, device="cuda", hot=True, **SHAPE)
     out, plan = gemm2_gather_rs(p["x"], p["weight"], p["counts"], p["token_index"],

@@ -147,7 +147,6 @@ def main() -> int:
             args.cases = "tiny/TP2EP1/16,tiny/TP1EP2/16"
         args.cset, args.samples, args.warmup = "4", 2, 1
         items = [(8, 16)] if args.comm else []
-        args.splits = "2" if args.splits else ""
     elif not torch.cuda.is_available():
         print("try_shared_sms: needs a CUDA GPU (or --smoke)")
         return 2

@@ -11,6 +11,7 @@ barrier words. Local flags: ready[L_MAX], done, error (int32).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import warnings
 
@@ -25,6 +26,7 @@ from ..planner import PlanCache, co_resident, ranking_calibration, resident_ctas
 from .config import (GPU_TILES, INTERPRET_TILES, PARTITION_TILES, OverlapConfig, TileConfig,
                      calibration_for, device_spec, gpu_tiles, kernel_spec)
 from .peer_memory import PeerMemory
+from .staging import PinnedStaging
 
 L_MAX = 64
 
@@ -95,9 +97,12 @@ class OverlapBuffer:
         if device.type == "cuda":
             self.side_stream = torch.cuda.Stream(device)
             self._pinned = torch.zeros(1, dtype=torch.int32, pin_memory=True)
+            # read in place: indexing the tensor costs ~10 us on the launch path
+            self._pinned_word = ctypes.c_int32.from_address(self._pinned.data_ptr())
             self._event = torch.cuda.Event()
-            self._fork = torch.cuda.Event()  # main -> side before GEMM2
+            self._fork = torch.cuda.Event()  # main -> side before GatherRS
             self._join = torch.cuda.Event()  # side -> main after it
+            self.staging = PinnedStaging(device)  # the expert offsets' host-to-device copy
 
     # ---------------------------------------------------------------- memory
     def ensure(self, rows: int, hidden: int, dtype: torch.dtype) -> None:
@@ -243,11 +248,14 @@ class OverlapBuffer:
             return
         event, word, expected = self._pending
         if event is not None:
-            if not sync and not event.query():
-                return
-            event.synchronize()
+            if not event.query():
+                if not sync:
+                    return
+                event.synchronize()
+            code = self._pinned_word.value
+        else:
+            code = int(word[0])
         self._pending = None
-        code = int(word[0])
         if code >> 24 in (ERR_UNSORTED, ERR_TOPK):  # bad input, not a broken buffer
             self.error.zero_()
             raise ValueError(describe_error(code, self.rank))
@@ -330,43 +338,49 @@ class OverlapBuffer:
             helpers = 0
         self.epoch += 1
         parity = self.epoch % 2
-        if self.world == 1:  # no peers: the one "slot" is the output itself (the kernel
-            # writes partial_like there and reads no address table: no copy per call)
-            dst = signals = self._no_peers
-            slot_stride, row_stride, partial_like = 0, out.stride(0), out
-        else:
-            dst, signals = self._ptr_tables[parity], self._signal_ptrs
-            slot_stride, row_stride = self._layout[0] * hidden, hidden
-            partial_like = self._recv_views[parity]
-        comm = dict(tokens_per_rank=tokens_per_rank, splits=splits, rank=self.rank,
-                    world=self.world,
-                    gemm_col_tiles=triton.cdiv(gemm2.split_width(hidden, splits), t.block_n),
-                    epoch=self.epoch, max_spins=max_spins, partial_like=partial_like,
-                    dst_slot_stride=slot_stride, dst_row_stride=row_stride,
-                    programs=plan.comm_ctas, block_tm=comm_tm, block_tn=comm_tn,
-                    num_warps=t.comm_warps, item_stages=t.comm_stages,
-                    slot_loop=t.comm_slot_loop, helpers=helpers, token_major=dest is not None,
-                    maxnreg=t.comm_maxnreg)
-        flags = (y, table, probs, dst, signals, self.ready, self.done, self.error, tile_start)
+
+        def launch_comm(**kw):
+            if self.world == 1:  # no peers: the one "slot" is the output itself (the
+                # kernel writes partial_like there and reads no address table)
+                dst = signals = self._no_peers
+                slot_stride, row_stride, partial_like = 0, out.stride(0), out
+            else:
+                dst, signals = self._ptr_tables[parity], self._signal_ptrs
+                slot_stride, row_stride = self._layout[0] * hidden, hidden
+                partial_like = self._recv_views[parity]
+            grs.launch_gather_rs(
+                y, table, probs, dst, signals, self.ready, self.done, self.error, tile_start,
+                tokens_per_rank=tokens_per_rank, splits=splits, rank=self.rank,
+                world=self.world,
+                gemm_col_tiles=triton.cdiv(gemm2.split_width(hidden, splits), t.block_n),
+                epoch=self.epoch, max_spins=max_spins, partial_like=partial_like,
+                dst_slot_stride=slot_stride, dst_row_stride=row_stride,
+                programs=plan.comm_ctas, block_tm=comm_tm, block_tn=comm_tn,
+                num_warps=t.comm_warps, item_stages=t.comm_stages,
+                slot_loop=t.comm_slot_loop, helpers=helpers, token_major=dest is not None,
+                maxnreg=t.comm_maxnreg, **kw)
+
         if "gemm2" not in phases:
-            grs.launch_gather_rs(*flags, **comm)
+            launch_comm()
         elif self.backend == "interpret":
             # Programs of one launch run one after another here: GEMM2 must finish first.
             gemm2.launch_grouped_gemm2(x, weight, y, row_start, tile_start, self.ready,
                                        **gemm_args)
             with self._all_or_broken():
-                grs.launch_gather_rs(*flags, **comm)
+                launch_comm()
                 if helpers:
-                    grs.launch_gather_rs(*flags, **comm, launch_helpers=True)
+                    launch_comm(launch_helpers=True)
         else:
             # GEMM2 compiled and loaded before GatherRS starts spinning on its flags (a
             # JIT compile or a lazy module load after that would leave it spinning).
             launch_gemm2 = gemm2.grouped_gemm2_launcher(x, weight, y, row_start, tile_start,
                                                         self.ready, **gemm_args)
-            main = torch.cuda.current_stream(self.device)
+            # GEMM2 (and the helpers behind it) on the caller's stream, which already
+            # orders the offsets and the routing table before it; GatherRS on the side
+            # stream from the same point. (No `torch.cuda.stream` switch anywhere: it
+            # costs more than a launch.)
             side = self.side_stream
-            self._fork.record(main)
-            side.wait_event(self._fork)
+            self._fork.record()
             if comm_first is None:
                 comm_first = plan.reservation > 0
             with self._all_or_broken():
@@ -374,20 +388,21 @@ class OverlapBuffer:
                     # The partition: GatherRS's C programs take their R(C) SMs before
                     # GEMM2 fills the rest, so both grids are co-resident (P(C) + R(C)
                     # fit by construction).
-                    grs.launch_gather_rs(*flags, **comm)
-                # no `torch.cuda.stream` switch: it costs more than the launch
-                launch_gemm2(stream=side)
+                    side.wait_event(self._fork)
+                    launch_comm(stream=side)
+                launch_gemm2()
                 if not comm_first:
                     # The shared placement (R = 0): the GatherRS CTAs fit beside GEMM2's on
                     # every SM, so the order decides no residency, and GEMM2 first starts
                     # the GPU one launch earlier (the GatherRS launch's host time runs
                     # while GEMM2 computes split 0, which GatherRS waits for anyway). It
                     # is also the order that cannot deadlock: GEMM2 waits on nothing.
-                    grs.launch_gather_rs(*flags, **comm)
+                    side.wait_event(self._fork)
+                    launch_comm(stream=side)
                 if helpers:  # queued behind GEMM2: they start on the SMs it leaves
-                    grs.launch_gather_rs(*flags, **comm, launch_helpers=True, stream=side)
+                    launch_comm(launch_helpers=True)
             self._join.record(side)
-            main.wait_event(self._join)
+            self._join.wait()  # the caller's stream waits for GatherRS
         if self.world > 1:
             grs.launch_sum_partials(self._recv_views[parity], out, self.world)
         return y
