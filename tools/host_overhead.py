@@ -30,9 +30,13 @@ from megatron_overlap.ops import OverlapConfig, gemm2_gather_rs  # noqa: E402
 from megatron_overlap.ops.op import prepare  # noqa: E402
 
 
-def host_us(fn, reps: int) -> float:
+def host_us(fn, reps: int, synced: bool = False) -> float:
+    """Median host us per call: back to back (the GPU work queues up) or, `synced`, each
+    call right after a synchronize, as the benchmarks time it."""
     ts = []
     for _ in range(reps):
+        if synced and torch.cuda.is_available():
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         fn()
         ts.append((time.perf_counter() - t0) * 1e6)
@@ -76,6 +80,10 @@ def main() -> int:
         "routing_table kernel": lambda: rt.launch_routing_table(
             inp["token_index"], kw["offsets"][0], inp["tokens"], inp["topk"], buf.error),
         "expert_offsets_host": lambda: gemm2.expert_offsets_host(counts, 128, device),
+        "offsets: a pinned copy per call": lambda: gemm2.packed_offsets_host(
+            counts, 128, device),
+        "offsets: the pinned staging ring": lambda: gemm2.packed_offsets_host(
+            counts, 128, device, upload=getattr(buf, "staging", None) and buf.staging.upload),
         "buffer.launch (3 kernels)": lambda: buf.launch(
             inp["x"], inp["weight"], launch.counts_dev, launch.table, None, out,
             plan=launch.plan, **kw),
@@ -90,6 +98,8 @@ def main() -> int:
     if backend == "triton":
         triton_steps(steps, inp, launch, out, y)
     res = {name: host_us(fn, args.reps) for name, fn in steps.items()}
+    res.update({f"{name} (after a sync)": host_us(fn, args.reps, synced=True)
+                for name, fn in steps.items()})
     if args.cprofile:  # every rank calls (the op is collective), rank 0 prints
         profile_calls(steps["whole op (ours)"], args.cprofile, dist.get_rank() == 0)
     if dist.get_rank() == 0:
