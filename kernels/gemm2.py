@@ -139,32 +139,24 @@ def unpack_offsets(packed: torch.Tensor, experts: int):
     return packed.split((experts + 1, experts + 1, experts))  # one call for three views
 
 
-def offsets_array(counts, block_m: int) -> tuple[array, int]:
-    """[row_start (E+1) | tile_start (E+1) | counts (E)] as an int32 `array` on the host,
-    and the row tiles of all experts (tile_start[E], what the planner's W_comp reads).
-    (numpy / torch integers work too: `array` takes anything with __index__.)"""
+def packed_offsets_host(counts: list[int], block_m: int, device) -> tuple[torch.Tensor, int]:
+    """[row_start (E+1) | tile_start (E+1) | counts (E)] int32 on `device`, and the row
+    tiles of all experts (tile_start[E], what the planner's W_comp reads).
+
+    The op builds this on the launch path, after Megatron's host sync, while the GPU
+    waits: an int32 `array` read in place by `torch.frombuffer` costs a fraction of
+    `torch.tensor` on nested lists (docs/RESULTS.md, host steps). (A ring of pinned
+    staging slots written in place measured slower than one pinned copy per call, twice:
+    docs/RESULTS.md, sessions 4 and 9.)"""
+    # (numpy / torch integers work too: `array` takes anything with __index__)
     tiles = list(accumulate([(c + block_m - 1) // block_m for c in counts], initial=0))
     buf = array("i", accumulate(counts, initial=0))
     buf.extend(tiles)
     buf.extend(counts)
-    return buf, tiles[-1]
-
-
-def packed_offsets_host(counts: list[int], block_m: int, device,
-                        upload=None) -> tuple[torch.Tensor, int]:
-    """`offsets_array` as an int32 tensor on `device`, and the row tiles.
-
-    The op builds this on the launch path, after Megatron's host sync, while the GPU
-    waits: an int32 `array` costs a fraction of `torch.tensor` on nested lists
-    (docs/RESULTS.md, host steps). `upload(array) -> tensor` moves it to the device (the
-    op's pinned staging ring, `ops/staging.py`); by default a pinned copy per call."""
-    buf, row_tiles = offsets_array(counts, block_m)
-    if upload is not None:
-        return upload(buf), row_tiles
     host = torch.frombuffer(buf, dtype=torch.int32)  # keeps `buf` alive
     if str(device).startswith("cuda"):
         host = host.pin_memory()  # pageable memory would make the copy wait for the stream
-    return host.to(device, non_blocking=True), row_tiles
+    return host.to(device, non_blocking=True), tiles[-1]
 
 
 def next_pow2(n: int) -> int:

@@ -178,11 +178,11 @@ def test_cached_binary_launches_give_the_bits_of_tritons_own_launches(monkeypatc
     assert all(torch.equal(f, jit) for f in fast)
 
 
-def test_calls_queued_far_ahead_of_the_gpu_keep_their_own_expert_offsets():
-    """Host counts of six routings (one hot, one with empty experts) go through the
-    pinned staging ring of four slots while the GPU is still busy, with no sync between
-    the calls: the ring wraps (and must wait), and every output equals that routing's
-    synchronized one."""
+def test_calls_queued_far_ahead_of_the_gpu_give_each_routings_own_output():
+    """Host counts of six routings (one hot, one with empty experts) are uploaded while
+    the GPU is still busy, with no sync between the calls (every pinned copy, flag and
+    buffer of one call must stay that call's until it runs): every output equals that
+    routing's synchronized one."""
     small = dict(tokens=1024, experts=16, topk=4, ffn=256, hidden=512)
     probs = [routed_problem(0, 1, device="cuda", seed=s, hot=s == 2, empty=(3, 5) if s == 4
                             else (), **small) for s in range(6)]

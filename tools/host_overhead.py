@@ -80,10 +80,6 @@ def main() -> int:
         "routing_table kernel": lambda: rt.launch_routing_table(
             inp["token_index"], kw["offsets"][0], inp["tokens"], inp["topk"], buf.error),
         "expert_offsets_host": lambda: gemm2.expert_offsets_host(counts, 128, device),
-        "offsets: a pinned copy per call": lambda: gemm2.packed_offsets_host(
-            counts, 128, device),
-        "offsets: the pinned staging ring": lambda: gemm2.packed_offsets_host(
-            counts, 128, device, upload=getattr(buf, "staging", None) and buf.staging.upload),
         "buffer.launch (3 kernels)": lambda: buf.launch(
             inp["x"], inp["weight"], launch.counts_dev, launch.table, None, out,
             plan=launch.plan, **kw),

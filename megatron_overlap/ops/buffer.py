@@ -26,7 +26,6 @@ from ..planner import PlanCache, co_resident, ranking_calibration, resident_ctas
 from .config import (GPU_TILES, INTERPRET_TILES, PARTITION_TILES, OverlapConfig, TileConfig,
                      calibration_for, device_spec, gpu_tiles, kernel_spec)
 from .peer_memory import PeerMemory
-from .staging import PinnedStaging
 
 L_MAX = 64
 
@@ -102,7 +101,6 @@ class OverlapBuffer:
             self._event = torch.cuda.Event()
             self._fork = torch.cuda.Event()  # main -> side before GatherRS
             self._join = torch.cuda.Event()  # side -> main after it
-            self.staging = PinnedStaging(device)  # the expert offsets' host-to-device copy
 
     # ---------------------------------------------------------------- memory
     def ensure(self, rows: int, hidden: int, dtype: torch.dtype) -> None:

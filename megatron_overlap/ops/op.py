@@ -328,9 +328,7 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
     # expert row / tile offsets (with host counts: one copy that also carries the counts)
     # and the combine table in one kernel that also checks the row order
     if counts is not None:
-        packed, row_tiles = gemm2.packed_offsets_host(
-            counts, tiles.block_m, x.device,
-            upload=buf.staging.upload if x.device.type == "cuda" else None)
+        packed, row_tiles = gemm2.packed_offsets_host(counts, tiles.block_m, x.device)
         *offsets, counts_dev = gemm2.unpack_offsets(packed, experts)
     else:
         counts_dev = _to_device(counts_dev, x.device)
