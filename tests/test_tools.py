@@ -354,3 +354,28 @@ def test_shared_placement_takes_every_sm_under_every_fitted_model_variant(capsys
     out = capsys.readouterr().out
     assert out.startswith("36 workloads")
     assert "C* over all 36 variants: [132]" in out
+
+
+def test_host_steps_time_the_ops_own_steps_in_call_order(monkeypatch):
+    """tools/host_steps.py on one interpreted op call: every wrapped step is recorded
+    inside the call, in the order the op runs them (offsets before the routing table,
+    which precedes GEMM2's launch; GatherRS and its tail helpers after it)."""
+    import host_steps
+    from workloads import OpCase, op_kwargs, rank_inputs
+
+    from megatron_overlap.ops import OverlapConfig, gemm2_gather_rs
+
+    run = op_kwargs(rank_inputs(OpCase("tiny", "TP2EP1", 16, "uniform"), 0, "cpu"), None)
+    cfg = OverlapConfig(backend="interpret")
+    gemm2_gather_rs(**run, config=cfg)  # planned and cached, as in the tool
+    host_steps.instrument(monkeypatch.setattr)
+    table = host_steps.steps_of(lambda: gemm2_gather_rs(**run, config=cfg), 2, lambda: None)
+    at = {(r["step"], r["n"]): r for r in table}
+    call = at[("op call", 0)]
+    assert all(call["start_us"] <= r["start_us"] <= r["end_us"] <= call["end_us"] for r in table)
+    order = [at[("packed_offsets_host", 0)], at[("launch_routing_table", 0)],
+             at[("LaunchCache.launch grouped_gemm2_kernel", 0)],
+             at[("LaunchCache.launch gather_rs_kernel", 0)],
+             at[("LaunchCache.launch gather_rs_kernel", 1)], at[("note_launch", 0)]]
+    assert [r["start_us"] for r in order] == sorted(r["start_us"] for r in order)
+    assert host_steps._record is None

@@ -75,9 +75,10 @@ STEPS = [
 ]
 
 
-def instrument() -> None:
+def instrument(set_attr=setattr) -> None:
+    """Wrap every step in place (`set_attr`: e.g. pytest's monkeypatch.setattr)."""
     for owner, attr, label in STEPS:
-        setattr(owner, attr, _timed(label, getattr(owner, attr)))
+        set_attr(owner, attr, _timed(label, getattr(owner, attr)))
 
 
 def steps_of(fn, calls: int, sync) -> list[dict]:
