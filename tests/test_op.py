@@ -320,7 +320,7 @@ def test_a_launch_failing_after_gatherrs_started_breaks_the_buffer_until_reset(m
     with pytest.raises(RuntimeError, match="no launch"):
         call(p, 20, 1, INTERP, comm_ctas=2)
     monkeypatch.undo()
-    _refused_until_reset(p, INTERP, "launch failed after GatherRS had started")
+    _refused_until_reset(p, INTERP, "launch failed after another launch of the call had started")
 
 
 def _grads(p, tokens, topk, config, probs, group=None, seed=0):

@@ -296,8 +296,9 @@ class OverlapBuffer:
         try:
             yield
         except BaseException as err:
-            self.broken = (f"a GatherRS/GEMM2 launch failed after GatherRS had started "
-                           f"({type(err).__name__}: {err}); the flags are mid-call")
+            self.broken = (f"a GEMM2/GatherRS launch failed after another launch of the "
+                           f"call had started ({type(err).__name__}: {err}); the flags are "
+                           f"mid-call")
             raise
 
     def launch(self, x, weight, counts_dev, table, probs, out, *, plan, splits, tiles,
@@ -381,23 +382,27 @@ class OverlapBuffer:
             self._fork.record()
             if comm_first is None:
                 comm_first = plan.reservation > 0
-            with self._all_or_broken():
-                if comm_first:
-                    # The partition: GatherRS's C programs take their R(C) SMs before
-                    # GEMM2 fills the rest, so both grids are co-resident (P(C) + R(C)
-                    # fit by construction).
-                    side.wait_event(self._fork)
+            if comm_first:
+                # The partition: GatherRS's C programs take their R(C) SMs before GEMM2
+                # fills the rest, so both grids are co-resident (P(C) + R(C) fit by
+                # construction).
+                side.wait_event(self._fork)
+                with self._all_or_broken():
                     launch_comm(stream=side)
+                    launch_gemm2()
+            else:
+                # The shared placement (R = 0): the GatherRS CTAs fit beside GEMM2's on
+                # every SM, so the order decides no residency, and GEMM2 first starts the
+                # GPU one launch earlier (the GatherRS launch's host time runs while GEMM2
+                # computes split 0, which GatherRS waits for anyway). It is also the order
+                # that cannot deadlock: GEMM2 waits on nothing. (If its launch fails,
+                # nothing of this call has touched the flags.)
                 launch_gemm2()
-                if not comm_first:
-                    # The shared placement (R = 0): the GatherRS CTAs fit beside GEMM2's on
-                    # every SM, so the order decides no residency, and GEMM2 first starts
-                    # the GPU one launch earlier (the GatherRS launch's host time runs
-                    # while GEMM2 computes split 0, which GatherRS waits for anyway). It
-                    # is also the order that cannot deadlock: GEMM2 waits on nothing.
-                    side.wait_event(self._fork)
+                side.wait_event(self._fork)
+                with self._all_or_broken():
                     launch_comm(stream=side)
-                if helpers:  # queued behind GEMM2: they start on the SMs it leaves
+            if helpers:  # queued behind GEMM2: they start on the SMs it leaves
+                with self._all_or_broken():
                     launch_comm(launch_helpers=True)
             self._join.record(side)
             self._join.wait()  # the caller's stream waits for GatherRS
