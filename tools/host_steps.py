@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import functools
 import os
-import statistics
 import sys
 import time
 
@@ -28,6 +27,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 from benchlib import env_info, smoke_setup, write_json  # noqa: E402
+from host_timeline import summarize_calls  # noqa: E402
 from workloads import OpCase, op_kwargs, rank_inputs  # noqa: E402
 
 from megatron_overlap.kernels import gather_rs, gemm2, launch_cache  # noqa: E402
@@ -84,7 +84,7 @@ def instrument(set_attr=setattr) -> None:
 def steps_of(fn, calls: int, sync) -> list[dict]:
     """Median start / end (us after entering `fn`) of every recorded step, by occurrence."""
     global _record
-    runs = []
+    per_call = []
     for _ in range(calls):
         sync()
         _record = []
@@ -92,20 +92,11 @@ def steps_of(fn, calls: int, sync) -> list[dict]:
         fn()
         t1 = time.perf_counter_ns()
         rec, _record = _record, None
-        seen: dict = {}
-        row = {("op call", 0): (0, t1 - t0)}
-        for label, a, b in rec:
-            n = seen[label] = seen.get(label, -1) + 1
-            row[(label, n)] = (a - t0, b - t0)
-        runs.append(row)
-    table = []
-    for key in runs[-1]:
-        starts = [r[key][0] for r in runs if key in r]
-        ends = [r[key][1] for r in runs if key in r]
-        table.append(dict(step=key[0], n=key[1], calls=len(starts),
-                          start_us=statistics.median(starts) / 1e3,
-                          end_us=statistics.median(ends) / 1e3))
-    return sorted(table, key=lambda r: r["start_us"])
+        per_call.append([("host", "op call", 0.0, (t1 - t0) / 1e3)]
+                        + [("host", label, (a - t0) / 1e3, (b - t0) / 1e3)
+                           for label, a, b in rec])
+    return [dict(step=r["name"], n=r["n"], calls=r["calls"], start_us=r["start_us"],
+                 end_us=r["end_us"]) for r in summarize_calls(per_call)]
 
 
 def main() -> int:
