@@ -39,15 +39,20 @@ ERR_UNSORTED = 3
 ERR_TOPK = 4
 
 
-@triton.jit(do_not_specialize=["num_rows", "num_tokens", "topk", "num_experts"])
+@triton.jit(do_not_specialize=["num_rows", "num_tokens", "topk", "num_experts", "stage_len"])
 def routing_table_kernel(
-    token_index_ptr, row_start_ptr, table_ptr, dest_ptr, error_ptr,
-    num_rows, num_tokens, topk, num_experts,
+    token_index_ptr, row_start_ptr, table_ptr, dest_ptr, error_ptr, stage_src_ptr,
+    stage_dst_ptr, num_rows, num_tokens, topk, num_experts, stage_len,
     BLOCK_T: tl.constexpr, EXPERTS_POW2: tl.constexpr, SEARCH_STEPS: tl.constexpr,
-    TOPK_POW2: tl.constexpr, CHECK_ROWS: tl.constexpr, EXPERT_STEPS: tl.constexpr,
-    WINDOW_STEPS: tl.constexpr, WRITE_DEST: tl.constexpr,
+    TOPK_POW2: tl.constexpr, CHECK_ROWS: tl.constexpr, CHECK_CHUNK: tl.constexpr,
+    WINDOW_STEPS: tl.constexpr, WRITE_DEST: tl.constexpr, STAGE_POW2: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    if STAGE_POW2 > 0:
+        if pid == 0:  # the host's offsets (mapped pinned memory) into device memory
+            at = tl.arange(0, STAGE_POW2)
+            vals = tl.load(stage_src_ptr + at, mask=at < stage_len)
+            tl.store(stage_dst_ptr + at, vals, mask=at < stage_len)
     tokens = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     experts = tl.arange(0, EXPERTS_POW2)
     known = experts < num_experts
@@ -96,24 +101,21 @@ def routing_table_kernel(
         tl.atomic_cas(error_ptr, 0, 4 << 24)  # ERR_TOPK
     # the contract, for this program's share of the rows: tokens in [0, M), strictly
     # ascending inside each expert's segment
-    rows = pid * CHECK_ROWS + tl.arange(0, CHECK_ROWS)
-    real = rows < num_rows
-    pair = rows + 1 < num_rows
-    a = tl.load(token_index_ptr + rows, mask=real, other=0)
-    b = tl.load(token_index_ptr + rows + 1, mask=pair, other=num_tokens)
-    # row+1 starts a segment iff it equals some row_start[e]: lower_bound over row_start
-    nxt = rows + 1
-    slo = rows * 0
-    shi = slo + num_experts + 1
-    for _ in range(EXPERT_STEPS):
-        act = slo < shi
-        mid = (slo + shi) // 2
-        val = tl.load(row_start_ptr + mid, mask=act, other=0)
-        slo = tl.where(act & (val < nxt), mid + 1, slo)
-        shi = tl.where(act & (val >= nxt), mid, shi)
-    starts = tl.load(row_start_ptr + slo, mask=slo <= num_experts, other=-1) == nxt
-    bad = (real & ((a < 0) | (a >= num_tokens))) | (pair & (a >= b) & ~starts)
-    if tl.max(bad.to(tl.int32), axis=0) > 0:
+    # ascending, in chunks; row+1 starts a segment iff it equals some row_start[e], found
+    # against the starts already in registers (row_start may be host memory: no
+    # dependent loads of it)
+    any_bad = pid * 0
+    for c0 in tl.static_range(0, CHECK_ROWS, CHECK_CHUNK):
+        rows = pid * CHECK_ROWS + c0 + tl.arange(0, CHECK_CHUNK)
+        real = rows < num_rows
+        pair = rows + 1 < num_rows
+        a = tl.load(token_index_ptr + rows, mask=real, other=0)
+        b = tl.load(token_index_ptr + rows + 1, mask=pair, other=num_tokens)
+        hit = (rows[:, None] + 1 == begin[None, :]) & known[None, :]
+        starts = tl.max(hit.to(tl.int32), axis=1) > 0
+        bad = (real & ((a < 0) | (a >= num_tokens))) | (pair & (a >= b) & ~starts)
+        any_bad = tl.maximum(any_bad, tl.max(bad.to(tl.int32), axis=0))
+    if any_bad > 0:
         tl.atomic_cas(error_ptr, 0, 3 << 24)  # ERR_UNSORTED (jit code sees no globals)
 
 
@@ -121,34 +123,47 @@ _ROUTING_TABLE = LaunchCache(routing_table_kernel)
 
 
 def launch_routing_table(token_index: torch.Tensor, row_start: torch.Tensor, num_tokens: int,
-                         topk: int, error: torch.Tensor, dest: torch.Tensor | None = None
+                         topk: int, error: torch.Tensor, dest: torch.Tensor | None = None,
+                         stage: tuple[torch.Tensor, torch.Tensor] | None = None
                          ) -> torch.Tensor:
     """[M, topk] int32 table from rows grouped by expert, ascending token inside each.
 
-    token_index [T] (int32/int64), row_start [E+1] int32 on the same device; `error` is
-    an int32 word that receives ERR_UNSORTED << 24 if the order does not hold and
+    token_index [T] (int32/int64), row_start [E+1] int32 readable by the kernel; `error`
+    is an int32 word that receives ERR_UNSORTED << 24 if the order does not hold and
     ERR_TOPK << 24 if a token has more than `topk` rows. `dest` ([T] int32), when
     given, receives the inverse: dest[table[t, s]] = t * topk + s.
+
+    `stage` = (src, dst): int32 tensors of one size; the launch also copies src into dst
+    (one program does, before anything later on the stream reads dst). The op passes
+    the host's packed offsets in pinned memory, which the GPU reads in place (mapped),
+    with row_start a view of them: one launch instead of a copy and a launch on the
+    host's critical path, and no pinned tensor allocated per call.
     """
     table = torch.empty(num_tokens, topk, dtype=torch.int32, device=token_index.device)
     rows, experts = token_index.numel(), row_start.numel() - 1
     if dest is not None and (dest.dtype != torch.int32 or dest.numel() != rows):
         raise ValueError(f"dest must be [{rows}] int32, got {tuple(dest.shape)} {dest.dtype}")
-    if num_tokens == 0:
-        return table
-    if rows == 0 or experts == 0:
-        return table.fill_(-1)
+    if stage is not None and (stage[0].numel() != stage[1].numel()
+                              or stage[0].dtype != torch.int32 or stage[1].dtype != torch.int32):
+        raise ValueError(f"stage must be two int32 tensors of one size, got "
+                         f"{[(tuple(t.shape), t.dtype) for t in stage]}")
+    if num_tokens == 0 or rows == 0 or experts == 0:
+        if stage is not None:  # no kernel to carry the copy
+            stage[1].copy_(stage[0], non_blocking=True)
+        return table if num_tokens == 0 else table.fill_(-1)
     experts_pow2 = next_pow2(experts)
     block_t = max(1, min(128, 4096 // experts_pow2))
     programs = triton.cdiv(num_tokens, block_t)
     check_rows = next_pow2(triton.cdiv(rows, programs))
+    src, dst = stage if stage is not None else (row_start, row_start)
     _ROUTING_TABLE.launch(
         (programs,), (token_index, row_start, table, table if dest is None else dest, error,
-                      rows, num_tokens, topk, experts),
+                      src, dst, rows, num_tokens, topk, experts, src.numel()),
         dict(BLOCK_T=block_t, EXPERTS_POW2=experts_pow2, SEARCH_STEPS=rows.bit_length(),
              TOPK_POW2=next_pow2(topk), CHECK_ROWS=check_rows,
-             EXPERT_STEPS=(experts + 1).bit_length(), WINDOW_STEPS=block_t.bit_length(),
-             WRITE_DEST=dest is not None, num_warps=4))
+             CHECK_CHUNK=min(check_rows, max(1, 4096 // experts_pow2)),
+             WINDOW_STEPS=block_t.bit_length(), WRITE_DEST=dest is not None,
+             STAGE_POW2=next_pow2(src.numel()) if stage is not None else 0, num_warps=4))
     return table
 
 

@@ -119,6 +119,39 @@ def test_token_major_y_gives_the_bits_of_gemm2_row_order(ep):
         assert torch.equal(call(p, 40, 3, INTERP, probs=True, comm_ctas=c, splits=l), base)
 
 
+def test_host_offsets_through_the_pinned_ring_equal_a_copy_for_more_calls_than_slots():
+    """The routing-table kernel brings the offsets to the device from the ring's slots;
+    every call, past a full turn of the ring, gets its own counts' offsets, and the same
+    output as the path that copies them."""
+    from megatron_overlap.kernels import gemm2
+    from megatron_overlap.ops.buffer import OFFSET_SLOTS, OverlapBuffer
+
+    buf = OverlapBuffer(None, torch.device("cpu"), "interpret")
+    problems = [routed_problem(s, 1, tokens=24, experts=3 + s % 3, topk=2, ffn=16, hidden=16)
+                for s in range(OFFSET_SLOTS + 3)]
+    for p in problems:
+        counts = p["counts"].tolist()
+        table, (row_start, tile_start), counts_dev, row_tiles = buf.route(
+            p["token_index"], counts, 16, 24, 2)
+        want_rows, want_tiles = gemm2.expert_offsets(p["counts"], 16)
+        assert torch.equal(row_start, want_rows) and torch.equal(tile_start, want_tiles)
+        assert counts_dev.tolist() == counts and row_tiles == int(want_tiles[-1])
+        assert torch.equal(table, rt_combine(p["token_index"], 24, 2))
+    mapped = [call(p, 24, 2, INTERP) for p in problems[:3]]
+    op_module.OverlapBuffer.get(None, torch.device("cpu"), "interpret").mapped_offsets = False
+    try:
+        copied = [call(p, 24, 2, INTERP) for p in problems[:3]]
+    finally:
+        op_module.OverlapBuffer.get(None, torch.device("cpu"), "interpret").mapped_offsets = True
+    assert all(torch.equal(a, b) for a, b in zip(mapped, copied))
+
+
+def rt_combine(token_index, tokens, topk):
+    from megatron_overlap.kernels.routing_table import combine_table
+
+    return combine_table(token_index, tokens, topk)
+
+
 def test_one_hot_expert_and_empty_experts_are_correct():
     for case in (dict(hot=True), dict(empty=(1, 2, 3))):
         p = routed_problem(0, 1, tokens=33, experts=5, topk=2, ffn=16, hidden=32, **case)

@@ -11,7 +11,8 @@ warm and no step follows a sync. Here each call runs as the benchmarks time it (
 after a synchronize), and the op's own functions are wrapped by a timer that costs well
 under a microsecond: for every step, its start and end in us after the op was entered,
 median over the calls. The row to read is the GEMM2 launch: everything before it is
-exposed latency.
+exposed latency. Both ways of bringing the host's expert offsets to the device run
+interleaved (`ARMS`), so their rows compare side by side.
 """
 
 from __future__ import annotations
@@ -60,9 +61,14 @@ STEPS = [
     (op, "validate", "validate"), (op, "_host_counts", "_host_counts"),
     (op, "resolve_backend", "resolve_backend"), (op, "_peer_capable", "_peer_capable"),
     (buffer.OverlapBuffer, "check", "OverlapBuffer.check"),
-    (gemm2, "packed_offsets_host", "packed_offsets_host"),
-    (gemm2, "unpack_offsets", "unpack_offsets"), (op, "_resolved", "_resolved"),
+    (op, "_resolved", "_resolved"),
+    (buffer.OverlapBuffer, "route", "OverlapBuffer.route (offsets, routing table)"),
+    (gemm2, "pack_offsets", "pack_offsets"),
+    (buffer.OverlapBuffer, "_offsets_slot", "OverlapBuffer._offsets_slot"),
+    (gemm2, "packed_offsets_host", "packed_offsets_host (copy path)"),
+    (gemm2, "unpack_offsets", "unpack_offsets"),
     (op, "launch_routing_table", "launch_routing_table"),
+    (buffer, "launch_routing_table", "launch_routing_table"),
     (op, "_plan_splits", "_plan_splits (cache miss)"),
     (buffer.OverlapBuffer, "ensure", "OverlapBuffer.ensure"),
     (op, "_log_decision", "_log_decision"), (op, "_forward", "_forward"),
@@ -81,8 +87,8 @@ def instrument(set_attr=setattr) -> None:
         set_attr(owner, attr, _timed(label, getattr(owner, attr)))
 
 
-def steps_of(fn, calls: int, sync) -> list[dict]:
-    """Median start / end (us after entering `fn`) of every recorded step, by occurrence."""
+def calls_of(fn, calls: int, sync) -> list[list]:
+    """Per call: every recorded step as (kind, label, start, end), us after entering `fn`."""
     global _record
     per_call = []
     for _ in range(calls):
@@ -95,8 +101,23 @@ def steps_of(fn, calls: int, sync) -> list[dict]:
         per_call.append([("host", "op call", 0.0, (t1 - t0) / 1e3)]
                         + [("host", label, (a - t0) / 1e3, (b - t0) / 1e3)
                            for label, a, b in rec])
+    return per_call
+
+
+def table_of(per_call: list[list]) -> list[dict]:
+    """Median start / end of every recorded step, by occurrence."""
     return [dict(step=r["name"], n=r["n"], calls=r["calls"], start_us=r["start_us"],
                  end_us=r["end_us"]) for r in summarize_calls(per_call)]
+
+
+def steps_of(fn, calls: int, sync) -> list[dict]:
+    """Median start / end (us after entering `fn`) of every recorded step, by occurrence."""
+    return table_of(calls_of(fn, calls, sync))
+
+
+#: the op's host offsets: read in place from a pinned ring by the routing-table kernel
+#: (the default), or one pinned copy per call (`OverlapBuffer.mapped_offsets`)
+ARMS = {"mapped offsets": True, "copied offsets": False}
 
 
 def main() -> int:
@@ -124,13 +145,25 @@ def main() -> int:
             torch.cuda.synchronize()
         dist.barrier()
 
-    table = steps_of(lambda: gemm2_gather_rs(**run, config=cfg), args.calls, sync)
+    buf = buffer.OverlapBuffer.get(dist.group.WORLD, torch.device(device), backend)
+    per_arm = {arm: [] for arm in ARMS}
+    rounds = max(1, args.calls // 5)
+    for _ in range(rounds):  # the arms interleaved, five calls at a time
+        for arm, mapped in ARMS.items():
+            buf.mapped_offsets = mapped
+            per_arm[arm] += calls_of(lambda: gemm2_gather_rs(**run, config=cfg), 5, sync)
+    buf.mapped_offsets = buffer._mapped_offsets_default()
+    tables = {arm: table_of(calls) for arm, calls in per_arm.items()}
     if dist.get_rank() == 0:
-        print(f"host steps of one op call ({args.model} {args.layout} S={args.seq}, median "
-              f"of {args.calls} calls, each after a sync), us after entering the op:")
-        for r in table:
-            print(f"  step {r['step']:<48} {r['n']} {r['start_us']:8.1f} -> {r['end_us']:8.1f}")
-        write_json(args.json, dict(env=env_info(), command=" ".join(sys.argv), steps=table))
+        for arm, table in tables.items():
+            print(f"host steps of one op call, {arm} ({args.model} {args.layout} "
+                  f"S={args.seq}, median of {5 * rounds} calls, each after a sync), us after "
+                  f"entering the op:")
+            for r in table:
+                print(f"  step {r['step']:<48} {r['n']} {r['start_us']:8.1f} -> "
+                      f"{r['end_us']:8.1f}")
+        write_json(args.json, dict(env=env_info(), command=" ".join(sys.argv),
+                                   steps=tables["mapped offsets"], arms=tables))
     dist.destroy_process_group()
     return 0
 

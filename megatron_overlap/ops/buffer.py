@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import os
 import warnings
 
 import torch
@@ -21,13 +22,19 @@ import triton
 
 from ..kernels import gather_rs as grs
 from ..kernels import gemm2
-from ..kernels.routing_table import ERR_TOPK, ERR_UNSORTED
+from ..kernels.routing_table import ERR_TOPK, ERR_UNSORTED, launch_routing_table
 from ..planner import PlanCache, co_resident, ranking_calibration, resident_ctas
 from .config import (GPU_TILES, INTERPRET_TILES, PARTITION_TILES, OverlapConfig, TileConfig,
                      calibration_for, device_spec, gpu_tiles, kernel_spec)
 from .peer_memory import PeerMemory
 
 L_MAX = 64
+#: Pinned slots for the host's packed expert offsets, written round robin (`route`).
+OFFSET_SLOTS = 16
+
+
+def _mapped_offsets_default() -> bool:
+    return os.environ.get("MEGATRON_OVERLAP_MAPPED_OFFSETS", "1") != "0"
 
 
 class OverlapTimeoutError(RuntimeError):
@@ -93,6 +100,13 @@ class OverlapBuffer:
         self.compiled_resources: dict | None = None
         self._occupancy: dict[tuple, int] = {}
         self._pending: tuple | None = None  # (event, pinned error word, expected)
+        # host offsets: a ring of slots the routing-table kernel reads in place (`route`)
+        self.mapped_offsets = _mapped_offsets_default()
+        self._slots: torch.Tensor | None = None
+        self._slot_views: dict[tuple, tuple] = {}
+        self._slot_next = 0
+        self._slot_events = ([torch.cuda.Event() for _ in range(OFFSET_SLOTS)]
+                             if device.type == "cuda" else None)
         if device.type == "cuda":
             self.side_stream = torch.cuda.Stream(device)
             self._pinned = torch.zeros(1, dtype=torch.int32, pin_memory=True)
@@ -149,6 +163,55 @@ class OverlapBuffer:
         raw = self._memory.local[start + parity * half:start + parity * half
                                  + self.world * cap * hidden * torch.finfo(dtype).bits // 8]
         return raw.view(dtype).view(self.world, cap, hidden)
+
+    # ---------------------------------------------------------------- offsets, table
+    def route(self, token_index, counts: list, block_m: int, num_tokens: int, topk: int,
+              dest=None) -> tuple:
+        """(table, (row_start, tile_start), counts_dev, row_tiles) from host counts: the
+        expert offsets (`gemm2.pack_offsets`) on the device, and the routing table.
+
+        The packed offsets go into the next pinned slot of a ring, which the
+        routing-table kernel reads in place (mapped) and copies into a fresh device
+        tensor as it runs: no pinned allocation and no copy of their own on the launch
+        path, which runs after Megatron's sync while the GPU waits (`mapped_offsets =
+        False` or MEGATRON_OVERLAP_MAPPED_OFFSETS=0: one pinned copy per call instead).
+        A slot is written again only once the kernel that read it has run."""
+        experts = len(counts)
+        if self.mapped_offsets:
+            packed, row_tiles = gemm2.pack_offsets(counts, block_m)
+            src, row_start_src = self._offsets_slot(len(packed))
+            ctypes.memmove(src.data_ptr(), packed.buffer_info()[0], 4 * len(packed))
+            dev = torch.empty(len(packed), dtype=torch.int32, device=self.device)
+            table = launch_routing_table(token_index, row_start_src, num_tokens, topk,
+                                         self.error, dest, stage=(src, dev))
+            if self._slot_events is not None:
+                self._slot_events[self._slot_next].record()
+        else:
+            dev, row_tiles = gemm2.packed_offsets_host(counts, block_m, self.device)
+            table = None
+        row_start, tile_start, counts_dev = gemm2.unpack_offsets(dev, experts)
+        if table is None:
+            table = launch_routing_table(token_index, row_start, num_tokens, topk,
+                                         self.error, dest)
+        return table, (row_start, tile_start), counts_dev, row_tiles
+
+    def _offsets_slot(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next ring slot's [n] view and its row_start view, free to write."""
+        if self._slots is None or self._slots.shape[1] < n:
+            if self._slots is not None and self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # kernels may still read the old ring
+            self._slots = torch.empty((OFFSET_SLOTS, -(-n // 4) * 4), dtype=torch.int32,
+                                      pin_memory=self.device.type == "cuda")
+            self._slot_views.clear()
+        i = self._slot_next = (self._slot_next + 1) % OFFSET_SLOTS
+        if self._slot_events is not None and not self._slot_events[i].query():
+            self._slot_events[i].synchronize()  # the host is a whole ring ahead
+        views = self._slot_views.get((i, n))
+        if views is None:
+            experts = (n - 2) // 3
+            views = self._slot_views[(i, n)] = (self._slots[i, :n],
+                                                self._slots[i, :experts + 1])
+        return views
 
     # ---------------------------------------------------------------- planning
     def default_tiles(self, placement: str | None = None) -> TileConfig:

@@ -325,14 +325,6 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
         raise ValueError(f"TileConfig.gemm_impl={tiles.gemm_impl!r} is a Gluon kernel for "
                          f"bf16 on CUDA; got the {backend} backend and {x.dtype} "
                          f"(gemm_impl='triton' or 'auto' runs everywhere)")
-    # expert row / tile offsets (with host counts: one copy that also carries the counts)
-    # and the combine table in one kernel that also checks the row order
-    if counts is not None:
-        packed, row_tiles = gemm2.packed_offsets_host(counts, tiles.block_m, x.device)
-        *offsets, counts_dev = gemm2.unpack_offsets(packed, experts)
-    else:
-        counts_dev = _to_device(counts_dev, x.device)
-        offsets = gemm2.expert_offsets(counts_dev, tiles.block_m)
     # token-major y where every token has its k rows here (T = M k: TP; no token has more
     # than k rows) and y's row numbers fit int32; else GEMM2's row order
     if tiles.token_major and (x.shape[0] != num_tokens * topk or num_tokens * topk >= 1 << 31):
@@ -340,7 +332,16 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
     tiles = _resolved(tiles, x.device, x.dtype)
     dest = (torch.empty(x.shape[0], dtype=torch.int32, device=x.device)
             if tiles.token_major else None)
-    table = launch_routing_table(token_index, offsets[0], num_tokens, topk, buf.error, dest)
+    # expert row / tile offsets and the combine table, in one kernel that also checks the
+    # row order (with host counts it also brings the offsets to the device)
+    if counts is not None:
+        table, offsets, counts_dev, row_tiles = buf.route(token_index, counts, tiles.block_m,
+                                                          num_tokens, topk, dest)
+    else:
+        counts_dev = _to_device(counts_dev, x.device)
+        offsets = gemm2.expert_offsets(counts_dev, tiles.block_m)
+        table = launch_routing_table(token_index, offsets[0], num_tokens, topk, buf.error,
+                                     dest)
     launch = Launch(config, backend, group, world, rank, counts, counts_dev, table, buf, None, {})
     # W_comp reads only row_tiles = sum_e ceil(M_e / TM) (with host counts it came with
     # the offsets); with counts only on the device: section III-E, the T rows spread evenly.
