@@ -178,11 +178,19 @@ def test_cached_binary_launches_give_the_bits_of_tritons_own_launches(monkeypatc
     assert all(torch.equal(f, jit) for f in fast)
 
 
-def test_calls_queued_far_ahead_of_the_gpu_give_each_routings_own_output():
+@pytest.mark.parametrize("slots,mapped", [(16, True), (2, True), (16, False)])
+def test_calls_queued_far_ahead_of_the_gpu_give_each_routings_own_output(
+        slots, mapped, monkeypatch):
     """Host counts of six routings (one hot, one with empty experts) are uploaded while
-    the GPU is still busy, with no sync between the calls (every pinned copy, flag and
+    the GPU is still busy, with no sync between the calls (every pinned slot, flag and
     buffer of one call must stay that call's until it runs): every output equals that
-    routing's synchronized one."""
+    routing's synchronized one. With two offset slots the ring wraps while the GPU is
+    busy (the host must wait for a slot's reader); unmapped, each call copies them."""
+    from megatron_overlap.ops import OverlapBuffer, buffer
+
+    monkeypatch.setattr(OverlapBuffer, "_instances", {})  # a fresh buffer with this ring
+    monkeypatch.setattr(buffer, "OFFSET_SLOTS", slots)
+    monkeypatch.setenv("MEGATRON_OVERLAP_MAPPED_OFFSETS", "1" if mapped else "0")
     small = dict(tokens=1024, experts=16, topk=4, ffn=256, hidden=512)
     probs = [routed_problem(0, 1, device="cuda", seed=s, hot=s == 2, empty=(3, 5) if s == 4
                             else (), **small) for s in range(6)]

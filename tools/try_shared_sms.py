@@ -19,8 +19,9 @@ checked on its own, synchronized (a time-out is reported and the policy left out
 ABBA-interleaved: GEMM2 alone on all SMs, the overlapped kernels at the planner's C and
 (shared arms) at each C of --cset, GatherRS alone (flags preset), the whole op, and
 torch's GEMM2 alone. The shared placement launches GEMM2 first; its "comm first" arm
-runs the same plan with GatherRS launched first (the partition's order), and --splits
-adds shared arms at other L than the ranked one.
+runs the same plan with GatherRS launched first (the partition's order), --splits
+adds shared arms at other L than the ranked one, and --helpers arms with m tail
+helpers per SM instead of one (the exposed last split served with more loads in flight).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ CASES = ["qwen/TP2EP1/16384", "qwen/TP2EP1/4096", "deepseek/TP2EP1/16384",
          "granite/TP2EP1/16384", "qwen/TP1EP2/16384", "deepseek/TP1EP2/4096"]
 
 
-def arms(inp, variants: dict, cset, backend):
+def arms(inp, variants: dict, cset, backend, helper_mults=()):
     args = (inp["x"], inp["weight"], inp["counts_list"], inp["token_index"], inp["tokens"],
             inp["topk"], None, None)
     out = torch.empty(inp["tokens"], inp["hidden"], dtype=inp["x"].dtype, device=inp["x"].device)
@@ -74,6 +75,16 @@ def arms(inp, variants: dict, cset, backend):
                 launch, comm_first=True)
             checks[f"{name} comm first"] = run(launch, comm_first=True)
             facts[f"{name} comm first"] = dict(plan_of=name)
+        for m in helper_mults if cache.kernel.shared_sms and launch.kwargs["helpers"] else ():
+            # m tail-helper CTAs per SM that GEMM2 leaves (the binary's registers fit up
+            # to four beside the communication CTA): more loads in flight for the
+            # exposed last split
+            h = m * launch.kwargs["helpers"]
+            label = f"{name} H={m}xG"
+            pol[f"{name} | overlap planner C={launch.plan.comm_ctas} H={m}xG"] = run(
+                launch, helpers=h)
+            checks[label] = run(launch, helpers=h)
+            facts[label] = dict(plan_of=name, helpers=h)
         if cache.kernel.shared_sms:
             for c in cset:
                 pol[f"{name} | overlap C={c}"] = run(prepare(*args, comm_ctas=c, config=cfg))
@@ -131,6 +142,9 @@ def main() -> int:
                     help="more shared arms: rows x columns per item (comma list)")
     ap.add_argument("--splits", default="",
                     help="more shared arms: L instead of the ranked one (comma list)")
+    ap.add_argument("--helpers", default="",
+                    help="more shared arms: tail helpers per SM GEMM2 leaves (comma list; "
+                         "the op launches 1)")
     ap.add_argument("--samples", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--probe-unsynced", action="store_true",
@@ -151,6 +165,7 @@ def main() -> int:
         print("try_shared_sms: needs a CUDA GPU (or --smoke)")
         return 2
     cset = [int(c) for c in args.cset.split(",") if c]
+    helper_mults = [int(m) for m in args.helpers.split(",") if m]
     results = []
     for spec in args.cases.split(","):
         model, layout, seq = spec.split("/")
@@ -163,7 +178,7 @@ def main() -> int:
         ref = gemm2_gather_rs(inp["x"], inp["weight"], inp["counts_list"], inp["token_index"],
                               inp["tokens"], inp["topk"], None, None,
                               config=OverlapConfig(backend="reference")).float()
-        pol, facts, checks, out, bufs = arms(inp, variants, cset, backend)
+        pol, facts, checks, out, bufs = arms(inp, variants, cset, backend, helper_mults)
         first = None
         for name, check in checks.items():
             out.fill_(float("nan"))  # poisoned: every element must be written
@@ -200,7 +215,9 @@ def report(spec, facts, stats) -> None:
     print(f"\n{spec}")
     for name, f in facts.items():
         if "plan_of" in f:
-            print(f"  {name}: {f['plan_of']}'s plan, GatherRS launched before GEMM2 "
+            how = (f"{f['helpers']} tail helpers" if "helpers" in f
+                   else "GatherRS launched before GEMM2")
+            print(f"  {name}: {f['plan_of']}'s plan, {how} "
                   f"bitwise={f['bitwise_as_partition']} unwritten={f['unwritten']}")
             continue
         res = {k: (v.get("registers"), v.get("shared")) for k, v in f["resources"].items()}

@@ -105,6 +105,7 @@ class OverlapBuffer:
         self._slots: torch.Tensor | None = None
         self._slot_views: dict[tuple, tuple] = {}
         self._slot_next = 0
+        self.offset_slots = OFFSET_SLOTS
         self._slot_events = ([torch.cuda.Event() for _ in range(OFFSET_SLOTS)]
                              if device.type == "cuda" else None)
         if device.type == "cuda":
@@ -200,10 +201,10 @@ class OverlapBuffer:
         if self._slots is None or self._slots.shape[1] < n:
             if self._slots is not None and self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # kernels may still read the old ring
-            self._slots = torch.empty((OFFSET_SLOTS, -(-n // 4) * 4), dtype=torch.int32,
+            self._slots = torch.empty((self.offset_slots, -(-n // 4) * 4), dtype=torch.int32,
                                       pin_memory=self.device.type == "cuda")
             self._slot_views.clear()
-        i = self._slot_next = (self._slot_next + 1) % OFFSET_SLOTS
+        i = self._slot_next = (self._slot_next + 1) % self.offset_slots
         if self._slot_events is not None and not self._slot_events[i].query():
             self._slot_events[i].synchronize()  # the host is a whole ring ahead
         views = self._slot_views.get((i, n))
