@@ -28,10 +28,13 @@ ValueError at its next check: a wrong order cannot pass silently.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
+from . import gemm2
 from .gemm2 import next_pow2
 from .launch_cache import LaunchCache
 
@@ -39,25 +42,35 @@ ERR_UNSORTED = 3
 ERR_TOPK = 4
 
 
-@triton.jit(do_not_specialize=["num_rows", "num_tokens", "topk", "num_experts", "stage_len"])
+@triton.jit(do_not_specialize=["num_rows", "num_tokens", "topk", "num_experts"])
 def routing_table_kernel(
-    token_index_ptr, row_start_ptr, table_ptr, dest_ptr, error_ptr, stage_src_ptr,
-    stage_dst_ptr, num_rows, num_tokens, topk, num_experts, stage_len,
+    token_index_ptr, offsets_ptr, table_ptr, dest_ptr, error_ptr, packed_ptr,
+    num_rows, num_tokens, topk, num_experts, block_m,
     BLOCK_T: tl.constexpr, EXPERTS_POW2: tl.constexpr, SEARCH_STEPS: tl.constexpr,
     TOPK_POW2: tl.constexpr, CHECK_ROWS: tl.constexpr, CHECK_CHUNK: tl.constexpr,
-    WINDOW_STEPS: tl.constexpr, WRITE_DEST: tl.constexpr, STAGE_POW2: tl.constexpr,
+    WINDOW_STEPS: tl.constexpr, WRITE_DEST: tl.constexpr, FROM_COUNTS: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    if STAGE_POW2 > 0:
-        if pid == 0:  # the host's offsets (mapped pinned memory) into device memory
-            at = tl.arange(0, STAGE_POW2)
-            vals = tl.load(stage_src_ptr + at, mask=at < stage_len)
-            tl.store(stage_dst_ptr + at, vals, mask=at < stage_len)
     tokens = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     experts = tl.arange(0, EXPERTS_POW2)
     known = experts < num_experts
-    begin = tl.load(row_start_ptr + experts, mask=known, other=0)
-    end = tl.load(row_start_ptr + experts + 1, mask=known, other=0)
+    if FROM_COUNTS:
+        # offsets_ptr holds the counts (the host's, in mapped pinned memory): every
+        # program sums them itself, and program 0 stores the packed device offsets
+        # [row_start (E+1) | tile_start (E+1) | counts (E)] that GEMM2 and GatherRS read
+        count = tl.load(offsets_ptr + experts, mask=known, other=0)
+        end = tl.cumsum(count, axis=0)
+        begin = end - count
+        if pid == 0:
+            tile_end = tl.cumsum((count + block_m - 1) // block_m, axis=0)
+            tl.store(packed_ptr + experts * 0, 0, mask=experts == 0)
+            tl.store(packed_ptr + num_experts + 1 + experts * 0, 0, mask=experts == 0)
+            tl.store(packed_ptr + 1 + experts, end, mask=known)
+            tl.store(packed_ptr + num_experts + 2 + experts, tile_end, mask=known)
+            tl.store(packed_ptr + 2 * num_experts + 2 + experts, count, mask=known)
+    else:
+        begin = tl.load(offsets_ptr + experts, mask=known, other=0)
+        end = tl.load(offsets_ptr + experts + 1, mask=known, other=0)
     # This program's tokens [t0, t0 + BLOCK_T) occupy a window [lb, ub) of each expert's
     # segment (at most one row per token and expert, so ub - lb <= BLOCK_T): two
     # searches per expert, then every [T, E] search runs inside its window, in
@@ -124,47 +137,56 @@ _ROUTING_TABLE = LaunchCache(routing_table_kernel)
 
 def launch_routing_table(token_index: torch.Tensor, row_start: torch.Tensor, num_tokens: int,
                          topk: int, error: torch.Tensor, dest: torch.Tensor | None = None,
-                         stage: tuple[torch.Tensor, torch.Tensor] | None = None
-                         ) -> torch.Tensor:
+                         from_counts: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
     """[M, topk] int32 table from rows grouped by expert, ascending token inside each.
 
-    token_index [T] (int32/int64), row_start [E+1] int32 readable by the kernel; `error`
-    is an int32 word that receives ERR_UNSORTED << 24 if the order does not hold and
+    token_index [T] (int32/int64), row_start [E+1] int32 on the same device; `error` is
+    an int32 word that receives ERR_UNSORTED << 24 if the order does not hold and
     ERR_TOPK << 24 if a token has more than `topk` rows. `dest` ([T] int32), when
     given, receives the inverse: dest[table[t, s]] = t * topk + s.
 
-    `stage` = (src, dst): int32 tensors of one size; the launch also copies src into dst
-    (one program does, before anything later on the stream reads dst). The op passes
-    the host's packed offsets in pinned memory, which the GPU reads in place (mapped),
-    with row_start a view of them: one launch instead of a copy and a launch on the
-    host's critical path, and no pinned tensor allocated per call.
+    `from_counts` = (packed, block_m): `row_start` is then the counts [E] instead, in
+    memory the GPU reads (the op's: pinned host memory, read in place), and the launch
+    also fills `packed` ([3E + 2] int32 on the device) with `gemm2.pack_offsets`'s
+    layout, [row_start | tile_start | counts]: the host's offsets reach the device
+    without a copy or any summing on the host's critical path.
     """
     table = torch.empty(num_tokens, topk, dtype=torch.int32, device=token_index.device)
-    rows, experts = token_index.numel(), row_start.numel() - 1
+    rows = token_index.numel()
+    experts = row_start.numel() - (from_counts is None)
     if dest is not None and (dest.dtype != torch.int32 or dest.numel() != rows):
         raise ValueError(f"dest must be [{rows}] int32, got {tuple(dest.shape)} {dest.dtype}")
-    if stage is not None and (stage[0].numel() != stage[1].numel()
-                              or stage[0].dtype != torch.int32 or stage[1].dtype != torch.int32):
-        raise ValueError(f"stage must be two int32 tensors of one size, got "
-                         f"{[(tuple(t.shape), t.dtype) for t in stage]}")
+    packed = from_counts[0] if from_counts is not None else row_start
+    if from_counts is not None and (packed.numel() != 3 * experts + 2
+                                    or packed.dtype != torch.int32):
+        raise ValueError(f"packed must be [3E + 2] = [{3 * experts + 2}] int32, got "
+                         f"{tuple(packed.shape)} {packed.dtype}")
     if num_tokens == 0 or rows == 0 or experts == 0:
-        if stage is not None:  # no kernel to carry the copy
-            stage[1].copy_(stage[0], non_blocking=True)
+        if from_counts is not None:  # no kernel to fill them
+            counts = row_start.to(packed.device, non_blocking=True)
+            packed.copy_(torch.cat(gemm2.expert_offsets(counts, from_counts[1]) + (counts,)))
         return table if num_tokens == 0 else table.fill_(-1)
+    grid, meta = _routing_grid_meta(rows, num_tokens, topk, experts, dest is not None,
+                                    from_counts is not None)
+    _ROUTING_TABLE.launch(grid, (token_index, row_start, table, table if dest is None else dest,
+                                 error, packed, rows, num_tokens, topk, experts,
+                                 from_counts[1] if from_counts else 1), meta)
+    return table
+
+
+@functools.lru_cache(maxsize=256)  # on the launch path of every call: computed once
+def _routing_grid_meta(rows: int, num_tokens: int, topk: int, experts: int, write_dest: bool,
+                       from_counts: bool) -> tuple[tuple, dict]:
     experts_pow2 = next_pow2(experts)
     block_t = max(1, min(128, 4096 // experts_pow2))
     programs = triton.cdiv(num_tokens, block_t)
     check_rows = next_pow2(triton.cdiv(rows, programs))
-    src, dst = stage if stage is not None else (row_start, row_start)
-    _ROUTING_TABLE.launch(
-        (programs,), (token_index, row_start, table, table if dest is None else dest, error,
-                      src, dst, rows, num_tokens, topk, experts, src.numel()),
-        dict(BLOCK_T=block_t, EXPERTS_POW2=experts_pow2, SEARCH_STEPS=rows.bit_length(),
-             TOPK_POW2=next_pow2(topk), CHECK_ROWS=check_rows,
-             CHECK_CHUNK=min(check_rows, max(1, 4096 // experts_pow2)),
-             WINDOW_STEPS=block_t.bit_length(), WRITE_DEST=dest is not None,
-             STAGE_POW2=next_pow2(src.numel()) if stage is not None else 0, num_warps=4))
-    return table
+    return (programs,), dict(
+        BLOCK_T=block_t, EXPERTS_POW2=experts_pow2, SEARCH_STEPS=rows.bit_length(),
+        TOPK_POW2=next_pow2(topk), CHECK_ROWS=check_rows,
+        CHECK_CHUNK=min(check_rows, max(1, 4096 // experts_pow2)),
+        WINDOW_STEPS=block_t.bit_length(), WRITE_DEST=write_dest, FROM_COUNTS=from_counts,
+        num_warps=4)
 
 
 def combine_table(token_index: torch.Tensor, num_tokens: int, topk: int) -> torch.Tensor:

@@ -218,27 +218,34 @@ def test_routing_table_kernel_equals_the_argsort_reference(seed, tokens, experts
     local = max(1, experts // 2) if seed % 2 else experts  # EP: some rows elsewhere
     token_index, counts = _megatron_rows(seed, tokens, experts, local, topk)
     packed, _ = gemm2.packed_offsets_host(counts, 16, "cpu")
-    row_start = packed[:len(counts) + 1]
-    error = torch.zeros(1, dtype=torch.int32)
-    dest = torch.full((token_index.numel(),), -7, dtype=torch.int32)
-    staged = torch.full_like(packed, -9)  # the op's offsets, copied by the same launch
-    table = rt.launch_routing_table(token_index, row_start, tokens, topk, error, dest,
-                                    stage=(packed, staged))
-    assert torch.equal(table, rt.combine_table(token_index, tokens, topk))
-    assert int(error) == 0
-    assert torch.equal(dest, token_major_rows(table, token_index.numel()))
-    assert torch.equal(staged, packed)
+    tables = []
+    for from_counts in (False, True):  # offsets given, or summed by the kernel itself
+        error = torch.zeros(1, dtype=torch.int32)
+        dest = torch.full((token_index.numel(),), -7, dtype=torch.int32)
+        filled = torch.full_like(packed, -9)  # the op's device offsets, by the same launch
+        table = rt.launch_routing_table(
+            token_index, torch.tensor(counts, dtype=torch.int32) if from_counts
+            else packed[:len(counts) + 1], tokens, topk, error, dest,
+            from_counts=(filled, 16) if from_counts else None)
+        assert int(error) == 0
+        assert torch.equal(dest, token_major_rows(table, token_index.numel()))
+        if from_counts:
+            assert torch.equal(filled, packed)
+        tables.append(table)
+    assert torch.equal(tables[0], rt.combine_table(token_index, tokens, topk))
+    assert torch.equal(tables[1], tables[0])
 
 
-def test_routing_table_stage_is_copied_even_without_rows_and_checked():
+def test_routing_table_from_counts_fills_the_offsets_even_without_rows_and_checks_sizes():
     packed, _ = gemm2.packed_offsets_host([0, 0, 0], 16, "cpu")
-    staged = torch.full_like(packed, -9)
+    filled = torch.full_like(packed, -9)
     error = torch.zeros(1, dtype=torch.int32)
     none = torch.zeros(0, dtype=torch.int64)
-    table = rt.launch_routing_table(none, packed[:4], 5, 2, error, stage=(packed, staged))
-    assert torch.equal(staged, packed) and torch.equal(table, torch.full((5, 2), -1))
-    with pytest.raises(ValueError, match="stage must be two int32 tensors"):
-        rt.launch_routing_table(none, packed[:4], 5, 2, error, stage=(packed, staged[:3]))
+    counts = torch.zeros(3, dtype=torch.int32)
+    table = rt.launch_routing_table(none, counts, 5, 2, error, from_counts=(filled, 16))
+    assert torch.equal(filled, packed) and torch.equal(table, torch.full((5, 2), -1))
+    with pytest.raises(ValueError, match=r"packed must be \[3E \+ 2\]"):
+        rt.launch_routing_table(none, counts, 5, 2, error, from_counts=(filled[:3], 16))
 
 
 @pytest.mark.parametrize("local", [64, 24])

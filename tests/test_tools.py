@@ -358,8 +358,8 @@ def test_shared_placement_takes_every_sm_under_every_fitted_model_variant(capsys
 
 def test_host_steps_time_the_ops_own_steps_in_call_order(monkeypatch):
     """tools/host_steps.py on one interpreted op call: every wrapped step is recorded
-    inside the call, in the order the op runs them (offsets packed into a pinned slot
-    before the routing table that stages them, which precedes GEMM2's launch; GatherRS
+    inside the call, in the order the op runs them (counts written into a pinned slot
+    before the routing table that sums them, which precedes GEMM2's launch; GatherRS
     and its tail helpers after it)."""
     import host_steps
     from workloads import OpCase, op_kwargs, rank_inputs
@@ -375,7 +375,7 @@ def test_host_steps_time_the_ops_own_steps_in_call_order(monkeypatch):
     call = at[("op call", 0)]
     assert all(call["start_us"] <= r["start_us"] <= r["end_us"] <= call["end_us"] for r in table)
     assert at[("OverlapBuffer.route (offsets, routing table)", 0)]["calls"] == 2
-    order = [at[("pack_offsets", 0)], at[("OverlapBuffer._offsets_slot", 0)],
+    order = [at[("OverlapBuffer._counts_slot", 0)],
              at[("launch_routing_table", 0)], at[("unpack_offsets", 0)],
              at[("LaunchCache.launch grouped_gemm2_kernel", 0)],
              at[("LaunchCache.launch gather_rs_kernel", 0)],

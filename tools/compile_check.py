@@ -94,15 +94,15 @@ def kernels():
                gemm2_ws.grouped_gemm2_ws_kernel,
                _gemm2_signature(f"tensordesc<bf16[128,64],{layout}>", meta), meta,
                dict(num_warps=4, maxnreg=maxnreg), None)
-    for dest, stage in ((False, 0), (True, 256)):
+    for dest, from_counts in ((False, False), (True, True)):
         meta = dict(BLOCK_T=64, EXPERTS_POW2=64, SEARCH_STEPS=17, TOPK_POW2=4, CHECK_ROWS=256,
-                    CHECK_CHUNK=64, WINDOW_STEPS=7, WRITE_DEST=dest, STAGE_POW2=stage)
-        yield (f"routing_table dest={dest} stage={stage}", rt.routing_table_kernel,
-               _signature({"token_index_ptr": "*i64", "row_start_ptr": "*i32",
+                    CHECK_CHUNK=64, WINDOW_STEPS=7, WRITE_DEST=dest, FROM_COUNTS=from_counts)
+        yield (f"routing_table dest={dest} from_counts={from_counts}", rt.routing_table_kernel,
+               _signature({"token_index_ptr": "*i64", "offsets_ptr": "*i32",
                            "table_ptr": "*i32", "dest_ptr": "*i32", "error_ptr": "*i32",
-                           "stage_src_ptr": "*i32", "stage_dst_ptr": "*i32"},
+                           "packed_ptr": "*i32"},
                           {n: "i32" for n in ("num_rows", "num_tokens", "topk", "num_experts",
-                                              "stage_len")},
+                                              "block_m")},
                           meta), meta, dict(num_warps=4), None)
 
 

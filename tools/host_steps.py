@@ -63,8 +63,7 @@ STEPS = [
     (buffer.OverlapBuffer, "check", "OverlapBuffer.check"),
     (op, "_resolved", "_resolved"),
     (buffer.OverlapBuffer, "route", "OverlapBuffer.route (offsets, routing table)"),
-    (gemm2, "pack_offsets", "pack_offsets"),
-    (buffer.OverlapBuffer, "_offsets_slot", "OverlapBuffer._offsets_slot"),
+    (buffer.OverlapBuffer, "_counts_slot", "OverlapBuffer._counts_slot"),
     (gemm2, "packed_offsets_host", "packed_offsets_host (copy path)"),
     (gemm2, "unpack_offsets", "unpack_offsets"),
     (op, "launch_routing_table", "launch_routing_table"),
@@ -115,8 +114,9 @@ def steps_of(fn, calls: int, sync) -> list[dict]:
     return table_of(calls_of(fn, calls, sync))
 
 
-#: the op's host offsets: read in place from a pinned ring by the routing-table kernel
-#: (the default), or one pinned copy per call (`OverlapBuffer.mapped_offsets`)
+#: the op's host counts: read in place from a pinned ring by the routing-table kernel,
+#: which sums them (the default), or offsets summed on the host and copied, one pinned
+#: copy per call (`OverlapBuffer.mapped_offsets`)
 ARMS = {"mapped offsets": True, "copied offsets": False}
 
 
@@ -145,7 +145,7 @@ def main() -> int:
             torch.cuda.synchronize()
         dist.barrier()
 
-    buf = buffer.OverlapBuffer.get(dist.group.WORLD, torch.device(device), backend)
+    buf = op.prepare(**run, config=cfg).buffer  # the op's own (keyed by its device)
     per_arm = {arm: [] for arm in ARMS}
     rounds = max(1, args.calls // 5)
     for _ in range(rounds):  # the arms interleaved, five calls at a time

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+from array import array
 import dataclasses
 import os
 import warnings
@@ -103,7 +104,7 @@ class OverlapBuffer:
         # host offsets: a ring of slots the routing-table kernel reads in place (`route`)
         self.mapped_offsets = _mapped_offsets_default()
         self._slots: torch.Tensor | None = None
-        self._slot_views: dict[tuple, tuple] = {}
+        self._slot_views: dict[tuple, torch.Tensor] = {}
         self._slot_next = 0
         self.offset_slots = OFFSET_SLOTS
         self._slot_events = ([torch.cuda.Event() for _ in range(OFFSET_SLOTS)]
@@ -168,51 +169,58 @@ class OverlapBuffer:
     # ---------------------------------------------------------------- offsets, table
     def route(self, token_index, counts: list, block_m: int, num_tokens: int, topk: int,
               dest=None) -> tuple:
-        """(table, (row_start, tile_start), counts_dev, row_tiles) from host counts: the
-        expert offsets (`gemm2.pack_offsets`) on the device, and the routing table.
+        """(table, (row_start, tile_start), counts_dev, row_tiles, event) from host
+        counts: the expert offsets (`gemm2.pack_offsets`'s layout) on the device, the
+        routing table, the row tiles of all experts (what the planner's W_comp reads),
+        and an event recorded right after the routing-table kernel (None on CPU and on
+        the copy path): `launch(fork=event)` forks GatherRS's stream from it instead of
+        recording one more (valid while nothing the side stream depends on is queued
+        on the caller's stream between the two; the op queues nothing there).
 
-        The packed offsets go into the next pinned slot of a ring, which the
-        routing-table kernel reads in place (mapped) and copies into a fresh device
-        tensor as it runs: no pinned allocation and no copy of their own on the launch
-        path, which runs after Megatron's sync while the GPU waits (`mapped_offsets =
-        False` or MEGATRON_OVERLAP_MAPPED_OFFSETS=0: one pinned copy per call instead).
-        A slot is written again only once the kernel that read it has run."""
+        The counts go into the next pinned slot of a ring, which the routing-table kernel
+        reads in place (mapped): it sums them and writes the offsets into a fresh device
+        tensor as it runs. No pinned allocation, copy or prefix sum of their own on the
+        launch path, which runs after Megatron's sync while the GPU waits
+        (`mapped_offsets = False` or MEGATRON_OVERLAP_MAPPED_OFFSETS=0: the offsets
+        built on the host and copied, one pinned copy per call). A slot is written
+        again only once the kernel that read it has run (the event above)."""
         experts = len(counts)
         if self.mapped_offsets:
-            packed, row_tiles = gemm2.pack_offsets(counts, block_m)
-            src, row_start_src = self._offsets_slot(len(packed))
-            ctypes.memmove(src.data_ptr(), packed.buffer_info()[0], 4 * len(packed))
-            dev = torch.empty(len(packed), dtype=torch.int32, device=self.device)
-            table = launch_routing_table(token_index, row_start_src, num_tokens, topk,
-                                         self.error, dest, stage=(src, dev))
+            row_tiles = sum([(c + block_m - 1) // block_m for c in counts])
+            src = self._counts_slot(experts)
+            host = array("i", counts)
+            ctypes.memmove(src.data_ptr(), host.buffer_info()[0], 4 * experts)
+            dev = torch.empty(3 * experts + 2, dtype=torch.int32, device=self.device)
+            table = launch_routing_table(token_index, src, num_tokens, topk, self.error, dest,
+                                         from_counts=(dev, block_m))
+            routed = None
             if self._slot_events is not None:
-                self._slot_events[self._slot_next].record()
+                routed = self._slot_events[self._slot_next]
+                routed.record()
+            row_start, tile_start, counts_dev = gemm2.unpack_offsets(dev, experts)
         else:
             dev, row_tiles = gemm2.packed_offsets_host(counts, block_m, self.device)
-            table = None
-        row_start, tile_start, counts_dev = gemm2.unpack_offsets(dev, experts)
-        if table is None:
+            row_start, tile_start, counts_dev = gemm2.unpack_offsets(dev, experts)
             table = launch_routing_table(token_index, row_start, num_tokens, topk,
                                          self.error, dest)
-        return table, (row_start, tile_start), counts_dev, row_tiles
+            routed = None
+        return table, (row_start, tile_start), counts_dev, row_tiles, routed
 
-    def _offsets_slot(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The next ring slot's [n] view and its row_start view, free to write."""
-        if self._slots is None or self._slots.shape[1] < n:
+    def _counts_slot(self, experts: int) -> torch.Tensor:
+        """The next ring slot's [experts] view, free to write."""
+        if self._slots is None or self._slots.shape[1] < experts:
             if self._slots is not None and self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)  # kernels may still read the old ring
-            self._slots = torch.empty((self.offset_slots, -(-n // 4) * 4), dtype=torch.int32,
-                                      pin_memory=self.device.type == "cuda")
+            self._slots = torch.empty((self.offset_slots, -(-experts // 4) * 4),
+                                      dtype=torch.int32, pin_memory=self.device.type == "cuda")
             self._slot_views.clear()
         i = self._slot_next = (self._slot_next + 1) % self.offset_slots
         if self._slot_events is not None and not self._slot_events[i].query():
             self._slot_events[i].synchronize()  # the host is a whole ring ahead
-        views = self._slot_views.get((i, n))
-        if views is None:
-            experts = (n - 2) // 3
-            views = self._slot_views[(i, n)] = (self._slots[i, :n],
-                                                self._slots[i, :experts + 1])
-        return views
+        view = self._slot_views.get((i, experts))
+        if view is None:
+            view = self._slot_views[(i, experts)] = self._slots[i, :experts]
+        return view
 
     # ---------------------------------------------------------------- planning
     def default_tiles(self, placement: str | None = None) -> TileConfig:
@@ -367,7 +375,7 @@ class OverlapBuffer:
 
     def launch(self, x, weight, counts_dev, table, probs, out, *, plan, splits, tiles,
                comm_tm, comm_tn, tokens_per_rank, max_spins, phases=("gemm2", "comm"),
-               y=None, offsets=None, helpers=0, dest=None, comm_first=None):
+               y=None, offsets=None, helpers=0, dest=None, comm_first=None, fork=None):
         """GEMM2 (P programs) and GatherRS (C programs), then the local sum over ranks.
 
         `offsets` (row_start, tile_start), when the caller has them, saves recomputing.
@@ -378,7 +386,9 @@ class OverlapBuffer:
         runs and the flags are cleared after it. `helpers`: tail-helper CTAs launched
         after GEMM2 to share the last split (none when GatherRS runs alone).
         `comm_first`: launch GatherRS before GEMM2 (None: where the plan reserves SMs for
-        it, R > 0, the partition placement; see the launch below).
+        it, R > 0, the partition placement; see the launch below). `fork`: an event on
+        the caller's stream, recorded after everything GatherRS reads was queued (the
+        op's: `route`'s), for GatherRS's stream to start from (None: one recorded here).
         """
         t = tiles
         hidden = weight.shape[1]
@@ -443,14 +453,16 @@ class OverlapBuffer:
             # stream from the same point. (No `torch.cuda.stream` switch anywhere: it
             # costs more than a launch.)
             side = self.side_stream
-            self._fork.record()
+            if fork is None:
+                fork = self._fork
+                fork.record()
             if comm_first is None:
                 comm_first = plan.reservation > 0
             if comm_first:
                 # The partition: GatherRS's C programs take their R(C) SMs before GEMM2
                 # fills the rest, so both grids are co-resident (P(C) + R(C) fit by
                 # construction).
-                side.wait_event(self._fork)
+                side.wait_event(fork)
                 with self._all_or_broken():
                     launch_comm(stream=side)
                     launch_gemm2()
@@ -462,7 +474,7 @@ class OverlapBuffer:
                 # that cannot deadlock: GEMM2 waits on nothing. (If its launch fails,
                 # nothing of this call has touched the flags.)
                 launch_gemm2()
-                side.wait_event(self._fork)
+                side.wait_event(fork)
                 with self._all_or_broken():
                     launch_comm(stream=side)
             if helpers:  # queued behind GEMM2: they start on the SMs it leaves

@@ -138,7 +138,7 @@ def _forward(x, weight, probs, counts_dev, table, launch):
         return reference_forward(x, weight, counts_dev, counts, table, probs, group, world)
     out = torch.empty(table.shape[0] // world, weight.shape[1], dtype=x.dtype, device=x.device)
     y = launch.buffer.launch(_aligned(x), _aligned(weight), counts_dev, table, probs, out,
-                             plan=launch.plan, **launch.kwargs)
+                             plan=launch.plan, fork=launch.routed, **launch.kwargs)
     return out, y
 
 
@@ -272,6 +272,9 @@ class Launch:
     buffer: OverlapBuffer | None  # None on the reference path
     plan: object  # planner.Plan, None on the reference path
     kwargs: dict  # for OverlapBuffer.launch
+    # the event GatherRS's stream forks from (`OverlapBuffer.route`'s), for this call's
+    # launch only: a tool that relaunches `kwargs` later leaves it out
+    routed: object = None
 
 
 @functools.lru_cache(maxsize=64)
@@ -334,15 +337,20 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
             if tiles.token_major else None)
     # expert row / tile offsets and the combine table, in one kernel that also checks the
     # row order (with host counts it also brings the offsets to the device)
+    # (the receive slots first: growing them queues copies that GatherRS depends on, which
+    # must come before the event it forks from, `route`'s)
+    buf.ensure(num_tokens // world, hidden, config.partial_dtype or x.dtype)
+    routed = None
     if counts is not None:
-        table, offsets, counts_dev, row_tiles = buf.route(token_index, counts, tiles.block_m,
-                                                          num_tokens, topk, dest)
+        table, offsets, counts_dev, row_tiles, routed = buf.route(
+            token_index, counts, tiles.block_m, num_tokens, topk, dest)
     else:
         counts_dev = _to_device(counts_dev, x.device)
         offsets = gemm2.expert_offsets(counts_dev, tiles.block_m)
         table = launch_routing_table(token_index, offsets[0], num_tokens, topk, buf.error,
                                      dest)
-    launch = Launch(config, backend, group, world, rank, counts, counts_dev, table, buf, None, {})
+    launch = Launch(config, backend, group, world, rank, counts, counts_dev, table, buf, None, {},
+                    routed)
     # W_comp reads only row_tiles = sum_e ceil(M_e / TM) (with host counts it came with
     # the offsets); with counts only on the device: section III-E, the T rows spread evenly.
     if counts is None:
@@ -374,7 +382,6 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
         buf.remember(key, best)
     launch.plan = best[0]
     launch.kwargs = dict(best[1], offsets=offsets, dest=dest)
-    buf.ensure(num_tokens // world, hidden, config.partial_dtype or x.dtype)
     _log_decision(launch, num_tokens, hidden, x.shape[1])
     return launch
 
