@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
-from .launch_cache import LaunchCache
+from .launch_cache import LaunchCache, descriptor
 
 
 @triton.jit(do_not_specialize=["num_experts", "K", "num_splits", "dest_rows"])
@@ -189,9 +189,9 @@ def operands(weight, y, row_start, tile_start, ready, splits, dest) -> tuple:
 def _gemm2_args(x, weight, y, row_start, tile_start, ready, splits, block_m, block_n,
                 block_k, num_warps, num_stages, upcast, flatten, dest=None, maxnreg=None):
     num_experts, hidden, k = weight.shape
-    x_desc = TensorDescriptor.from_tensor(x, [block_m, block_k])
-    w_desc = TensorDescriptor.from_tensor(weight.view(num_experts * hidden, k),
-                                          [block_n, block_k])
+    x_desc = descriptor(TensorDescriptor, x, (block_m, block_k))
+    w_desc = descriptor(TensorDescriptor, weight.view(num_experts * hidden, k),
+                        (block_n, block_k))
     args = (x_desc, w_desc) + operands(weight, y, row_start, tile_start, ready, splits, dest)
     meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                 EXPERTS_POW2=next_pow2(num_experts), UPCAST=upcast,

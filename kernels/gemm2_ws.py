@@ -32,7 +32,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, war
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from .gemm2 import column_alignment, operands
-from .launch_cache import LaunchCache
+from .launch_cache import LaunchCache, descriptor
 
 # (Triton 3.6 names the partition-wide barrier thread_barrier, 3.7 barrier)
 _barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
@@ -246,9 +246,9 @@ def _ws_args(x, weight, y, row_start, tile_start, ready, splits, block_m, block_
              stages, dest, publisher, maxnreg=None):
     num_experts, hidden, k = weight.shape
     a_layout, b_layout = _smem_layout(block_m, block_k), _smem_layout(block_n, block_k)
-    x_desc = TensorDescriptor.from_tensor(x, [block_m, block_k], a_layout)
-    w_desc = TensorDescriptor.from_tensor(weight.view(num_experts * hidden, k),
-                                          [block_n, block_k], b_layout)
+    x_desc = descriptor(TensorDescriptor, x, (block_m, block_k), a_layout)
+    w_desc = descriptor(TensorDescriptor, weight.view(num_experts * hidden, k),
+                        (block_n, block_k), b_layout)
     args = (x_desc, w_desc) + operands(weight, y, row_start, tile_start, ready, splits, dest)
     meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                 SEARCH_STEPS=(num_experts - 1).bit_length(), STAGES=stages,

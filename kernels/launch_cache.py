@@ -78,6 +78,38 @@ def _raw_launch(binary):
     return raw
 
 
+_TEMPLATES: dict = {}
+
+
+def descriptor(cls, t: torch.Tensor, block_shape, *layout):
+    """`cls.from_tensor(t, block_shape, *layout)` (a Triton or Gluon TensorDescriptor) for
+    the launch path: its `__post_init__` checks (~10 us a descriptor, twice per GEMM2
+    launch, after Megatron's sync) run once per dtype / shape / strides / block / layout;
+    later calls copy that validated template and set t as the base (whose alignment is
+    the one check that depends on it). The copy also carries its `LaunchCache` key part
+    for either alignment of the base (`_launch_keys`), computed once with the template."""
+    key = (cls, t.dtype, t.shape, t.stride(), tuple(block_shape), *layout)
+    tmpl = _TEMPLATES.get(key)
+    if tmpl is None:
+        if len(_TEMPLATES) >= 512:  # shapes vary with the routing (EP): bounded
+            _TEMPLATES.clear()
+        tmpl = cls.from_tensor(t, list(block_shape), *layout)
+        tmpl._launch_keys = tuple(_descriptor_key(tmpl, aligned) for aligned in (False, True))
+        tmpl.base = None  # (the template must not keep a tensor alive)
+        _TEMPLATES[key] = tmpl
+    if t.data_ptr() % 16:
+        raise ValueError("a tensor descriptor's base must be 16-byte aligned")
+    d = object.__new__(cls)
+    d.__dict__.update(tmpl.__dict__)
+    d.base = t
+    return d
+
+
+def _descriptor_key(a, aligned: bool) -> tuple:
+    return (a.base.dtype, tuple(a.block_shape), aligned, tuple(a.strides),
+            tuple(s % 16 == 0 for s in a.shape), a.padding, getattr(a, "layout", None))
+
+
 def _no_launch_hooks() -> bool:
     """No launch hook is registered (a profiler such as proton adds them)."""
     rt = knobs.runtime
@@ -146,9 +178,9 @@ class LaunchCache:
             elif isinstance(a, int):
                 parts.append(_int_class(a) if no_spec else a)
             elif isinstance(a, (TensorDescriptor, GluonDescriptor)):
-                parts.append((a.base.dtype, tuple(a.block_shape), a.base.data_ptr() % 16 == 0,
-                               tuple(a.strides), tuple(s % 16 == 0 for s in a.shape),
-                               a.padding, getattr(a, "layout", None)))
+                known = a.__dict__.get("_launch_keys")  # a `descriptor` copy's
+                aligned = a.base.data_ptr() % 16 == 0
+                parts.append(known[aligned] if known else _descriptor_key(a, aligned))
             else:  # a kind we do not know how Triton specializes: no fast path
                 return None
         return tuple(parts), tuple(meta.items())

@@ -384,6 +384,48 @@ def test_launch_cache_keys_descriptors_on_layout_not_on_row_count(monkeypatch):
     assert len(cache.kernel.compiles) == 2 and len(cache.kernel.binary_launches) == 3
 
 
+@pytest.mark.parametrize("gluon", [False, True])
+def test_launch_path_descriptors_equal_from_tensor_and_keep_no_tensor_alive(gluon,
+                                                                         monkeypatch):
+    """`launch_cache.descriptor` copies a template validated once per shape: the same
+    fields and LaunchCache key as `from_tensor`, its base the new tensor, the alignment
+    check kept, and no template holding a tensor (a reference would pin GPU memory)."""
+    import gc
+    import weakref
+
+    from megatron_overlap.kernels.launch_cache import LaunchCache, _TEMPLATES, descriptor
+
+    if gluon:
+        from triton.experimental.gluon import language as gl
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        layout = (gl.NVMMASharedLayout.get_default_for([16, 32], gl.bfloat16),)
+    else:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        layout = ()
+    from triton.runtime.jit import JITFunction
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # (only the cache's key function is used)
+    cache = LaunchCache(JITFunction(grs.sum_partials_kernel.fn))
+    assert cache.active
+    for rows in (48, 48, 40):  # the second call copies the first call's template
+        t = torch.randn(rows, 32).to(torch.bfloat16)
+        got = descriptor(TensorDescriptor, t, (16, 32), *layout)
+        want = TensorDescriptor.from_tensor(t, [16, 32], *layout)
+        assert got.base is t and type(got) is TensorDescriptor
+        assert [getattr(got, f) for f in ("shape", "strides", "block_shape", "padding")] == \
+            [getattr(want, f) for f in ("shape", "strides", "block_shape", "padding")]
+        assert cache._key((got,), {}) == cache._key((want,), {}) is not None
+    ref = weakref.ref(t)
+    del t, got, want
+    gc.collect()
+    assert ref() is None and all(tmpl.base is None for tmpl in _TEMPLATES.values())
+    with pytest.raises(ValueError, match="16-byte aligned"):
+        descriptor(TensorDescriptor, torch.zeros(48 * 32 + 1, dtype=torch.bfloat16)[1:].view(48, 32),
+                   (16, 32), *layout)
+
+
 def _triton_specialization(cache, args):
     """What the installed Triton specializes these runtime arguments to (CPU-computable)."""
     from triton._C.libtriton import native_specialize_impl
