@@ -14,8 +14,8 @@ addresses of slot s of its block of tokens and reads no table (worked example, k
 token 10's rows are y rows 40..43). Otherwise (EP, tokens with rows elsewhere) y is in
 GEMM2's row order and each slot's rows come from the table first.
 
-Work per split: D * ceil(Md/BLOCK_TM) * ceil(sw/BLOCK_TN) items, program c takes items
-c, c+C, ...; the destination is the fastest index so neighbouring programs write to
+Work per split: D * ceil(Md/BLOCK_TM) * ceil(width/BLOCK_TN) items (width sw, or the
+N - (L-1) sw columns the last split holds), program c takes items c, c+C, ...; the destination is the fastest index so neighbouring programs write to
 different peers. Tail helpers: the last split becomes ready only when GEMM2 ends, when
 its SMs fall idle, so a second launch of H programs (pid C..C+H-1, queued after GEMM2 on
 its stream) shares the last split's items with the C programs (stride C+H there); the
@@ -81,15 +81,15 @@ def _wait_at_least(ptr, target, max_spins, SCOPE: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["tokens_per_rank", "num_splits", "rank", "world", "topk",
-                               "num_experts", "gemm_col_tiles", "epoch", "max_spins",
-                               "pid_base", "comm_programs", "helpers"])
+                               "num_experts", "gemm_col_tiles", "gemm_last_col_tiles",
+                               "epoch", "max_spins", "pid_base", "comm_programs", "helpers"])
 def gather_rs_kernel(
     # pointers
     y_ptr, table_ptr, prob_ptr, dst_ptrs, signal_ptrs, ready_ptr, done_ptr, error_ptr,
     tile_start_ptr, partial_like_ptr,
     # sizes and protocol values
     tokens_per_rank, N, split_width, num_splits, rank, world, topk, num_experts,
-    gemm_col_tiles, epoch, max_spins,
+    gemm_col_tiles, gemm_last_col_tiles, epoch, max_spins,
     # programs: [0, comm_programs) launched before GEMM2; [comm_programs, + helpers) by a
     # second launch after it (pid_base = comm_programs), for the last split only
     pid_base, comm_programs, helpers,
@@ -105,17 +105,20 @@ def gather_rs_kernel(
     pid = tl.program_id(0) + pid_base
     all_programs = comm_programs + helpers
     token_blocks = tl.cdiv(tokens_per_rank, BLOCK_TM)
-    col_blocks = tl.cdiv(split_width, BLOCK_TN)
-    items = world * token_blocks * col_blocks
-    # GEMM2 tiles per split, read from the device: exact even when the host planned
-    # from an estimate of the routed counts.
-    expected = tl.load(tile_start_ptr + num_experts) * gemm_col_tiles
+    # GEMM2 tiles per split, from the row tiles on the device: exact even when the host
+    # planned from an estimate of the routed counts. The last split may be narrower.
+    row_tiles = tl.load(tile_start_ptr + num_experts)
     slots = tl.arange(0, TOPK_POW2)
     alive = pid * 0 + 1  # int32 0/1: after a time-out later splits are not waited for
     for split in range(num_splits):
+        last = split == num_splits - 1
+        expected = row_tiles * tl.where(last, gemm_last_col_tiles, gemm_col_tiles)
+        width = tl.where(last, N - (num_splits - 1) * split_width, split_width)
+        col_blocks = tl.cdiv(width, BLOCK_TN)
+        items = world * token_blocks * col_blocks
         # The last split becomes ready when GEMM2 ends, and the SMs GEMM2 leaves are then
         # idle: its items are shared by the communication CTAs and the tail helpers.
-        stride = tl.where(split == num_splits - 1, all_programs, comm_programs)
+        stride = tl.where(last, all_programs, comm_programs)
         first = tl.where(pid < stride, pid, items)  # helpers skip the earlier splits
         if (first < items) & (alive == 1):
             ok = _wait_at_least(ready_ptr + split, expected, max_spins, "gpu")
@@ -249,6 +252,7 @@ def launch_gather_rs(
     num_warps: int = 16, kernel=gather_rs_kernel, warmup: bool = False, item_stages: int = 1,
     slot_loop: bool = True, helpers: int = 0, launch_helpers: bool = False, stream=None,
     token_major: bool = False, maxnreg: int | None = None,
+    width: int | None = None, gemm_last_col_tiles: int | None = None,
 ):
     """Launch exactly `programs` communication CTAs. y [T, N] in GEMM2's row order, or
     with `token_major` [M * k, N] with slot j of token t at row t * k + j, which needs
@@ -258,19 +262,23 @@ def launch_gather_rs(
     software-pipeline depth of the item loop (1 = none); `helpers`: H tail helpers share
     the last split; `launch_helpers` launches those H programs (after GEMM2, on its
     stream) instead of the `programs` communication CTAs; `maxnreg` caps the registers
-    per thread (None: the compiler's choice)."""
+    per thread (None: the compiler's choice); `width`: the split width sw (default
+    ceil(N/L)) and `gemm_last_col_tiles` GEMM2's column tiles in the last split, which
+    holds the N - (L-1) sw columns left (default `gemm_col_tiles`)."""
     if token_major and not slot_loop:
         raise ValueError("a token-major y is gathered one slot at a time (slot_loop=True)")
     hidden = y.shape[1]
     slots = next_pow2(table.shape[1])
     stages = fit_item_stages(item_stages, block_tm * slots * block_tn * y.element_size())
     args = (y, table, probs if probs is not None else y, dst_ptrs, signal_ptrs, ready, done,
-            error, tile_start, partial_like, tokens_per_rank, hidden, -(-hidden // splits),
-            splits, rank, world, table.shape[1], tile_start.numel() - 1, gemm_col_tiles, epoch,
+            error, tile_start, partial_like, tokens_per_rank, hidden,
+            width or -(-hidden // splits), splits, rank, world, table.shape[1],
+            tile_start.numel() - 1, gemm_col_tiles,
+            gemm_col_tiles if gemm_last_col_tiles is None else gemm_last_col_tiles, epoch,
             max_spins, programs if launch_helpers else 0, programs, helpers,
             y.stride(0), y.stride(1), dst_slot_stride, dst_row_stride)
     meta = dict(BLOCK_TM=block_tm, BLOCK_TN=block_tn, TOPK_POW2=slots,
-                HAS_PROBS=probs is not None, COL_ALIGN=column_alignment(hidden, splits),
+                HAS_PROBS=probs is not None, COL_ALIGN=column_alignment(hidden, splits, width),
                 SLOT_LOOP=slot_loop, ITEM_STAGES=stages, TOKEN_MAJOR=token_major,
                 num_warps=num_warps, num_stages=1)
     if maxnreg is not None:

@@ -7,17 +7,19 @@ token-major for GatherRS; a dest outside y, which only bad input leaves, drops t
 
 A persistent kernel: exactly P programs (the planner's compute slots) walk one global
 tile sequence laid out in split order. Split s covers hidden columns
-[s*sw, min(N, (s+1)*sw)) with sw = ceil(N/L); inside a split the tiles run over the
-global row-tile index (all experts' row tiles back to back) and then the column tiles
-of the split. Program b takes tiles b, b+P, b+2P, ... (paper section III-C), so
-programs run ahead into later splits before every tile of an earlier one is done.
+[s*sw, min(N, (s+1)*sw)) with the split width sw (ceil(N/L) unless the op narrows the
+last split: then sw > N/L and the last split holds the remaining N - (L-1) sw columns);
+inside a split the tiles run over the global row-tile index (all experts' row tiles back
+to back) and then the column tiles of the split. Program b takes tiles b, b+P, b+2P, ...
+(paper section III-C), so programs run ahead into later splits before every tile of an
+earlier one is done.
 
 Readiness protocol (the consumer is `gather_rs.py`):
   * writer: every tile, after its stores, `debug_barrier` (all threads' stores issued and
     ordered within the CTA) then one `atomic_add(ready[s], 1, release, gpu)`;
   * reader: waits with acquire loads until ready[s] == expected, where
-    expected = row_tiles * ceil(sw / BLOCK_N) is the same for every split (column tiles
-    past N are empty tiles that only count);
+    expected = row_tiles * (column tiles of split s): ceil(sw / BLOCK_N) for every split
+    but the last, ceil((N - (L-1) sw) / BLOCK_N) for it (`split_col_tiles`);
   * reset: the consumer zeroes `ready` once it has seen every split; the host zeroes it
     after an error. Nothing here allocates, so CUDA-graph capture is safe.
 
@@ -59,7 +61,9 @@ def grouped_gemm2_kernel(
     num_programs = tl.num_programs(0)
     row_tiles = tl.load(tile_start_ptr + num_experts)
     col_tiles = tl.cdiv(split_width, BLOCK_N)
+    last_cols = tl.cdiv(N - (num_splits - 1) * split_width, BLOCK_N)  # (narrower or equal)
     tiles_per_split = row_tiles * col_tiles
+    all_tiles = tiles_per_split * (num_splits - 1) + row_tiles * last_cols
     # Every expert's tile and row ranges, loaded once into registers: a tile then finds
     # its expert without a dependent global load in front of its first TMA load.
     experts = tl.arange(0, EXPERTS_POW2)
@@ -68,11 +72,12 @@ def grouped_gemm2_kernel(
     tile_end = tl.load(tile_start_ptr + 1 + experts, mask=known, other=2147483647)
     row_begin = tl.load(row_start_ptr + experts, mask=known, other=0)
     row_end = tl.load(row_start_ptr + 1 + experts, mask=known, other=0)
-    for tile in tl.range(pid, tiles_per_split * num_splits, num_programs, flatten=FLATTEN):
-        split = tile // tiles_per_split
+    for tile in tl.range(pid, all_tiles, num_programs, flatten=FLATTEN):
+        split = tl.minimum(tile // tiles_per_split, num_splits - 1)
         in_split = tile - split * tiles_per_split
-        row_tile = in_split // col_tiles
-        col_tile = in_split - row_tile * col_tiles
+        cols_here = tl.where(split == num_splits - 1, last_cols, col_tiles)
+        row_tile = in_split // cols_here
+        col_tile = in_split - row_tile * cols_here
         # the expert of a row tile: the number of experts whose tiles end before it
         expert = tl.sum((tile_end <= row_tile).to(tl.int32))
         mine = experts == expert
@@ -109,10 +114,11 @@ def grouped_gemm2_kernel(
         tl.atomic_add(ready_ptr + split, 1, sem="release", scope="gpu")
 
 
-def column_alignment(hidden: int, splits: int) -> int:
-    """The largest power of two (<= 16) dividing N and the split width: the column
-    masks are constant over that many elements, so loads and stores vectorize."""
-    both = hidden | split_width(hidden, splits)
+def column_alignment(hidden: int, splits: int, width: int | None = None) -> int:
+    """The largest power of two (<= 16) dividing N and the split width (`width`, default
+    ceil(N/L)): the column masks are constant over that many elements, so loads and
+    stores vectorize."""
+    both = hidden | (width or split_width(hidden, splits))
     return min(16, both & -both)
 
 
@@ -178,24 +184,36 @@ def split_width(hidden: int, splits: int) -> int:
     return -(-hidden // splits)
 
 
-def operands(weight, y, row_start, tile_start, ready, splits, dest) -> tuple:
-    """Both GEMM2 kernels' arguments after the two tensor descriptors."""
+def split_col_tiles(hidden: int, splits: int, width: int, block_n: int) -> tuple[int, int]:
+    """(column tiles of every split but the last, of the last) for split width `width`."""
+    last = hidden - (splits - 1) * width
+    if not 0 < last <= width:
+        raise ValueError(f"split width {width} leaves {last} columns of N={hidden} to the "
+                         f"last of {splits} splits: it must hold 1..{width}")
+    return -(-width // block_n), -(-last // block_n)
+
+
+def operands(weight, y, row_start, tile_start, ready, splits, dest, width=None) -> tuple:
+    """Both GEMM2 kernels' arguments after the two tensor descriptors (`width`: the
+    split width, default ceil(N/L))."""
     num_experts, hidden, k = weight.shape
     return (y, row_start, tile_start, ready, dest if dest is not None else row_start,
-            num_experts, k, hidden, split_width(hidden, splits), splits, y.shape[0],
+            num_experts, k, hidden, width or split_width(hidden, splits), splits, y.shape[0],
             y.stride(0), y.stride(1))
 
 
 def _gemm2_args(x, weight, y, row_start, tile_start, ready, splits, block_m, block_n,
-                block_k, num_warps, num_stages, upcast, flatten, dest=None, maxnreg=None):
+                block_k, num_warps, num_stages, upcast, flatten, dest=None, maxnreg=None,
+                width=None):
     num_experts, hidden, k = weight.shape
     x_desc = descriptor(TensorDescriptor, x, (block_m, block_k))
     w_desc = descriptor(TensorDescriptor, weight.view(num_experts * hidden, k),
                         (block_n, block_k))
-    args = (x_desc, w_desc) + operands(weight, y, row_start, tile_start, ready, splits, dest)
+    args = (x_desc, w_desc) + operands(weight, y, row_start, tile_start, ready, splits, dest,
+                                       width)
     meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                 EXPERTS_POW2=next_pow2(num_experts), UPCAST=upcast,
-                COL_ALIGN=column_alignment(hidden, splits), FLATTEN=flatten,
+                COL_ALIGN=column_alignment(hidden, splits, width), FLATTEN=flatten,
                 SCATTER=dest is not None, num_warps=num_warps, num_stages=num_stages)
     if maxnreg is not None:
         meta["maxnreg"] = maxnreg
@@ -208,7 +226,7 @@ def launch_grouped_gemm2(
     block_m: int, block_n: int, block_k: int, num_warps: int = 4, num_stages: int = 3,
     kernel=grouped_gemm2_kernel, upcast: bool = False, warmup: bool = False,
     flatten: bool = False, dest: torch.Tensor | None = None, impl: str = "triton",
-    launcher: bool = False, maxnreg: int | None = None,
+    launcher: bool = False, maxnreg: int | None = None, width: int | None = None,
 ):
     """Launch with exactly `programs` persistent CTAs. x [T, K], weight [E, N, K]; y [T, N],
     or with `dest` ([T] int32) any [R, N] with row j of the product stored at y[dest[j]]
@@ -220,7 +238,11 @@ def launch_grouped_gemm2(
     contract; `launcher` (Gluon only) is `grouped_gemm2_launcher`'s callable. `maxnreg`
     caps the registers per thread (None: the compiler's choice; the Gluon kernel's
     `gemm2_ws.MAXNREG`), so that other kernels' CTAs fit beside two of these per SM.
+    `width`: the split width sw (default ceil(N/L); a larger one narrows the last split,
+    `split_col_tiles`).
     """
+    if width is not None:
+        split_col_tiles(weight.shape[1], splits, width, block_n)  # (raises if it does not fit)
     _check_dest(x, dest)
     impl = resolve_impl(impl, x.device, x.dtype, block_m, block_n, num_warps,
                         dest is not None)
@@ -229,14 +251,14 @@ def launch_grouped_gemm2(
                             programs=programs, block_m=block_m, block_n=block_n,
                             block_k=block_k, num_warps=num_warps, num_stages=num_stages,
                             dest=dest, publisher=impl != "gluon_inline_publish",
-                            warmup=warmup, launcher=launcher, maxnreg=maxnreg)
+                            warmup=warmup, launcher=launcher, maxnreg=maxnreg, width=width)
     if launcher:
         raise ValueError("launcher=True is for the Gluon kernels: use grouped_gemm2_launcher")
     if x.shape[0] == 0:
         return None  # no rows, no tiles: every split is ready with zero tiles
     args, meta = _gemm2_args(x, weight, y, row_start, tile_start, ready, splits, block_m,
                              block_n, block_k, num_warps, num_stages, upcast, flatten, dest,
-                             maxnreg)
+                             maxnreg, width)
     if warmup:
         return kernel.warmup(*args, grid=(1,), **meta)
     if kernel is grouped_gemm2_kernel:
@@ -248,7 +270,8 @@ def grouped_gemm2_launcher(x, weight, y, row_start, tile_start, ready, *, splits
                            programs: int, block_m: int, block_n: int, block_k: int,
                            num_warps: int = 4, num_stages: int = 3, upcast: bool = False,
                            flatten: bool = False, dest: torch.Tensor | None = None,
-                           impl: str = "triton", maxnreg: int | None = None):
+                           impl: str = "triton", maxnreg: int | None = None,
+                           width: int | None = None):
     """A callable `launch(stream=None)` that launches GEMM2 (as `launch_grouped_gemm2`),
     with its kernel compiled and loaded now: launched after GatherRS, GEMM2 must not wait
     for a JIT compile or a lazy module load while communication CTAs spin on its flags."""
@@ -258,13 +281,13 @@ def grouped_gemm2_launcher(x, weight, y, row_start, tile_start, ready, *, splits
                                     splits=splits, programs=programs, block_m=block_m,
                                     block_n=block_n, block_k=block_k, num_warps=num_warps,
                                     num_stages=num_stages, dest=dest, impl=impl,
-                                    launcher=True, maxnreg=maxnreg)
+                                    launcher=True, maxnreg=maxnreg, width=width)
     _check_dest(x, dest)
     if x.shape[0] == 0:
         return lambda stream=None: None
     args, meta = _gemm2_args(x, weight, y, row_start, tile_start, ready, splits, block_m,
                              block_n, block_k, num_warps, num_stages, upcast, flatten, dest,
-                             maxnreg)
+                             maxnreg, width)
     hit = _GEMM2.compiled(args, meta)
     return lambda stream=None: _GEMM2.launch((programs,), args, meta, hit, stream=stream)
 

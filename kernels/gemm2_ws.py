@@ -40,17 +40,18 @@ MAXNREG = 128  # 2 CTAs of (4 + 4 rounded-up loader) warps per SM: 2 * 256 * 128
 
 
 @gluon.jit
-def _tile_of(tile, tiles_per_split, col_tiles, split_width, row_start_ptr, tile_start_ptr,
-             num_experts, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-             SEARCH_STEPS: gl.constexpr):
+def _tile_of(tile, tiles_per_split, col_tiles, last_cols, num_splits, split_width,
+             row_start_ptr, tile_start_ptr, num_experts, BLOCK_M: gl.constexpr,
+             BLOCK_N: gl.constexpr, SEARCH_STEPS: gl.constexpr):
     """(split, expert, first row, end row of the expert, first column) of a tile, in the
     Triton kernel's order. The expert is found by a binary search over tile_start
     (scalar loads that stay in L1): Triton 3.6 cannot build a reduction inside a
     warp-specialized partition, which the Triton kernel's register-table lookup needs."""
-    split = tile // tiles_per_split
+    split = gl.minimum(tile // tiles_per_split, num_splits - 1)
     in_split = tile - split * tiles_per_split
-    row_tile = in_split // col_tiles
-    col_tile = in_split - row_tile * col_tiles
+    cols_here = gl.where(split == num_splits - 1, last_cols, col_tiles)
+    row_tile = in_split // cols_here
+    col_tile = in_split - row_tile * cols_here
     lo = 0  # the expert (the last one starting at or before row_tile) lies in [lo, hi)
     hi = num_experts
     for _ in gl.static_range(SEARCH_STEPS):
@@ -66,10 +67,15 @@ def _tile_of(tile, tiles_per_split, col_tiles, split_width, row_start_ptr, tile_
 
 
 @gluon.jit
-def _tile_counts(tile_start_ptr, num_experts, split_width, num_splits, BLOCK_N: gl.constexpr):
+def _tile_counts(tile_start_ptr, num_experts, N, split_width, num_splits,
+                 BLOCK_N: gl.constexpr):
+    """(tiles of every split but the last, tiles in all, column tiles of the last split,
+    which may be narrower: the Triton kernel's `split_col_tiles`)."""
     row_tiles = gl.load(tile_start_ptr + num_experts)
     tiles_per_split = row_tiles * gl.cdiv(split_width, BLOCK_N)
-    return tiles_per_split, tiles_per_split * num_splits
+    last_cols = gl.cdiv(N - (num_splits - 1) * split_width, BLOCK_N)
+    return (tiles_per_split, tiles_per_split * (num_splits - 1) + row_tiles * last_cols,
+            last_cols)
 
 
 @gluon.jit
@@ -82,14 +88,15 @@ def _load_partition(descs, bufs, bars, ptrs, sizes, BLOCK_M: gl.constexpr,
     ready_bars, empty_bars, stored_bars, free_bars = bars
     y_ptr, dest_ptr, ready_ptr, row_start_ptr, tile_start_ptr = ptrs
     num_experts, K, N, split_width, num_splits, dest_rows, stride_ym, stride_yn = sizes
-    tiles_per_split, total = _tile_counts(tile_start_ptr, num_experts, split_width,
-                                          num_splits, BLOCK_N)
+    tiles_per_split, total, last_cols = _tile_counts(tile_start_ptr, num_experts, N,
+                                                     split_width, num_splits, BLOCK_N)
     nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes
     count = 0
     for tile in range(gl.program_id(0), total, gl.num_programs(0)):
         split, expert, first_row, end_row, col0 = _tile_of(
-            tile, tiles_per_split, gl.cdiv(split_width, BLOCK_N), split_width, row_start_ptr,
-            tile_start_ptr, num_experts, BLOCK_M, BLOCK_N, SEARCH_STEPS)
+            tile, tiles_per_split, gl.cdiv(split_width, BLOCK_N), last_cols, num_splits,
+            split_width, row_start_ptr, tile_start_ptr, num_experts, BLOCK_M, BLOCK_N,
+            SEARCH_STEPS)
         for k0 in range(0, K, BLOCK_K):
             slot = count % STAGES
             # a fresh mbarrier counts as having completed the phase before phase 0, so
@@ -116,13 +123,14 @@ def _publish_partition(descs, bufs, bars, ptrs, sizes, BLOCK_M: gl.constexpr,
     ready_bars, empty_bars, stored_bars, free_bars = bars
     y_ptr, dest_ptr, ready_ptr, row_start_ptr, tile_start_ptr = ptrs
     num_experts, K, N, split_width, num_splits, dest_rows, stride_ym, stride_yn = sizes
-    tiles_per_split, total = _tile_counts(tile_start_ptr, num_experts, split_width,
-                                          num_splits, BLOCK_N)
+    tiles_per_split, total, last_cols = _tile_counts(tile_start_ptr, num_experts, N,
+                                                     split_width, num_splits, BLOCK_N)
     i = 0
     for tile in range(gl.program_id(0), total, gl.num_programs(0)):
         slot = i % SLOTS
         mbarrier.wait(stored_bars.index(slot), (i // SLOTS) & 1)
-        gl.atomic_add(ready_ptr + tile // tiles_per_split, 1, sem="release", scope="gpu")
+        split = gl.minimum(tile // tiles_per_split, num_splits - 1)
+        gl.atomic_add(ready_ptr + split, 1, sem="release", scope="gpu")
         mbarrier.arrive(free_bars.index(slot))
         i += 1
 
@@ -139,8 +147,8 @@ def _mma_partition(bufs, bars, ptrs, sizes, BLOCK_M: gl.constexpr, BLOCK_N: gl.c
     y_ptr, dest_ptr, ready_ptr, row_start_ptr, tile_start_ptr = ptrs
     num_experts, K, N, split_width, num_splits, dest_rows, stride_ym, stride_yn = sizes
     WARPS: gl.constexpr = 4
-    tiles_per_split, total = _tile_counts(tile_start_ptr, num_experts, split_width,
-                                          num_splits, BLOCK_N)
+    tiles_per_split, total, last_cols = _tile_counts(tile_start_ptr, num_experts, N,
+                                                     split_width, num_splits, BLOCK_N)
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
         version=[3, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, BLOCK_N, 16])
     out_layout: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [WARPS, 1], [1, 0])
@@ -150,8 +158,9 @@ def _mma_partition(bufs, bars, ptrs, sizes, BLOCK_M: gl.constexpr, BLOCK_N: gl.c
     i = 0
     for tile in range(gl.program_id(0), total, gl.num_programs(0)):
         split, expert, first_row, end_row, col0 = _tile_of(
-            tile, tiles_per_split, gl.cdiv(split_width, BLOCK_N), split_width, row_start_ptr,
-            tile_start_ptr, num_experts, BLOCK_M, BLOCK_N, SEARCH_STEPS)
+            tile, tiles_per_split, gl.cdiv(split_width, BLOCK_N), last_cols, num_splits,
+            split_width, row_start_ptr, tile_start_ptr, num_experts, BLOCK_M, BLOCK_N,
+            SEARCH_STEPS)
         rows = first_row + gl.arange(0, BLOCK_M, layout=row_layout)
         if SCATTER:  # issued before the K loop, which hides its latency
             out_rows = gl.load(dest_ptr + rows, mask=rows < end_row, other=-1)
@@ -243,16 +252,17 @@ def _smem_layout(rows: int, cols: int):
 
 
 def _ws_args(x, weight, y, row_start, tile_start, ready, splits, block_m, block_n, block_k,
-             stages, dest, publisher, maxnreg=None):
+             stages, dest, publisher, maxnreg=None, width=None):
     num_experts, hidden, k = weight.shape
     a_layout, b_layout = _smem_layout(block_m, block_k), _smem_layout(block_n, block_k)
     x_desc = descriptor(TensorDescriptor, x, (block_m, block_k), a_layout)
     w_desc = descriptor(TensorDescriptor, weight.view(num_experts * hidden, k),
                         (block_n, block_k), b_layout)
-    args = (x_desc, w_desc) + operands(weight, y, row_start, tile_start, ready, splits, dest)
+    args = (x_desc, w_desc) + operands(weight, y, row_start, tile_start, ready, splits, dest,
+                                       width)
     meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                 SEARCH_STEPS=(num_experts - 1).bit_length(), STAGES=stages,
-                COL_ALIGN=column_alignment(hidden, splits), SCATTER=dest is not None,
+                COL_ALIGN=column_alignment(hidden, splits, width), SCATTER=dest is not None,
                 PUBLISHER=publisher, num_warps=4,
                 maxnreg=MAXNREG if maxnreg is None else maxnreg)
     return args, meta
@@ -271,7 +281,7 @@ def launch_grouped_gemm2_ws(x, weight, y, row_start, tile_start, ready, *, split
                             num_warps: int = 4, num_stages: int = 3,
                             dest: torch.Tensor | None = None, publisher: bool = True,
                             warmup: bool = False, launcher: bool = False,
-                            maxnreg: int | None = None):
+                            maxnreg: int | None = None, width: int | None = None):
     """`gemm2.launch_grouped_gemm2`'s contract (x [T, K] and weight [E, N, K] in bf16, y,
     offsets, ready flags, optional dest) with the warp-specialized kernel. With `warmup`
     it returns the compiled kernel; with `launcher` a `launch(stream=None)` callable whose
@@ -282,7 +292,7 @@ def launch_grouped_gemm2_ws(x, weight, y, row_start, tile_start, ready, *, split
     if x.shape[0] == 0:
         return (lambda stream=None: None) if launcher else None
     args, meta = _ws_args(x, weight, y, row_start, tile_start, ready, splits, block_m,
-                          block_n, block_k, num_stages, dest, publisher, maxnreg)
+                          block_n, block_k, num_stages, dest, publisher, maxnreg, width)
     if warmup:
         return grouped_gemm2_ws_kernel.warmup(*args, grid=(1,), **meta)
     if launcher:

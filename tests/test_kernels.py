@@ -59,8 +59,9 @@ def test_gemm2_scatter_stores_each_row_at_its_dest_and_drops_rows_outside_y():
 def test_gemm2_publishes_every_tile_of_every_split():
     p = routed_problem(0, 1, tokens=37, experts=4, topk=2, ffn=16, hidden=50)
     _, ready, tile_start = run_gemm2(p, splits=3, programs=4)
-    col_tiles = -(-gemm2.split_width(50, 3) // 16)
-    assert ready[:3].tolist() == [int(tile_start[-1]) * col_tiles] * 3
+    # sw = 17 (2 column tiles of 16); the last split holds 50 - 34 = 16 columns (1 tile)
+    assert gemm2.split_col_tiles(50, 3, gemm2.split_width(50, 3), 16) == (2, 1)
+    assert ready[:3].tolist() == [int(tile_start[-1]) * c for c in (2, 2, 1)]
     assert ready[3:].abs().sum() == 0
 
 
@@ -80,7 +81,11 @@ def gather_single_rank(p, y, tile_start, splits, programs, max_spins=100000, pro
     return out, ready, done, error, dict(
         args=(y, table, probs, dst, dst, ready, done, error, tile_start),
         kwargs=dict(tokens_per_rank=tokens, splits=splits, rank=0, world=1,
-                    gemm_col_tiles=-(-gemm2.split_width(y.shape[1], splits) // 16), epoch=1,
+                    gemm_col_tiles=gemm2.split_col_tiles(
+                        y.shape[1], splits, gemm2.split_width(y.shape[1], splits), 16)[0],
+                    gemm_last_col_tiles=gemm2.split_col_tiles(
+                        y.shape[1], splits, gemm2.split_width(y.shape[1], splits), 16)[1],
+                    epoch=1,
                     max_spins=max_spins, partial_like=out, dst_slot_stride=0,
                     dst_row_stride=out.stride(0), programs=programs, block_tm=8, block_tn=16,
                     num_warps=4))

@@ -58,6 +58,30 @@ def test_output_independent_of_comm_ctas_and_splits():
     assert all(torch.equal(o, first) for o in outs.values())
 
 
+@pytest.mark.parametrize("splits,widths", [(2, (24, 32, 40, 47)), (3, (16, 20, 23)),
+                                           (4, (12, 14, 15))])
+def test_narrower_last_split_gives_the_same_bits_and_writes_every_element(splits, widths):
+    """Splits 0..L-2 of width sw and a last one of the N - (L-1) sw columns left (the
+    default sw = ceil(N/L) first): GEMM2's exact tile counts per split, GatherRS's items
+    and the readiness counts agree, and the sum order is the same."""
+    p = routed_problem(0, 1, tokens=40, experts=4, topk=3, ffn=16, hidden=48)
+    launch = op_module.prepare(p["x"], p["weight"], p["counts"], p["token_index"], 40, 3,
+                               config=INTERP, splits=splits)
+    outs = []
+    for width in widths:
+        out = torch.full((40, 48), float("nan"), dtype=p["x"].dtype)
+        launch.buffer.launch(p["x"], p["weight"], launch.counts_dev, launch.table, None, out,
+                             plan=launch.plan, **{**launch.kwargs, "width": width})
+        launch.buffer.check()
+        assert not torch.isnan(out).any()
+        outs.append(out)
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    assert torch.equal(outs[0], call(p, 40, 3, INTERP, splits=splits))
+    with pytest.raises(ValueError, match="to the last of"):
+        launch.buffer.launch(p["x"], p["weight"], launch.counts_dev, launch.table, None, out,
+                             plan=launch.plan, **{**launch.kwargs, "width": 48 // splits - 1})
+
+
 def test_shared_placement_gives_the_partitions_bits_with_a_comm_cta_on_every_sm():
     from megatron_overlap.ops.config import INTERPRET_SMS
 

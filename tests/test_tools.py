@@ -327,12 +327,16 @@ def test_shared_placement_experiment_gives_the_partitions_bits_on_every_sm(tmp_p
     the partition's bits (poisoned output, reference error)."""
     from megatron_overlap.ops.config import INTERPRET_SMS
 
-    result = _smoke_result(tmp_path, "try_shared_sms.py", "--comm", "", "--splits", "1")
+    result = _smoke_result(tmp_path, "try_shared_sms.py", "--comm", "", "--splits", "1",
+                           "--last-cols", "16")
     facts = result["facts"]
     assert not result["failed"]
     first = facts.pop("shared comm first")  # the same plan, GatherRS launched first
     assert (first["plan_of"], first["bitwise_as_partition"], first["unwritten"]) == (
         "shared", True, 0)
+    narrow = facts.pop("shared last=16")  # the same plan, splits 48 + 16 columns wide
+    assert (narrow["width"], narrow["bitwise_as_partition"], narrow["unwritten"]) == (
+        48, True, 0)
     assert {n: (f["shared_sms"], f["splits"], f["bitwise_as_partition"], f["unwritten"])
             for n, f in facts.items()} == {"partition": (False, 2, True, 0),
                                             "shared": (True, 2, True, 0),

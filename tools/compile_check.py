@@ -44,7 +44,8 @@ def kernels():
                  "dst_ptrs": "*i64", "signal_ptrs": "*i64", **flags,
                  "partial_like_ptr": "*bf16"}
     comm_ints = {n: "i32" for n in ("tokens_per_rank", "N", "split_width", "num_splits", "rank",
-                                    "world", "topk", "num_experts", "gemm_col_tiles", "epoch",
+                                    "world", "topk", "num_experts", "gemm_col_tiles",
+                                    "gemm_last_col_tiles", "epoch",
                                     "max_spins", "pid_base", "comm_programs", "helpers",
                                     "stride_ym", "stride_yn")}
     comm_ints.update(dst_slot_stride="i64", dst_row_stride="i32")

@@ -20,8 +20,10 @@ ABBA-interleaved: GEMM2 alone on all SMs, the overlapped kernels at the planner'
 (shared arms) at each C of --cset, GatherRS alone (flags preset), the whole op, and
 torch's GEMM2 alone. The shared placement launches GEMM2 first; its "comm first" arm
 runs the same plan with GatherRS launched first (the partition's order), --splits
-adds shared arms at other L than the ranked one, and --helpers arms with m tail
-helpers per SM instead of one (the exposed last split served with more loads in flight).
+adds shared arms at other L than the ranked one, --helpers arms with m tail
+helpers per SM instead of one (the exposed last split served with more loads in flight),
+and --last-cols arms whose last split is narrowed to about that many columns (the
+others wider: less communication left after GEMM2 without more splits).
 """
 
 from __future__ import annotations
@@ -46,7 +48,16 @@ CASES = ["qwen/TP2EP1/16384", "qwen/TP2EP1/4096", "deepseek/TP2EP1/16384",
          "granite/TP2EP1/16384", "qwen/TP1EP2/16384", "deepseek/TP1EP2/4096"]
 
 
-def arms(inp, variants: dict, cset, backend, helper_mults=()):
+def narrow_last_width(hidden: int, splits: int, last_cols: int, block_n: int) -> int | None:
+    """The split width sw (a multiple of `block_n`) that leaves the last of `splits`
+    splits about `last_cols` columns, or None where none does (L = 1, or too wide)."""
+    if splits < 2 or last_cols >= -(-hidden // splits):
+        return None
+    width = -(-(hidden - last_cols) // ((splits - 1) * block_n)) * block_n
+    return width if 0 < hidden - (splits - 1) * width <= width else None
+
+
+def arms(inp, variants: dict, cset, backend, helper_mults=(), last_cols=()):
     args = (inp["x"], inp["weight"], inp["counts_list"], inp["token_index"], inp["tokens"],
             inp["topk"], None, None)
     out = torch.empty(inp["tokens"], inp["hidden"], dtype=inp["x"].dtype, device=inp["x"].device)
@@ -75,6 +86,18 @@ def arms(inp, variants: dict, cset, backend, helper_mults=()):
                 launch, comm_first=True)
             checks[f"{name} comm first"] = run(launch, comm_first=True)
             facts[f"{name} comm first"] = dict(plan_of=name)
+        for lc in last_cols if cache.kernel.shared_sms else ():
+            # splits 0..L-2 wider, the last narrower: less of GatherRS left after GEMM2
+            width = narrow_last_width(inp["hidden"], launch.plan.splits, lc,
+                                      launch.kwargs["tiles"].block_n)
+            if width is None:
+                continue
+            last = inp["hidden"] - (launch.plan.splits - 1) * width
+            label = f"{name} last={last}"
+            pol[f"{name} | overlap planner C={launch.plan.comm_ctas} last split {last} cols"] = \
+                run(launch, width=width)
+            checks[label] = run(launch, width=width)
+            facts[label] = dict(plan_of=name, width=width, last=last)
         for m in helper_mults if cache.kernel.shared_sms and launch.kwargs["helpers"] else ():
             # m tail-helper CTAs per SM that GEMM2 leaves (the binary's registers fit up
             # to four beside the communication CTA): more loads in flight for the
@@ -145,6 +168,9 @@ def main() -> int:
     ap.add_argument("--helpers", default="",
                     help="more shared arms: tail helpers per SM GEMM2 leaves (comma list; "
                          "the op launches 1)")
+    ap.add_argument("--last-cols", default="",
+                    help="more shared arms: the last split narrowed to about this many "
+                         "columns, the others wider (comma list)")
     ap.add_argument("--samples", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--probe-unsynced", action="store_true",
@@ -166,6 +192,7 @@ def main() -> int:
         return 2
     cset = [int(c) for c in args.cset.split(",") if c]
     helper_mults = [int(m) for m in args.helpers.split(",") if m]
+    last_cols = [int(c) for c in args.last_cols.split(",") if c]
     results = []
     for spec in args.cases.split(","):
         model, layout, seq = spec.split("/")
@@ -178,7 +205,8 @@ def main() -> int:
         ref = gemm2_gather_rs(inp["x"], inp["weight"], inp["counts_list"], inp["token_index"],
                               inp["tokens"], inp["topk"], None, None,
                               config=OverlapConfig(backend="reference")).float()
-        pol, facts, checks, out, bufs = arms(inp, variants, cset, backend, helper_mults)
+        pol, facts, checks, out, bufs = arms(inp, variants, cset, backend, helper_mults,
+                                             last_cols)
         first = None
         for name, check in checks.items():
             out.fill_(float("nan"))  # poisoned: every element must be written
@@ -216,7 +244,8 @@ def report(spec, facts, stats) -> None:
     for name, f in facts.items():
         if "plan_of" in f:
             how = (f"{f['helpers']} tail helpers" if "helpers" in f
-                   else "GatherRS launched before GEMM2")
+                   else f"split width {f['width']}, last split {f['last']} columns"
+                   if "width" in f else "GatherRS launched before GEMM2")
             print(f"  {name}: {f['plan_of']}'s plan, {how} "
                   f"bitwise={f['bitwise_as_partition']} unwritten={f['unwritten']}")
             continue

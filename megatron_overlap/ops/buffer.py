@@ -19,7 +19,6 @@ import warnings
 
 import torch
 import torch.distributed as dist
-import triton
 
 from ..kernels import gather_rs as grs
 from ..kernels import gemm2
@@ -375,7 +374,8 @@ class OverlapBuffer:
 
     def launch(self, x, weight, counts_dev, table, probs, out, *, plan, splits, tiles,
                comm_tm, comm_tn, tokens_per_rank, max_spins, phases=("gemm2", "comm"),
-               y=None, offsets=None, helpers=0, dest=None, comm_first=None, fork=None):
+               y=None, offsets=None, helpers=0, dest=None, comm_first=None, fork=None,
+               width=None):
         """GEMM2 (P programs) and GatherRS (C programs), then the local sum over ranks.
 
         `offsets` (row_start, tile_start), when the caller has them, saves recomputing.
@@ -389,9 +389,13 @@ class OverlapBuffer:
         it, R > 0, the partition placement; see the launch below). `fork`: an event on
         the caller's stream, recorded after everything GatherRS reads was queued (the
         op's: `route`'s), for GatherRS's stream to start from (None: one recorded here).
+        `width`: the split width sw (None: ceil(N/L)); a larger one narrows the last split
+        to the N - (L-1) sw columns left (`gemm2.split_col_tiles`).
         """
         t = tiles
         hidden = weight.shape[1]
+        width = width or gemm2.split_width(hidden, splits)
+        col_tiles, last_col_tiles = gemm2.split_col_tiles(hidden, splits, width, t.block_n)
         row_start, tile_start = (offsets if offsets is not None
                                  else gemm2.expert_offsets(counts_dev, t.block_m))
         if y is None:
@@ -400,7 +404,7 @@ class OverlapBuffer:
                          block_n=t.block_n, block_k=t.block_k, num_warps=t.gemm_warps,
                          num_stages=t.gemm_stages, upcast=self.backend == "interpret",
                          flatten=t.gemm_flatten, dest=dest, impl=t.gemm_impl,
-                         maxnreg=t.gemm_maxnreg)
+                         maxnreg=t.gemm_maxnreg, width=width)
         if "comm" not in phases:
             gemm2.launch_grouped_gemm2(x, weight, y, row_start, tile_start, self.ready,
                                        **gemm_args)
@@ -425,8 +429,8 @@ class OverlapBuffer:
                 y, table, probs, dst, signals, self.ready, self.done, self.error, tile_start,
                 tokens_per_rank=tokens_per_rank, splits=splits, rank=self.rank,
                 world=self.world,
-                gemm_col_tiles=triton.cdiv(gemm2.split_width(hidden, splits), t.block_n),
-                epoch=self.epoch, max_spins=max_spins, partial_like=partial_like,
+                gemm_col_tiles=col_tiles, gemm_last_col_tiles=last_col_tiles,
+                width=width, epoch=self.epoch, max_spins=max_spins, partial_like=partial_like,
                 dst_slot_stride=slot_stride, dst_row_stride=row_stride,
                 programs=plan.comm_ctas, block_tm=comm_tm, block_tn=comm_tn,
                 num_warps=t.comm_warps, item_stages=t.comm_stages,
