@@ -171,6 +171,42 @@ def test_host_offsets_through_the_pinned_ring_equal_a_copy_for_more_calls_than_s
     assert all(torch.equal(a, b) for a, b in zip(mapped, copied))
 
 
+def test_a_gpu_that_cannot_read_pinned_memory_in_place_falls_back_to_copies(monkeypatch):
+    """Triton's launcher refuses a host pointer the device cannot map (before anything is
+    queued): one warning, the copy path from then on, the same offsets and table; any
+    other ValueError still propagates."""
+    from megatron_overlap.kernels import gemm2
+    from megatron_overlap.ops import buffer as buffer_module
+    from megatron_overlap.ops.buffer import OverlapBuffer
+
+    real = buffer_module.launch_routing_table
+
+    def unmappable(*args, from_counts=None, **kw):
+        if from_counts is not None:
+            raise ValueError("Pointer argument cannot be accessed from Triton (cpu tensor?)")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(buffer_module, "launch_routing_table", unmappable)
+    buf = OverlapBuffer(None, torch.device("cpu"), "interpret")
+    p = routed_problem(1, 1, tokens=24, experts=4, topk=2, ffn=16, hidden=16)
+    counts = p["counts"].tolist()
+    with pytest.warns(RuntimeWarning, match="cannot read pinned host memory"):
+        table, (row_start, tile_start), counts_dev, row_tiles, _ = buf.route(
+            p["token_index"], counts, 16, 24, 2)
+    assert not buf.mapped_offsets
+    want_rows, want_tiles = gemm2.expert_offsets(p["counts"], 16)
+    assert torch.equal(row_start, want_rows) and torch.equal(tile_start, want_tiles)
+    assert torch.equal(table, rt_combine(p["token_index"], 24, 2))
+
+    def other(*args, from_counts=None, **kw):
+        raise ValueError("something else")
+
+    monkeypatch.setattr(buffer_module, "launch_routing_table", other)
+    buf.mapped_offsets = True
+    with pytest.raises(ValueError, match="something else"):
+        buf.route(p["token_index"], counts, 16, 24, 2)
+
+
 def rt_combine(token_index, tokens, topk):
     from megatron_overlap.kernels.routing_table import combine_table
 

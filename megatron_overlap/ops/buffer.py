@@ -184,20 +184,30 @@ class OverlapBuffer:
         built on the host and copied, one pinned copy per call). A slot is written
         again only once the kernel that read it has run (the event above)."""
         experts = len(counts)
+        table = None
         if self.mapped_offsets:
             row_tiles = sum([(c + block_m - 1) // block_m for c in counts])
             src = self._counts_slot(experts)
             host = array("i", counts)
             ctypes.memmove(src.data_ptr(), host.buffer_info()[0], 4 * experts)
             dev = torch.empty(3 * experts + 2, dtype=torch.int32, device=self.device)
-            table = launch_routing_table(token_index, src, num_tokens, topk, self.error, dest,
-                                         from_counts=(dev, block_m))
+            try:
+                table = launch_routing_table(token_index, src, num_tokens, topk, self.error,
+                                             dest, from_counts=(dev, block_m))
+            except ValueError as err:  # raised by the launcher before anything is queued
+                if "cannot be accessed" not in str(err):
+                    raise
+                self.mapped_offsets = False
+                warnings.warn(f"megatron-overlap: the GPU cannot read pinned host memory in "
+                              f"place here ({err}); the expert offsets are copied instead",
+                              RuntimeWarning, stacklevel=3)
+        if table is not None:
             routed = None
             if self._slot_events is not None:
                 routed = self._slot_events[self._slot_next]
                 routed.record()
             row_start, tile_start, counts_dev = gemm2.unpack_offsets(dev, experts)
-        else:
+        else:  # the copy path
             dev, row_tiles = gemm2.packed_offsets_host(counts, block_m, self.device)
             row_start, tile_start, counts_dev = gemm2.unpack_offsets(dev, experts)
             table = launch_routing_table(token_index, row_start, num_tokens, topk,
