@@ -148,7 +148,8 @@ def test_host_offsets_through_the_pinned_ring_equal_a_copy_for_more_calls_than_s
     device offsets; every call, past a full turn of the ring, gets its own counts'
     offsets, and the same output as the path that builds them on the host and copies."""
     from megatron_overlap.kernels import gemm2
-    from megatron_overlap.ops.buffer import OFFSET_SLOTS, OverlapBuffer
+    from megatron_overlap.ops.buffer import OverlapBuffer
+    from megatron_overlap.ops.counts_ring import OFFSET_SLOTS
 
     buf = OverlapBuffer(None, torch.device("cpu"), "interpret")
     problems = [routed_problem(s, 1, tokens=24, experts=3 + s % 3, topk=2, ffn=16, hidden=16)

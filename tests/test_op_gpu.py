@@ -186,10 +186,10 @@ def test_calls_queued_far_ahead_of_the_gpu_give_each_routings_own_output(
     buffer of one call must stay that call's until it runs): every output equals that
     routing's synchronized one. With two offset slots the ring wraps while the GPU is
     busy (the host must wait for a slot's reader); unmapped, each call copies them."""
-    from megatron_overlap.ops import OverlapBuffer, buffer
+    from megatron_overlap.ops import OverlapBuffer, counts_ring
 
     monkeypatch.setattr(OverlapBuffer, "_instances", {})  # a fresh buffer with this ring
-    monkeypatch.setattr(buffer, "OFFSET_SLOTS", slots)
+    monkeypatch.setattr(counts_ring, "OFFSET_SLOTS", slots)
     monkeypatch.setenv("MEGATRON_OVERLAP_MAPPED_OFFSETS", "1" if mapped else "0")
     small = dict(tokens=1024, experts=16, topk=4, ffn=256, hidden=512)
     probs = [routed_problem(0, 1, device="cuda", seed=s, hot=s == 2, empty=(3, 5) if s == 4

@@ -32,7 +32,8 @@ from host_timeline import summarize_calls  # noqa: E402
 from workloads import OpCase, op_kwargs, rank_inputs  # noqa: E402
 
 from megatron_overlap.kernels import gather_rs, gemm2, launch_cache  # noqa: E402
-from megatron_overlap.ops import OverlapConfig, buffer, gemm2_gather_rs, op  # noqa: E402
+from megatron_overlap.ops import (OverlapConfig, buffer, counts_ring,  # noqa: E402
+                                  gemm2_gather_rs, op)
 
 _record: list | None = None
 
@@ -63,7 +64,7 @@ STEPS = [
     (buffer.OverlapBuffer, "check", "OverlapBuffer.check"),
     (op, "_resolved", "_resolved"),
     (buffer.OverlapBuffer, "route", "OverlapBuffer.route (offsets, routing table)"),
-    (buffer.OverlapBuffer, "_counts_slot", "OverlapBuffer._counts_slot"),
+    (counts_ring.CountsRing, "write", "CountsRing.write"),
     (gemm2, "packed_offsets_host", "packed_offsets_host (copy path)"),
     (gemm2, "unpack_offsets", "unpack_offsets"),
     (op, "launch_routing_table", "launch_routing_table"),

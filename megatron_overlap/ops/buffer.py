@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-from array import array
 import dataclasses
 import os
 import warnings
@@ -26,13 +25,10 @@ from ..kernels.routing_table import ERR_TOPK, ERR_UNSORTED, launch_routing_table
 from ..planner import PlanCache, co_resident, ranking_calibration, resident_ctas
 from .config import (GPU_TILES, INTERPRET_TILES, PARTITION_TILES, OverlapConfig, TileConfig,
                      calibration_for, device_spec, gpu_tiles, kernel_spec)
+from .counts_ring import CountsRing
 from .peer_memory import PeerMemory
 
 L_MAX = 64
-#: Pinned slots for the host's packed expert offsets, written round robin (`route`).
-OFFSET_SLOTS = 16
-
-
 def _mapped_offsets_default() -> bool:
     return os.environ.get("MEGATRON_OVERLAP_MAPPED_OFFSETS", "1") != "0"
 
@@ -102,12 +98,7 @@ class OverlapBuffer:
         self._pending: tuple | None = None  # (event, pinned error word, expected)
         # host offsets: a ring of slots the routing-table kernel reads in place (`route`)
         self.mapped_offsets = _mapped_offsets_default()
-        self._slots: torch.Tensor | None = None
-        self._slot_views: dict[tuple, torch.Tensor] = {}
-        self._slot_next = 0
-        self.offset_slots = OFFSET_SLOTS
-        self._slot_events = ([torch.cuda.Event() for _ in range(OFFSET_SLOTS)]
-                             if device.type == "cuda" else None)
+        self.counts_ring = CountsRing(device)
         if device.type == "cuda":
             self.side_stream = torch.cuda.Stream(device)
             self._pinned = torch.zeros(1, dtype=torch.int32, pin_memory=True)
@@ -176,9 +167,9 @@ class OverlapBuffer:
         recording one more (valid while nothing the side stream depends on is queued
         on the caller's stream between the two; the op queues nothing there).
 
-        The counts go into the next pinned slot of a ring, which the routing-table kernel
-        reads in place (mapped): it sums them and writes the offsets into a fresh device
-        tensor as it runs. No pinned allocation, copy or prefix sum of their own on the
+        The counts go into the next pinned slot of a ring (`counts_ring`), which the
+        routing-table kernel reads in place (mapped): it sums them and writes the offsets
+        into a fresh device tensor as it runs. No pinned allocation, copy or prefix sum of their own on the
         launch path, which runs after Megatron's sync while the GPU waits
         (`mapped_offsets = False` or MEGATRON_OVERLAP_MAPPED_OFFSETS=0: the offsets
         built on the host and copied, one pinned copy per call). A slot is written
@@ -187,9 +178,7 @@ class OverlapBuffer:
         table = None
         if self.mapped_offsets:
             row_tiles = sum([(c + block_m - 1) // block_m for c in counts])
-            src = self._counts_slot(experts)
-            host = array("i", counts)
-            ctypes.memmove(src.data_ptr(), host.buffer_info()[0], 4 * experts)
+            src = self.counts_ring.write(counts)
             dev = torch.empty(3 * experts + 2, dtype=torch.int32, device=self.device)
             try:
                 table = launch_routing_table(token_index, src, num_tokens, topk, self.error,
@@ -202,10 +191,7 @@ class OverlapBuffer:
                               f"place here ({err}); the expert offsets are copied instead",
                               RuntimeWarning, stacklevel=3)
         if table is not None:
-            routed = None
-            if self._slot_events is not None:
-                routed = self._slot_events[self._slot_next]
-                routed.record()
+            routed = self.counts_ring.record()
             row_start, tile_start, counts_dev = gemm2.unpack_offsets(dev, experts)
         else:  # the copy path
             dev, row_tiles = gemm2.packed_offsets_host(counts, block_m, self.device)
@@ -214,22 +200,6 @@ class OverlapBuffer:
                                          self.error, dest)
             routed = None
         return table, (row_start, tile_start), counts_dev, row_tiles, routed
-
-    def _counts_slot(self, experts: int) -> torch.Tensor:
-        """The next ring slot's [experts] view, free to write."""
-        if self._slots is None or self._slots.shape[1] < experts:
-            if self._slots is not None and self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)  # kernels may still read the old ring
-            self._slots = torch.empty((self.offset_slots, -(-experts // 4) * 4),
-                                      dtype=torch.int32, pin_memory=self.device.type == "cuda")
-            self._slot_views.clear()
-        i = self._slot_next = (self._slot_next + 1) % self.offset_slots
-        if self._slot_events is not None and not self._slot_events[i].query():
-            self._slot_events[i].synchronize()  # the host is a whole ring ahead
-        view = self._slot_views.get((i, experts))
-        if view is None:
-            view = self._slot_views[(i, experts)] = self._slots[i, :experts]
-        return view
 
     # ---------------------------------------------------------------- planning
     def default_tiles(self, placement: str | None = None) -> TileConfig:
