@@ -15,8 +15,8 @@ token 10's rows are y rows 40..43). Otherwise (EP, tokens with rows elsewhere) y
 GEMM2's row order and each slot's rows come from the table first.
 
 Work per split: D * ceil(Md/BLOCK_TM) * ceil(width/BLOCK_TN) items (width sw, or the
-N - (L-1) sw columns the last split holds), program c takes items c, c+C, ...; the destination is the fastest index so neighbouring programs write to
-different peers. Tail helpers: the last split becomes ready only when GEMM2 ends, when
+N - (L-1) sw columns the last split holds), program c takes items c, c+C, ...; the
+destination is the fastest index so neighbouring programs write to different peers. Tail helpers: the last split becomes ready only when GEMM2 ends, when
 its SMs fall idle, so a second launch of H programs (pid C..C+H-1, queued after GEMM2 on
 its stream) shares the last split's items with the C programs (stride C+H there); the
 helpers skip the earlier splits. H = 0 is the plain scheme.
@@ -55,7 +55,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gemm2 import column_alignment, next_pow2
+from .gemm2 import column_alignment, next_pow2, split_width
 from .launch_cache import LaunchCache
 
 ERR_READY_TIMEOUT = 1
@@ -272,7 +272,7 @@ def launch_gather_rs(
     stages = fit_item_stages(item_stages, block_tm * slots * block_tn * y.element_size())
     args = (y, table, probs if probs is not None else y, dst_ptrs, signal_ptrs, ready, done,
             error, tile_start, partial_like, tokens_per_rank, hidden,
-            width or -(-hidden // splits), splits, rank, world, table.shape[1],
+            width or split_width(hidden, splits), splits, rank, world, table.shape[1],
             tile_start.numel() - 1, gemm_col_tiles,
             gemm_col_tiles if gemm_last_col_tiles is None else gemm_last_col_tiles, epoch,
             max_spins, programs if launch_helpers else 0, programs, helpers,

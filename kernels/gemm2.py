@@ -147,30 +147,24 @@ def unpack_offsets(packed: torch.Tensor, experts: int):
     return packed.split_with_sizes((experts + 1, experts + 1, experts))
 
 
-def pack_offsets(counts, block_m: int) -> tuple[array, int]:
-    """[row_start (E+1) | tile_start (E+1) | counts (E)] as an int32 `array` built on the
-    host, and the row tiles of all experts (tile_start[E], what the planner's W_comp
-    reads). numpy / torch integers work too: `array` takes anything with __index__."""
+def packed_offsets_host(counts: list[int], block_m: int, device) -> tuple[torch.Tensor, int]:
+    """[row_start (E+1) | tile_start (E+1) | counts (E)] int32 on `device`, and the row
+    tiles of all experts (tile_start[E], what the planner's W_comp reads).
+
+    Built on the host and sent in one non-blocking copy from pinned memory (pageable
+    memory would make the copy wait for the stream); an int32 `array` read in place by
+    `torch.frombuffer` costs a fraction of `torch.tensor` on nested lists (docs/RESULTS.md,
+    host steps). The op's default path instead has the routing-table kernel sum the
+    counts into this layout (`OverlapBuffer.route`); this is its copy path."""
+    # (numpy / torch integers work too: `array` takes anything with __index__)
     tiles = list(accumulate([(c + block_m - 1) // block_m for c in counts], initial=0))
     buf = array("i", accumulate(counts, initial=0))
     buf.extend(tiles)
     buf.extend(counts)
-    return buf, tiles[-1]
-
-
-def packed_offsets_host(counts: list[int], block_m: int, device) -> tuple[torch.Tensor, int]:
-    """`pack_offsets` as one int32 tensor on `device`, and the row tiles.
-
-    One non-blocking copy from pinned memory (pageable memory would make the copy wait
-    for the stream); an int32 `array` read in place by `torch.frombuffer` costs a
-    fraction of `torch.tensor` on nested lists (docs/RESULTS.md, host steps). The op
-    instead writes the array into a ring of pinned slots that the routing-table kernel
-    reads in place (`OverlapBuffer.route`); this is the path without that kernel."""
-    buf, row_tiles = pack_offsets(counts, block_m)
     host = torch.frombuffer(buf, dtype=torch.int32)  # keeps `buf` alive
     if str(device).startswith("cuda"):
         host = host.pin_memory()
-    return host.to(device, non_blocking=True), row_tiles
+    return host.to(device, non_blocking=True), tiles[-1]
 
 
 def next_pow2(n: int) -> int:

@@ -34,8 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import gemm2
-from .gemm2 import next_pow2
+from .gemm2 import expert_offsets, next_pow2
 from .launch_cache import LaunchCache
 
 ERR_UNSORTED = 3
@@ -147,7 +146,7 @@ def launch_routing_table(token_index: torch.Tensor, row_start: torch.Tensor, num
 
     `from_counts` = (packed, block_m): `row_start` is then the counts [E] instead, in
     memory the GPU reads (the op's: pinned host memory, read in place), and the launch
-    also fills `packed` ([3E + 2] int32 on the device) with `gemm2.pack_offsets`'s
+    also fills `packed` ([3E + 2] int32 on the device) with `gemm2.packed_offsets_host`'s
     layout, [row_start | tile_start | counts]: the host's offsets reach the device
     without a copy or any summing on the host's critical path.
     """
@@ -164,7 +163,7 @@ def launch_routing_table(token_index: torch.Tensor, row_start: torch.Tensor, num
     if num_tokens == 0 or rows == 0 or experts == 0:
         if from_counts is not None:  # no kernel to fill them
             counts = row_start.to(packed.device, non_blocking=True)
-            packed.copy_(torch.cat(gemm2.expert_offsets(counts, from_counts[1]) + (counts,)))
+            packed.copy_(torch.cat(expert_offsets(counts, from_counts[1]) + (counts,)))
         return table if num_tokens == 0 else table.fill_(-1)
     grid, meta = _routing_grid_meta(rows, num_tokens, topk, experts, dest is not None,
                                     from_counts is not None)

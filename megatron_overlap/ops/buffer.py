@@ -22,7 +22,8 @@ import torch.distributed as dist
 from ..kernels import gather_rs as grs
 from ..kernels import gemm2
 from ..kernels.routing_table import ERR_TOPK, ERR_UNSORTED, launch_routing_table
-from ..planner import PlanCache, co_resident, ranking_calibration, resident_ctas
+from ..planner import (PlanCache, co_resident, expert_row_tiles, ranking_calibration,
+                       resident_ctas)
 from .config import (GPU_TILES, INTERPRET_TILES, PARTITION_TILES, OverlapConfig, TileConfig,
                      calibration_for, device_spec, gpu_tiles, kernel_spec)
 from .counts_ring import CountsRing
@@ -160,7 +161,7 @@ class OverlapBuffer:
     def route(self, token_index, counts: list, block_m: int, num_tokens: int, topk: int,
               dest=None) -> tuple:
         """(table, (row_start, tile_start), counts_dev, row_tiles, event) from host
-        counts: the expert offsets (`gemm2.pack_offsets`'s layout) on the device, the
+        counts: the expert offsets (`gemm2.packed_offsets_host`'s layout) on the device, the
         routing table, the row tiles of all experts (what the planner's W_comp reads),
         and an event recorded right after the routing-table kernel (None on CPU and on
         the copy path): `launch(fork=event)` forks GatherRS's stream from it instead of
@@ -169,15 +170,16 @@ class OverlapBuffer:
 
         The counts go into the next pinned slot of a ring (`counts_ring`), which the
         routing-table kernel reads in place (mapped): it sums them and writes the offsets
-        into a fresh device tensor as it runs. No pinned allocation, copy or prefix sum of their own on the
-        launch path, which runs after Megatron's sync while the GPU waits
+        into a fresh device tensor as it runs. No pinned allocation, copy or prefix sum
+        of their own on the launch path, which runs after Megatron's sync while the GPU
+        waits
         (`mapped_offsets = False` or MEGATRON_OVERLAP_MAPPED_OFFSETS=0: the offsets
         built on the host and copied, one pinned copy per call). A slot is written
         again only once the kernel that read it has run (the event above)."""
         experts = len(counts)
         table = None
         if self.mapped_offsets:
-            row_tiles = sum([(c + block_m - 1) // block_m for c in counts])
+            row_tiles = expert_row_tiles(counts, block_m)
             src = self.counts_ring.write(counts)
             dev = torch.empty(3 * experts + 2, dtype=torch.int32, device=self.device)
             try:
