@@ -59,7 +59,7 @@ def _kernel_name(args) -> str:
 
 #: (owner, attribute, label): the op's steps, where the op looks them up
 STEPS = [
-    (op, "validate", "validate"), (op, "_host_counts", "_host_counts"),
+    (op, "validate", "validate"), (op, "host_counts", "host_counts"),
     (op, "resolve_backend", "resolve_backend"), (op, "_peer_capable", "_peer_capable"),
     (buffer.OverlapBuffer, "check", "OverlapBuffer.check"),
     (op, "_resolved", "_resolved"),

@@ -22,39 +22,19 @@ import torch.distributed as dist
 from ..kernels import gather_rs as grs
 from ..kernels import gemm2
 from ..kernels.routing_table import ERR_TOPK, ERR_UNSORTED, launch_routing_table
-from ..planner import (PlanCache, co_resident, expert_row_tiles, ranking_calibration,
-                       resident_ctas)
+from ..planner import PlanCache, expert_row_tiles, ranking_calibration
 from .config import (GPU_TILES, INTERPRET_TILES, PARTITION_TILES, OverlapConfig, TileConfig,
                      calibration_for, device_spec, gpu_tiles, kernel_spec)
 from .counts_ring import CountsRing
+from .errors import OverlapTimeoutError, describe_error
 from .peer_memory import PeerMemory
+from .residency import compiled_occupancies
 
 L_MAX = 64
+
+
 def _mapped_offsets_default() -> bool:
     return os.environ.get("MEGATRON_OVERLAP_MAPPED_OFFSETS", "1") != "0"
-
-
-class OverlapTimeoutError(RuntimeError):
-    """A bounded wait inside GEMM2+GatherRS ran out: a producer or a peer never arrived."""
-
-
-def describe_error(code: int, rank: int, expected: int | None = None) -> str:
-    kind, value = code >> 24, code & 0xFFFFFF
-    if kind == grs.ERR_READY_TIMEOUT:
-        more = f" (expected {expected} GEMM2 tiles)" if expected is not None else ""
-        return (f"GatherRS on rank {rank} timed out waiting for split {value} to become "
-                f"ready{more}: a GEMM2 producer never published it")
-    if kind == ERR_UNSORTED:
-        return (f"token_index on rank {rank} is not in Megatron-Core's permutation order "
-                f"(rows grouped by local expert, tokens strictly ascending inside each, all "
-                f"in [0, num_tokens)); that call's output is wrong")
-    if kind == ERR_TOPK:
-        return (f"a token on rank {rank} has more rows than topk; that call's output is "
-                f"wrong (each token has at most one row per expert and topk in all)")
-    if kind == grs.ERR_BARRIER_TIMEOUT:
-        return (f"GatherRS on rank {rank} timed out at the cross-rank barrier waiting for "
-                f"rank {value}")
-    return f"GatherRS on rank {rank} reported unknown error code {code:#x}"
 
 
 class OverlapBuffer:
@@ -95,7 +75,6 @@ class OverlapBuffer:
         # (tiles, comm tile, slots); `compiled_resources` is the latest family's
         self.resources_of: dict[tuple, dict] = {}
         self.compiled_resources: dict | None = None
-        self._occupancy: dict[tuple, int] = {}
         self._pending: tuple | None = None  # (event, pinned error word, expected)
         # host offsets: a ring of slots the routing-table kernel reads in place (`route`)
         self.mapped_offsets = _mapped_offsets_default()
@@ -251,43 +230,14 @@ class OverlapBuffer:
 
     def _occupancies(self, t: TileConfig, comm_tm: int, comm_tn: int,
                      slots: int) -> tuple[int, int, str | None]:
-        """o_comp, o_comm from the compiled kernels' registers and shared memory, and
-        None if o_comp GEMM2 CTAs and one GatherRS CTA fit one SM together (the shared
-        placement), else the resource that does not."""
+        """`residency.compiled_occupancies` for this buffer's kernels; remembers their
+        resources (`compiled_resources`, `resources_of`)."""
         if self.backend != "triton":
             return 2, 1, None  # the interpreter has no binary; any residency plans correctly
-        dev = self.device
-        x = torch.empty(t.block_m, t.block_k, dtype=torch.bfloat16, device=dev)
-        w = torch.empty(1, t.block_n, t.block_k, dtype=torch.bfloat16, device=dev)
-        y = torch.empty(t.block_m, t.block_n, dtype=torch.bfloat16, device=dev)
-        idx = torch.zeros(2, dtype=torch.int32, device=dev)
-        dest = torch.zeros(t.block_m, dtype=torch.int32, device=dev) if t.token_major else None
-        gk = gemm2.launch_grouped_gemm2(
-            x, w, y, idx, idx, self.ready, splits=1, programs=1, block_m=t.block_m,
-            block_n=t.block_n, block_k=t.block_k, num_warps=t.gemm_warps,
-            num_stages=t.gemm_stages, flatten=t.gemm_flatten, warmup=True, dest=dest,
-            impl=t.gemm_impl, maxnreg=t.gemm_maxnreg)
-        table = torch.zeros(1, slots, dtype=torch.int32, device=dev)
-        ptrs = torch.zeros(1, dtype=torch.int64, device=dev)
-        ck = grs.launch_gather_rs(
-            y, table, None, ptrs, ptrs, self.ready, self.done, self.error, idx,
-            tokens_per_rank=1, splits=1, rank=0, world=1, gemm_col_tiles=1, epoch=1,
-            max_spins=1, partial_like=y, dst_slot_stride=0, dst_row_stride=1, programs=1,
-            block_tm=comm_tm, block_tn=comm_tn, num_warps=t.comm_warps,
-            item_stages=t.comm_stages, slot_loop=t.comm_slot_loop, warmup=True,
-            token_major=t.token_major, maxnreg=t.comm_maxnreg)
-        occ, self.compiled_resources = [], {}
+        o_comp, o_comm, misfit, self.compiled_resources = compiled_occupancies(
+            self.device, (self.ready, self.done, self.error), t, comm_tm, comm_tn, slots)
         self.resources_of[(t, comm_tm, comm_tn, slots)] = self.compiled_resources
-        for name, k in (("gemm2", gk), ("gather_rs", ck)):
-            k._init_handles()  # (warps from the binary: a warp-specialized one has more)
-            occ.append(resident_ctas(k.n_regs, k.metadata.num_warps * 32,
-                                     k.metadata.shared).ctas_per_sm)
-            self.compiled_resources[name] = dict(registers=k.n_regs, shared=k.metadata.shared,
-                                                 spills=k.n_spills, ctas_per_sm=occ[-1],
-                                                 warps=k.metadata.num_warps)
-        misfit = co_resident([(k.n_regs, k.metadata.num_warps * 32, k.metadata.shared, count)
-                              for k, count in ((gk, occ[0]), (ck, 1))])
-        return occ[0], occ[1], misfit
+        return o_comp, o_comm, misfit
 
     # ---------------------------------------------------------------- errors
     def check(self, sync: bool = True) -> None:

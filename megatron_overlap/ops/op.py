@@ -32,10 +32,9 @@ from ..planner import Workload, expert_row_tiles, reservation
 from .buffer import OverlapBuffer
 from .config import OverlapConfig, TileConfig, default_splits, resolve_backend, with_register_caps
 from .reference import all_gather, grouped_mm, reference_forward
+from .validation import aligned, host_counts, to_device, validate
 
 log = logging.getLogger("megatron_overlap")
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
 
 _group_sizes: dict[int, tuple] = {}
 
@@ -52,92 +51,13 @@ def _group_size_rank(group) -> tuple[int, int]:
     return hit[1], hit[2]
 
 
-def _host_counts(tokens_per_expert, rows: int, experts: int):
-    """(host list or None, device-ready tensor) of the per-expert row counts."""
-    if isinstance(tokens_per_expert, torch.Tensor):
-        if tokens_per_expert.dim() != 1 or tokens_per_expert.numel() != experts:
-            raise ValueError(f"tokens_per_expert must have {experts} entries (one per local "
-                             f"expert), got shape {tuple(tokens_per_expert.shape)}")
-        if tokens_per_expert.dtype.is_floating_point:
-            raise ValueError("tokens_per_expert must hold integers")
-        if tokens_per_expert.device.type == "cpu":
-            return tokens_per_expert.tolist(), tokens_per_expert
-        return None, tokens_per_expert
-    counts = list(tokens_per_expert)
-    if len(counts) != experts:
-        raise ValueError(f"tokens_per_expert must have {experts} entries (one per local "
-                         f"expert), got {len(counts)}")
-    return counts, None  # the kernels' path uploads them with the offsets
-
-
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device` without making the host wait for the stream (a
-    pageable copy would: it synchronizes with all queued work)."""
-    if t.device == device:
-        return t
-    if device.type == "cuda" and t.device.type == "cpu":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
-
-
-def validate(x, weight, counts, token_index, num_tokens, topk, probs, world):
-    """Every check that can fail with a clear message before a kernel sees the data."""
-    if x.dim() != 2 or weight.dim() != 3:
-        raise ValueError(f"x must be [T, K] and weight [E, N, K]; got {tuple(x.shape)} and "
-                         f"{tuple(weight.shape)}")
-    if x.dtype not in _DTYPES or weight.dtype != x.dtype:
-        raise ValueError(f"x and weight must share a dtype in {_DTYPES}; got {x.dtype}, "
-                         f"{weight.dtype}")
-    if weight.shape[2] != x.shape[1]:
-        raise ValueError(f"weight [E, N, K] has K={weight.shape[2]} but x has K={x.shape[1]}")
-    if x.device != weight.device or token_index.device != x.device:
-        raise ValueError("x, weight and token_index must be on one device")
-    if token_index.dim() != 1 or token_index.numel() != x.shape[0]:
-        raise ValueError(f"token_index must be [T] = [{x.shape[0]}], got {tuple(token_index.shape)}")
-    if token_index.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"token_index must be int32 or int64, got {token_index.dtype}")
-    if counts is not None:
-        if counts and min(counts) < 0:
-            raise ValueError(f"tokens_per_expert must be non-negative, got {counts}")
-        if sum(counts) != x.shape[0]:
-            raise ValueError(f"tokens_per_expert sums to {sum(counts)} but x has {x.shape[0]} rows")
-    if num_tokens < 1 or num_tokens % world:
-        raise ValueError(f"num_tokens ({num_tokens}) must be a positive multiple of the group "
-                         f"size ({world}): each rank owns num_tokens / world rows")
-    if topk < 1:
-        raise ValueError(f"topk must be >= 1, got {topk}")
-    if probs is not None and (probs.shape != (x.shape[0],) or probs.device != x.device):
-        raise ValueError(f"probs must be [T] = [{x.shape[0]}] on x's device, got {tuple(probs.shape)}")
-    if x.device.type == "cpu" and token_index.numel():
-        # Cheap on the host; on CUDA these would cost a sync, and Megatron's routing
-        # guarantees them by construction.
-        lo, hi = int(token_index.min()), int(token_index.max())
-        if lo < 0 or hi >= num_tokens:
-            raise ValueError(f"token_index values must lie in [0, {num_tokens}), got [{lo}, {hi}]")
-        most = int(torch.bincount(token_index, minlength=num_tokens).max())
-        if most > topk:
-            raise ValueError(f"a token has {most} rows but topk is {topk}")
-        if counts is not None:  # Megatron's permutation order (on CUDA the kernel checks)
-            expert = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
-            key = expert * num_tokens + token_index.long()
-            if not bool((key[1:] > key[:-1]).all()):
-                raise ValueError("token_index must list each expert's rows with tokens in "
-                                 "strictly ascending order (Megatron-Core's permutation order)")
-
-
-def _aligned(t: torch.Tensor) -> torch.Tensor:
-    """Contiguous with a 16-byte aligned base: what the TMA descriptors need."""
-    t = t.contiguous()
-    return t if t.data_ptr() % 16 == 0 else t.clone()
-
-
 def _forward(x, weight, probs, counts_dev, table, launch):
     """(out, y) of a prepared launch: the overlapped kernels or the reference path."""
     counts, group, world = launch.counts, launch.group, launch.world
     if launch.buffer is None:
         return reference_forward(x, weight, counts_dev, counts, table, probs, group, world)
     out = torch.empty(table.shape[0] // world, weight.shape[1], dtype=x.dtype, device=x.device)
-    y = launch.buffer.launch(_aligned(x), _aligned(weight), counts_dev, table, probs, out,
+    y = launch.buffer.launch(aligned(x), aligned(weight), counts_dev, table, probs, out,
                              plan=launch.plan, fork=launch.routed, **launch.kwargs)
     return out, y
 
@@ -296,7 +216,7 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
     config = config or OverlapConfig()
     world, rank = _group_size_rank(group)
     experts = weight.shape[0] if weight.dim() == 3 else -1
-    counts, counts_dev = _host_counts(tokens_per_expert, x.shape[0], experts)
+    counts, counts_dev = host_counts(tokens_per_expert, x.shape[0], experts)
     validate(x, weight, counts, token_index, num_tokens, topk, probs, world)
     backend = resolve_backend(config.backend, x.device)
     if backend != "reference" and not _peer_capable(group, world):
@@ -315,7 +235,7 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
         if counts_dev is None:
             counts_dev = torch.tensor(counts, dtype=torch.int64)
         return Launch(config, backend, group, world, rank, counts,
-                      _to_device(counts_dev, x.device), table, None, None, {})
+                      to_device(counts_dev, x.device), table, None, None, {})
     if x.shape[1] * x.element_size() % 16:
         raise ValueError(f"the {backend} backend needs 16-byte rows for its tensor "
                          f"descriptors: K * itemsize = {x.shape[1]} * {x.element_size()} "
@@ -345,7 +265,7 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
         table, offsets, counts_dev, row_tiles, routed = buf.route(
             token_index, counts, tiles.block_m, num_tokens, topk, dest)
     else:
-        counts_dev = _to_device(counts_dev, x.device)
+        counts_dev = to_device(counts_dev, x.device)
         offsets = gemm2.expert_offsets(counts_dev, tiles.block_m)
         table = launch_routing_table(token_index, offsets[0], num_tokens, topk, buf.error,
                                      dest)

@@ -1,0 +1,93 @@
+"""Input checks and host/device moves of `gemm2_gather_rs`, before any kernel sees the data.
+
+Every check that can fail does so here with a message that names the argument; the
+checks that would cost a host sync on CUDA (token range, rows per token, Megatron's
+permutation order) run on CPU tensors only, and the routing-table kernel makes them on
+the device (`kernels/routing_table.py`), raised at the next call.
+"""
+
+from __future__ import annotations
+
+import torch
+
+#: dtypes the kernels take for x and the weights
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def host_counts(tokens_per_expert, rows: int, experts: int):
+    """(host list or None, device-ready tensor) of the per-expert row counts."""
+    if isinstance(tokens_per_expert, torch.Tensor):
+        if tokens_per_expert.dim() != 1 or tokens_per_expert.numel() != experts:
+            raise ValueError(f"tokens_per_expert must have {experts} entries (one per local "
+                             f"expert), got shape {tuple(tokens_per_expert.shape)}")
+        if tokens_per_expert.dtype.is_floating_point:
+            raise ValueError("tokens_per_expert must hold integers")
+        if tokens_per_expert.device.type == "cpu":
+            return tokens_per_expert.tolist(), tokens_per_expert
+        return None, tokens_per_expert
+    counts = list(tokens_per_expert)
+    if len(counts) != experts:
+        raise ValueError(f"tokens_per_expert must have {experts} entries (one per local "
+                         f"expert), got {len(counts)}")
+    return counts, None  # the kernels' path uploads them with the offsets
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without making the host wait for the stream (a
+    pageable copy would: it synchronizes with all queued work)."""
+    if t.device == device:
+        return t
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def validate(x, weight, counts, token_index, num_tokens, topk, probs, world):
+    """Every check that can fail with a clear message before a kernel sees the data."""
+    if x.dim() != 2 or weight.dim() != 3:
+        raise ValueError(f"x must be [T, K] and weight [E, N, K]; got {tuple(x.shape)} and "
+                         f"{tuple(weight.shape)}")
+    if x.dtype not in DTYPES or weight.dtype != x.dtype:
+        raise ValueError(f"x and weight must share a dtype in {DTYPES}; got {x.dtype}, "
+                         f"{weight.dtype}")
+    if weight.shape[2] != x.shape[1]:
+        raise ValueError(f"weight [E, N, K] has K={weight.shape[2]} but x has K={x.shape[1]}")
+    if x.device != weight.device or token_index.device != x.device:
+        raise ValueError("x, weight and token_index must be on one device")
+    if token_index.dim() != 1 or token_index.numel() != x.shape[0]:
+        raise ValueError(f"token_index must be [T] = [{x.shape[0]}], got {tuple(token_index.shape)}")
+    if token_index.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"token_index must be int32 or int64, got {token_index.dtype}")
+    if counts is not None:
+        if counts and min(counts) < 0:
+            raise ValueError(f"tokens_per_expert must be non-negative, got {counts}")
+        if sum(counts) != x.shape[0]:
+            raise ValueError(f"tokens_per_expert sums to {sum(counts)} but x has {x.shape[0]} rows")
+    if num_tokens < 1 or num_tokens % world:
+        raise ValueError(f"num_tokens ({num_tokens}) must be a positive multiple of the group "
+                         f"size ({world}): each rank owns num_tokens / world rows")
+    if topk < 1:
+        raise ValueError(f"topk must be >= 1, got {topk}")
+    if probs is not None and (probs.shape != (x.shape[0],) or probs.device != x.device):
+        raise ValueError(f"probs must be [T] = [{x.shape[0]}] on x's device, got {tuple(probs.shape)}")
+    if x.device.type == "cpu" and token_index.numel():
+        # Cheap on the host; on CUDA these would cost a sync, and Megatron's routing
+        # guarantees them by construction.
+        lo, hi = int(token_index.min()), int(token_index.max())
+        if lo < 0 or hi >= num_tokens:
+            raise ValueError(f"token_index values must lie in [0, {num_tokens}), got [{lo}, {hi}]")
+        most = int(torch.bincount(token_index, minlength=num_tokens).max())
+        if most > topk:
+            raise ValueError(f"a token has {most} rows but topk is {topk}")
+        if counts is not None:  # Megatron's permutation order (on CUDA the kernel checks)
+            expert = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
+            key = expert * num_tokens + token_index.long()
+            if not bool((key[1:] > key[:-1]).all()):
+                raise ValueError("token_index must list each expert's rows with tokens in "
+                                 "strictly ascending order (Megatron-Core's permutation order)")
+
+
+def aligned(t: torch.Tensor) -> torch.Tensor:
+    """Contiguous with a 16-byte aligned base: what the TMA descriptors need."""
+    t = t.contiguous()
+    return t if t.data_ptr() % 16 == 0 else t.clone()
