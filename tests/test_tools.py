@@ -277,10 +277,32 @@ def test_bench_op_confirmation_times_the_planner_against_the_fastest_swept_c(mon
 
     monkeypatch.setattr(bench_op, "abba", fake_abba)
     pol = {"planner": "p", "sweep C=12": "s12", "sweep C=16": "s16"}
-    got = bench_op.confirm(pol, 12, 6, 1, None, "case")
+    got = bench_op.confirm(pol, 12, 16, 6, 1, None, "case")
     assert seen == dict(names=["C=12", "planner"], samples=6)
     assert got["oracle_c"] == 12 and got["regret"] == pytest.approx(0.10)
+    assert not got["same_config"] and got["spread"] == pytest.approx(0.10)
     assert (got["planner_ms"], got["oracle_ms"]) == (pytest.approx(1.10), pytest.approx(1.00))
+    # the sweep's fastest C is the planner's: one configuration timed twice, regret 0
+    same = bench_op.confirm(pol, 12, 12, 6, 1, None, "case")
+    assert same["same_config"] and same["regret"] == 0.0
+    assert same["spread"] == pytest.approx(0.10)
+
+
+def test_report_counts_no_regret_where_the_planner_chose_the_oracle_c():
+    """Runs before session 11 stored the re-timing of the planner's own C as regret: the
+    report reads it as timing noise (the spread column) and the regret as 0."""
+    def row(c_star, oracle_c, regret, **extra):
+        return dict(comm_ctas=c_star, confirm=dict(oracle_c=oracle_c, regret=regret, **extra))
+
+    old_same, old_other = row(132, 132, 0.09), row(132, 66, 0.03)
+    new_same = row(132, 132, 0.0, same_config=True, spread=-0.05)
+    assert report.confirmed_regret(old_same) == 0.0
+    assert report.confirmed_regret(old_other) == pytest.approx(0.03)
+    assert report.confirmed_regret(new_same) == 0.0
+    assert report.retiming_spread(old_same) == pytest.approx(0.09)
+    assert report.retiming_spread(new_same) == pytest.approx(0.05)
+    assert report.retiming_spread(old_other) is None
+    assert report.confirmed_regret(dict(comm_ctas=4)) is None
 
 
 def test_replay_reproduces_the_decisions_of_the_one_gpu_runs_at_their_group_size():
