@@ -235,23 +235,24 @@ def test_rows_out_of_megatron_order_raise_and_the_next_call_works():
     assert rel_err(out, _fp32_partial(p, 512).double().cpu()) < 1e-2
 
 
-def _two_gpu(rank, world):
+def _two_gpu(rank, world, one_gpu=False):
     import torch.distributed as dist
 
-    torch.cuda.set_device(rank)
+    torch.cuda.set_device(0 if one_gpu else rank)
     group = dist.group.WORLD
     res = {}
     for name, ep in (("tp2", 1), ("ep2", 2)):
         p = routed_problem(rank, world, device="cuda", ep=ep, seed=11, **SHAPE)
         full = _fp32_partial(p, SHAPE["tokens"])
-        dist.all_reduce(full)
+        full = _all_reduce(full, one_gpu)
         md = SHAPE["tokens"] // world
         mine = full[rank * md:(rank + 1) * md].double().cpu()
         outs = [_poisoned_call(p, SHAPE["tokens"], SHAPE["topk"], group, comm_ctas=c, splits=l)
                 for c, l in ((1, 1), (3, 2), (8, 4), (16, 2), (32, 2))]
-        ref = gemm2_gather_rs(p["x"], p["weight"], p["counts"], p["token_index"],
-                              SHAPE["tokens"], SHAPE["topk"], None, group,
-                              config=OverlapConfig(backend="reference"))
+        ref = (outs[0] if one_gpu else  # (gloo has no CUDA reduce-scatter)
+               gemm2_gather_rs(p["x"], p["weight"], p["counts"], p["token_index"],
+                               SHAPE["tokens"], SHAPE["topk"], None, group,
+                               config=OverlapConfig(backend="reference")))
         res[name] = dict(err=rel_err(outs[0], mine), ref_err=rel_err(ref, mine),
                          nan=bool(torch.isnan(outs[0]).any()),
                          bitwise=all(torch.equal(o, outs[0]) for o in outs))
@@ -260,12 +261,37 @@ def _two_gpu(rank, world):
     errs = []
     for hidden in (2048, 1024, 2048, 1024):
         p = routed_problem(rank, world, device="cuda", seed=12, **dict(SHAPE, hidden=hidden))
-        full = _fp32_partial(p, SHAPE["tokens"])
-        dist.all_reduce(full)
+        full = _all_reduce(_fp32_partial(p, SHAPE["tokens"]), one_gpu)
         mine = full.chunk(world)[rank].double().cpu()
         errs.append(rel_err(_poisoned_call(p, SHAPE["tokens"], SHAPE["topk"], group), mine))
     res["alternating"] = dict(err=max(errs), ref_err=0.0, nan=False, bitwise=True)
     return res
+
+
+def _all_reduce(t, on_host):
+    """The sum over ranks (through host memory where the group is gloo's)."""
+    import torch.distributed as dist
+
+    if not on_host:
+        dist.all_reduce(t)
+        return t
+    host = t.cpu()
+    dist.all_reduce(host)
+    return host.to(t.device)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_two_ranks_sharing_one_gpu_match_fp32_reference_and_are_bitwise_stable():
+    """The two-rank protocol (peer pushes into symmetric memory, the cross-rank barrier,
+    parity-alternating receive slots, the final sum) compiled and run on one GPU: two
+    processes share it (time-sliced contexts; a gloo group, since NCCL refuses two ranks
+    on one device). What a lent machine of one GPU can check of the two-GPU path."""
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    results = run_ranks(2, _two_gpu, True, backend="gloo")
+    for rank, res in enumerate(results):
+        for name, r in res.items():
+            assert not r["nan"] and r["bitwise"], (rank, name, r)
+            assert r["err"] < 1e-2, (rank, name, r)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
