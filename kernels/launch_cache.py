@@ -122,7 +122,8 @@ _CARVEOUT_ATTRIBUTE = 9
 
 
 @functools.lru_cache(maxsize=1)
-def _libcuda():
+def libcuda():
+    """The CUDA driver library, loaded once (None without an NVIDIA driver)."""
     try:
         return ctypes.CDLL("libcuda.so.1")
     except OSError:
@@ -135,7 +136,7 @@ def prefer_max_shared(binary) -> None:
     this the driver gives a kernel that needs little shared memory (GatherRS: 4 KB) a small
     carveout, and no GEMM2 CTA (~100 KB each) can join an SM one of its CTAs runs on until
     it exits, which for a CTA waiting on GEMM2's flags is never (a time-out)."""
-    lib = _libcuda()
+    lib = libcuda()
     if lib is None:  # no NVIDIA driver (another backend): nothing to configure
         return
     rc = lib.cuFuncSetAttribute(ctypes.c_void_p(binary.function), _CARVEOUT_ATTRIBUTE, 100)

@@ -629,13 +629,13 @@ def test_gather_binaries_ask_the_driver_for_the_largest_shared_carveout(monkeypa
         function = 1234
 
     driver = FakeDriver()
-    monkeypatch.setattr(lc, "_libcuda", lambda: driver)
+    monkeypatch.setattr(lc, "libcuda", lambda: driver)
     lc.prefer_max_shared(Binary())
     assert calls == [(1234, 9, 100)]
     driver.rc = 1
     with pytest.raises(RuntimeError, match="PREFERRED_SHARED_MEMORY_CARVEOUT"):
         lc.prefer_max_shared(Binary())
-    monkeypatch.setattr(lc, "_libcuda", lambda: None)
+    monkeypatch.setattr(lc, "libcuda", lambda: None)
     lc.prefer_max_shared(Binary())  # no driver: no call, no error
     assert len(calls) == 2
     assert grs._GATHER_RS.max_shared and not gemm2._GEMM2.max_shared

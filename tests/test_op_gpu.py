@@ -178,19 +178,22 @@ def test_cached_binary_launches_give_the_bits_of_tritons_own_launches(monkeypatc
     assert all(torch.equal(f, jit) for f in fast)
 
 
-@pytest.mark.parametrize("slots,mapped", [(16, True), (2, True), (16, False)])
+@pytest.mark.parametrize("slots,mapped,driver", [(16, True, True), (2, True, True),
+                                                 (16, False, True), (16, True, False)])
 def test_calls_queued_far_ahead_of_the_gpu_give_each_routings_own_output(
-        slots, mapped, monkeypatch):
+        slots, mapped, driver, monkeypatch):
     """Host counts of six routings (one hot, one with empty experts) are uploaded while
     the GPU is still busy, with no sync between the calls (every pinned slot, flag and
     buffer of one call must stay that call's until it runs): every output equals that
     routing's synchronized one. With two offset slots the ring wraps while the GPU is
-    busy (the host must wait for a slot's reader); unmapped, each call copies them."""
+    busy (the host must wait for a slot's reader); unmapped, each call copies them. The
+    streams are ordered by the driver's event calls, or by torch's (`driver` False)."""
     from megatron_overlap.ops import OverlapBuffer, counts_ring
 
     monkeypatch.setattr(OverlapBuffer, "_instances", {})  # a fresh buffer with this ring
     monkeypatch.setattr(counts_ring, "OFFSET_SLOTS", slots)
     monkeypatch.setenv("MEGATRON_OVERLAP_MAPPED_OFFSETS", "1" if mapped else "0")
+    monkeypatch.setenv("MEGATRON_OVERLAP_DRIVER_EVENTS", "1" if driver else "0")
     small = dict(tokens=1024, experts=16, topk=4, ffn=256, hidden=512)
     probs = [routed_problem(0, 1, device="cuda", seed=s, hot=s == 2, empty=(3, 5) if s == 4
                             else (), **small) for s in range(6)]
@@ -235,13 +238,14 @@ def test_rows_out_of_megatron_order_raise_and_the_next_call_works():
     assert rel_err(out, _fp32_partial(p, 512).double().cpu()) < 1e-2
 
 
-def _two_gpu(rank, world, one_gpu=False):
+def _ranks_run(rank, world, one_gpu=False):
     import torch.distributed as dist
 
     torch.cuda.set_device(0 if one_gpu else rank)
     group = dist.group.WORLD
     res = {}
-    for name, ep in (("tp2", 1), ("ep2", 2)):
+    layouts = {f"tp{world}": 1, f"ep{world}": world, **({"tp2ep2": 2} if world == 4 else {})}
+    for name, ep in layouts.items():
         p = routed_problem(rank, world, device="cuda", ep=ep, seed=11, **SHAPE)
         full = _fp32_partial(p, SHAPE["tokens"])
         full = _all_reduce(full, one_gpu)
@@ -281,13 +285,15 @@ def _all_reduce(t, on_host):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_two_ranks_sharing_one_gpu_match_fp32_reference_and_are_bitwise_stable():
-    """The two-rank protocol (peer pushes into symmetric memory, the cross-rank barrier,
-    parity-alternating receive slots, the final sum) compiled and run on one GPU: two
-    processes share it (time-sliced contexts; a gloo group, since NCCL refuses two ranks
-    on one device). What a lent machine of one GPU can check of the two-GPU path."""
+@pytest.mark.parametrize("world", [2, 4])
+def test_ranks_sharing_one_gpu_match_fp32_reference_and_are_bitwise_stable(world):
+    """The multi-rank protocol (peer pushes into peer memory, the cross-rank barrier,
+    parity-alternating receive slots, the final sum) compiled and run on one GPU: the
+    ranks' processes share it (time-sliced contexts, CUDA IPC peer memory, a gloo group:
+    NCCL refuses two ranks on one device). What a machine of one GPU can check of the
+    multi-GPU path."""
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
-    results = run_ranks(2, _two_gpu, True, backend="gloo")
+    results = run_ranks(world, _ranks_run, True, backend="gloo")
     for rank, res in enumerate(results):
         for name, r in res.items():
             assert not r["nan"] and r["bitwise"], (rank, name, r)
@@ -298,7 +304,7 @@ def test_two_ranks_sharing_one_gpu_match_fp32_reference_and_are_bitwise_stable()
 def test_two_gpus_match_fp32_reference_and_are_bitwise_stable():
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    results = run_ranks(2, _two_gpu, backend="nccl")
+    results = run_ranks(2, _ranks_run, backend="nccl")
     for rank, res in enumerate(results):
         for name, r in res.items():
             assert not r["nan"] and r["bitwise"], (rank, name, r)

@@ -11,8 +11,9 @@ warm and no step follows a sync. Here each call runs as the benchmarks time it (
 after a synchronize), and the op's own functions are wrapped by a timer that costs well
 under a microsecond: for every step, its start and end in us after the op was entered,
 median over the calls. The row to read is the GEMM2 launch: everything before it is
-exposed latency. Both ways of bringing the host's expert offsets to the device run
-interleaved (`ARMS`), so their rows compare side by side.
+exposed latency. The arms (`ARMS`: the default; its event records, waits and error copy
+through torch instead of the driver; the expert offsets summed on the host and copied
+instead of read in place) run interleaved, so their rows compare side by side.
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ STEPS = [
     (op, "_resolved", "_resolved"),
     (buffer.OverlapBuffer, "route", "OverlapBuffer.route (offsets, routing table)"),
     (counts_ring.CountsRing, "write", "CountsRing.write"),
+    (counts_ring.CountsRing, "record", "CountsRing.record"),
     (gemm2, "packed_offsets_host", "packed_offsets_host (copy path)"),
     (gemm2, "unpack_offsets", "unpack_offsets"),
     (op, "launch_routing_table", "launch_routing_table"),
@@ -115,10 +117,18 @@ def steps_of(fn, calls: int, sync) -> list[dict]:
     return table_of(calls_of(fn, calls, sync))
 
 
-#: the op's host counts: read in place from a pinned ring by the routing-table kernel,
-#: which sums them (the default), or offsets summed on the host and copied, one pinned
-#: copy per call (`OverlapBuffer.mapped_offsets`)
-ARMS = {"mapped offsets": True, "copied offsets": False}
+#: (mapped_offsets, driver stream ops) per arm: the default reads the host's counts in
+#: place from a pinned ring (the routing-table kernel sums them) and records events, waits
+#: and copies the error word through the driver (`ops/stream_ops.py`); the others change
+#: one of the two (`OverlapBuffer.mapped_offsets`, `StreamOps.raw`)
+ARMS = {"default": (True, True), "torch events": (True, False),
+        "copied offsets": (False, True)}
+
+
+def set_arm(buf, arm: str) -> None:
+    buf.mapped_offsets, raw = ARMS[arm]
+    if buf.stream_ops is not None:
+        buf.stream_ops.raw = raw and buf.stream_ops.raw_default
 
 
 def main() -> int:
@@ -150,9 +160,10 @@ def main() -> int:
     per_arm = {arm: [] for arm in ARMS}
     rounds = max(1, args.calls // 5)
     for _ in range(rounds):  # the arms interleaved, five calls at a time
-        for arm, mapped in ARMS.items():
-            buf.mapped_offsets = mapped
+        for arm in ARMS:
+            set_arm(buf, arm)
             per_arm[arm] += calls_of(lambda: gemm2_gather_rs(**run, config=cfg), 5, sync)
+    set_arm(buf, "default")
     buf.mapped_offsets = buffer._mapped_offsets_default()
     tables = {arm: table_of(calls) for arm, calls in per_arm.items()}
     if dist.get_rank() == 0:
@@ -164,7 +175,7 @@ def main() -> int:
                 print(f"  step {r['step']:<48} {r['n']} {r['start_us']:8.1f} -> "
                       f"{r['end_us']:8.1f}")
         write_json(args.json, dict(env=env_info(), command=" ".join(sys.argv),
-                                   steps=tables["mapped offsets"], arms=tables))
+                                   steps=tables["default"], arms=tables))
     dist.destroy_process_group()
     return 0
 

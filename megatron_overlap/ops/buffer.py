@@ -29,6 +29,7 @@ from .counts_ring import CountsRing
 from .errors import OverlapTimeoutError, describe_error
 from .peer_memory import PeerMemory
 from .residency import compiled_occupancies
+from .stream_ops import StreamOps
 
 L_MAX = 64
 
@@ -78,7 +79,9 @@ class OverlapBuffer:
         self._pending: tuple | None = None  # (event, pinned error word, expected)
         # host offsets: a ring of slots the routing-table kernel reads in place (`route`)
         self.mapped_offsets = _mapped_offsets_default()
-        self.counts_ring = CountsRing(device)
+        # event records, waits and the error word's copy through the driver (cheaper)
+        self.stream_ops = StreamOps(device) if device.type == "cuda" else None
+        self.counts_ring = CountsRing(device, stream_ops=self.stream_ops)
         if device.type == "cuda":
             self.side_stream = torch.cuda.Stream(device)
             self._pinned = torch.zeros(1, dtype=torch.int32, pin_memory=True)
@@ -269,10 +272,10 @@ class OverlapBuffer:
 
     def note_launch(self, expected: int, sync: bool) -> None:
         if self.device.type == "cuda":
-            self._pinned.copy_(self.error, non_blocking=True)
+            self.stream_ops.copy_to_host(self._pinned, self.error)
             # one event, re-recorded: only the latest launch is pending (the error word
             # is sticky, so it also carries any earlier launch's error)
-            self._event.record()
+            self.stream_ops.record(self._event)
             self._pending = (self._event, self._pinned, expected)
         else:
             self._pending = (None, self.error.clone(), expected)
@@ -388,17 +391,17 @@ class OverlapBuffer:
             # orders the offsets and the routing table before it; GatherRS on the side
             # stream from the same point. (No `torch.cuda.stream` switch anywhere: it
             # costs more than a launch.)
-            side = self.side_stream
+            side, ops = self.side_stream, self.stream_ops
             if fork is None:
                 fork = self._fork
-                fork.record()
+                ops.record(fork)
             if comm_first is None:
                 comm_first = plan.reservation > 0
             if comm_first:
                 # The partition: GatherRS's C programs take their R(C) SMs before GEMM2
                 # fills the rest, so both grids are co-resident (P(C) + R(C) fit by
                 # construction).
-                side.wait_event(fork)
+                ops.wait(fork, side)
                 with self._all_or_broken():
                     launch_comm(stream=side)
                     launch_gemm2()
@@ -410,14 +413,14 @@ class OverlapBuffer:
                 # that cannot deadlock: GEMM2 waits on nothing. (If its launch fails,
                 # nothing of this call has touched the flags.)
                 launch_gemm2()
-                side.wait_event(fork)
+                ops.wait(fork, side)
                 with self._all_or_broken():
                     launch_comm(stream=side)
             if helpers:  # queued behind GEMM2: they start on the SMs it leaves
                 with self._all_or_broken():
                     launch_comm(launch_helpers=True)
-            self._join.record(side)
-            self._join.wait()  # the caller's stream waits for GatherRS
+            ops.record(self._join, side)
+            ops.wait(self._join)  # the caller's stream waits for GatherRS
         if self.world > 1:
             grs.launch_sum_partials(self._recv_views[parity], out, self.world)
         return y

@@ -23,8 +23,9 @@ OFFSET_SLOTS = 16
 class CountsRing:
     """Pinned int32 slots written round robin (plain host memory on CPU, no events)."""
 
-    def __init__(self, device: torch.device, slots: int | None = None):
+    def __init__(self, device: torch.device, slots: int | None = None, stream_ops=None):
         self.device = device
+        self.stream_ops = stream_ops  # `StreamOps` of the device (None: torch's record)
         self.slots = slots or OFFSET_SLOTS
         self._ring: torch.Tensor | None = None
         self._views: dict[tuple, torch.Tensor] = {}
@@ -57,5 +58,8 @@ class CountsRing:
         if self._events is None:
             return None
         event = self._events[self._next]
-        event.record()
+        if self.stream_ops is not None:
+            self.stream_ops.record(event)
+        else:
+            event.record()
         return event
