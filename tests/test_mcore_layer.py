@@ -194,7 +194,24 @@ def _toggle_and_fallback(config, x, grad):
         small[threshold] = dict(
             equal=torch.equal(run_t[0], ref[0]) and torch.equal(run_t[1], ref[1]),
             plan=None if layer_t.last_plan is None else layer_t.last_plan.source)
-    return dict(toggled=toggled,
+    # a call captured into a CUDA graph (faked here: CPU) runs the stock path, one warning
+    import megatron_overlap.mcore.layer as layer_module
+
+    real_capturing, layer_module.capturing = layer_module.capturing, lambda t: True
+    try:
+        torch.manual_seed(1234)
+        layer_c = with_overlap_moe(spec, OverlapConfig(backend="interpret"))(config=config)
+        with warnings.catch_warnings(record=True) as caught_c:
+            warnings.simplefilter("always")
+            cap = _run(layer_c, x, grad)
+            _run(layer_c, x, grad)
+    finally:
+        layer_module.capturing = real_capturing
+    captured = dict(equal=torch.equal(cap[0], ref[0]) and torch.equal(cap[1], ref[1]),
+                    plan=layer_c.last_plan,
+                    warnings=[str(w.message) for w in caught_c
+                              if "megatron-overlap" in str(w.message)])
+    return dict(toggled=toggled, captured=captured,
                 off_equal=torch.equal(off[0], ref[0]) and torch.equal(off[1], ref[1]),
                 fallback_equal=torch.equal(fb1[0], ref_b[0]), fallback_warnings=ours,
                 below=small[gathered + 1], at=small[gathered])
@@ -249,6 +266,13 @@ def test_unsupported_config_runs_stock_after_one_warning(layer_runs):
         t = res["toggle"]
         assert t["fallback_equal"]
         assert len(t["fallback_warnings"]) == 1 and "expert biases" in t["fallback_warnings"][0]
+
+
+def test_calls_captured_into_a_cuda_graph_run_the_stock_path_after_one_warning(layer_runs):
+    for res in layer_runs:
+        c = res["toggle"]["captured"]
+        assert c["equal"] and c["plan"] is None
+        assert len(c["warnings"]) == 1 and "CUDA graph" in c["warnings"][0]
 
 
 def test_layers_below_min_combine_elements_run_the_stock_path_bit_for_bit(layer_runs):

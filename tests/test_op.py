@@ -277,6 +277,18 @@ def test_bad_sizes_and_backends_raise_clear_errors():
         call(p, 30, 2, dataclasses.replace(INTERP, tiles=gluon))
 
 
+def test_capture_into_a_cuda_graph_raises_a_clear_error(monkeypatch):
+    """(Faked on CPU; the GPU test captures for real.) A replay would reuse the pinned
+    counts slot and the barrier epoch of the capture: the op refuses before anything."""
+    from megatron_overlap.ops import op
+
+    p = routed_problem(0, 1, tokens=30, experts=3, topk=2, ffn=16, hidden=32)
+    monkeypatch.setattr(op, "capturing", lambda t: True)
+    for backend in ("interpret", "reference"):
+        with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph"):
+            call(p, 30, 2, OverlapConfig(backend=backend))
+
+
 def test_auto_gemm_kernel_is_the_triton_one_off_cuda():
     """gemm_impl "auto" (the GPU default) resolves per device and dtype; on CPU tensors
     (the interpreter) it is the Triton kernel, and the op runs with it."""

@@ -207,6 +207,18 @@ def test_calls_queued_far_ahead_of_the_gpu_give_each_routings_own_output(
     assert all(torch.equal(g, w) for g, w in zip(got, want))
 
 
+def test_capturing_the_op_in_a_cuda_graph_raises_before_queuing_anything():
+    p = routed_problem(0, 1, device="cuda", tokens=512, experts=4, topk=2, ffn=128, hidden=256)
+    graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+    with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph"):
+        with torch.cuda.stream(stream), torch.cuda.graph(graph):
+            gemm2_gather_rs(p["x"], p["weight"], p["counts"], p["token_index"], 512, 2,
+                            config=TRITON)
+    out = gemm2_gather_rs(p["x"], p["weight"], p["counts"], p["token_index"], 512, 2,
+                          config=TRITON)  # and the op works after it
+    assert rel_err(out, _fp32_partial(p, 512).double().cpu()) < 1e-2
+
+
 def test_single_gpu_hot_expert_and_planner_choice():
     p = routed_problem(0, 1, device="cuda", hot=True, **SHAPE)
     out, plan = gemm2_gather_rs(p["x"], p["weight"], p["counts"], p["token_index"],

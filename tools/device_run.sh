@@ -99,8 +99,8 @@ for s in "$@"; do
     prefill_1gpu) for m in ${PREFILL_MODELS:-granite qwen deepseek}; do
         stage prefill_${m}_TP1EP1 ${PREFILL_SECS:-75} torchrun --nproc-per-node 1 \
           -m megatron_overlap.mcore.prefill --model $m --tp 1 --ep 1 --batch 4 \
-          --seqs ${PREFILL_SEQS:-4096,16384} --iters 4 --warmup 1 --abba \
-          --json "$OUT/prefill_${m}_TP1EP1.json"; done ;;
+          --seqs ${PREFILL_SEQS:-4096,16384} --iters 4 --warmup 1 --abba ${PREFILL_ARGS:-} \
+          --json "$OUT/prefill_${TAG:-}${m}_TP1EP1.json"; done ;;
     prefill_sweep) for lay in "2 1" "1 2"; do for m in granite qwen deepseek; do set -- $lay
         stage prefill_${m}_TP$1EP$2 ${PREFILL_SECS:-75} $TR -m megatron_overlap.mcore.prefill \
           --model $m --tp $1 --ep $2 --batch 4 --seqs ${PREFILL_SEQS:-1024,2048,4096,8192,16384} \

@@ -9,7 +9,8 @@ reduce-scatter become one `gemm2_gather_rs` call whose output is what `token_com
 returns. Router, dispatch, shared experts and `postprocess` are untouched.
 
 Anything else (another dispatcher, TE experts, fp8, expert biases, latent MoE, the
-inference dispatcher) runs the stock path after one warning.
+inference dispatcher, a call captured into a CUDA graph) runs the stock path after one
+warning.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDisp
 
 from ..ops import OverlapConfig, gemm2_gather_rs
 from ..ops.config import min_combine_elements
+from ..ops.validation import capturing
 from .experts import GroupedGemmExperts, fc1_and_fc2_weight, host_counts
 
 log = logging.getLogger("megatron_overlap.mcore")
@@ -90,6 +92,13 @@ class OverlapMoELayer(MoELayer):
                 _warned.add(self._unsupported)
                 warnings.warn(f"megatron-overlap: {self._unsupported} is not supported; "
                               "those MoE layers run the stock Megatron path")
+            return False
+        if capturing(hidden_states):  # (the op refuses: its routing comes from the host)
+            reason = "CUDA graph capture"
+            if reason not in _warned:
+                _warned.add(reason)
+                warnings.warn("megatron-overlap: MoE layers captured in a CUDA graph run the "
+                              "stock Megatron path (the overlapped op cannot be replayed)")
             return False
         if self._min_elements is None:
             self._min_elements = min_combine_elements(self.overlap_config, hidden_states.device)

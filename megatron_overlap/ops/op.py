@@ -32,7 +32,7 @@ from ..planner import Workload, expert_row_tiles, reservation
 from .buffer import OverlapBuffer
 from .config import OverlapConfig, TileConfig, default_splits, resolve_backend, with_register_caps
 from .reference import all_gather, grouped_mm, reference_forward
-from .validation import aligned, host_counts, to_device, validate
+from .validation import aligned, capturing, host_counts, to_device, validate
 
 log = logging.getLogger("megatron_overlap")
 
@@ -214,6 +214,11 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
             group=None, *, comm_ctas=None, splits=None, config=None) -> Launch:
     """Validate, choose the backend, plan C and L, and size the workspace (no launch)."""
     config = config or OverlapConfig()
+    if capturing(x):
+        raise RuntimeError("gemm2_gather_rs cannot be captured in a CUDA graph: the expert "
+                           "counts reach the GPU through host memory rewritten every call, "
+                           "so a replay would combine with a stale routing (OverlapMoELayer "
+                           "runs the stock path while a graph is captured)")
     world, rank = _group_size_rank(group)
     experts = weight.shape[0] if weight.dim() == 3 else -1
     counts, counts_dev = host_counts(tokens_per_expert, x.shape[0], experts)

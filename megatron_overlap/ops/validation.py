@@ -91,3 +91,10 @@ def aligned(t: torch.Tensor) -> torch.Tensor:
     """Contiguous with a 16-byte aligned base: what the TMA descriptors need."""
     t = t.contiguous()
     return t if t.data_ptr() % 16 == 0 else t.clone()
+
+
+def capturing(t: torch.Tensor) -> bool:
+    """Whether t's device stream is being captured into a CUDA graph. The op cannot be:
+    its host counts reach the GPU through pinned slots the host rewrites, and its
+    barrier epoch grows every call, so a replay would run a stale routing."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
