@@ -244,13 +244,20 @@ def test_min_combine_elements_comes_from_the_config_then_the_calibration():
     cpu = torch.device("cpu")
     assert get_preset("h200").min_combine_elements == 1 << 25
     assert get_preset("a100-paper").min_combine_elements == 0
-    assert min_combine_elements(OverlapConfig(preset="h200"), cpu) == 1 << 25
-    assert min_combine_elements(OverlapConfig(preset="h200", min_combine_elements=7), cpu) == 7
-    assert min_combine_elements(OverlapConfig(), cpu) == 0  # no GPU calibration applies
+    for world, want in ((2, 1 << 25), (4, 1 << 25), (1, 1 << 24)):  # one GPU: its own
+        assert min_combine_elements(OverlapConfig(preset="h200"), cpu, world) == want
+        assert min_combine_elements(OverlapConfig(preset="h200", min_combine_elements=7),
+                                    cpu, world) == 7
+        assert min_combine_elements(OverlapConfig(), cpu, world) == 0  # no GPU calibration
     data = get_preset("h200").to_json()
     assert Preset.from_json(json.loads(json.dumps(data))) == get_preset("h200")
+    del data["min_combine_elements_one_rank"]  # not measured apart: the group's value
+    assert Preset.from_json(data).combine_threshold(1) == 1 << 25
     del data["min_combine_elements"]  # calibrations written before the field: never
     assert Preset.from_json(data).min_combine_elements == 0
+    assert Preset.from_json(data).combine_threshold(1) == 0
+    with pytest.raises(ValueError, match="min_combine_elements_one_rank"):
+        Preset.from_json(dict(data, min_combine_elements_one_rank=-1))
     with pytest.raises(ValueError, match="min_combine_elements"):
         Preset.from_json(dict(data, min_combine_elements=-1))
     with pytest.raises(ValueError, match="min_combine_elements"):

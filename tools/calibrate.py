@@ -224,6 +224,7 @@ def main() -> int:
         {c: med[f"overlap C={c}"] for c in cset}, t_comp,
         lambda f: model_curve(over[cset[0]][1], inp, dataclasses.replace(calib, overlap_factor=f)))
     calib = dataclasses.replace(calib, overlap_factor=round(f_fit, 2))
+    shipped = preset_for_device(cache.device.name)
     preset = Preset(
         name=args.name,
         kernel=KernelSpec(kernel.tile_m, kernel.tile_n, kernel.comm_tile_m, kernel.comm_tile_n,
@@ -231,9 +232,9 @@ def main() -> int:
         device=DeviceSpec(cache.device.name, cache.device.sms),
         calibration=calib,
         default_splits=args.splits,
-        # measured by the prefill sweep, not here: kept from the shipped calibration
-        min_combine_elements=getattr(preset_for_device(cache.device.name),
-                                     "min_combine_elements", 0),
+        # measured by the prefill sweeps, not here: kept from the shipped calibration
+        min_combine_elements=getattr(shipped, "min_combine_elements", 0),
+        min_combine_elements_one_rank=getattr(shipped, "min_combine_elements_one_rank", None),
     )
     payload = dict(preset=preset.to_json(), measured=dict(
         case=case.label(), c_cal=args.c_cal, comp_ms=med["comp"], comp_waves=comp_waves,

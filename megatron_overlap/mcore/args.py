@@ -57,7 +57,7 @@ def add_moe_overlap_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                        metavar="N",
                        help="Layers whose gathered tokens x hidden is below N run the stock "
                        "path (host-bound there); default: the device calibration's (H200: "
-                       "33554432); 0 overlaps always.")
+                       "33554432, 16777216 on one GPU); 0 overlaps always.")
     group.add_argument("--moe-overlap-no-tail-helpers", action="store_true",
                        help="Leave the last split to the C communication CTAs (default: when "
                        "GEMM2 ends, one more GatherRS CTA per SM it leaves shares it; same "

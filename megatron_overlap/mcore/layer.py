@@ -101,7 +101,10 @@ class OverlapMoELayer(MoELayer):
                               "stock Megatron path (the overlapped op cannot be replayed)")
             return False
         if self._min_elements is None:
-            self._min_elements = min_combine_elements(self.overlap_config, hidden_states.device)
+            group = self.token_dispatcher.tp_ep_group
+            self._min_elements = min_combine_elements(
+                self.overlap_config, hidden_states.device,
+                group.size() if group is not None else 1)
         if hidden_states.numel() < self._min_elements:
             # Too small to gain: the model is host-bound there and the stock path has less
             # host work (the threshold is the calibration's, docs/RESULTS.md).

@@ -51,7 +51,8 @@ class OverlapConfig:
     min_combine_elements: read by OverlapMoELayer, not by the op: a layer whose combined
         output (tokens x hidden) has fewer elements runs the stock Megatron path, where the
         overlap's extra host work costs more than it saves. None = the calibration's value
-        (H200: 2^25; 0 for devices without one and under the interpreter); 0 = never.
+        (H200: 2^25, 2^24 on a group of one rank; 0 for devices without one and under the
+        interpreter); 0 = never.
     """
 
     backend: str = "auto"
@@ -279,16 +280,17 @@ def calibration_for(device: DeviceSpec, preset: str | None) -> Calibration:
     return A100_PAPER.calibration
 
 
-def min_combine_elements(config: OverlapConfig, device: torch.device) -> int:
-    """The layer's overlap threshold: the config's, else the calibration's for this device."""
+def min_combine_elements(config: OverlapConfig, device: torch.device, world: int) -> int:
+    """The layer's overlap threshold: the config's, else the calibration's for this device
+    and a group of `world` ranks (`Preset.combine_threshold`)."""
     if config.min_combine_elements is not None:
         return config.min_combine_elements
     if config.preset is not None:
-        return get_preset(config.preset).min_combine_elements
+        return get_preset(config.preset).combine_threshold(world)
     if device.type != "cuda":
         return 0
     found = preset_for_device(torch.cuda.get_device_properties(device).name)
-    return found.min_combine_elements if found is not None else 0
+    return found.combine_threshold(world) if found is not None else 0
 
 
 def kernel_spec(tiles: TileConfig, comm_tm: int, comm_tn: int, o_comp: int,

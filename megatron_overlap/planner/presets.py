@@ -26,6 +26,15 @@ class Preset:
     # Below this many elements of a layer's combined output (tokens x hidden), a Megatron
     # MoE layer runs its stock path: measured per device (docs/RESULTS.md), 0 = never.
     min_combine_elements: int = 0
+    # The same where the group is one rank (one GPU: no reduce-scatter, a shorter host
+    # path), where it was measured on its own; None = min_combine_elements.
+    min_combine_elements_one_rank: int | None = None
+
+    def combine_threshold(self, world: int) -> int:
+        """min_combine_elements for a group of `world` ranks."""
+        if world == 1 and self.min_combine_elements_one_rank is not None:
+            return self.min_combine_elements_one_rank
+        return self.min_combine_elements
 
     def with_sm_margin(self, sm_margin: int) -> "Preset":
         return replace(self, device=DeviceSpec(self.device.name, self.device.sms, sm_margin))
@@ -38,12 +47,17 @@ class Preset:
             "calibration": asdict(self.calibration),
             "default_splits": self.default_splits,
             "min_combine_elements": self.min_combine_elements,
+            **({"min_combine_elements_one_rank": self.min_combine_elements_one_rank}
+               if self.min_combine_elements_one_rank is not None else {}),
         }
 
     def __post_init__(self) -> None:
-        m = self.min_combine_elements
-        if isinstance(m, bool) or not isinstance(m, int) or m < 0:
-            raise ValueError(f"Preset.min_combine_elements must be an int >= 0, got {m!r}")
+        for name in ("min_combine_elements", "min_combine_elements_one_rank"):
+            m = getattr(self, name)
+            if m is None and name.endswith("one_rank"):
+                continue
+            if isinstance(m, bool) or not isinstance(m, int) or m < 0:
+                raise ValueError(f"Preset.{name} must be an int >= 0, got {m!r}")
 
     @classmethod
     def from_json(cls, data: dict) -> "Preset":
@@ -55,6 +69,7 @@ class Preset:
                 calibration=Calibration(**data["calibration"]),
                 default_splits=data.get("default_splits", 1),
                 min_combine_elements=data.get("min_combine_elements", 0),
+                min_combine_elements_one_rank=data.get("min_combine_elements_one_rank"),
             )
         except (KeyError, TypeError) as err:
             raise ValueError(f"malformed calibration preset: {err}") from err
