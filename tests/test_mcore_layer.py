@@ -156,10 +156,19 @@ def _decision_log(config, x):
     return dict(lines=lines, decisions=layer.decisions)
 
 
-def _toggle_and_fallback(config, x, grad):
-    """overlap_enabled=False is the stock path; an unsupported config warns once, runs stock."""
+def _twice_with_warnings(layer, x, grad):
+    """The first of two runs, and the package's warnings over both."""
     import warnings
 
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        first = _run(layer, x, grad)
+        _run(layer, x, grad)
+    return first, [str(w.message) for w in caught if "megatron-overlap" in str(w.message)]
+
+
+def _toggle_and_fallback(config, x, grad):
+    """overlap_enabled=False is the stock path; an unsupported config warns once, runs stock."""
     from megatron_overlap.mcore.layer import set_overlap_enabled
     from megatron_overlap.mcore.spec import with_overlap_moe
     from megatron_overlap.ops import OverlapConfig
@@ -178,11 +187,7 @@ def _toggle_and_fallback(config, x, grad):
     ref_b = _run(stock_b, x, grad)
     torch.manual_seed(1234)
     layer_b = with_overlap_moe(spec, OverlapConfig(backend="reference"))(config=biased)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        fb1 = _run(layer_b, x, grad)
-        _run(layer_b, x, grad)
-    ours = [str(w.message) for w in caught if "megatron-overlap" in str(w.message)]
+    fb1, ours = _twice_with_warnings(layer_b, x, grad)
     # min_combine_elements: the gathered activations are 12 x 2 tokens x 2 ranks x 32 hidden
     gathered = 12 * 2 * 2 * 32
     small = {}
@@ -201,16 +206,11 @@ def _toggle_and_fallback(config, x, grad):
     try:
         torch.manual_seed(1234)
         layer_c = with_overlap_moe(spec, OverlapConfig(backend="interpret"))(config=config)
-        with warnings.catch_warnings(record=True) as caught_c:
-            warnings.simplefilter("always")
-            cap = _run(layer_c, x, grad)
-            _run(layer_c, x, grad)
+        cap, cap_warnings = _twice_with_warnings(layer_c, x, grad)
     finally:
         layer_module.capturing = real_capturing
     captured = dict(equal=torch.equal(cap[0], ref[0]) and torch.equal(cap[1], ref[1]),
-                    plan=layer_c.last_plan,
-                    warnings=[str(w.message) for w in caught_c
-                              if "megatron-overlap" in str(w.message)])
+                    plan=layer_c.last_plan, warnings=cap_warnings)
     return dict(toggled=toggled, captured=captured,
                 off_equal=torch.equal(off[0], ref[0]) and torch.equal(off[1], ref[1]),
                 fallback_equal=torch.equal(fb1[0], ref_b[0]), fallback_warnings=ours,
