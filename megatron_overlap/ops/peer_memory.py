@@ -100,9 +100,4 @@ def _ranks_share_a_gpu(device: torch.device, group, world: int) -> bool:
     mine = (os.uname().nodename, str(torch.cuda.get_device_properties(device).uuid))
     keys = [None] * world
     dist.all_gather_object(keys, mine, group=group)
-    return shares_a_device(keys)
-
-
-def shares_a_device(keys: list) -> bool:
-    """Whether any two of the ranks' (host, GPU uuid) keys are the same GPU."""
     return len(set(keys)) < len(keys)
