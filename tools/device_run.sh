@@ -104,7 +104,8 @@ for s in "$@"; do
     prefill_sweep) for lay in "2 1" "1 2"; do for m in granite qwen deepseek; do set -- $lay
         stage prefill_${m}_TP$1EP$2 ${PREFILL_SECS:-75} $TR -m megatron_overlap.mcore.prefill \
           --model $m --tp $1 --ep $2 --batch 4 --seqs ${PREFILL_SEQS:-1024,2048,4096,8192,16384} \
-          --iters 4 --warmup 1 --abba --json "$OUT/prefill_${m}_TP$1EP$2.json"; done; done ;;
+          --iters 4 --warmup 1 --abba ${PREFILL_ARGS:-} \
+          --json "$OUT/prefill_${TAG:-}${m}_TP$1EP$2.json"; done; done ;;
     x4_op) for lay in TP4EP1 TP2EP2 TP1EP4; do
         stage x4_op_$lay ${X4_OP_SECS:-150} torchrun --nproc-per-node 4 "$REPO/tools/bench_op.py" \
           --model granite,qwen,deepseek --layout $lay \
