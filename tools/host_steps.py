@@ -125,10 +125,11 @@ ARMS = {"default": (True, True), "torch events": (True, False),
         "copied offsets": (False, True)}
 
 
-def set_arm(buf, arm: str) -> None:
+def set_arm(buf, arm: str, driver_ok: bool) -> None:
+    """`driver_ok`: the buffer's own StreamOps.raw (no driver arm where it is False)."""
     buf.mapped_offsets, raw = ARMS[arm]
     if buf.stream_ops is not None:
-        buf.stream_ops.raw = raw and buf.stream_ops.raw_default
+        buf.stream_ops.raw = raw and driver_ok
 
 
 def main() -> int:
@@ -158,12 +159,13 @@ def main() -> int:
 
     buf = op.prepare(**run, config=cfg).buffer  # the op's own (keyed by its device)
     per_arm = {arm: [] for arm in ARMS}
+    driver_ok = buf.stream_ops is not None and buf.stream_ops.raw
     rounds = max(1, args.calls // 5)
     for _ in range(rounds):  # the arms interleaved, five calls at a time
         for arm in ARMS:
-            set_arm(buf, arm)
+            set_arm(buf, arm, driver_ok)
             per_arm[arm] += calls_of(lambda: gemm2_gather_rs(**run, config=cfg), 5, sync)
-    set_arm(buf, "default")
+    set_arm(buf, "default", driver_ok)
     buf.mapped_offsets = buffer._mapped_offsets_default()
     tables = {arm: table_of(calls) for arm, calls in per_arm.items()}
     if dist.get_rank() == 0:

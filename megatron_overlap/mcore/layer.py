@@ -31,6 +31,12 @@ log = logging.getLogger("megatron_overlap.mcore")
 _warned: set[str] = set()
 
 
+def _warn_once(key: str, message: str) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        warnings.warn(f"megatron-overlap: {message}")
+
+
 class OverlapMoELayer(MoELayer):
     """MoELayer whose GEMM2 + combine + reduce-scatter run overlapped (see module doc).
 
@@ -88,17 +94,12 @@ class OverlapMoELayer(MoELayer):
         if not self.overlap_enabled:
             return False
         if self._unsupported is not None:
-            if self._unsupported not in _warned:
-                _warned.add(self._unsupported)
-                warnings.warn(f"megatron-overlap: {self._unsupported} is not supported; "
-                              "those MoE layers run the stock Megatron path")
+            _warn_once(self._unsupported, f"{self._unsupported} is not supported; those MoE "
+                       "layers run the stock Megatron path")
             return False
         if capturing(hidden_states):  # (the op refuses: its routing comes from the host)
-            reason = "CUDA graph capture"
-            if reason not in _warned:
-                _warned.add(reason)
-                warnings.warn("megatron-overlap: MoE layers captured in a CUDA graph run the "
-                              "stock Megatron path (the overlapped op cannot be replayed)")
+            _warn_once("capture", "MoE layers captured in a CUDA graph run the stock "
+                       "Megatron path (the overlapped op cannot be replayed)")
             return False
         if self._min_elements is None:
             group = self.token_dispatcher.tp_ep_group

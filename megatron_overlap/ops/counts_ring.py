@@ -16,6 +16,8 @@ from array import array
 
 import torch
 
+from .stream_ops import StreamOps
+
 #: Slots in the ring: calls the host may run ahead of the GPU before it waits.
 OFFSET_SLOTS = 16
 
@@ -25,7 +27,8 @@ class CountsRing:
 
     def __init__(self, device: torch.device, slots: int | None = None, stream_ops=None):
         self.device = device
-        self.stream_ops = stream_ops  # `StreamOps` of the device (None: torch's record)
+        # the event records (the buffer's, shared; one of its own otherwise)
+        self.stream_ops = stream_ops or (StreamOps(device) if device.type == "cuda" else None)
         self.slots = slots or OFFSET_SLOTS
         self._ring: torch.Tensor | None = None
         self._views: dict[tuple, torch.Tensor] = {}
@@ -58,8 +61,5 @@ class CountsRing:
         if self._events is None:
             return None
         event = self._events[self._next]
-        if self.stream_ops is not None:
-            self.stream_ops.record(event)
-        else:
-            event.record()
+        self.stream_ops.record(event)
         return event

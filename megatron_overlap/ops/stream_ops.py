@@ -33,8 +33,7 @@ class StreamOps:
         self.device = device
         self.index = device.index if device.index is not None else torch.cuda.current_device()
         lib = libcuda() if device.type == "cuda" else None
-        self.raw_default = lib is not None and _driver_events_default()
-        self.raw = self.raw_default
+        self.raw = lib is not None and _driver_events_default()
         if lib is not None:
             self._record = lib.cuEventRecord
             self._record.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
