@@ -167,6 +167,34 @@ def test_host_timeline_times_each_call_from_its_host_mark_only():
     assert ("api", "after") not in table
 
 
+def test_layer_profile_counts_concurrent_kernels_once_in_busy_time_and_by_kind_in_sums():
+    """Two streams' kernels overlap: busy time is their union, the kinds their sums; the
+    warm-up's kernel that ends inside the block is not the block's."""
+    pytest.importorskip("megatron.core")
+    import profile_layer
+
+    mark = profile_layer.MARK
+    trace = _trace(
+        dict(name="grouped_gemm2_ws_kernel", cat="kernel", ts=900, dur=150),  # warm-up's
+        dict(name=mark, cat="user_annotation", ts=1000, dur=100),
+        dict(name=mark, cat="user_annotation", ts=1100, dur=100),
+        dict(name="grouped_gemm2_ws_kernel", cat="kernel", ts=1200, dur=400),
+        dict(name="gather_rs_kernel", cat="kernel", ts=1300, dur=400),
+        dict(name="void at::native::vectorized_elementwise_kernel<4>", cat="kernel",
+             ts=1800, dur=200),
+        dict(name="Memcpy HtoD (Pinned -> Device)", cat="gpu_memcpy", ts=2000, dur=100),
+    )
+    r = profile_layer.breakdown(trace, calls=2)
+    assert r["wall_ms"] == pytest.approx(1.1 / 2)  # 1000 -> 2100 us
+    assert r["gpu_busy_ms"] == pytest.approx((500 + 200 + 100) * 1e-3 / 2)
+    assert r["gpu_idle_ms"] == pytest.approx((200 + 100) * 1e-3 / 2)
+    assert r["kinds"] == pytest.approx({"ours: GEMM2": 0.2, "ours: GatherRS": 0.2,
+                                        "elementwise": 0.1, "copy / memset": 0.05})
+    assert r["top_kernels"][0]["per_call"] == 0.5
+    with pytest.raises(ValueError, match="expected 3 marked calls"):
+        profile_layer.breakdown(trace, calls=3)
+
+
 def test_helpers_analysis_reads_the_same_decisions_timed_without_helpers(monkeypatch, capsys):
     import analyze_runs
 

@@ -29,7 +29,9 @@ from megatron_overlap.mcore.models import build_model  # noqa: E402
 from megatron_overlap.ops import OverlapConfig  # noqa: E402
 
 
-def layer_case(model_name, tp, ep, seq, batch, args, device):
+def build_case(model_name, tp, ep, seq, batch, args, device):
+    """(the model's first OverlapMoELayer, random hidden states for it): one MoE layer of
+    `model_name` (DeepSeek's first layer is dense, so its model gets two), eval mode."""
     from megatron.core import parallel_state as ps
 
     depth = 2 if model_name == "deepseek" else 1  # its first layer is dense
@@ -42,6 +44,11 @@ def layer_case(model_name, tp, ep, seq, batch, args, device):
     gen = torch.Generator(device=device).manual_seed(1234 + ps.get_data_parallel_rank())
     hidden = torch.randn(s_local, batch // dp, layer.config.hidden_size, generator=gen,
                          device=device, dtype=torch.float32).to(layer.config.params_dtype)
+    return layer, hidden
+
+
+def layer_case(model_name, tp, ep, seq, batch, args, device):
+    layer, hidden = build_case(model_name, tp, ep, seq, batch, args, device)
 
     def run(overlap: bool):
         def fn():

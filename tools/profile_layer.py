@@ -1,0 +1,159 @@
+"""Where one MoE layer's time goes, stock and overlapped: GPU kernel time by kind.
+
+    torchrun --nproc-per-node 1 tools/profile_layer.py --models qwen --tp 1 --ep 1 \
+        --seqs 4096,16384 --json out/profile_layer_TP1EP1.json
+
+The Amdahl bound in docs/RESULTS.md ("What limits us now") takes the layer minus the
+operator as one block; this splits that block. Each arm runs `--calls` layer calls back
+to back (as a prefill does: no sync between them) under torch.profiler, after a warm-up.
+Per call: the wall time (from the host entering the first call to the last kernel's
+end, over the calls), the time some kernel was running (the union of kernel
+intervals: concurrent kernels count once), and the kernel time of each kind
+(`KINDS`, by kernel name; summed, so overlapped kernels count twice). The profiler adds
+a few microseconds of host time per recorded call; kernel durations are the GPU's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_layer import build_case  # noqa: E402
+from benchlib import env_info, write_json  # noqa: E402
+
+from megatron_overlap.mcore import prefill  # noqa: E402
+
+MARK = "megatron_overlap.layer_call"
+#: (kind, pattern on the kernel name), first match wins. Ours first: their names are ours.
+KINDS = (
+    ("ours: GEMM2", r"grouped_gemm2"),
+    ("ours: GatherRS", r"gather_rs|sum_partials"),
+    ("ours: routing table", r"routing_table"),
+    ("grouped GEMM (torch._grouped_mm)", r"GroupProblemShape|grouped_mm|[Gg]rouped"),
+    ("dense GEMM", r"gemm|Gemm|nvjet|cublas|xmma|cutlass"),
+    ("NCCL", r"nccl"),
+    ("sort / top-k / scan", r"[Ss]ort|topk|[Tt]opK|scan|[Cc]um"),
+    ("index / gather / scatter", r"index|[Gg]ather|[Ss]catter|masked|nonzero|[Ee]mbedding"),
+    ("reduction", r"[Rr]educe|softmax|[Ss]oftmax|norm"),
+    ("elementwise", r"elementwise|[Vv]ectorized|unrolled|fill|triton_|fused"),
+    ("copy / memset", r"^Memcpy|^Memset|[Cc]opy"),
+)
+
+
+def kind_of(name: str) -> str:
+    for kind, pattern in KINDS:
+        if re.search(pattern, name):
+            return kind
+    return "other"
+
+
+def _union_us(spans: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def breakdown(trace: dict, calls: int, top: int = 15) -> dict:
+    """Per-call milliseconds of one profiled block of `calls` marked layer calls."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    marks = [e for e in events if e.get("name") == MARK and e.get("cat") == "user_annotation"]
+    gpu = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if len(marks) != calls or not gpu:
+        raise ValueError(f"expected {calls} marked calls and GPU work, found {len(marks)} "
+                         f"marks and {len(gpu)} GPU events (was CUDA profiled?)")
+    t0 = min(e["ts"] for e in marks)
+    gpu = [e for e in gpu if e["ts"] >= t0]  # the warm-up's stragglers are not ours
+    wall = max(e["ts"] + e["dur"] for e in gpu) - t0
+    busy = _union_us([(e["ts"], e["ts"] + e["dur"]) for e in gpu])
+    kinds: dict[str, float] = {}
+    names: dict[str, list[float]] = {}
+    for e in gpu:
+        kinds[kind_of(e["name"])] = kinds.get(kind_of(e["name"]), 0.0) + e["dur"]
+        names.setdefault(e["name"], []).append(e["dur"])
+    per = 1e-3 / calls  # us over `calls` calls -> ms per call
+    kernels = sorted(names.items(), key=lambda kv: -sum(kv[1]))[:top]
+    return dict(
+        wall_ms=wall * per, gpu_busy_ms=busy * per, gpu_idle_ms=(wall - busy) * per,
+        kinds={k: v * per for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+        top_kernels=[dict(name=n[:120], kind=kind_of(n), ms=sum(d) * per,
+                          per_call=len(d) / calls) for n, d in kernels])
+
+
+def profile_arm(fn, calls: int) -> dict:
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(calls):
+            with torch.profiler.record_function(MARK):
+                fn()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            return breakdown(json.load(f), calls)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="granite,qwen,deepseek")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--ep", type=int, default=1)
+    ap.add_argument("--seqs", default="4096,16384")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--calls", type=int, default=6)
+    ap.add_argument("--min-elements", type=int, default=None)
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+    args.backend, args.tiny = "auto", False
+    device = prefill._setup(argparse.Namespace(tp=args.tp, ep=args.ep, seed=0, preload=None))
+    results = []
+    for name in args.models.split(","):
+        for seq in map(int, args.seqs.split(",")):
+            layer, hidden = build_case(name, args.tp, args.ep, seq, args.batch, args, device)
+            row = dict(model=name, tp=args.tp, ep=args.ep, seq=seq, batch=args.batch)
+            for arm, overlap in (("stock", False), ("overlap", True)):
+                def fn(overlap=overlap):
+                    layer.overlap_enabled = overlap
+                    with torch.no_grad():
+                        layer(hidden)
+                for _ in range(3):  # compile, allocate, plan
+                    fn()
+                row[arm] = profile_arm(fn, args.calls)
+            del layer, hidden
+            torch.cuda.empty_cache()
+            results.append(row)
+            if dist.get_rank() == 0:
+                _print(row)
+    if dist.get_rank() == 0:
+        write_json(args.json, dict(env=env_info(), command=" ".join(sys.argv), results=results))
+    return 0
+
+
+def _print(row: dict) -> None:
+    print(f"== {row['model']} TP{row['tp']}EP{row['ep']} S={row['seq']} B={row['batch']} "
+          f"(ms per layer call)")
+    for arm in ("stock", "overlap"):
+        r = row[arm]
+        print(f"  {arm}: wall {r['wall_ms']:.3f}, GPU busy {r['gpu_busy_ms']:.3f}, "
+              f"idle {r['gpu_idle_ms']:.3f}")
+        for kind, ms in r["kinds"].items():
+            print(f"    {kind:<34} {ms:8.3f}")
+        for k in r["top_kernels"]:
+            print(f"      {k['ms']:7.3f} x{k['per_call']:<4g} {k['name'][:90]}")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
