@@ -191,6 +191,9 @@ def test_layer_profile_counts_concurrent_kernels_once_in_busy_time_and_by_kind_i
     assert r["kinds"] == pytest.approx({"ours: GEMM2": 0.2, "ours: GatherRS": 0.2,
                                         "elementwise": 0.1, "copy / memset": 0.05})
     assert r["top_kernels"][0]["per_call"] == 0.5
+    # idle 1000 -> 1200 (the first kernel waited) and 1700 -> 1800
+    assert [(k["kind"], k["ms"]) for k in r["idle_before"]] == [
+        ("ours: GEMM2", pytest.approx(0.1)), ("elementwise", pytest.approx(0.05))]
     with pytest.raises(ValueError, match="expected 3 marked calls"):
         profile_layer.breakdown(trace, calls=3)
 

@@ -36,8 +36,10 @@ def build_case(model_name, tp, ep, seq, batch, args, device):
 
     depth = 2 if model_name == "deepseek" else 1  # its first layer is dense
     config = OverlapConfig(backend=args.backend, min_combine_elements=args.min_elements)
-    model = build_model(model_name, tp, ep, depth, overlap=config,
-                        tiny=args.tiny).to(device).eval()
+    fusion = {"bias_activation_fusion": False} if getattr(args, "no_bias_swiglu_fusion",
+                                                          False) else {}
+    model = build_model(model_name, tp, ep, depth, overlap=config, tiny=args.tiny,
+                        **fusion).to(device).eval()
     layer = next(m for m in model.modules() if isinstance(m, OverlapMoELayer))
     dp = ps.get_data_parallel_world_size()
     s_local = seq // tp if layer.config.sequence_parallel else seq
@@ -92,6 +94,8 @@ def main() -> int:
                     help="the layer's min_combine_elements (default: the calibration's; 0 "
                          "compares the overlapped path at every size)")
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--no-bias-swiglu-fusion", action="store_true",
+                    help="eager SwiGLU (Megatron's flag of that name; fused by default on CUDA)")
     ap.add_argument("--preload", default=None)
     ap.add_argument("--json", default="")
     args = ap.parse_args()

@@ -8,8 +8,9 @@ operator as one block; this splits that block. Each arm runs `--calls` layer cal
 to back (as a prefill does: no sync between them) under torch.profiler, after a warm-up.
 Per call: the wall time (from the host entering the first call to the last kernel's
 end, over the calls), the time some kernel was running (the union of kernel
-intervals: concurrent kernels count once), and the kernel time of each kind
-(`KINDS`, by kernel name; summed, so overlapped kernels count twice). The profiler adds
+intervals: concurrent kernels count once), the kernel time of each kind (`KINDS`, by
+kernel name; summed, so overlapped kernels count twice) and the kernels the GPU sat idle
+before (waiting for the host to launch them, as after a host sync). The profiler adds
 a few microseconds of host time per recorded call; kernel durations are the GPU's.
 """
 
@@ -78,6 +79,12 @@ def breakdown(trace: dict, calls: int, top: int = 15) -> dict:
     busy = _union_us([(e["ts"], e["ts"] + e["dur"]) for e in gpu])
     kinds: dict[str, float] = {}
     names: dict[str, list[float]] = {}
+    waits: dict[str, float] = {}  # idle GPU time before each kernel: it waited on the host
+    end = t0
+    for e in sorted(gpu, key=lambda e: e["ts"]):
+        if e["ts"] > end:
+            waits[e["name"]] = waits.get(e["name"], 0.0) + e["ts"] - end
+        end = max(end, e["ts"] + e["dur"])
     for e in gpu:
         kinds[kind_of(e["name"])] = kinds.get(kind_of(e["name"]), 0.0) + e["dur"]
         names.setdefault(e["name"], []).append(e["dur"])
@@ -87,7 +94,9 @@ def breakdown(trace: dict, calls: int, top: int = 15) -> dict:
         wall_ms=wall * per, gpu_busy_ms=busy * per, gpu_idle_ms=(wall - busy) * per,
         kinds={k: v * per for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
         top_kernels=[dict(name=n[:120], kind=kind_of(n), ms=sum(d) * per,
-                          per_call=len(d) / calls) for n, d in kernels])
+                          per_call=len(d) / calls) for n, d in kernels],
+        idle_before=[dict(name=n[:120], kind=kind_of(n), ms=w * per)
+                     for n, w in sorted(waits.items(), key=lambda kv: -kv[1])[:8]])
 
 
 def profile_arm(fn, calls: int) -> dict:
@@ -114,6 +123,8 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--calls", type=int, default=6)
     ap.add_argument("--min-elements", type=int, default=None)
+    ap.add_argument("--no-bias-swiglu-fusion", action="store_true",
+                    help="eager SwiGLU (Megatron's flag of that name; fused by default)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     args.backend, args.tiny = "auto", False
@@ -152,6 +163,9 @@ def _print(row: dict) -> None:
             print(f"    {kind:<34} {ms:8.3f}")
         for k in r["top_kernels"]:
             print(f"      {k['ms']:7.3f} x{k['per_call']:<4g} {k['name'][:90]}")
+        print("    GPU idle before:")
+        for k in r["idle_before"]:
+            print(f"      {k['ms']:7.3f} {k['name'][:100]}")
     sys.stdout.flush()
 
 

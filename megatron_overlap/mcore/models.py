@@ -72,6 +72,11 @@ def _common(key: str, tp: int, ep: int, num_layers: int) -> dict:
         transformer_impl="local",
         params_dtype=torch.bfloat16 if cuda else torch.float32, bf16=cuda,
         moe_router_dtype="fp32",  # the published routers take their softmax in fp32
+        # Megatron-LM's launch default (--bias-swiglu-fusion, off with
+        # --no-bias-swiglu-fusion): SwiGLU and the routing weights in one compiled kernel.
+        # Eager, the activation is five passes over FC1's output, a third of a layer's
+        # GPU time (docs/RESULTS.md, session 12). CPU runs stay eager (no compiler there).
+        bias_activation_fusion=cuda,
         use_cpu_initialization=not cuda,
     )
 

@@ -53,6 +53,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="weights and token ids")
     p.add_argument("--experts", choices=("grouped", "sequential"), default="grouped")
     p.add_argument("--tiny", action="store_true", help="CPU-sized widths (models.TINY)")
+    p.add_argument("--no-bias-swiglu-fusion", action="store_true",
+                   help="eager SwiGLU, as Megatron-LM's flag of that name (fused by default "
+                        "on CUDA)")
     p.add_argument("--abba", action="store_true",
                    help="time stock and overlapped ABBA-interleaved on the same weights")
     p.add_argument("--json", default=None, metavar="FILE", help="write the results here (rank 0)")
@@ -186,8 +189,9 @@ def run(args) -> dict:
 def run_all(args) -> list[dict]:
     device = _setup(args)
     overlap = overlap_config_from_args(args)
+    fusion = {"bias_activation_fusion": False} if args.no_bias_swiglu_fusion else {}
     model = build_model(args.model, args.tp, args.ep, args.layers, experts=args.experts,
-                        overlap=overlap, tiny=args.tiny).to(device).eval()
+                        overlap=overlap, tiny=args.tiny, **fusion).to(device).eval()
     results = []
     for seq in args.seq_list:
         try:
@@ -202,7 +206,8 @@ def run_all(args) -> list[dict]:
 def _header(args, seq: int, device) -> dict:
     return dict(model=args.model, tp=args.tp, ep=args.ep, world=dist.get_world_size(),
                 batch=args.batch, seq=seq, tokens=args.batch * seq, experts=args.experts,
-                tiny=args.tiny, device=str(device))
+                tiny=args.tiny, device=str(device),
+                swiglu_fusion=device.type == "cuda" and not args.no_bias_swiglu_fusion)
 
 
 def _run_seq(args, model, seq: int, overlap, device) -> dict:
