@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 from megatron_overlap.kernels import gather_rs as grs
 from megatron_overlap.kernels import gemm2
 from megatron_overlap.kernels import routing_table as rt
+from megatron_overlap.kernels import swiglu
 from routing_cases import fp64_rank_partial, rel_err, routed_problem
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests")
@@ -298,7 +299,7 @@ def test_every_kernel_compiles_for_hopper_without_a_gpu():
     done = subprocess.run([sys.executable, str(tool)], env=env, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count("ok ") == 14, done.stdout
+    assert done.stdout.count("ok ") == 16, done.stdout
     copies = {line.split(":")[0]: int(line.split(", ")[-1].split()[0])
               for line in done.stdout.splitlines()}  # "..., N async copies"
     # the pipelined item loops really gather by cp.async; the plain ones do not
@@ -639,3 +640,38 @@ def test_gather_binaries_ask_the_driver_for_the_largest_shared_carveout(monkeypa
     lc.prefer_max_shared(Binary())  # no driver: no call, no error
     assert len(calls) == 2
     assert grs._GATHER_RS.max_shared and not gemm2._GEMM2.max_shared
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows,k", [(37, 48), (5, 24), (130, 16)])
+def test_weighted_swiglu_matches_fp64_and_writes_every_element(dtype, rows, k):
+    """K = 24 and 48 are no power of two (a masked column block); 130 rows span blocks."""
+    g = torch.Generator().manual_seed(rows * k)
+    inter = (3 * torch.randn(rows, 2 * k, generator=g)).to(dtype)
+    probs = torch.rand(rows, generator=g)
+    out = torch.full((rows, k), float("nan"), dtype=dtype)  # poisoned
+    assert swiglu.weighted_swiglu(inter, probs, out=out) is out
+    assert out.shape == (rows, k) and out.dtype == dtype and not out.isnan().any()
+    gate, up = inter.double().chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up * probs.double()[:, None]
+    tol = 1e-5 if dtype == torch.float32 else 8e-3
+    assert rel_err(out.double(), want) < tol
+    ref = swiglu.weighted_swiglu_reference(inter, probs).double()
+    assert rel_err(out.double(), ref) < tol
+
+
+def test_weighted_swiglu_takes_no_rows_and_refuses_bad_shapes():
+    assert swiglu.weighted_swiglu(torch.zeros(0, 8), torch.zeros(0)).shape == (0, 4)
+    with pytest.raises(ValueError, match=r"inter must be \[T, 2K\]"):
+        swiglu.weighted_swiglu(torch.zeros(4, 7), torch.zeros(4))
+    with pytest.raises(ValueError, match="probs must be"):
+        swiglu.weighted_swiglu(torch.zeros(4, 8), torch.zeros(5))
+    with pytest.raises(ValueError, match="floating point"):
+        swiglu.weighted_swiglu(torch.zeros(4, 8, dtype=torch.int32), torch.zeros(4))
+    with pytest.raises(ValueError, match="out must be contiguous"):
+        swiglu.weighted_swiglu(torch.zeros(4, 8), torch.zeros(4), out=torch.zeros(4, 8))
+
+
+def test_swiglu_block_divides_the_expert_widths_of_the_models():
+    assert [swiglu.block_shape(k) for k in (1408, 704, 512, 256, 24)] == [
+        (32, 128), (64, 64), (16, 256), (16, 256), (256, 16)]

@@ -77,3 +77,65 @@ def test_two_gpu_overlap_layer_matches_stock_in_bf16():
         for key, r in res.items():
             assert r["same_init"] and r["overlap"], (rank, key, r)
             assert r["out"] < 2e-2 and r["dx"] < 2e-2 and r["dw"] < 2e-2, (rank, key, r)
+
+
+def _one_gpu_inference(rank, world):
+    """Qwen-like TP1EP1 layer with a gated shared expert, in inference (no_grad): the
+    overlapped layer (one-sync dispatch, Triton SwiGLU, shared experts on the side stream
+    or not) against the stock layer, both SwiGLU settings of Megatron."""
+    import torch.nn.functional as F
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_overlap.mcore.spec import with_grouped_experts, with_overlap_moe
+    from megatron_overlap.ops import OverlapConfig
+
+    torch.cuda.set_device(0)
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(1, 1, expert_model_parallel_size=1)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(2048, 2, 2048, device="cuda", generator=g).bfloat16()
+    results = {}
+    for fusion in (True, False):
+        config = TransformerConfig(
+            num_layers=1, hidden_size=2048, num_attention_heads=16, num_moe_experts=16,
+            moe_router_topk=4, moe_ffn_hidden_size=1408, ffn_hidden_size=1408,
+            moe_shared_expert_intermediate_size=2816, moe_shared_expert_gate=True,
+            moe_token_dispatcher_type="allgather", gated_linear_unit=True,
+            activation_func=F.silu, add_bias_linear=False, params_dtype=torch.bfloat16,
+            bf16=True, moe_router_dtype="fp32", moe_router_pre_softmax=True,
+            moe_router_load_balancing_type="none", transformer_impl="local",
+            bias_activation_fusion=fusion)
+        spec = with_grouped_experts(get_gpt_layer_local_spec(num_experts=16).submodules.mlp)
+        outs = {}
+        for name, overlap in (("stock", None),
+                              ("side", OverlapConfig(backend="triton", sync_errors=True,
+                                                     min_combine_elements=0)),
+                              ("one stream", OverlapConfig(
+                                  backend="triton", sync_errors=True, min_combine_elements=0,
+                                  shared_expert_stream=False))):
+            model_parallel_cuda_manual_seed(7, force_reset_rng=True)
+            torch.manual_seed(7)
+            layer = (spec if overlap is None else with_overlap_moe(spec, overlap))(config=config)
+            with torch.no_grad():
+                torch.cuda.synchronize()
+                outs[name] = [layer(x)[0] for _ in range(3)]  # back to back, no sync
+                torch.cuda.synchronize()
+            outs[name + " plan"] = getattr(layer, "last_plan", None) is not None
+        results[fusion] = dict(
+            planned=outs["side plan"] and outs["one stream plan"],
+            streams_equal=all(torch.equal(a, b) for a, b in zip(outs["side"],
+                                                                 outs["one stream"])),
+            calls_equal=all(torch.equal(o, outs["side"][0]) for o in outs["side"]),
+            rel=max(_rel(a, b) for a, b in zip(outs["side"], outs["stock"])))
+    ps.destroy_model_parallel()
+    return results
+
+
+def test_one_gpu_layer_inference_matches_stock_with_shared_experts_on_a_side_stream():
+    (res,) = run_ranks(1, _one_gpu_inference, backend="nccl")
+    for fusion, r in res.items():
+        assert r["planned"] and r["streams_equal"] and r["calls_equal"], (fusion, r)
+        assert r["rel"] < 2e-2, (fusion, r)

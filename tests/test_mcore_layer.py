@@ -98,11 +98,17 @@ def _layer_scenarios(rank, world):
                     # the supported path never warns
                     warnings.filterwarnings("error", message="megatron-overlap")
                     out, dx, grads = _run(layer, x, grad)
+                if experts == "grouped" and backend == "interpret":
+                    results[(name, "postprocess")] = _postprocess_equal(layer, x)
+                    with torch.no_grad():  # inference: the Triton SwiGLU, one-sync dispatch
+                        inference = _rel_diff(layer(x)[0], stock(x)[0])
                 results[(name, experts, backend)] = dict(
                     same_init=same_init, out=_rel_diff(out, ref[0]), dx=_rel_diff(dx, ref[1]),
                     dw=max(_rel_diff(grads[k], ref[2][k]) for k in ref[2]),
                     grad_names=sorted(grads) == sorted(ref[2]),
-                    plan=None if layer.last_plan is None else layer.last_plan.source)
+                    plan=None if layer.last_plan is None else layer.last_plan.source,
+                    inference=inference if experts == "grouped" and backend == "interpret"
+                    else 0.0)
         if name == "TP2EP2":
             results["bf16"] = _bf16_case(tp, ep, x, grad)
         if name == "TP1EP2":  # Megatron allows expert biases only without expert TP
@@ -110,6 +116,26 @@ def _layer_scenarios(rank, world):
             results["log"] = _decision_log(config, x)
     ps.destroy_model_parallel()
     return results
+
+
+def _postprocess_equal(layer, x):
+    """`dispatch.single_sync_postprocess` against Megatron's `dispatch_postprocess` on the
+    same dispatched tokens: the same rows, permutation, probabilities and counts, bitwise."""
+    from megatron_overlap.mcore.dispatch import single_sync_postprocess
+
+    disp = layer.token_dispatcher
+    with torch.no_grad():
+        probs, routing_map = layer.route(x)
+        hidden, probs = layer.preprocess(x, probs, routing_map)
+        hidden, probs = layer.dispatch(hidden, probs)
+        routing = disp.routing_map
+        theirs = disp.dispatch_postprocess(hidden, probs)
+        their_perm = disp.reversed_local_input_permutation_mapping
+        disp.routing_map = routing
+        ours = single_sync_postprocess(disp, hidden, probs)
+    return (all(torch.equal(a, b) for a, b in zip(ours, theirs))
+            and torch.equal(disp.reversed_local_input_permutation_mapping, their_perm)
+            and disp.routing_map is None and ours[0].shape[0] > 0)
 
 
 def _bf16_case(tp, ep, x, grad):
@@ -233,10 +259,18 @@ def test_overlap_layer_matches_stock_forward_and_gradients(layer_runs, layout, e
         assert r["out"] < 1e-5 and r["dx"] < 1e-5 and r["dw"] < 1e-5, (rank, r)  # fp32
 
 
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_single_sync_dispatch_gives_megatrons_rows_and_inference_matches_stock(layer_runs,
+                                                                             layout):
+    for rank, res in enumerate(layer_runs):
+        assert res[(layout, "postprocess")], rank
+        assert res[(layout, "grouped", "interpret")]["inference"] < 1e-5, rank
+
+
 def test_interpret_backend_plans_every_launch_and_reference_does_not(layer_runs):
     for res in layer_runs:
         for key, r in res.items():
-            if not isinstance(key, tuple):
+            if not isinstance(key, tuple) or key[1] == "postprocess":
                 continue
             layout, experts, backend = key
             assert r["plan"] == ("model" if backend == "interpret" else None), (layout, experts, r)

@@ -220,6 +220,16 @@ def test_one_hot_expert_and_empty_experts_are_correct():
         assert rel_err(call(p, 33, 2, INTERP), fp64_rank_partial(p, 33)) < 1e-2
 
 
+def test_a_strided_token_index_gives_the_bits_of_a_contiguous_one():
+    """A column of an [T, 2] index tensor (as nonzero returns) is a strided view."""
+    p = routed_problem(0, 1, tokens=33, experts=5, topk=2, ffn=16, hidden=32)
+    pairs = torch.stack([torch.zeros_like(p["token_index"]), p["token_index"]], dim=1)
+    strided = dict(p, token_index=pairs[:, 1])
+    assert not strided["token_index"].is_contiguous()
+    for config in (INTERP, REF):
+        assert torch.equal(call(strided, 33, 2, config), call(p, 33, 2, config))
+
+
 def test_no_rows_at_all_gives_zeros():
     p = routed_problem(0, 1, tokens=8, experts=2, topk=1, ffn=16, hidden=16)
     empty = dict(x=p["x"][:0], weight=p["weight"], counts=torch.zeros(2, dtype=torch.int64),

@@ -95,6 +95,15 @@ def kernels():
                gemm2_ws.grouped_gemm2_ws_kernel,
                _gemm2_signature(f"tensordesc<bf16[128,64],{layout}>", meta), meta,
                dict(num_warps=4, maxnreg=maxnreg), None)
+    from megatron_overlap.kernels import swiglu
+
+    for k in (1408, 512):
+        block_r, block_k = swiglu.block_shape(k)
+        meta = dict(K=k, BLOCK_R=block_r, BLOCK_K=block_k)
+        yield (f"weighted_swiglu K={k}", swiglu.weighted_swiglu_kernel,
+               _signature({"inter_ptr": "*bf16", "probs_ptr": "*fp32", "out_ptr": "*bf16"},
+                          {"rows": "i32"}, meta), meta, dict(num_warps=4),
+               {(0,): [["tt.divisibility", 16]], (2,): [["tt.divisibility", 16]]})
     for dest, from_counts in ((False, False), (True, True)):
         meta = dict(BLOCK_T=64, EXPERTS_POW2=64, SEARCH_STEPS=17, TOPK_POW2=4, CHECK_ROWS=256,
                     CHECK_CHUNK=64, WINDOW_STEPS=7, WRITE_DEST=dest, FROM_COUNTS=from_counts)

@@ -98,7 +98,8 @@ for s in "$@"; do
         --seqs 4096,16384 --samples 12 --json "$OUT/layer_TP1EP1.json" ;;
     profile_layer_1gpu) stage profile_layer_TP1EP1 ${PROFILE_SECS:-200} torchrun --nproc-per-node 1 \
         "$REPO/tools/profile_layer.py" --models ${PROFILE_MODELS:-granite,qwen,deepseek} \
-        --tp 1 --ep 1 --seqs ${SEQS:-4096,16384} --json "$OUT/profile_layer_${TAG:-}TP1EP1.json" ;;
+        --tp 1 --ep 1 --seqs ${SEQS:-4096,16384} ${PROFILE_ARMS:+--arms "$PROFILE_ARMS"} \
+        --json "$OUT/profile_layer_${TAG:-}TP1EP1.json" ;;
     prefill_1gpu) for m in ${PREFILL_MODELS:-granite qwen deepseek}; do
         stage prefill_${m}_TP1EP1 ${PREFILL_SECS:-75} torchrun --nproc-per-node 1 \
           -m megatron_overlap.mcore.prefill --model $m --tp 1 --ep 1 --batch 4 \

@@ -99,6 +99,42 @@ def breakdown(trace: dict, calls: int, top: int = 15) -> dict:
                      for n, w in sorted(waits.items(), key=lambda kv: -kv[1])[:8]])
 
 
+def _arm(layer, name: str):
+    """A context manager that sets `layer` up as arm `name` (`ARMS`) and undoes it after."""
+    import contextlib
+    import dataclasses
+
+    from megatron_overlap.mcore import experts as experts_module
+    from megatron_overlap.mcore import layer as layer_module
+
+    @contextlib.contextmanager
+    def arm():
+        config, enabled = layer.overlap_config, layer.overlap_enabled
+        activation, postprocess = (experts_module._routed_activation,
+                                   layer_module.single_sync_postprocess)
+        layer.overlap_enabled = name != "stock"
+        if name == "overlap, one stream":
+            layer.overlap_config = dataclasses.replace(config, shared_expert_stream=False)
+        elif name == "overlap, Megatron SwiGLU":
+            experts_module._routed_activation = experts_module.mlp_activation
+        elif name == "overlap, Megatron postprocess":
+            layer_module.single_sync_postprocess = (
+                lambda disp, hidden, probs: disp.dispatch_postprocess(hidden, probs))
+        try:
+            yield
+        finally:
+            layer.overlap_config, layer.overlap_enabled = config, enabled
+            experts_module._routed_activation = activation
+            layer_module.single_sync_postprocess = postprocess
+    return arm()
+
+
+#: What each arm changes: the stock layer, the overlapped one, and the overlapped one
+#: without one of its three layer-level parts (side stream, Triton SwiGLU, one sync).
+ARMS = ("stock", "overlap", "overlap, one stream", "overlap, Megatron SwiGLU",
+        "overlap, Megatron postprocess")
+
+
 def profile_arm(fn, calls: int) -> dict:
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     torch.cuda.synchronize()
@@ -114,6 +150,23 @@ def profile_arm(fn, calls: int) -> dict:
             return breakdown(json.load(f), calls)
 
 
+def profile_case(name: str, seq: int, args, device) -> dict:
+    layer, hidden = build_case(name, args.tp, args.ep, seq, args.batch, args, device)
+    row = dict(model=name, tp=args.tp, ep=args.ep, seq=seq, batch=args.batch,
+               arms=args.arms.split(","))
+
+    def fn():
+        with torch.no_grad():
+            layer(hidden)
+
+    for arm in row["arms"]:
+        with _arm(layer, arm):
+            for _ in range(3):  # compile, allocate, plan
+                fn()
+            row[arm] = profile_arm(fn, args.calls)
+    return row
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="granite,qwen,deepseek")
@@ -122,28 +175,22 @@ def main() -> int:
     ap.add_argument("--seqs", default="4096,16384")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--calls", type=int, default=6)
+    ap.add_argument("--arms", default="stock,overlap",
+                    help=f"comma-separated, of: {'; '.join(ARMS)}")
     ap.add_argument("--min-elements", type=int, default=None)
     ap.add_argument("--no-bias-swiglu-fusion", action="store_true",
                     help="eager SwiGLU (Megatron's flag of that name; fused by default)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
+    if unknown := set(args.arms.split(",")) - set(ARMS):
+        ap.error(f"unknown arms {sorted(unknown)}; known: {ARMS}")
     args.backend, args.tiny = "auto", False
     device = prefill._setup(argparse.Namespace(tp=args.tp, ep=args.ep, seed=0, preload=None))
     results = []
     for name in args.models.split(","):
         for seq in map(int, args.seqs.split(",")):
-            layer, hidden = build_case(name, args.tp, args.ep, seq, args.batch, args, device)
-            row = dict(model=name, tp=args.tp, ep=args.ep, seq=seq, batch=args.batch)
-            for arm, overlap in (("stock", False), ("overlap", True)):
-                def fn(overlap=overlap):
-                    layer.overlap_enabled = overlap
-                    with torch.no_grad():
-                        layer(hidden)
-                for _ in range(3):  # compile, allocate, plan
-                    fn()
-                row[arm] = profile_arm(fn, args.calls)
-            del layer, hidden
-            torch.cuda.empty_cache()
+            row = profile_case(name, seq, args, device)
+            torch.cuda.empty_cache()  # this case's layer is gone; hand its memory back
             results.append(row)
             if dist.get_rank() == 0:
                 _print(row)
@@ -155,7 +202,7 @@ def main() -> int:
 def _print(row: dict) -> None:
     print(f"== {row['model']} TP{row['tp']}EP{row['ep']} S={row['seq']} B={row['batch']} "
           f"(ms per layer call)")
-    for arm in ("stock", "overlap"):
+    for arm in row["arms"]:
         r = row[arm]
         print(f"  {arm}: wall {r['wall_ms']:.3f}, GPU busy {r['gpu_busy_ms']:.3f}, "
               f"idle {r['gpu_idle_ms']:.3f}")

@@ -39,6 +39,9 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron.core.utils import get_pg_rank, get_pg_size
 
+from ..kernels.swiglu import weighted_swiglu
+from ..ops.config import interpreting
+
 
 def _grouped_mm_ok(x: torch.Tensor) -> bool:
     """torch._grouped_mm runs bf16 on Hopper and newer; elsewhere the loop is the path."""
@@ -100,6 +103,27 @@ def mlp_activation(mlp, intermediate: torch.Tensor, bias: torch.Tensor | None,
     else:
         out = mlp.activation_func(intermediate)
     return (out * scale).to(out.dtype)
+
+
+def fused_swiglu_applies(mlp, bias: torch.Tensor | None) -> bool:
+    """Is `mlp`'s activation the plain weighted SwiGLU that `kernels.swiglu` computes (gated
+    silu, no bias, offset or clamp, not TE's)? The overlapped layer then runs that kernel."""
+    config = mlp.config
+    return (bias is None and config.gated_linear_unit and mlp.activation_func is F.silu
+            and not config.use_te_activation_func and not config.glu_linear_offset
+            and config.activation_func_clamp_value is None)
+
+
+def _routed_activation(mlp, intermediate: torch.Tensor, bias: torch.Tensor | None,
+                       probs: torch.Tensor) -> torch.Tensor:
+    """The overlapped layer's activation: the one-pass Triton kernel where it computes the
+    same function (on CUDA, or on CPU under the interpreter) and no gradient is needed
+    (the kernel has no backward: a prefill), else Megatron's."""
+    needs_grad = torch.is_grad_enabled() and (intermediate.requires_grad or probs.requires_grad)
+    if (fused_swiglu_applies(mlp, bias) and not needs_grad
+            and (intermediate.is_cuda or interpreting())):
+        return weighted_swiglu(intermediate, probs)
+    return mlp_activation(mlp, intermediate, bias, probs)
 
 
 def _apply_probs_on_input(config, x: torch.Tensor, probs: torch.Tensor):
@@ -181,12 +205,14 @@ class GroupedGemmExperts(MegatronModule):
                 config.init_method(self.fc1_weight[e])
                 config.output_layer_init_method(self.fc2_weight[e])
 
-    def fc1_activation(self, x: torch.Tensor, tokens_per_expert,
-                       probs: torch.Tensor) -> torch.Tensor:
-        """FC1 + activation with probs: x [T, H] -> [T, K] (x's dtype)."""
+    def fc1_activation(self, x: torch.Tensor, tokens_per_expert, probs: torch.Tensor,
+                       activation=None) -> torch.Tensor:
+        """FC1 + activation with probs: x [T, H] -> [T, K] (x's dtype). `activation`:
+        (mlp, intermediate, bias, probs) -> output; None = Megatron's (`mlp_activation`)."""
         x, probs = _apply_probs_on_input(self.config, x, probs)
         counts = host_counts(tokens_per_expert)
-        return mlp_activation(self, grouped_linear(x, self.fc1_weight, counts), None, probs)
+        return (activation or mlp_activation)(self, grouped_linear(x, self.fc1_weight, counts),
+                                              None, probs)
 
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert,
                 permuted_probs: torch.Tensor):
@@ -214,10 +240,13 @@ def fc1_and_fc2_weight(experts, x: torch.Tensor, tokens_per_expert, probs: torch
 
     Supports GroupedGemmExperts (its stacked weight, no copy) and Megatron's SequentialMLP
     (the per-expert FC2 weights stacked with torch.stack, so gradients reach each expert's
-    own parameter). Raises TypeError for other experts modules.
+    own parameter). Raises TypeError for other experts modules. A plain weighted SwiGLU
+    runs as one Triton pass (`kernels/swiglu.py`: the same function, fp32 inside, rounded
+    once, as Megatron's compiled fusion; its eager path rounds twice more).
     """
     if isinstance(experts, GroupedGemmExperts):
-        return experts.fc1_activation(x, tokens_per_expert, probs), experts.fc2_weight
+        return (experts.fc1_activation(x, tokens_per_expert, probs, _routed_activation),
+                experts.fc2_weight)
     if isinstance(experts, SequentialMLP):
         x, probs = _apply_probs_on_input(experts.config, x, probs)
         counts = host_counts(tokens_per_expert)
@@ -225,7 +254,7 @@ def fc1_and_fc2_weight(experts, x: torch.Tensor, tokens_per_expert, probs: torch
         for expert, xe, pe in zip(experts.local_experts, torch.split(x, counts),
                                   torch.split(probs, counts)):
             intermediate, bias = expert.linear_fc1(xe)
-            hs.append(mlp_activation(expert, intermediate, bias, pe))
+            hs.append(_routed_activation(expert, intermediate, bias, pe))
         weight = torch.stack([expert.linear_fc2.weight for expert in experts.local_experts])
         return torch.cat(hs), weight
     raise TypeError(f"no FC1/FC2 view for experts of type {type(experts).__name__}")

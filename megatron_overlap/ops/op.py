@@ -223,6 +223,7 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
     experts = weight.shape[0] if weight.dim() == 3 else -1
     counts, counts_dev = host_counts(tokens_per_expert, x.shape[0], experts)
     validate(x, weight, counts, token_index, num_tokens, topk, probs, world)
+    token_index = token_index.contiguous()  # the kernels index it as a flat array
     backend = resolve_backend(config.backend, x.device)
     if backend != "reference" and not _peer_capable(group, world):
         global _fallback_warned
