@@ -31,7 +31,8 @@ for s in "$@"; do
     env) stage env 60 bash -c "nvidia-smi; nvidia-smi topo -m; python3 -c 'import torch,triton; print(torch.__version__, triton.__version__, torch.cuda.device_count())'" ;;
     gpu_tests) stage gpu_tests ${GPU_TEST_SECS:-240} python3 -m pytest -q -m gpu -p no:cacheprovider \
         --rootdir "$REPO" -c "$REPO/pyproject.toml" ${GPU_TEST_K:+-k "$GPU_TEST_K"} \
-        "$REPO/tests/test_kernels_gpu.py" "$REPO/tests/test_op_gpu.py" || {
+        "$REPO/tests/test_kernels_gpu.py" "$REPO/tests/test_op_gpu.py" \
+        "$REPO/tests/test_mcore_gpu.py" || {
         # later stages measure through Triton's own launch path rather than not at all
         echo "gpu_tests failed: MEGATRON_OVERLAP_FAST_LAUNCH=0 TAIL_HELPERS=0 from here on" | tee -a "$LOG"
         export MEGATRON_OVERLAP_FAST_LAUNCH=0 MEGATRON_OVERLAP_TAIL_HELPERS=0; } ;;

@@ -113,11 +113,11 @@ def _arm(layer, name: str):
         activation, postprocess = (experts_module._routed_activation,
                                    layer_module.single_sync_postprocess)
         layer.overlap_enabled = name != "stock"
-        if name == "overlap, one stream":
+        if name == "overlap-one-stream":
             layer.overlap_config = dataclasses.replace(config, shared_expert_stream=False)
-        elif name == "overlap, Megatron SwiGLU":
+        elif name == "overlap-megatron-swiglu":
             experts_module._routed_activation = experts_module.mlp_activation
-        elif name == "overlap, Megatron postprocess":
+        elif name == "overlap-megatron-postprocess":
             layer_module.single_sync_postprocess = (
                 lambda disp, hidden, probs: disp.dispatch_postprocess(hidden, probs))
         try:
@@ -131,8 +131,8 @@ def _arm(layer, name: str):
 
 #: What each arm changes: the stock layer, the overlapped one, and the overlapped one
 #: without one of its three layer-level parts (side stream, Triton SwiGLU, one sync).
-ARMS = ("stock", "overlap", "overlap, one stream", "overlap, Megatron SwiGLU",
-        "overlap, Megatron postprocess")
+ARMS = ("stock", "overlap", "overlap-one-stream", "overlap-megatron-swiglu",
+        "overlap-megatron-postprocess")
 
 
 def profile_arm(fn, calls: int) -> dict:
