@@ -38,6 +38,7 @@ KINDS = (
     ("ours: GEMM2", r"grouped_gemm2"),
     ("ours: GatherRS", r"gather_rs|sum_partials"),
     ("ours: routing table", r"routing_table"),
+    ("ours: SwiGLU", r"weighted_swiglu"),
     ("grouped GEMM (torch._grouped_mm)", r"GroupProblemShape|grouped_mm|[Gg]rouped"),
     ("dense GEMM", r"gemm|Gemm|nvjet|cublas|xmma|cutlass"),
     ("NCCL", r"nccl"),
