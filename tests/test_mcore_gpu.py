@@ -81,8 +81,9 @@ def test_two_gpu_overlap_layer_matches_stock_in_bf16():
 
 def _one_gpu_inference(rank, world):
     """Qwen-like TP1EP1 layer with a gated shared expert, in inference (no_grad): the
-    overlapped layer (one-sync dispatch, Triton SwiGLU, shared experts on the side stream
-    or not) against the stock layer, both SwiGLU settings of Megatron."""
+    overlapped layer (deferred dispatch with FC1 on device offsets, Triton SwiGLU, shared
+    experts on the side stream or not) against the stock layer, both SwiGLU settings of
+    Megatron."""
     import torch.nn.functional as F
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -118,7 +119,8 @@ def _one_gpu_inference(rank, world):
                                   shared_expert_stream=False))):
             model_parallel_cuda_manual_seed(7, force_reset_rng=True)
             torch.manual_seed(7)
-            layer = (spec if overlap is None else with_overlap_moe(spec, overlap))(config=config)
+            layer = (spec if overlap is None else with_overlap_moe(spec, overlap))(
+                config=config).cuda()  # (the shared expert's gate is built on the CPU)
             with torch.no_grad():
                 torch.cuda.synchronize()
                 outs[name] = [layer(x)[0] for _ in range(3)]  # back to back, no sync

@@ -17,6 +17,12 @@ Shared experts (Qwen, DeepSeek) run first in `MoELayer.forward`, on the same str
 the router, so each of those syncs also waits for them. On a side stream (forked after
 the layer's input is ready, joined before the fused op and before their output is
 added) they run through the syncs and the host work after them instead.
+
+Where every expert is on the rank (EP = 1) and no token is dropped, the rows number
+M x top-k, known without the counts: `deferred_postprocess` then permutes without
+waiting, the counts travel to the host by an asynchronous copy, FC1 runs on device
+offsets, and the host waits for that copy only when the fused op needs the counts,
+with FC1 and the activation already queued: the sync no longer leaves the GPU idle.
 """
 
 from __future__ import annotations
@@ -47,6 +53,56 @@ def single_sync_postprocess(disp, hidden_states: torch.Tensor, probs: torch.Tens
     disp.reversed_local_input_permutation_mapping = token_index
     disp.routing_map = None
     return permuted, tokens_per_expert, disp.local_probs
+
+
+class Deferred:
+    """A postprocess whose host counts are still on their way (`deferred_postprocess`)."""
+
+    def __init__(self, permuted, probs, counts_dev, routing_map):
+        self.permuted, self.probs, self.counts_dev = permuted, probs, counts_dev
+        self.routing_map = routing_map  # kept for a redo: the dispatcher drops its own
+        if counts_dev.is_cuda:
+            self._host = torch.empty(counts_dev.shape, dtype=torch.int64, pin_memory=True)
+            self._host.copy_(counts_dev, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._host, self._ready = counts_dev.clone(), None
+
+    def tokens_per_expert(self) -> torch.Tensor:
+        """The counts on the host (CPU int64 [E]): waits for their copy only."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        return self._host
+
+
+def deferred_postprocess(disp, hidden_states: torch.Tensor, probs: torch.Tensor,
+                         topk: int) -> Deferred | None:
+    """`single_sync_postprocess` without waiting for the host at all, where the number of
+    routed rows is known without the counts: every expert is on this rank (EP = 1) and
+    the router drops no tokens, so each of the M tokens has exactly `topk` rows. The
+    counts go to the host by an asynchronous copy; whoever needs them on the host waits
+    for that copy alone (`Deferred.tokens_per_expert`), after queuing the work that does
+    not (FC1 with device offsets, the activation). None where the size is not known."""
+    lo, hi = disp.local_expert_indices[0], disp.local_expert_indices[-1] + 1
+    if hi - lo != disp.routing_map.shape[1] or disp.config.moe_expert_capacity_factor:
+        return None
+    disp.hidden_shape_before_permute = hidden_states.shape
+    routing_map = disp.routing_map
+    disp.local_map = routing_map.contiguous()
+    num_tokens = disp.local_map.shape[0]
+    counts_dev = disp.local_map.sum(dim=0)
+    # (fill 0: were a token routed to fewer experts, the padding must still index a row;
+    # the caller sees the counts disagree and redoes this with them)
+    pairs = torch.nonzero_static(disp.local_map.T.contiguous(), size=num_tokens * topk,
+                                 fill_value=0)
+    token_index = pairs[:, 1].contiguous()
+    permuted = hidden_states.index_select(0, token_index)
+    flat = pairs[:, 0] * num_tokens + token_index
+    disp.local_probs = probs.T.contiguous().view(-1).index_select(0, flat)
+    disp.reversed_local_input_permutation_mapping = token_index
+    disp.routing_map = None
+    return Deferred(permuted, disp.local_probs, counts_dev, routing_map)
 
 
 def side_stream(device: torch.device) -> torch.cuda.Stream:

@@ -49,16 +49,23 @@ def _grouped_mm_ok(x: torch.Tensor) -> bool:
             and torch.cuda.get_device_capability(x.device)[0] >= 9)
 
 
-def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int]) -> torch.Tensor:
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int] | None,
+                   device_counts: torch.Tensor | None = None) -> torch.Tensor:
     """y[rows of e] = x[rows of e] @ weight[e]^T, autograd-aware.
 
     x: [T, in] expert-sorted rows; weight: [E, out, in] (nn.Linear layout); counts: host
-    list of rows per expert (sum T). Returns [T, out] in x's dtype.
+    list of rows per expert (sum T), or None with `device_counts` ([E] on x's device;
+    torch._grouped_mm only: the host need not know them). Returns [T, out] in x's dtype.
     """
     if _grouped_mm_ok(x) and x.shape[0]:  # no rows: the loop keeps the autograd graph
-        offs = torch.tensor(list(accumulate(counts)), dtype=torch.int32)
-        offs = offs.to(x.device, non_blocking=True)
+        if counts is None:
+            offs = torch.cumsum(device_counts, 0, dtype=torch.int32)
+        else:
+            offs = torch.tensor(list(accumulate(counts)), dtype=torch.int32)
+            offs = offs.to(x.device, non_blocking=True)
         return torch._grouped_mm(x, weight.transpose(1, 2), offs=offs)
+    if counts is None:
+        counts = device_counts.tolist()
     parts, start = [], 0
     for e, n in enumerate(counts):
         # torch.matmul(x, w.t()) is what Megatron's linears compute: same bits as SequentialMLP.
@@ -206,13 +213,14 @@ class GroupedGemmExperts(MegatronModule):
                 config.output_layer_init_method(self.fc2_weight[e])
 
     def fc1_activation(self, x: torch.Tensor, tokens_per_expert, probs: torch.Tensor,
-                       activation=None) -> torch.Tensor:
+                       activation=None, device_counts=None) -> torch.Tensor:
         """FC1 + activation with probs: x [T, H] -> [T, K] (x's dtype). `activation`:
-        (mlp, intermediate, bias, probs) -> output; None = Megatron's (`mlp_activation`)."""
+        (mlp, intermediate, bias, probs) -> output; None = Megatron's (`mlp_activation`).
+        tokens_per_expert None: FC1 by `device_counts` (see `grouped_linear`)."""
         x, probs = _apply_probs_on_input(self.config, x, probs)
-        counts = host_counts(tokens_per_expert)
-        return (activation or mlp_activation)(self, grouped_linear(x, self.fc1_weight, counts),
-                                              None, probs)
+        counts = None if tokens_per_expert is None else host_counts(tokens_per_expert)
+        inter = grouped_linear(x, self.fc1_weight, counts, device_counts)
+        return (activation or mlp_activation)(self, inter, None, probs)
 
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert,
                 permuted_probs: torch.Tensor):
@@ -229,14 +237,22 @@ class GroupedGemmExperts(MegatronModule):
             "with SequentialMLP experts (--moe-overlap works with both) to save checkpoints")
 
 
+def needs_host_counts(experts, x: torch.Tensor) -> bool:
+    """Does FC1 of `experts` need the counts on the host (a per-expert split)?"""
+    return not (isinstance(experts, GroupedGemmExperts) and _grouped_mm_ok(x) and x.shape[0])
+
+
 def host_counts(tokens_per_expert) -> list[int]:
     if isinstance(tokens_per_expert, torch.Tensor):
         return tokens_per_expert.tolist()
     return list(tokens_per_expert)
 
 
-def fc1_and_fc2_weight(experts, x: torch.Tensor, tokens_per_expert, probs: torch.Tensor):
+def fc1_and_fc2_weight(experts, x: torch.Tensor, tokens_per_expert, probs: torch.Tensor,
+                       device_counts: torch.Tensor | None = None):
     """(h [T, K], w [E, H, K]): FC1 + activation output and the FC2 weight of `experts`.
+    tokens_per_expert may be None where `device_counts` is given and `experts` can run FC1
+    without the host counts (`needs_host_counts` is False).
 
     Supports GroupedGemmExperts (its stacked weight, no copy) and Megatron's SequentialMLP
     (the per-expert FC2 weights stacked with torch.stack, so gradients reach each expert's
@@ -245,8 +261,8 @@ def fc1_and_fc2_weight(experts, x: torch.Tensor, tokens_per_expert, probs: torch
     once, as Megatron's compiled fusion; its eager path rounds twice more).
     """
     if isinstance(experts, GroupedGemmExperts):
-        return (experts.fc1_activation(x, tokens_per_expert, probs, _routed_activation),
-                experts.fc2_weight)
+        return (experts.fc1_activation(x, tokens_per_expert, probs, _routed_activation,
+                                       device_counts), experts.fc2_weight)
     if isinstance(experts, SequentialMLP):
         x, probs = _apply_probs_on_input(experts.config, x, probs)
         counts = host_counts(tokens_per_expert)

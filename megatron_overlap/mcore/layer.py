@@ -8,7 +8,8 @@ This subclass overrides exactly those two steps: FC1 + activation stay the exper
 reduce-scatter become one `gemm2_gather_rs` call whose output is what `token_combine`
 returns. Where the fused op runs, the layer also leaves the GPU idle less often
 (`dispatch.py`): the dispatcher's postprocess syncs the host once instead of three
-times (same rows, same bits), and, in inference, shared experts run on a side stream
+times (same rows, same bits), or, where every expert is local, only once FC1 and the
+activation are queued; in inference shared experts run on a side stream
 (`OverlapConfig.shared_expert_stream`). Router and dispatch are Megatron's.
 
 Anything else (another dispatcher, TE experts, fp8, expert biases, latent MoE, the
@@ -30,8 +31,8 @@ from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDisp
 from ..ops import OverlapConfig, gemm2_gather_rs
 from ..ops.config import min_combine_elements
 from ..ops.validation import capturing
-from .dispatch import on_side_stream, single_sync_postprocess
-from .experts import GroupedGemmExperts, fc1_and_fc2_weight, host_counts
+from .dispatch import deferred_postprocess, on_side_stream, single_sync_postprocess
+from .experts import GroupedGemmExperts, fc1_and_fc2_weight, host_counts, needs_host_counts
 
 log = logging.getLogger("megatron_overlap.mcore")
 _warned: set[str] = set()
@@ -74,7 +75,8 @@ class OverlapMoELayer(MoELayer):
         self._fused_pending = False  # routed_experts_compute already did the combine
         self._last_key = None
         self._min_elements: int | None = None  # min_combine_elements, resolved on first use
-        self._shared_ready = None  # the side stream's event while shared experts run there
+        # shared experts deferred to the side stream: their input, output, ready event
+        self._shared_input = self._shared_output = self._shared_ready = None
 
     def _why_unsupported(self) -> str | None:
         c = self.config
@@ -133,8 +135,10 @@ class OverlapMoELayer(MoELayer):
                  "(min_combine_elements)", self.layer_number, numel, self._min_elements)
 
     def shared_experts_compute(self, hidden_states):
-        """Stock, or (inference, where the fused op will run) queued on a side stream."""
-        self._shared_ready = None
+        """Stock, or (inference, where the fused op will run) deferred to a side stream:
+        queued after the router (which would otherwise share the SMs with it), in
+        `routed_experts_compute`, and joined before the fused op."""
+        self._shared_input, self._shared_output, self._shared_ready = None, None, None
         if not (self.use_shared_expert and not self.shared_expert_overlap
                 and self.overlap_config.shared_expert_stream and hidden_states.is_cuda
                 and not torch.is_grad_enabled() and not self.shared_experts_recompute):
@@ -143,9 +147,14 @@ class OverlapMoELayer(MoELayer):
         gathered = hidden_states.numel() * (group.size() if group is not None else 1)
         if not self._use_overlap(hidden_states, gathered):
             return super().shared_experts_compute(hidden_states)
-        out, self._shared_ready = on_side_stream(super().shared_experts_compute,
-                                                 hidden_states)
-        return out
+        self._shared_input = hidden_states  # postprocess gets None and adds ours
+        return None
+
+    def _launch_shared_experts(self) -> None:
+        if self._shared_input is not None:
+            self._shared_output, self._shared_ready = on_side_stream(
+                super().shared_experts_compute, self._shared_input)
+            self._shared_input = None
 
     def _join_shared_experts(self) -> None:
         if self._shared_ready is not None:
@@ -153,22 +162,53 @@ class OverlapMoELayer(MoELayer):
             self._shared_ready = None
 
     def postprocess(self, output, shared_expert_output):
+        self._launch_shared_experts()  # (where routed_experts_compute did not run)
         self._join_shared_experts()  # (a no-op where it already joined)
+        if self._shared_output is not None:
+            shared_expert_output, self._shared_output = self._shared_output, None
         return super().postprocess(output, shared_expert_output)
 
-    def routed_experts_compute(self, hidden_states, probs):
-        """Stock: expert output before combine. Overlapped: the combined [M/D, H] rows."""
-        if not self._use_overlap(hidden_states):
-            self._fused_pending = False
-            return super().routed_experts_compute(hidden_states, probs)
-        disp = self.token_dispatcher
-        if self.config.moe_permute_fusion:  # TE's permute: Megatron's own postprocess
+    def _postprocess(self, hidden_states, probs):
+        """(x, host tokens_per_expert, permuted probs, FC1 + activation output, FC2 weight):
+        Megatron's postprocess where TE permutes, else one sync (`single_sync_postprocess`)
+        or, where the row count is known without the counts, none before FC1 is queued
+        (`deferred_postprocess`)."""
+        disp, topk = self.token_dispatcher, self.config.moe_router_topk
+        deferred = None if self.config.moe_permute_fusion else deferred_postprocess(
+            disp, hidden_states, probs, topk)
+        self._launch_shared_experts()
+        if deferred is not None:
+            x, permuted_probs = deferred.permuted, deferred.probs
+            h = weight = None
+            if not needs_host_counts(self.experts, x):  # FC1 queued before the wait
+                h, weight = fc1_and_fc2_weight(self.experts, x, None, permuted_probs,
+                                               deferred.counts_dev)
+            tokens_per_expert = deferred.tokens_per_expert()
+            if int(tokens_per_expert.sum()) == x.shape[0]:
+                if h is None:
+                    h, weight = fc1_and_fc2_weight(self.experts, x, tokens_per_expert,
+                                                   permuted_probs)
+                return x, tokens_per_expert, permuted_probs, h, weight
+            # a router that gave some token fewer than top-k experts: redo with the counts
+            disp.routing_map = deferred.routing_map
+        if self.config.moe_permute_fusion:
             x, tokens_per_expert, permuted_probs = disp.dispatch_postprocess(hidden_states,
                                                                              probs)
         else:
             x, tokens_per_expert, permuted_probs = single_sync_postprocess(disp, hidden_states,
                                                                            probs)
         h, weight = fc1_and_fc2_weight(self.experts, x, tokens_per_expert, permuted_probs)
+        return x, tokens_per_expert, permuted_probs, h, weight
+
+    def routed_experts_compute(self, hidden_states, probs):
+        """Stock: expert output before combine. Overlapped: the combined [M/D, H] rows."""
+        if not self._use_overlap(hidden_states):
+            self._fused_pending = False
+            self._launch_shared_experts()
+            return super().routed_experts_compute(hidden_states, probs)
+        disp = self.token_dispatcher
+        x, tokens_per_expert, permuted_probs, h, weight = self._postprocess(hidden_states,
+                                                                            probs)
         # shared experts on the side stream end first: the op plans for every SM
         self._join_shared_experts()
         if self.config.moe_permute_fusion:
