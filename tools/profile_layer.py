@@ -103,36 +103,36 @@ def breakdown(trace: dict, calls: int, top: int = 15) -> dict:
 def _arm(layer, name: str):
     """A context manager that sets `layer` up as arm `name` (`ARMS`) and undoes it after."""
     import contextlib
-    import dataclasses
 
     from megatron_overlap.mcore import experts as experts_module
     from megatron_overlap.mcore import layer as layer_module
 
     @contextlib.contextmanager
     def arm():
-        config, enabled = layer.overlap_config, layer.overlap_enabled
-        activation, postprocess = (experts_module._routed_activation,
-                                   layer_module.single_sync_postprocess)
+        enabled = layer.overlap_enabled
+        saved = (experts_module._routed_activation, layer_module.deferred_postprocess,
+                 layer_module.single_sync_postprocess)
         layer.overlap_enabled = name != "stock"
-        if name == "overlap-one-stream":
-            layer.overlap_config = dataclasses.replace(config, shared_expert_stream=False)
-        elif name == "overlap-megatron-swiglu":
+        if name == "overlap-megatron-swiglu":
             experts_module._routed_activation = experts_module.mlp_activation
-        elif name == "overlap-megatron-postprocess":
+        if name in ("overlap-single-sync", "overlap-megatron-postprocess"):
+            layer_module.deferred_postprocess = lambda *args: None
+        if name == "overlap-megatron-postprocess":
             layer_module.single_sync_postprocess = (
                 lambda disp, hidden, probs: disp.dispatch_postprocess(hidden, probs))
         try:
             yield
         finally:
-            layer.overlap_config, layer.overlap_enabled = config, enabled
-            experts_module._routed_activation = activation
-            layer_module.single_sync_postprocess = postprocess
+            layer.overlap_enabled = enabled
+            (experts_module._routed_activation, layer_module.deferred_postprocess,
+             layer_module.single_sync_postprocess) = saved
     return arm()
 
 
 #: What each arm changes: the stock layer, the overlapped one, and the overlapped one
-#: without one of its three layer-level parts (side stream, Triton SwiGLU, one sync).
-ARMS = ("stock", "overlap", "overlap-one-stream", "overlap-megatron-swiglu",
+#: without one of its layer-level parts: the Triton SwiGLU, the postprocess deferred
+#: past FC1 (one sync before it instead), or both of those (Megatron's three syncs).
+ARMS = ("stock", "overlap", "overlap-megatron-swiglu", "overlap-single-sync",
         "overlap-megatron-postprocess")
 
 

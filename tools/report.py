@@ -2,8 +2,8 @@
 
     python tools/report.py --data docs/data --out docs
 
-Reads op_*.json (tools/bench_op.py), layer_*.json (tools/bench_layer.py) and
-prefill_*.json (megatron_overlap.mcore.prefill --json); writes docs/results_tables.md
+Reads op_*.json (tools/bench_op.py), layer_*.json (tools/bench_layer.py),
+profile_layer_*.json (tools/profile_layer.py) and prefill_*.json (megatron_overlap.mcore.prefill --json); writes docs/results_tables.md
 (included by RESULTS.md) and PNG plots. Regret is measured: T(C*) is the planner's own
 timed run, T_oracle the fastest point of the C sweep timed in the same ABBA rounds.
 """
@@ -232,6 +232,25 @@ def layer_section(tag, layer) -> str:
     return "\n".join(lines)
 
 
+def profile_section(tag, data) -> str:
+    """One MoE layer's GPU time per arm (tools/profile_layer.py): wall, busy, idle and the
+    kinds that take the most time, ms per layer call."""
+    rows = data["results"]
+    arms = rows[0].get("arms", ["stock", "overlap"])
+    lines = [f"### One MoE layer by kernel kind, {tag} (tools/profile_layer.py)\n",
+             f"`{data['command']}`\n",
+             "| model | S | arm | wall ms | GPU busy | GPU idle | vs stock | largest kinds (ms) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        for arm in arms:
+            a = r[arm]
+            kinds = ", ".join(f"{k} {v:.2f}" for k, v in list(a["kinds"].items())[:4])
+            lines.append(f"| {r['model']} | {r['seq']} | {arm} | {a['wall_ms']:.2f} | "
+                         f"{a['gpu_busy_ms']:.2f} | {a['gpu_idle_ms']:.2f} | "
+                         f"{r['stock']['wall_ms'] / a['wall_ms']:.2f}x | {kinds} |")
+    return "\n".join(lines) + "\n"
+
+
 def prefill_section(tag, prefill, out_dir) -> str:
     """Table, geomeans and a speedup-vs-S plot of complete-model prefill runs."""
     lines = [f"### Complete-model prefill, {tag} (python -m megatron_overlap.mcore.prefill "
@@ -312,6 +331,11 @@ def main() -> int:
         layer = load(os.path.join(args.data, f"{tag}_*.json"))
         if layer:
             parts.append(layer_section(tag, layer))
+    for path in sorted(glob.glob(os.path.join(args.data, "profile_layer_*.json"))):
+        with open(path) as f:
+            data = json.load(f)
+        if "stock" in data["results"][0]:
+            parts.append(profile_section(os.path.basename(path)[14:-5], data))
     for tag in sorted({os.path.basename(p).split("_")[1]
                        for p in glob.glob(os.path.join(args.data, "prefill_*_*_*.json"))}):
         prefill = []

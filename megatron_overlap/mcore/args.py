@@ -68,10 +68,6 @@ def add_moe_overlap_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                        "every SM, the Hopper default), partition (SMs of their own, the "
                        "paper's scheme) or auto (the device default; also "
                        "MEGATRON_OVERLAP_PLACEMENT).")
-    group.add_argument("--moe-overlap-no-shared-expert-stream", action="store_true",
-                       help="Keep shared experts on the layer's stream (default: in inference, "
-                       "where the fused op runs, a side stream, so they run through the "
-                       "dispatcher's host sync). Also MEGATRON_OVERLAP_SHARED_STREAM=0.")
     group.add_argument("--moe-overlap-calibration", default=None, metavar="FILE",
                        help="Calibration JSON (tools/calibrate.py) or preset name; default: the "
                        "shipped calibration for this device.")
@@ -100,6 +96,4 @@ def overlap_config_from_args(args) -> OverlapConfig | None:
             args, "moe_overlap_placement", "auto")) != "auto" else {}),
         **({"tail_helpers": False} if getattr(args, "moe_overlap_no_tail_helpers", False)
            else {}),
-        **({"shared_expert_stream": False}
-           if getattr(args, "moe_overlap_no_shared_expert_stream", False) else {}),
     )

@@ -1,6 +1,5 @@
-"""The allgather dispatcher's postprocess with one host sync instead of three, and the
-shared experts on a side stream: the layer work around the fused op that leaves the GPU
-idle.
+"""The allgather dispatcher's postprocess with one host sync instead of three, or none
+before FC1 is queued: the layer work around the fused op that left the GPU idle.
 
 Megatron-Core 0.19's `MoEAllGatherTokenDispatcher.dispatch_postprocess` synchronizes
 the host three times per layer: `tokens_per_expert.cpu()`, then a `masked_select` in
@@ -13,11 +12,6 @@ that size needs no sync. Same rows, same order, same bits as Megatron's (`permut
 selects from the [experts, tokens] transposed map in row-major order: expert-major,
 token-ascending).
 
-Shared experts (Qwen, DeepSeek) run first in `MoELayer.forward`, on the same stream as
-the router, so each of those syncs also waits for them. On a side stream (forked after
-the layer's input is ready, joined before the fused op and before their output is
-added) they run through the syncs and the host work after them instead.
-
 Where every expert is on the rank (EP = 1) and no token is dropped, the rows number
 M x top-k, known without the counts: `deferred_postprocess` then permutes without
 waiting, the counts travel to the host by an asynchronous copy, FC1 runs on device
@@ -28,8 +22,6 @@ with FC1 and the activation already queued: the sync no longer leaves the GPU id
 from __future__ import annotations
 
 import torch
-
-_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
 def single_sync_postprocess(disp, hidden_states: torch.Tensor, probs: torch.Tensor):
@@ -103,28 +95,3 @@ def deferred_postprocess(disp, hidden_states: torch.Tensor, probs: torch.Tensor,
     disp.reversed_local_input_permutation_mapping = token_index
     disp.routing_map = None
     return Deferred(permuted, disp.local_probs, counts_dev, routing_map)
-
-
-def side_stream(device: torch.device) -> torch.cuda.Stream:
-    """One side stream per device for the shared experts (created on first use)."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _SIDE_STREAMS:
-        _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
-    return _SIDE_STREAMS[index]
-
-
-def on_side_stream(fn, hidden_states: torch.Tensor):
-    """(fn(hidden_states) queued on the side stream, the event its output is ready at).
-    The side stream first waits for what the current stream has queued (the input)."""
-    main = torch.cuda.current_stream(hidden_states.device)
-    side = side_stream(hidden_states.device)
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
-        out = fn(hidden_states)
-        ready = torch.cuda.Event()
-        ready.record(side)
-    # the caching allocator must not hand these blocks to the other stream too early
-    hidden_states.record_stream(side)
-    if out is not None:
-        out.record_stream(main)
-    return out, ready

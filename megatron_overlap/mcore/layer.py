@@ -9,8 +9,8 @@ reduce-scatter become one `gemm2_gather_rs` call whose output is what `token_com
 returns. Where the fused op runs, the layer also leaves the GPU idle less often
 (`dispatch.py`): the dispatcher's postprocess syncs the host once instead of three
 times (same rows, same bits), or, where every expert is local, only once FC1 and the
-activation are queued; in inference shared experts run on a side stream
-(`OverlapConfig.shared_expert_stream`). Router and dispatch are Megatron's.
+activation are queued; in inference the weighted SwiGLU is one Triton pass. Router,
+dispatch and shared experts are Megatron's.
 
 Anything else (another dispatcher, TE experts, fp8, expert biases, latent MoE, the
 inference dispatcher, a call captured into a CUDA graph) runs the stock path after one
@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import warnings
 
-import torch
 
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
@@ -31,7 +30,7 @@ from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDisp
 from ..ops import OverlapConfig, gemm2_gather_rs
 from ..ops.config import min_combine_elements
 from ..ops.validation import capturing
-from .dispatch import deferred_postprocess, on_side_stream, single_sync_postprocess
+from .dispatch import deferred_postprocess, single_sync_postprocess
 from .experts import GroupedGemmExperts, fc1_and_fc2_weight, host_counts, needs_host_counts
 
 log = logging.getLogger("megatron_overlap.mcore")
@@ -75,8 +74,6 @@ class OverlapMoELayer(MoELayer):
         self._fused_pending = False  # routed_experts_compute already did the combine
         self._last_key = None
         self._min_elements: int | None = None  # min_combine_elements, resolved on first use
-        # shared experts deferred to the side stream: their input, output, ready event
-        self._shared_input = self._shared_output = self._shared_ready = None
 
     def _why_unsupported(self) -> str | None:
         c = self.config
@@ -97,10 +94,9 @@ class OverlapMoELayer(MoELayer):
             return "overlap_dispatch_backward_with_experts_wgrad"
         return None
 
-    def _use_overlap(self, hidden_states, numel: int | None = None) -> bool:
+    def _use_overlap(self, hidden_states) -> bool:
         """Overlap this call? The same answer on every rank of the group: it reads only
-        the gathered [M, H] activations' size (`numel`, default hidden_states'), the
-        configuration and the device."""
+        the gathered [M, H] activations' size, the configuration and the device."""
         if not self.overlap_enabled:
             return False
         if self._unsupported is not None:
@@ -116,7 +112,7 @@ class OverlapMoELayer(MoELayer):
             self._min_elements = min_combine_elements(
                 self.overlap_config, hidden_states.device,
                 group.size() if group is not None else 1)
-        numel = hidden_states.numel() if numel is None else numel
+        numel = hidden_states.numel()
         if numel < self._min_elements:
             # Too small to gain: the model is host-bound there and the stock path has less
             # host work (the threshold is the calibration's, docs/RESULTS.md).
@@ -134,40 +130,6 @@ class OverlapMoELayer(MoELayer):
         log.info("moe-overlap layer %s: stock path, tokens x hidden = %d below %d "
                  "(min_combine_elements)", self.layer_number, numel, self._min_elements)
 
-    def shared_experts_compute(self, hidden_states):
-        """Stock, or (inference, where the fused op will run) deferred to a side stream:
-        queued after the router (which would otherwise share the SMs with it), in
-        `routed_experts_compute`, and joined before the fused op."""
-        self._shared_input, self._shared_output, self._shared_ready = None, None, None
-        if not (self.use_shared_expert and not self.shared_expert_overlap
-                and self.overlap_config.shared_expert_stream and hidden_states.is_cuda
-                and not torch.is_grad_enabled() and not self.shared_experts_recompute):
-            return super().shared_experts_compute(hidden_states)
-        group = self.token_dispatcher.tp_ep_group
-        gathered = hidden_states.numel() * (group.size() if group is not None else 1)
-        if not self._use_overlap(hidden_states, gathered):
-            return super().shared_experts_compute(hidden_states)
-        self._shared_input = hidden_states  # postprocess gets None and adds ours
-        return None
-
-    def _launch_shared_experts(self) -> None:
-        if self._shared_input is not None:
-            self._shared_output, self._shared_ready = on_side_stream(
-                super().shared_experts_compute, self._shared_input)
-            self._shared_input = None
-
-    def _join_shared_experts(self) -> None:
-        if self._shared_ready is not None:
-            torch.cuda.current_stream().wait_event(self._shared_ready)
-            self._shared_ready = None
-
-    def postprocess(self, output, shared_expert_output):
-        self._launch_shared_experts()  # (where routed_experts_compute did not run)
-        self._join_shared_experts()  # (a no-op where it already joined)
-        if self._shared_output is not None:
-            shared_expert_output, self._shared_output = self._shared_output, None
-        return super().postprocess(output, shared_expert_output)
-
     def _postprocess(self, hidden_states, probs):
         """(x, host tokens_per_expert, permuted probs, FC1 + activation output, FC2 weight):
         Megatron's postprocess where TE permutes, else one sync (`single_sync_postprocess`)
@@ -176,7 +138,6 @@ class OverlapMoELayer(MoELayer):
         disp, topk = self.token_dispatcher, self.config.moe_router_topk
         deferred = None if self.config.moe_permute_fusion else deferred_postprocess(
             disp, hidden_states, probs, topk)
-        self._launch_shared_experts()
         if deferred is not None:
             x, permuted_probs = deferred.permuted, deferred.probs
             h = weight = None
@@ -204,13 +165,10 @@ class OverlapMoELayer(MoELayer):
         """Stock: expert output before combine. Overlapped: the combined [M/D, H] rows."""
         if not self._use_overlap(hidden_states):
             self._fused_pending = False
-            self._launch_shared_experts()
             return super().routed_experts_compute(hidden_states, probs)
         disp = self.token_dispatcher
         x, tokens_per_expert, permuted_probs, h, weight = self._postprocess(hidden_states,
                                                                             probs)
-        # shared experts on the side stream end first: the op plans for every SM
-        self._join_shared_experts()
         if self.config.moe_permute_fusion:
             # TE's fused permute keeps a row-id map, not the token of each row: rebuild the
             # expert-major, token-ascending order it permuted in.

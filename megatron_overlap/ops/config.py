@@ -53,10 +53,6 @@ class OverlapConfig:
         overlap's extra host work costs more than it saves. None = the calibration's value
         (H200: 2^25, 2^24 on a group of one rank; 0 for devices without one and under the
         interpreter); 0 = never.
-    shared_expert_stream: read by OverlapMoELayer: in inference, where the fused op runs,
-        queue the shared experts on a side stream (joined before the op), so they run
-        through the dispatcher's host sync; False (or MEGATRON_OVERLAP_SHARED_STREAM=0)
-        keeps Megatron's order on one stream.
     """
 
     backend: str = "auto"
@@ -72,7 +68,6 @@ class OverlapConfig:
     min_combine_elements: int | None = None
     tail_helpers: bool = os.environ.get("MEGATRON_OVERLAP_TAIL_HELPERS", "1") != "0"
     placement: str | None = os.environ.get("MEGATRON_OVERLAP_PLACEMENT") or None
-    shared_expert_stream: bool = os.environ.get("MEGATRON_OVERLAP_SHARED_STREAM", "1") != "0"
 
     def __post_init__(self) -> None:
         if self.placement is not None and self.placement not in PLACEMENTS:
@@ -87,10 +82,9 @@ class OverlapConfig:
                 raise ValueError(f"OverlapConfig.{name} must be a positive int or None, got {value!r}")
         if self.sm_margin < 0 or self.max_spins < 1:
             raise ValueError("OverlapConfig.sm_margin must be >= 0 and max_spins >= 1")
-        for name in ("tail_helpers", "shared_expert_stream"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"OverlapConfig.{name} must be a bool, got "
-                                 f"{getattr(self, name)!r}")
+        if not isinstance(self.tail_helpers, bool):
+            raise ValueError(f"OverlapConfig.tail_helpers must be a bool, got "
+                             f"{self.tail_helpers!r}")
         m = self.min_combine_elements
         if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 0):
             raise ValueError(f"OverlapConfig.min_combine_elements must be an int >= 0 or "
