@@ -38,13 +38,19 @@ def single_sync_postprocess(disp, hidden_states: torch.Tensor, probs: torch.Tens
     num_tokens = disp.local_map.shape[0]
     # (expert, token) of every routed row, expert-major and token-ascending
     pairs = torch.nonzero_static(disp.local_map.T.contiguous(), size=rows)
+    permuted = _select(disp, hidden_states, local_probs, pairs, num_tokens)
+    return permuted, tokens_per_expert, disp.local_probs
+
+
+def _select(disp, hidden_states, local_probs, pairs, num_tokens: int) -> torch.Tensor:
+    """The rows and probabilities of the (expert, token) `pairs`, into the dispatcher's
+    state as Megatron's `permute` leaves it; returns the permuted hidden states."""
     token_index = pairs[:, 1].contiguous()  # Megatron's sorted_indices are contiguous
-    permuted = hidden_states.index_select(0, token_index)
     flat = pairs[:, 0] * num_tokens + token_index
     disp.local_probs = local_probs.T.contiguous().view(-1).index_select(0, flat)
     disp.reversed_local_input_permutation_mapping = token_index
     disp.routing_map = None
-    return permuted, tokens_per_expert, disp.local_probs
+    return hidden_states.index_select(0, token_index)
 
 
 class Deferred:
@@ -88,10 +94,5 @@ def deferred_postprocess(disp, hidden_states: torch.Tensor, probs: torch.Tensor,
     # the caller sees the counts disagree and redoes this with them)
     pairs = torch.nonzero_static(disp.local_map.T.contiguous(), size=num_tokens * topk,
                                  fill_value=0)
-    token_index = pairs[:, 1].contiguous()
-    permuted = hidden_states.index_select(0, token_index)
-    flat = pairs[:, 0] * num_tokens + token_index
-    disp.local_probs = probs.T.contiguous().view(-1).index_select(0, flat)
-    disp.reversed_local_input_permutation_mapping = token_index
-    disp.routing_map = None
+    permuted = _select(disp, hidden_states, probs, pairs, num_tokens)
     return Deferred(permuted, disp.local_probs, counts_dev, routing_map)
