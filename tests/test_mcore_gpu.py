@@ -83,7 +83,7 @@ def _one_gpu_inference(rank, world):
     """Qwen-like TP1EP1 layer with a gated shared expert, in inference (no_grad): the
     overlapped layer (Triton SwiGLU; the deferred postprocess with FC1 on device offsets,
     or the one-sync one) against the stock layer, both SwiGLU settings of Megatron, three
-    calls back to back."""
+    calls back to back; and one training step's gradients (`_one_gpu_training`)."""
     import torch.nn.functional as F
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -131,7 +131,9 @@ def _one_gpu_inference(rank, world):
                 torch.cuda.synchronize()
             outs[name + " plan"] = getattr(layer, "last_plan", None) is not None
         layer_module.deferred_postprocess = real_deferred
+        train = _one_gpu_training(spec, config, x)
         results[fusion] = dict(
+            train=train,
             planned=outs["overlap plan"] and outs["one sync plan"],
             paths_equal=all(torch.equal(a, b) for a, b in zip(outs["overlap"],
                                                                outs["one sync"])),
@@ -141,8 +143,37 @@ def _one_gpu_inference(rank, world):
     return results
 
 
-def test_one_gpu_layer_inference_matches_stock_with_fc1_queued_before_the_counts_sync():
+def _one_gpu_training(spec, config, x):
+    """Forward and backward through the deferred postprocess (FC1 on device offsets) with
+    gradients: input and expert-weight gradients against the stock layer's."""
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megatron_overlap.mcore.spec import with_overlap_moe
+    from megatron_overlap.ops import OverlapConfig
+
+    grad = torch.randn(x.shape, device="cuda", generator=torch.Generator(
+        device="cuda").manual_seed(5)).bfloat16()
+    runs = []
+    for overlap in (None, OverlapConfig(backend="triton", sync_errors=True,
+                                        min_combine_elements=0)):
+        model_parallel_cuda_manual_seed(7, force_reset_rng=True)
+        torch.manual_seed(7)
+        layer = (spec if overlap is None else with_overlap_moe(spec, overlap))(
+            config=config).cuda()
+        xi = x.clone().requires_grad_(True)
+        out, _ = layer(xi)
+        out.backward(grad)
+        runs.append((out.detach(), xi.grad, [p.grad for n, p in layer.named_parameters()
+                                             if "experts" in n and p.grad is not None]))
+    (o0, dx0, w0), (o1, dx1, w1) = runs
+    return dict(out=_rel(o1, o0), dx=_rel(dx1, dx0), grads=len(w1) == len(w0) > 0,
+                dw=max(_rel(a, b) for a, b in zip(w1, w0)))
+
+
+def test_one_gpu_layer_matches_stock_in_inference_and_training_with_fc1_before_the_sync():
     (res,) = run_ranks(1, _one_gpu_inference, backend="nccl")
     for fusion, r in res.items():
         assert r["planned"] and r["paths_equal"] and r["calls_equal"], (fusion, r)
         assert r["rel"] < 2e-2, (fusion, r)
+        t = r["train"]
+        assert t["grads"] and t["out"] < 2e-2 and t["dx"] < 2e-2 and t["dw"] < 2e-2, (fusion, t)
