@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import warnings
 
-
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
@@ -131,8 +130,8 @@ class OverlapMoELayer(MoELayer):
                  "(min_combine_elements)", self.layer_number, numel, self._min_elements)
 
     def _postprocess(self, hidden_states, probs):
-        """(x, host tokens_per_expert, permuted probs, FC1 + activation output, FC2 weight):
-        Megatron's postprocess where TE permutes, else one sync (`single_sync_postprocess`)
+        """(host tokens_per_expert, FC1 + activation output, FC2 weight) of the dispatched
+        tokens: Megatron's postprocess where TE permutes, else one sync (`single_sync_postprocess`)
         or, where the row count is known without the counts, none before FC1 is queued
         (`deferred_postprocess`)."""
         disp, topk = self.token_dispatcher, self.config.moe_router_topk
@@ -149,7 +148,7 @@ class OverlapMoELayer(MoELayer):
                 if h is None:
                     h, weight = fc1_and_fc2_weight(self.experts, x, tokens_per_expert,
                                                    permuted_probs)
-                return x, tokens_per_expert, permuted_probs, h, weight
+                return tokens_per_expert, h, weight
             # a router that gave some token fewer than top-k experts: redo with the counts
             disp.routing_map = deferred.routing_map
         if self.config.moe_permute_fusion:
@@ -159,7 +158,7 @@ class OverlapMoELayer(MoELayer):
             x, tokens_per_expert, permuted_probs = single_sync_postprocess(disp, hidden_states,
                                                                            probs)
         h, weight = fc1_and_fc2_weight(self.experts, x, tokens_per_expert, permuted_probs)
-        return x, tokens_per_expert, permuted_probs, h, weight
+        return tokens_per_expert, h, weight
 
     def routed_experts_compute(self, hidden_states, probs):
         """Stock: expert output before combine. Overlapped: the combined [M/D, H] rows."""
@@ -167,8 +166,7 @@ class OverlapMoELayer(MoELayer):
             self._fused_pending = False
             return super().routed_experts_compute(hidden_states, probs)
         disp = self.token_dispatcher
-        x, tokens_per_expert, permuted_probs, h, weight = self._postprocess(hidden_states,
-                                                                            probs)
+        tokens_per_expert, h, weight = self._postprocess(hidden_states, probs)
         if self.config.moe_permute_fusion:
             # TE's fused permute keeps a row-id map, not the token of each row: rebuild the
             # expert-major, token-ascending order it permuted in.
