@@ -36,8 +36,7 @@ def build_case(model_name, tp, ep, seq, batch, args, device):
 
     depth = 2 if model_name == "deepseek" else 1  # its first layer is dense
     config = OverlapConfig(backend=args.backend, min_combine_elements=args.min_elements)
-    fusion = {"bias_activation_fusion": False} if getattr(args, "no_bias_swiglu_fusion",
-                                                          False) else {}
+    fusion = {"bias_activation_fusion": False} if args.no_bias_swiglu_fusion else {}
     model = build_model(model_name, tp, ep, depth, overlap=config, tiny=args.tiny,
                         **fusion).to(device).eval()
     layer = next(m for m in model.modules() if isinstance(m, OverlapMoELayer))

@@ -335,7 +335,8 @@ def main() -> int:
         with open(path) as f:
             data = json.load(f)
         if "stock" in data["results"][0]:
-            parts.append(profile_section(os.path.basename(path)[14:-5], data))
+            tag = os.path.basename(path).removeprefix("profile_layer_").removesuffix(".json")
+            parts.append(profile_section(tag, data))
     for tag in sorted({os.path.basename(p).split("_")[1]
                        for p in glob.glob(os.path.join(args.data, "prefill_*_*_*.json"))}):
         prefill = []
