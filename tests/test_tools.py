@@ -4,6 +4,7 @@ import argparse
 import dataclasses
 import math
 import os
+import statistics
 import sys
 
 import pytest
@@ -89,6 +90,21 @@ def test_abba_rounds_pair_a_seeded_random_order_with_its_reverse():
     again = []
     abba({n: (lambda n=n: again.append(n)) for n in "abcdef"}, samples=8, warmup=0)
     assert again == calls  # the same order on every rank and every run
+
+
+def test_bootstrap_interval_of_the_median_brackets_it_and_narrows_with_more_samples():
+    from megatron_overlap.stats import bootstrap_ci
+
+    gen = torch.Generator().manual_seed(0)
+    few = (torch.randn(12, generator=gen) + 5).tolist()
+    many = (torch.randn(400, generator=gen) + 5).tolist()
+    lo, hi = bootstrap_ci(few)
+    assert min(few) <= lo <= statistics.median(few) <= hi <= max(few) and lo < hi
+    lo2, hi2 = bootstrap_ci(many)
+    assert lo2 < 5 < hi2 and hi2 - lo2 < (hi - lo) / 2
+    assert bootstrap_ci([3.0, 1.0]) == (1.0, 3.0)  # too few samples: their range
+    with pytest.raises(ValueError, match="at least one"):
+        bootstrap_ci([])
 
 
 def test_k_epi_fit_recovers_the_per_wave_part_that_does_not_scale_with_k():

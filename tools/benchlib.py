@@ -18,6 +18,8 @@ if "--smoke" in sys.argv:  # before anything imports triton
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from megatron_overlap.stats import bootstrap_ci  # noqa: E402
+
 
 def add_run_args(ap) -> None:
     """The flags every GPU tool shares: output, tile choice, CPU smoke check."""
@@ -134,20 +136,10 @@ def abba(policies: dict, samples: int, warmup: int, group=None, progress: str = 
     return per
 
 
-def median_ci(values, resamples: int = 20000) -> tuple[float, float, float]:
+def median_ci(values) -> tuple[float, float, float]:
     """Median and its 95% bootstrap CI (scipy.stats.bootstrap, percentile)."""
-    med = statistics.median(values)
-    if len(values) < 3:
-        return med, med, med
-    try:
-        from scipy.stats import bootstrap
-        import numpy as np
-
-        res = bootstrap((np.asarray(values),), np.median, n_resamples=resamples,
-                        confidence_level=0.95, method="percentile", random_state=0)
-        return med, float(res.confidence_interval.low), float(res.confidence_interval.high)
-    except ImportError:
-        return med, min(values), max(values)
+    lo, hi = bootstrap_ci(values)
+    return statistics.median(values), lo, hi
 
 
 def summarize(per: dict) -> dict:

@@ -23,7 +23,6 @@ import importlib.util
 import json
 import logging
 import os
-import random
 import statistics
 import sys
 import time
@@ -31,6 +30,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..stats import bootstrap_ci
 from .args import add_moe_overlap_args, overlap_config_from_args
 from .layer import OverlapMoELayer, set_overlap_enabled
 from .models import CONFIGS, build_model
@@ -150,13 +150,6 @@ def _time_once(model, tokens, positions, device) -> float:
     elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     return float(elapsed)
-
-
-def bootstrap_ci(samples: list[float], reps: int = 1000, seed: int = 0) -> tuple[float, float]:
-    """95% bootstrap interval of the median."""
-    rng = random.Random(seed)
-    meds = sorted(statistics.median(rng.choices(samples, k=len(samples))) for _ in range(reps))
-    return meds[int(0.025 * reps)], meds[int(0.975 * reps) - 1]
 
 
 def _schedule(policies: list[str], iters: int) -> list[str]:
