@@ -467,3 +467,54 @@ def test_host_steps_time_the_ops_own_steps_in_call_order(monkeypatch):
              at[("LaunchCache.launch gather_rs_kernel", 1)], at[("note_launch", 0)]]
     assert [r["start_us"] for r in order] == sorted(r["start_us"] for r in order)
     assert host_steps._record is None
+
+
+def _layer_input_case(rank, world):
+    import mcore_shims
+
+    mcore_shims.install()
+    import bench_layer
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megatron_overlap.mcore.layer import OverlapMoELayer
+    from megatron_overlap.mcore.models import build_model
+    from megatron_overlap.ops import OverlapConfig
+
+    device = prefill._setup(argparse.Namespace(tp=1, ep=1, seed=0, preload="shims"))
+    args = argparse.Namespace(input_layer=2, backend="interpret", min_elements=0, tiny=True,
+                              no_bias_swiglu_fusion=False)
+    layer, hidden = bench_layer.build_case("qwen", 1, 1, 16, 2, args, device)
+    skew = bench_layer.routing_skew(layer, hidden)
+    # the same model, run to the end: what its second MoE layer got
+    torch.manual_seed(0)
+    model_parallel_cuda_manual_seed(0)
+    model = build_model("qwen", 1, 1, 2, overlap=OverlapConfig(backend="interpret"),
+                        tiny=True).eval()
+    seen = []
+    target = [m for m in model.modules() if isinstance(m, OverlapMoELayer)][-1]
+    target.register_forward_pre_hook(lambda mod, inputs: seen.append(inputs[0].clone()))
+    tokens, positions = prefill._inputs(argparse.Namespace(batch=2, seed=0), 16,
+                                        model.vocab_size, device)
+    with torch.no_grad():
+        model(tokens, positions, None)
+    dense = None
+    try:
+        bench_layer.build_case("deepseek", 1, 1, 16, 2,
+                               argparse.Namespace(**{**vars(args), "input_layer": 1}), device)
+    except ValueError as e:
+        dense = str(e)
+    return dict(layer_number=layer.layer_number, shape=tuple(hidden.shape),
+                same=torch.equal(hidden, seen[0]), overlap_enabled=layer.overlap_enabled,
+                topk=layer.config.moe_router_topk, experts=layer.config.num_moe_experts,
+                skew=skew, dense=dense)
+
+
+def test_layer_benchmark_input_layer_is_what_that_layer_gets_in_a_prefill():
+    from dist_harness import run_ranks
+
+    (r,) = run_ranks(1, _layer_input_case)
+    assert r["layer_number"] == 2 and r["shape"] == (16, 2, 64) and r["same"]
+    assert r["overlap_enabled"]  # the capture ran the stock path, the timed layer is ours
+    assert r["skew"]["mean"] == 16 * 2 * r["topk"] / r["experts"]
+    assert r["skew"]["max_over_mean"] == r["skew"]["max_e"] / r["skew"]["mean"] >= 1
+    assert "layer 1 of deepseek is dense" in r["dense"]

@@ -8,7 +8,10 @@ stock vs overlapped on the same weights, ABBA-interleaved.
 Stock = Megatron's MoELayer whose experts run FC1/FC2 through torch._grouped_mm
 (GroupedGemmExperts: megatron-core 0.19 has no non-TE grouped experts) followed by its
 unpermute and NCCL reduce-scatter; ours = OverlapMoELayer (planner-chosen C, L).
-Inputs are random hidden states [S/TP, B/DP, H] (sequence parallel when TP > 1).
+Inputs are random hidden states [S/TP, B/DP, H] (sequence parallel when TP > 1), which
+route near-uniformly, or with `--input-layer L` the input of layer L's MoE layer in a
+prefill of random tokens, whose routing is as skewed as the prefill's there. Each row
+records the input's expert load (max_e / mean over the TP x EP group).
 """
 
 from __future__ import annotations
@@ -29,23 +32,82 @@ from megatron_overlap.mcore.models import build_model  # noqa: E402
 from megatron_overlap.ops import OverlapConfig  # noqa: E402
 
 
+class _Captured(Exception):
+    """Raised by the capture hook: the forward has reached the benchmarked layer."""
+
+
+def _first_moe_layer(model_name: str) -> int:
+    return 2 if model_name == "deepseek" else 1  # DeepSeek's first layer is dense
+
+
 def build_case(model_name, tp, ep, seq, batch, args, device):
-    """(the model's first OverlapMoELayer, random hidden states for it): one MoE layer of
-    `model_name` (DeepSeek's first layer is dense, so its model gets two), eval mode."""
+    """(an OverlapMoELayer of `model_name`, the hidden states it is timed on), eval mode.
+
+    `args.input_layer` 0: the model's first MoE layer on random hidden states [S/TP, B/DP,
+    H] (they route near-uniformly). L >= 1: the MoE layer of transformer layer L on the
+    input it gets in a prefill of random tokens (the model built L layers deep; the
+    forward stops there), whose routing is as skewed as the prefill's at that depth.
+    """
     from megatron.core import parallel_state as ps
 
-    depth = 2 if model_name == "deepseek" else 1  # its first layer is dense
+    input_layer = args.input_layer
+    if input_layer and input_layer < _first_moe_layer(model_name):
+        raise ValueError(f"--input-layer {input_layer}: layer {input_layer} of {model_name} "
+                         f"is dense (its first MoE layer is {_first_moe_layer(model_name)})")
+    depth = input_layer or _first_moe_layer(model_name)
     config = OverlapConfig(backend=args.backend, min_combine_elements=args.min_elements)
     fusion = {"bias_activation_fusion": False} if args.no_bias_swiglu_fusion else {}
     model = build_model(model_name, tp, ep, depth, overlap=config, tiny=args.tiny,
                         **fusion).to(device).eval()
-    layer = next(m for m in model.modules() if isinstance(m, OverlapMoELayer))
-    dp = ps.get_data_parallel_world_size()
-    s_local = seq // tp if layer.config.sequence_parallel else seq
-    gen = torch.Generator(device=device).manual_seed(1234 + ps.get_data_parallel_rank())
-    hidden = torch.randn(s_local, batch // dp, layer.config.hidden_size, generator=gen,
-                         device=device, dtype=torch.float32).to(layer.config.params_dtype)
-    return layer, hidden
+    layer = [m for m in model.modules() if isinstance(m, OverlapMoELayer)][-1]
+    if not input_layer:
+        dp = ps.get_data_parallel_world_size()
+        s_local = seq // tp if layer.config.sequence_parallel else seq
+        gen = torch.Generator(device=device).manual_seed(1234 + ps.get_data_parallel_rank())
+        hidden = torch.randn(s_local, batch // dp, layer.config.hidden_size, generator=gen,
+                             device=device, dtype=torch.float32).to(layer.config.params_dtype)
+        return layer, hidden
+    captured = []
+
+    def capture(module, inputs):
+        captured.append(inputs[0].detach().clone())
+        raise _Captured
+
+    tokens, positions = prefill._inputs(argparse.Namespace(batch=batch, seed=0), seq,
+                                        model.vocab_size, device)
+    handle = layer.register_forward_pre_hook(capture)
+    layer.overlap_enabled = False  # the layers before it run stock (they are not timed)
+    try:
+        with torch.no_grad():
+            model(tokens, positions, None)
+    except _Captured:
+        pass
+    finally:
+        handle.remove()
+        layer.overlap_enabled = True
+    if not captured:
+        raise RuntimeError(f"the forward never reached MoE layer {input_layer}")
+    return layer, captured[0]
+
+
+def add_input_layer_arg(ap) -> None:
+    ap.add_argument("--input-layer", type=int, default=0, metavar="L",
+                    help="time the MoE layer of transformer layer L on its input in a "
+                         "prefill of random tokens (skewed routing, as in the prefill); "
+                         "0 (default): the first MoE layer on random hidden states")
+
+
+def routing_skew(layer, hidden) -> dict:
+    """The benchmarked input's expert load over the layer's TP x EP group (what one
+    dispatch gathers): rows of the busiest expert, the mean, and their ratio."""
+    with torch.no_grad():
+        _, routing_map = layer.router(hidden)
+    counts = routing_map.sum(0).to(torch.int64)
+    group = layer.token_dispatcher.tp_ep_group
+    if group is not None and group.size() > 1:
+        dist.all_reduce(counts, group=group)
+    mean = float(counts.float().mean())
+    return dict(max_e=int(counts.max()), mean=mean, max_over_mean=float(counts.max()) / mean)
 
 
 def layer_case(model_name, tp, ep, seq, batch, args, device):
@@ -64,13 +126,14 @@ def layer_case(model_name, tp, ep, seq, batch, args, device):
         layer.overlap_enabled = True
         out = layer(hidden)[0].float()
     err = float((out - ref).norm() / ref.norm())
+    skew = routing_skew(layer, hidden)
     max_diff = float((out - ref).abs().max())
     per = abba({"stock": run(False), "overlap": run(True)}, args.samples, args.warmup,
                progress=f"layer {model_name}")
     stats = summarize(per)
     plan = layer.last_plan
     return dict(model=model_name, tp=tp, ep=ep, seq=seq, batch=batch, rel_err=err,
-                max_abs_diff=max_diff,
+                max_abs_diff=max_diff, input_layer=args.input_layer, routing=skew,
                 decision=None if plan is None else dict(C=plan.comm_ctas, L=plan.splits,
                                                         P=plan.compute_slots),
                 stats={k: {a: b for a, b in v.items() if a != "samples"}
@@ -93,6 +156,7 @@ def main() -> int:
                     help="the layer's min_combine_elements (default: the calibration's; 0 "
                          "compares the overlapped path at every size)")
     ap.add_argument("--tiny", action="store_true")
+    add_input_layer_arg(ap)
     ap.add_argument("--no-bias-swiglu-fusion", action="store_true",
                     help="eager SwiGLU (Megatron's flag of that name; fused by default on CUDA)")
     ap.add_argument("--preload", default=None)
@@ -113,7 +177,8 @@ def main() -> int:
                 print(f"layer {name} TP{args.tp}EP{args.ep} S={seq}: stock "
                       f"{st['stock']['median']:.3f} ms, overlap {st['overlap']['median']:.3f} ms,"
                       f" speedup {r['speedup']:.2f}x, rel. err {r['rel_err']:.1e}, max |diff| "
-                      f"{r['max_abs_diff']:.2e}, decision {r['decision']}",
+                      f"{r['max_abs_diff']:.2e}, decision {r['decision']}, max_e/mean "
+                      f"{r['routing']['max_over_mean']:.2f}",
                       flush=True)
     if dist.get_rank() == 0:
         write_json(args.json, dict(env=env_info(), command=" ".join(sys.argv), results=results))

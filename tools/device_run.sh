@@ -93,13 +93,16 @@ for s in "$@"; do
     host) stage host 90 $TR "$REPO/tools/host_overhead.py" ${CPROFILE:+--cprofile $CPROFILE} --json "$OUT/host_TP2EP1.json" ;;
     layers) for lay in "2 1" "1 2"; do set -- $lay
         stage layer_TP$1EP$2 100 $TR "$REPO/tools/bench_layer.py" --models granite,qwen,deepseek \
-          --tp $1 --ep $2 --seqs 4096,16384 --samples 12 --json "$OUT/layer_TP$1EP$2.json"; done ;;
+          --tp $1 --ep $2 --seqs 4096,16384 --samples 12 ${INPUT_LAYER:+--input-layer $INPUT_LAYER} \
+          --json "$OUT/layer_${TAG:-}TP$1EP$2.json"; done ;;
     layers_1gpu) stage layer_TP1EP1 ${LAYER_SECS:-120} torchrun --nproc-per-node 1 \
         "$REPO/tools/bench_layer.py" --models granite,qwen,deepseek --tp 1 --ep 1 \
-        --seqs 4096,16384 --samples 12 --json "$OUT/layer_TP1EP1.json" ;;
+        --seqs 4096,16384 --samples 12 ${INPUT_LAYER:+--input-layer $INPUT_LAYER} \
+        --json "$OUT/layer_${TAG:-}TP1EP1.json" ;;
     profile_layer_1gpu) stage profile_layer_TP1EP1 ${PROFILE_SECS:-200} torchrun --nproc-per-node 1 \
         "$REPO/tools/profile_layer.py" --models ${PROFILE_MODELS:-granite,qwen,deepseek} \
         --tp 1 --ep 1 --seqs ${SEQS:-4096,16384} ${PROFILE_ARMS:+--arms "$PROFILE_ARMS"} \
+        ${INPUT_LAYER:+--input-layer $INPUT_LAYER} \
         --json "$OUT/profile_layer_${TAG:-}TP1EP1.json" ;;
     prefill_1gpu) for m in ${PREFILL_MODELS:-granite qwen deepseek}; do
         stage prefill_${m}_TP1EP1 ${PREFILL_SECS:-75} torchrun --nproc-per-node 1 \

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_layer import build_case  # noqa: E402
+from bench_layer import add_input_layer_arg, build_case, routing_skew  # noqa: E402
 from benchlib import env_info, write_json  # noqa: E402
 
 from megatron_overlap.mcore import prefill  # noqa: E402
@@ -154,7 +154,8 @@ def profile_arm(fn, calls: int) -> dict:
 def profile_case(name: str, seq: int, args, device) -> dict:
     layer, hidden = build_case(name, args.tp, args.ep, seq, args.batch, args, device)
     row = dict(model=name, tp=args.tp, ep=args.ep, seq=seq, batch=args.batch,
-               arms=args.arms.split(","))
+               arms=args.arms.split(","), input_layer=args.input_layer,
+               routing=routing_skew(layer, hidden))
 
     def fn():
         with torch.no_grad():
@@ -179,6 +180,7 @@ def main() -> int:
     ap.add_argument("--arms", default="stock,overlap",
                     help=f"comma-separated, of: {'; '.join(ARMS)}")
     ap.add_argument("--min-elements", type=int, default=None)
+    add_input_layer_arg(ap)
     ap.add_argument("--no-bias-swiglu-fusion", action="store_true",
                     help="eager SwiGLU (Megatron's flag of that name; fused by default)")
     ap.add_argument("--json", default="")
@@ -202,7 +204,8 @@ def main() -> int:
 
 def _print(row: dict) -> None:
     print(f"== {row['model']} TP{row['tp']}EP{row['ep']} S={row['seq']} B={row['batch']} "
-          f"(ms per layer call)")
+          f"input layer {row['input_layer'] or 'random'}, max_e/mean "
+          f"{row['routing']['max_over_mean']:.2f} (ms per layer call)")
     for arm in row["arms"]:
         r = row[arm]
         print(f"  {arm}: wall {r['wall_ms']:.3f}, GPU busy {r['gpu_busy_ms']:.3f}, "
