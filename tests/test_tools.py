@@ -214,16 +214,19 @@ def test_layer_profile_counts_concurrent_kernels_once_in_busy_time_and_by_kind_i
         profile_layer.breakdown(trace, calls=3)
 
 
-def test_report_profile_section_gives_each_arm_its_ratio_to_stock():
+def test_report_profile_section_gives_each_arm_its_ratio_to_stock_and_the_inputs_skew():
     def arm(wall):
         return dict(wall_ms=wall, gpu_busy_ms=wall - 1, gpu_idle_ms=1.0,
                     kinds={"dense GEMM": 2.0, "elementwise": 1.0})
 
     data = dict(command="profile_layer.py", results=[
         dict(model="qwen", seq=4096, arms=["stock", "overlap"], stock=arm(6.0),
-             overlap=arm(5.0))])
+             overlap=arm(5.0)),
+        dict(model="qwen", seq=4096, arms=["stock", "overlap"], stock=arm(6.0),
+             overlap=arm(4.0), input_layer=12, routing=dict(max_over_mean=5.25))])
     text = report.profile_section("t", data)
-    assert "| qwen | 4096 | overlap | 5.00 | 4.00 | 1.00 | 1.20x | dense GEMM 2.00" in text
+    assert "| qwen | 4096 | random | overlap | 5.00 | 4.00 | 1.00 | 1.20x | dense GEMM 2.00" in text
+    assert "| qwen | 4096 | layer 12: 5.25 | overlap | 4.00 | 3.00 | 1.00 | 1.50x |" in text
 
 
 def test_helpers_analysis_reads_the_same_decisions_timed_without_helpers(monkeypatch, capsys):

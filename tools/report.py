@@ -215,8 +215,8 @@ def plots(rows, out_dir, tag):
 
 def layer_section(tag, layer) -> str:
     lines = [f"### MoE layer, {tag} (tools/bench_layer.py)\n", "| model | layout | S | stock ms "
-             "[95% CI] | overlap ms [95% CI] | speedup | C, L, P | rel. err |",
-             "|---|---|---|---|---|---|---|---|"]
+             "[95% CI] | overlap ms [95% CI] | speedup | C, L, P | rel. err | input: max_e/mean |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in layer:
         st = r["stats"]
         lines.append(
@@ -224,12 +224,20 @@ def layer_section(tag, layer) -> str:
             f"{st['stock']['median']:.3f} [{st['stock']['ci_low']:.3f}, "
             f"{st['stock']['ci_high']:.3f}] | {st['overlap']['median']:.3f} "
             f"[{st['overlap']['ci_low']:.3f}, {st['overlap']['ci_high']:.3f}] | "
-            f"{r['speedup']:.2f}x | {r['decision']} | {r['rel_err']:.1e} |")
+            f"{r['speedup']:.2f}x | {r['decision']} | {r['rel_err']:.1e} | {_layer_input(r)} |")
     lines.append(f"\ngeomean speedup: {geomean([r['speedup'] for r in layer]):.2f}x over "
                  f"{len(layer)} workloads (min {min(r['speedup'] for r in layer):.2f}x); "
                  f"{layer[0]['_env'].get('gpu')}, torch {layer[0]['_env'].get('torch')}, "
                  f"triton {layer[0]['_env'].get('triton')}\n")
     return "\n".join(lines)
+
+
+def _layer_input(r) -> str:
+    """Which input a layer row was timed on and how skewed its routing was (rows before
+    `--input-layer` existed were random hidden states, their skew not recorded)."""
+    source = f"layer {r['input_layer']}" if r.get("input_layer") else "random"
+    routing = r.get("routing")
+    return f"{source}: {routing['max_over_mean']:.2f}" if routing else source
 
 
 def profile_section(tag, data) -> str:
@@ -239,13 +247,15 @@ def profile_section(tag, data) -> str:
     arms = rows[0].get("arms", ["stock", "overlap"])
     lines = [f"### One MoE layer by kernel kind, {tag} (tools/profile_layer.py)\n",
              f"`{data['command']}`\n",
-             "| model | S | arm | wall ms | GPU busy | GPU idle | vs stock | largest kinds (ms) |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| model | S | input: max_e/mean | arm | wall ms | GPU busy | GPU idle | vs stock | "
+             "largest kinds (ms) |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         for arm in arms:
             a = r[arm]
             kinds = ", ".join(f"{k} {v:.2f}" for k, v in list(a["kinds"].items())[:4])
-            lines.append(f"| {r['model']} | {r['seq']} | {arm} | {a['wall_ms']:.2f} | "
+            lines.append(f"| {r['model']} | {r['seq']} | {_layer_input(r)} | {arm} | "
+                         f"{a['wall_ms']:.2f} | "
                          f"{a['gpu_busy_ms']:.2f} | {a['gpu_idle_ms']:.2f} | "
                          f"{r['stock']['wall_ms'] / a['wall_ms']:.2f}x | {kinds} |")
     return "\n".join(lines) + "\n"
