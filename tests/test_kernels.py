@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from megatron_overlap.kernels import gather_rs as grs
 from megatron_overlap.kernels import gemm2
 from megatron_overlap.kernels import routing_table as rt
-from megatron_overlap.kernels import swiglu
+from megatron_overlap.kernels import gated_add, swiglu
 from routing_cases import fp64_rank_partial, rel_err, routed_problem
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests")
@@ -670,6 +670,43 @@ def test_weighted_swiglu_takes_no_rows_and_refuses_bad_shapes():
         swiglu.weighted_swiglu(torch.zeros(4, 8, dtype=torch.int32), torch.zeros(4))
     with pytest.raises(ValueError, match="out must be contiguous"):
         swiglu.weighted_swiglu(torch.zeros(4, 8), torch.zeros(4), out=torch.zeros(4, 8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(37, 48), (3, 5, 24), (130, 64)])
+def test_gated_shared_add_matches_fp64_in_place_and_touches_every_element(dtype, shape):
+    """H = 24 and 48 are no power of two (a masked column block); 130 rows span blocks;
+    [3, 5, 24] is Megatron's [S, B, H] with a [S, B, 1] logit."""
+    g = torch.Generator().manual_seed(sum(shape))
+    routed = torch.randn(shape, generator=g).to(dtype)
+    shared = (2 * torch.randn(shape, generator=g)).to(dtype)
+    logit = (3 * torch.randn(*shape[:-1], 1, generator=g)).to(dtype)
+    want = routed.double() + torch.sigmoid(logit.double()) * shared.double()
+    ref = gated_add.add_gated_shared_reference(routed, shared, logit).double()
+    out = routed.clone()
+    assert gated_add.add_gated_shared_(out, shared, logit) is out
+    tol = 1e-6 if dtype == torch.float32 else 8e-3
+    assert out.dtype == dtype and rel_err(out.double(), want) < tol
+    assert rel_err(out.double(), ref) < tol
+    poisoned = torch.full(shape, float("nan"), dtype=dtype)  # every element is read and written
+    gated_add.add_gated_shared_(poisoned, shared, logit)
+    assert poisoned.isnan().all()
+
+
+def test_gated_shared_add_takes_no_tokens_and_refuses_bad_inputs():
+    empty = torch.zeros(0, 8)
+    assert gated_add.add_gated_shared_(empty, torch.zeros(0, 8), torch.zeros(0)) is empty
+    with pytest.raises(ValueError, match="one shape"):
+        gated_add.add_gated_shared_(torch.zeros(4, 8), torch.zeros(4, 4), torch.zeros(4))
+    with pytest.raises(ValueError, match="share a floating dtype"):
+        gated_add.add_gated_shared_(torch.zeros(4, 8), torch.zeros(4, 8, dtype=torch.bfloat16),
+                                    torch.zeros(4))
+    with pytest.raises(ValueError, match="one floating value per token"):
+        gated_add.add_gated_shared_(torch.zeros(4, 8), torch.zeros(4, 8), torch.zeros(5))
+    with pytest.raises(ValueError, match="contiguous"):
+        gated_add.add_gated_shared_(torch.zeros(8, 4).t(), torch.zeros(4, 8), torch.zeros(4))
+    assert [gated_add.block_shape(h) for h in (2048, 5120, 1536, 64, 24)] == [
+        (8, 512), (8, 512), (8, 512), (64, 64), (256, 16)]
 
 
 def test_swiglu_block_divides_the_expert_widths_of_the_models():

@@ -110,6 +110,8 @@ def _layer_scenarios(rank, world):
                     plan=None if layer.last_plan is None else layer.last_plan.source,
                     inference=inference if experts == "grouped" and backend == "interpret"
                     else 0.0)
+        if name in ("TP1EP1", "TP2EP2"):
+            results[(name, "gated")] = _gated_shared_case(tp, ep, x, grad)
         if name == "TP2EP2":
             results["bf16"] = _bf16_case(tp, ep, x, grad)
         if name == "TP1EP2":  # Megatron allows expert biases only without expert TP
@@ -178,6 +180,43 @@ def _bf16_case(tp, ep, x, grad):
     out = _run(with_overlap_moe(spec, OverlapConfig(backend="interpret"))(config=config), x, grad)
     return dict(dtype=str(out[0].dtype), out=_rel_diff(out[0], ref[0]),
                 dx=_rel_diff(out[1], ref[1]))
+
+
+def _gated_shared_case(tp, ep, x, grad):
+    """A gated shared expert (Qwen's): in inference the overlapped layer adds it with one
+    kernel (`add_gated_shared_`), close to stock; below the size threshold, or with a
+    gradient, the stock path's bits."""
+    import megatron_overlap.mcore.layer as layer_module
+    from megatron_overlap.mcore.spec import with_overlap_moe
+    from megatron_overlap.ops import OverlapConfig
+
+    config = _config(tp, ep, moe_shared_expert_gate=True)
+    spec = _moe_spec("grouped")
+    torch.manual_seed(1234)
+    stock = spec(config=config)
+    torch.manual_seed(1234)
+    layer = with_overlap_moe(spec, OverlapConfig(backend="interpret"))(config=config)
+    torch.manual_seed(1234)
+    small = with_overlap_moe(spec, OverlapConfig(backend="interpret",
+                                                 min_combine_elements=1 << 30))(config=config)
+    calls = []
+    real = layer_module.add_gated_shared_
+    layer_module.add_gated_shared_ = lambda *a: calls.append(1) or real(*a)
+    try:
+        with torch.no_grad():
+            want = stock(x)[0]
+            fused = layer(x)[0]
+            fused_calls = len(calls)
+            below = small(x)[0]
+        trained, ref = _run(layer, x, grad), _run(stock, x, grad)
+    finally:
+        layer_module.add_gated_shared_ = real
+    return dict(inference=_rel_diff(fused, want), fused_calls=fused_calls,
+                below_equal=torch.equal(below, want), calls_after=len(calls) - fused_calls,
+                trained=max(_rel_diff(a, b) for a, b in zip(trained[:2], ref[:2])),
+                gate_grad=_rel_diff(trained[2]["shared_experts.gate_weight"],
+                                    ref[2]["shared_experts.gate_weight"]),
+                gate_restored=layer.shared_experts.use_shared_expert_gate)
 
 
 def _decision_log(config, x):
@@ -295,10 +334,20 @@ def test_single_sync_dispatch_gives_megatrons_rows_and_inference_matches_stock(l
 def test_interpret_backend_plans_every_launch_and_reference_does_not(layer_runs):
     for res in layer_runs:
         for key, r in res.items():
-            if not isinstance(key, tuple) or key[1] in ("postprocess", "redo"):
+            if not isinstance(key, tuple) or key[1] in ("postprocess", "redo", "gated"):
                 continue
             layout, experts, backend = key
             assert r["plan"] == ("model" if backend == "interpret" else None), (layout, experts, r)
+
+
+@pytest.mark.parametrize("layout", ["TP1EP1", "TP2EP2"])
+def test_gated_shared_expert_joins_in_one_pass_in_inference_and_stock_elsewhere(layer_runs,
+                                                                               layout):
+    for rank, res in enumerate(layer_runs):
+        r = res[(layout, "gated")]
+        assert r["fused_calls"] == 1 and r["inference"] < 1e-5, (rank, r)  # fp32
+        assert r["below_equal"] and r["calls_after"] == 0, (rank, r)
+        assert r["trained"] < 1e-5 and r["gate_grad"] < 1e-5 and r["gate_restored"], (rank, r)
 
 
 def test_bf16_layer_matches_stock_to_bf16_rounding(layer_runs):

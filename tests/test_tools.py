@@ -521,3 +521,39 @@ def test_layer_benchmark_input_layer_is_what_that_layer_gets_in_a_prefill():
     assert r["skew"]["mean"] == 16 * 2 * r["topk"] / r["experts"]
     assert r["skew"]["max_over_mean"] == r["skew"]["max_e"] / r["skew"]["mean"] >= 1
     assert "layer 1 of deepseek is dense" in r["dense"]
+
+
+def test_each_profile_arm_switches_off_its_part_and_restores_it():
+    import profile_layer
+
+    from megatron_overlap.mcore import experts as experts_module
+    from megatron_overlap.mcore import layer as layer_module
+
+    class Layer:
+        overlap_enabled = True
+
+        def _fuses_shared_gate(self, hidden):
+            return True
+
+    layer = Layer()
+    saved = (experts_module._routed_activation, layer_module.deferred_postprocess,
+             layer_module.single_sync_postprocess)
+    seen = {}
+    for arm in profile_layer.ARMS:
+        with profile_layer._arm(layer, arm):
+            seen[arm] = dict(
+                overlap=layer.overlap_enabled, gate=layer._fuses_shared_gate(None),
+                swiglu=experts_module._routed_activation is saved[0],
+                deferred=layer_module.deferred_postprocess is saved[1],
+                single=layer_module.single_sync_postprocess is saved[2])
+        assert layer.overlap_enabled and layer._fuses_shared_gate(None)
+        assert (experts_module._routed_activation, layer_module.deferred_postprocess,
+                layer_module.single_sync_postprocess) == saved
+    everything = dict(overlap=True, gate=True, swiglu=True, deferred=True, single=True)
+    assert seen["stock"] == everything | dict(overlap=False)
+    assert seen["overlap"] == everything
+    assert seen["overlap-megatron-swiglu"] == everything | dict(swiglu=False)
+    assert seen["overlap-single-sync"] == everything | dict(deferred=False)
+    assert seen["overlap-megatron-postprocess"] == everything | dict(deferred=False,
+                                                                      single=False)
+    assert seen["overlap-megatron-shared-gate"] == everything | dict(gate=False)

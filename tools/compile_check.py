@@ -104,6 +104,15 @@ def kernels():
                _signature({"inter_ptr": "*bf16", "probs_ptr": "*fp32", "out_ptr": "*bf16"},
                           {"rows": "i32"}, meta), meta, dict(num_warps=4),
                {(0,): [["tt.divisibility", 16]], (2,): [["tt.divisibility", 16]]})
+    from megatron_overlap.kernels import gated_add
+
+    for h in (2048, 5120):
+        block_r, block_h = gated_add.block_shape(h)
+        meta = dict(H=h, BLOCK_R=block_r, BLOCK_H=block_h)
+        yield (f"gated_add H={h}", gated_add.gated_add_kernel,
+               _signature({"out_ptr": "*bf16", "shared_ptr": "*bf16", "logit_ptr": "*bf16"},
+                          {"rows": "i32"}, meta), meta, dict(num_warps=4),
+               {(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]]})
     for dest, from_counts in ((False, False), (True, True)):
         meta = dict(BLOCK_T=64, EXPERTS_POW2=64, SEARCH_STEPS=17, TOPK_POW2=4, CHECK_ROWS=256,
                     CHECK_CHUNK=64, WINDOW_STEPS=7, WRITE_DEST=dest, FROM_COUNTS=from_counts)

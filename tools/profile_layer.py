@@ -39,6 +39,7 @@ KINDS = (
     ("ours: GatherRS", r"gather_rs|sum_partials"),
     ("ours: routing table", r"routing_table"),
     ("ours: SwiGLU", r"weighted_swiglu"),
+    ("ours: gated shared add", r"gated_add"),
     ("grouped GEMM (torch._grouped_mm)", r"GroupProblemShape|grouped_mm|[Gg]rouped"),
     ("dense GEMM", r"gemm|Gemm|nvjet|cublas|xmma|cutlass"),
     ("NCCL", r"nccl"),
@@ -120,9 +121,12 @@ def _arm(layer, name: str):
         if name == "overlap-megatron-postprocess":
             layer_module.single_sync_postprocess = (
                 lambda disp, hidden, probs: disp.dispatch_postprocess(hidden, probs))
+        if name == "overlap-megatron-shared-gate":
+            layer._fuses_shared_gate = lambda hidden: False  # an instance attribute: undone below
         try:
             yield
         finally:
+            layer.__dict__.pop("_fuses_shared_gate", None)
             layer.overlap_enabled = enabled
             (experts_module._routed_activation, layer_module.deferred_postprocess,
              layer_module.single_sync_postprocess) = saved
@@ -131,9 +135,10 @@ def _arm(layer, name: str):
 
 #: What each arm changes: the stock layer, the overlapped one, and the overlapped one
 #: without one of its layer-level parts: the Triton SwiGLU, the postprocess deferred
-#: past FC1 (one sync before it instead), or both of those (Megatron's three syncs).
+#: past FC1 (one sync before it instead), both of those (Megatron's three syncs), or the
+#: one-pass gated shared-expert add (Megatron's gate multiply and add instead).
 ARMS = ("stock", "overlap", "overlap-megatron-swiglu", "overlap-single-sync",
-        "overlap-megatron-postprocess")
+        "overlap-megatron-postprocess", "overlap-megatron-shared-gate")
 
 
 def profile_arm(fn, calls: int) -> dict:

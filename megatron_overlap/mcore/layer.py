@@ -9,8 +9,9 @@ reduce-scatter become one `gemm2_gather_rs` call whose output is what `token_com
 returns. Where the fused op runs, the layer also leaves the GPU idle less often
 (`dispatch.py`): the dispatcher's postprocess syncs the host once instead of three
 times (same rows, same bits), or, where every expert is local, only once FC1 and the
-activation are queued; in inference the weighted SwiGLU is one Triton pass. Router,
-dispatch and shared experts are Megatron's.
+activation are queued; in inference the weighted SwiGLU is one Triton pass, and a
+gated shared expert's gate and add into the routed output are one more
+(`kernels/gated_add.py`). Router, dispatch and the shared experts' GEMMs are Megatron's.
 
 Anything else (another dispatcher, TE experts, fp8, expert biases, latent MoE, the
 inference dispatcher, a call captured into a CUDA graph) runs the stock path after one
@@ -22,12 +23,14 @@ from __future__ import annotations
 import logging
 import warnings
 
+import torch
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
 
+from ..kernels.gated_add import add_gated_shared_
 from ..ops import OverlapConfig, gemm2_gather_rs
-from ..ops.config import min_combine_elements
+from ..ops.config import interpreting, min_combine_elements
 from ..ops.validation import capturing
 from .dispatch import deferred_postprocess, single_sync_postprocess
 from .experts import GroupedGemmExperts, fc1_and_fc2_weight, host_counts, needs_host_counts
@@ -71,6 +74,8 @@ class OverlapMoELayer(MoELayer):
         self.decisions = 0
         self._unsupported = self._why_unsupported()
         self._fused_pending = False  # routed_experts_compute already did the combine
+        self._routed_by_op = False  # this call's routed output came from the fused op
+        self._gated_shared = None  # (shared output before its gate, gate logits) to add
         self._last_key = None
         self._min_elements: int | None = None  # min_combine_elements, resolved on first use
 
@@ -160,9 +165,52 @@ class OverlapMoELayer(MoELayer):
         h, weight = fc1_and_fc2_weight(self.experts, x, tokens_per_expert, permuted_probs)
         return tokens_per_expert, h, weight
 
+    def _fuses_shared_gate(self, hidden_states) -> bool:
+        """Join a gated shared expert to the routed output in one pass (`add_gated_shared_`)?
+        Where the overlap may run, in inference (the kernel has no backward), on CUDA or
+        under the interpreter, with Megatron's plain shared expert (not its own overlap)."""
+        if not (self.overlap_enabled and self._unsupported is None and self.use_shared_expert
+                and not self.shared_expert_overlap and not self.shared_experts_recompute
+                and getattr(self.shared_experts, "use_shared_expert_gate", False)):
+            return False
+        needs_grad = torch.is_grad_enabled() and (
+            hidden_states.requires_grad
+            or any(p.requires_grad for p in self.shared_experts.parameters()))
+        return (not needs_grad and not capturing(hidden_states)
+                and (hidden_states.is_cuda or interpreting()))
+
+    def shared_experts_compute(self, hidden_states):
+        """Stock, except where the gate fuses into the add (`_fuses_shared_gate`): the shared
+        expert runs without its gate, and `postprocess` joins it to the routed output."""
+        self._gated_shared = None
+        if not self._fuses_shared_gate(hidden_states):
+            return super().shared_experts_compute(hidden_states)
+        experts = self.shared_experts
+        experts.use_shared_expert_gate = False  # the module call as Megatron makes it, ungated
+        try:
+            ungated = super().shared_experts_compute(hidden_states)
+        finally:
+            experts.use_shared_expert_gate = True
+        logits = torch.nn.functional.linear(hidden_states, experts.gate_weight)
+        self._gated_shared = (ungated, logits)
+        return None
+
+    def postprocess(self, output, shared_expert_output):
+        """Stock, plus the gated shared expert `shared_experts_compute` left ungated: one pass
+        into the fused op's fresh output, else Megatron's multiply and add (its bits)."""
+        pending, self._gated_shared = self._gated_shared, None
+        if pending is None:
+            return super().postprocess(output, shared_expert_output)
+        ungated, logits = pending
+        output = super().postprocess(output, None)
+        if self._routed_by_op and output.is_contiguous() and ungated.is_contiguous():
+            return add_gated_shared_(output, ungated, logits)
+        return output + ungated * torch.sigmoid(logits)
+
     def routed_experts_compute(self, hidden_states, probs):
         """Stock: expert output before combine. Overlapped: the combined [M/D, H] rows."""
-        if not self._use_overlap(hidden_states):
+        self._routed_by_op = self._use_overlap(hidden_states)
+        if not self._routed_by_op:
             self._fused_pending = False
             return super().routed_experts_compute(hidden_states, probs)
         disp = self.token_dispatcher
