@@ -81,8 +81,8 @@ def test_two_gpu_overlap_layer_matches_stock_in_bf16():
 
 def _one_gpu_inference(rank, world):
     """Qwen-like TP1EP1 layer with a gated shared expert, in inference (no_grad): the
-    overlapped layer (Triton SwiGLU; the deferred postprocess with FC1 on device offsets,
-    or the one-sync one) against the stock layer, both SwiGLU settings of Megatron, three
+    overlapped layer (Triton SwiGLU, the one-pass gated shared add; the deferred
+    postprocess with FC1 on device offsets, or the one-sync one) against the stock layer, both SwiGLU settings of Megatron, three
     calls back to back; and one training step's gradients (`_one_gpu_training`)."""
     import torch.nn.functional as F
     from megatron.core import parallel_state as ps
@@ -95,6 +95,8 @@ def _one_gpu_inference(rank, world):
     from megatron_overlap.ops import OverlapConfig
 
     real_deferred = layer_module.deferred_postprocess
+    real_gated_add, gated_adds = layer_module.add_gated_shared_, []
+    layer_module.add_gated_shared_ = lambda *a: gated_adds.append(1) or real_gated_add(*a)
     torch.cuda.set_device(0)
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(1, 1, expert_model_parallel_size=1)
@@ -102,6 +104,7 @@ def _one_gpu_inference(rank, world):
     x = torch.randn(2048, 2, 2048, device="cuda", generator=g).bfloat16()
     results = {}
     for fusion in (True, False):
+        gated_adds.clear()
         config = TransformerConfig(
             num_layers=1, hidden_size=2048, num_attention_heads=16, num_moe_experts=16,
             moe_router_topk=4, moe_ffn_hidden_size=1408, ffn_hidden_size=1408,
@@ -131,15 +134,18 @@ def _one_gpu_inference(rank, world):
                 torch.cuda.synchronize()
             outs[name + " plan"] = getattr(layer, "last_plan", None) is not None
         layer_module.deferred_postprocess = real_deferred
+        inference_gated_adds = len(gated_adds)
         train = _one_gpu_training(spec, config, x)
         results[fusion] = dict(
-            train=train,
+            train=train, gated_adds=inference_gated_adds,
+            train_gated_adds=len(gated_adds) - inference_gated_adds,
             planned=outs["overlap plan"] and outs["one sync plan"],
             paths_equal=all(torch.equal(a, b) for a, b in zip(outs["overlap"],
                                                                outs["one sync"])),
             calls_equal=all(torch.equal(o, outs["overlap"][0]) for o in outs["overlap"]),
             rel=max(_rel(a, b) for a, b in zip(outs["overlap"], outs["stock"])))
     ps.destroy_model_parallel()
+    layer_module.add_gated_shared_ = real_gated_add
     return results
 
 
@@ -175,5 +181,7 @@ def test_one_gpu_layer_matches_stock_in_inference_and_training_with_fc1_before_t
     for fusion, r in res.items():
         assert r["planned"] and r["paths_equal"] and r["calls_equal"], (fusion, r)
         assert r["rel"] < 2e-2, (fusion, r)
+        # the gated shared expert joined in one pass in both overlapped arms' 3 calls each
+        assert r["gated_adds"] == 6 and r["train_gated_adds"] == 0, (fusion, r)
         t = r["train"]
         assert t["grads"] and t["out"] < 2e-2 and t["dx"] < 2e-2 and t["dw"] < 2e-2, (fusion, t)

@@ -168,10 +168,12 @@ class OverlapMoELayer(MoELayer):
     def _fuses_shared_gate(self, hidden_states) -> bool:
         """Join a gated shared expert to the routed output in one pass (`add_gated_shared_`)?
         Where the overlap may run, in inference (the kernel has no backward), on CUDA or
-        under the interpreter, with Megatron's plain shared expert (not its own overlap)."""
+        under the interpreter, with Megatron's plain shared expert (not its own overlap),
+        and without CUDA graphs (TE's partial capture replays a stored, gated output)."""
         if not (self.overlap_enabled and self._unsupported is None and self.use_shared_expert
                 and not self.shared_expert_overlap and not self.shared_experts_recompute
-                and getattr(self.shared_experts, "use_shared_expert_gate", False)):
+                and getattr(self.shared_experts, "use_shared_expert_gate", False)
+                and getattr(self.config, "cuda_graph_impl", "none") == "none"):
             return False
         needs_grad = torch.is_grad_enabled() and (
             hidden_states.requires_grad
