@@ -27,20 +27,25 @@ from .launch_cache import LaunchCache
 
 
 @triton.jit(do_not_specialize=["rows"])
-def weighted_swiglu_kernel(inter_ptr, probs_ptr, out_ptr, rows, K: tl.constexpr,
-                           BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+def weighted_swiglu_kernel(inter_ptr, probs_ptr, out_ptr, valid_ptr, rows, K: tl.constexpr,
+                           BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                           HAS_VALID: tl.constexpr):
     pid_r = tl.program_id(0)
     pid_k = tl.program_id(1)
-    r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
-    c = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
-    mask = (r < rows)[:, None] & (c < K)[None, :]
-    row64 = r.to(tl.int64)[:, None]
-    gate = tl.load(inter_ptr + row64 * (2 * K) + c[None, :], mask=mask, other=0.0)
-    up = tl.load(inter_ptr + row64 * (2 * K) + K + c[None, :], mask=mask, other=0.0)
-    p = tl.load(probs_ptr + r, mask=r < rows, other=0.0).to(tl.float32)
-    g = gate.to(tl.float32)
-    out = g / (1.0 + tl.exp(-g)) * up.to(tl.float32) * p[:, None]
-    tl.store(out_ptr + row64 * K + c[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
+    if HAS_VALID:  # only the device knows how many leading rows are real
+        rows = tl.minimum(tl.load(valid_ptr).to(tl.int32), rows)
+    if pid_r * BLOCK_R < rows:
+        r = pid_r * BLOCK_R + tl.arange(0, BLOCK_R)
+        c = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)
+        mask = (r < rows)[:, None] & (c < K)[None, :]
+        row64 = r.to(tl.int64)[:, None]
+        gate = tl.load(inter_ptr + row64 * (2 * K) + c[None, :], mask=mask, other=0.0)
+        up = tl.load(inter_ptr + row64 * (2 * K) + K + c[None, :], mask=mask, other=0.0)
+        p = tl.load(probs_ptr + r, mask=r < rows, other=0.0).to(tl.float32)
+        g = gate.to(tl.float32)
+        out = g / (1.0 + tl.exp(-g)) * up.to(tl.float32) * p[:, None]
+        tl.store(out_ptr + row64 * K + c[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=mask)
 
 
 _SWIGLU = LaunchCache(weighted_swiglu_kernel)
@@ -56,9 +61,12 @@ def block_shape(k: int) -> tuple[int, int]:
 
 
 def weighted_swiglu(inter: torch.Tensor, probs: torch.Tensor,
-                    out: torch.Tensor | None = None) -> torch.Tensor:
+                    out: torch.Tensor | None = None,
+                    valid_rows: torch.Tensor | None = None) -> torch.Tensor:
     """silu(g) * u * p for inter [T, 2K] = [g | u] and probs [T] -> [T, K] (inter's dtype),
-    into `out` when given (contiguous [T, K], inter's dtype)."""
+    into `out` when given (contiguous [T, K], inter's dtype). `valid_rows`: one integer
+    on the device; only rows below it are computed (later ones keep out's contents), as
+    where the postprocess padded the rows to a bound (`gather_rows`)."""
     if inter.dim() != 2 or inter.shape[1] % 2:
         raise ValueError(f"inter must be [T, 2K], got {tuple(inter.shape)}")
     rows, k = inter.shape[0], inter.shape[1] // 2
@@ -77,12 +85,18 @@ def weighted_swiglu(inter: torch.Tensor, probs: torch.Tensor,
           or not out.is_contiguous()):
         raise ValueError(f"out must be contiguous [{rows}, {k}] {inter.dtype} on "
                          f"{inter.device}, got {tuple(out.shape)} {out.dtype} on {out.device}")
+    if valid_rows is not None and (valid_rows.numel() != 1 or valid_rows.is_floating_point()
+                                   or valid_rows.device != inter.device):
+        raise ValueError(f"valid_rows must be one integer on {inter.device}, got "
+                         f"{tuple(valid_rows.shape)} {valid_rows.dtype} on {valid_rows.device}")
     if rows == 0 or k == 0:
         return out
     block_r, block_k = block_shape(k)
     grid = (triton.cdiv(rows, block_r), triton.cdiv(k, block_k))
-    _SWIGLU.launch(grid, (inter, probs, out, rows),
-                   dict(K=k, BLOCK_R=block_r, BLOCK_K=block_k, num_warps=4))
+    valid = probs if valid_rows is None else valid_rows.reshape(1)  # (not read without it)
+    _SWIGLU.launch(grid, (inter, probs, out, valid, rows),
+                   dict(K=k, BLOCK_R=block_r, BLOCK_K=block_k,
+                        HAS_VALID=valid_rows is not None, num_warps=4))
     return out
 
 

@@ -2,13 +2,14 @@
 
 import pytest
 import torch
+import triton
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_overlap.kernels import gather_rs as grs
 from megatron_overlap.kernels import gemm2
 from megatron_overlap.kernels import routing_table as rt
-from megatron_overlap.kernels import gated_add, swiglu
+from megatron_overlap.kernels import gated_add, gather_rows, swiglu
 from routing_cases import fp64_rank_partial, rel_err, routed_problem
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests")
@@ -707,6 +708,57 @@ def test_gated_shared_add_takes_no_tokens_and_refuses_bad_inputs():
         gated_add.add_gated_shared_(torch.zeros(8, 4).t(), torch.zeros(4, 8), torch.zeros(4))
     assert [gated_add.block_shape(h) for h in (2048, 5120, 1536, 64, 24)] == [
         (8, 512), (8, 512), (8, 512), (64, 64), (256, 16)]
+
+
+@pytest.mark.parametrize("valid", [0, 1, 37, 129, 200])
+def test_swiglu_with_a_device_row_count_computes_those_rows_only(valid):
+    """Rows past `valid_rows` keep out's contents (the padding of a bounded permute)."""
+    g = torch.Generator().manual_seed(valid)
+    inter = torch.randn(130, 48, generator=g)
+    probs = torch.rand(130, generator=g)
+    out = torch.full((130, 24), float("nan"))  # poisoned
+    swiglu.weighted_swiglu(inter, probs, out=out, valid_rows=torch.tensor([valid]))
+    n = min(valid, 130)
+    want = swiglu.weighted_swiglu_reference(inter[:n], probs[:n]).double()
+    assert not n or rel_err(out[:n].double(), want) < 1e-5
+    assert not out[:n].isnan().any() and out[n:].isnan().all()
+    with pytest.raises(ValueError, match="valid_rows must be one integer"):
+        swiglu.weighted_swiglu(inter, probs, valid_rows=torch.tensor([1.0]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("valid,h", [(0, 64), (5, 24), (61, 64), (200, 40)])
+def test_gather_rows_copies_the_rows_below_the_device_count_only(dtype, valid, h):
+    """H = 24 and 40 are no power of two (a masked column block); 61 rows span blocks
+    (BLOCK_R = 64 at H = 64 would hold them all: 200 index rows make four)."""
+    g = torch.Generator().manual_seed(valid + h)
+    src = torch.randn(50, h, generator=g).to(dtype)
+    index = torch.randint(0, 50, (200,), generator=g)
+    count = torch.tensor([valid])
+    out = gather_rows.gather_rows(src, index, count)
+    n = min(valid, 200)
+    assert out.shape == (200, h) and out.dtype == dtype
+    assert torch.equal(out[:n], src[index[:n]])  # a copy: the same bits
+    assert torch.equal(gather_rows.gather_rows_reference(src, index, count), src[index[:n]])
+    poisoned = torch.full((200, h), float("nan"), dtype=dtype)
+    gather_rows._GATHER_ROWS.launch(  # the rows past the count are not written
+        (triton.cdiv(200, gather_rows.block_shape(h)[0]),
+         triton.cdiv(h, gather_rows.block_shape(h)[1])),
+        (src, index, count, poisoned, 200),
+        dict(H=h, BLOCK_R=gather_rows.block_shape(h)[0], BLOCK_H=gather_rows.block_shape(h)[1],
+             num_warps=4))
+    assert torch.equal(poisoned[:n], src[index[:n]]) and poisoned[n:].isnan().all()
+
+
+def test_gather_rows_refuses_bad_inputs():
+    src, index = torch.zeros(4, 8), torch.zeros(3, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"src must be \[N, H\]"):
+        gather_rows.gather_rows(torch.zeros(4), index, torch.tensor([1]))
+    with pytest.raises(ValueError, match="index must be int64"):
+        gather_rows.gather_rows(src, index.int(), torch.tensor([1]))
+    with pytest.raises(ValueError, match="valid must be one integer"):
+        gather_rows.gather_rows(src, index, torch.tensor([1, 2]))
+    assert gather_rows.gather_rows(src, index[:0], torch.tensor([0])).shape == (0, 8)
 
 
 def test_swiglu_block_divides_the_expert_widths_of_the_models():

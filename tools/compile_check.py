@@ -99,11 +99,24 @@ def kernels():
 
     for k in (1408, 512):
         block_r, block_k = swiglu.block_shape(k)
-        meta = dict(K=k, BLOCK_R=block_r, BLOCK_K=block_k)
-        yield (f"weighted_swiglu K={k}", swiglu.weighted_swiglu_kernel,
-               _signature({"inter_ptr": "*bf16", "probs_ptr": "*fp32", "out_ptr": "*bf16"},
-                          {"rows": "i32"}, meta), meta, dict(num_warps=4),
-               {(0,): [["tt.divisibility", 16]], (2,): [["tt.divisibility", 16]]})
+        for has_valid in (False, True):
+            meta = dict(K=k, BLOCK_R=block_r, BLOCK_K=block_k, HAS_VALID=has_valid)
+            yield (f"weighted_swiglu K={k} valid_rows={has_valid}",
+                   swiglu.weighted_swiglu_kernel,
+                   _signature({"inter_ptr": "*bf16", "probs_ptr": "*fp32", "out_ptr": "*bf16",
+                               "valid_ptr": "*i64"}, {"rows": "i32"}, meta), meta,
+                   dict(num_warps=4),
+                   {(0,): [["tt.divisibility", 16]], (2,): [["tt.divisibility", 16]]})
+    from megatron_overlap.kernels import gather_rows
+
+    for h in (2048, 1536):
+        block_r, block_h = gather_rows.block_shape(h)
+        meta = dict(H=h, BLOCK_R=block_r, BLOCK_H=block_h)
+        yield (f"gather_rows H={h}", gather_rows.gather_rows_kernel,
+               _signature({"src_ptr": "*bf16", "index_ptr": "*i64", "valid_ptr": "*i64",
+                           "out_ptr": "*bf16"}, {"rows": "i32"}, meta), meta,
+               dict(num_warps=4),
+               {(0,): [["tt.divisibility", 16]], (3,): [["tt.divisibility", 16]]})
     from megatron_overlap.kernels import gated_add
 
     for h in (2048, 5120):
