@@ -12,6 +12,7 @@ pytest.importorskip("megatron.core")
 from megatron.core.transformer.moe.moe_utils import permute  # noqa: E402
 
 from megatron_overlap.mcore.dispatch import (  # noqa: E402
+    MAX_PADDING,
     deferred_postprocess,
     single_sync_postprocess,
 )
@@ -66,9 +67,25 @@ def test_postprocesses_give_megatrons_rows_order_probs_and_counts(case):
     late = deferred_postprocess(_dispatcher(routing, local), hidden, probs, topk)
     if len(local) < routing.shape[1]:  # experts elsewhere: the size needs the counts
         assert late is None
+    else:
+        assert torch.equal(late.permuted, rows)
+        assert torch.equal(late.tokens_per_expert(), counts)
+        assert torch.equal(late.probs, want_probs) and not late.padded
+    # inference: the rows padded to their bound; the first ones, trimmed, are Megatron's
+    disp = _dispatcher(routing, local)
+    padded = deferred_postprocess(disp, hidden, probs, topk, pad=True)
+    tokens, experts = routing.shape
+    bound = tokens * min(topk, len(local))
+    if bound > MAX_PADDING * -(-tokens * topk * len(local) // experts):
+        assert padded is None  # too much padding: the single-sync postprocess runs
         return
-    assert torch.equal(late.permuted, rows) and torch.equal(late.tokens_per_expert(), counts)
-    assert torch.equal(late.probs, want_probs)
+    assert padded.permuted.shape[0] == bound and padded.padded
+    assert int(padded.valid_rows) == int(counts.sum())
+    assert torch.equal(padded.tokens_per_expert(), counts)
+    padded.trim(disp, int(counts.sum()))
+    assert torch.equal(padded.permuted, rows) and torch.equal(padded.probs, want_probs)
+    assert torch.equal(disp.reversed_local_input_permutation_mapping, order)
+    assert torch.equal(disp.local_probs, want_probs)
 
 
 def test_deferred_postprocess_pads_with_valid_rows_where_a_token_has_fewer_experts():

@@ -103,6 +103,7 @@ def _layer_scenarios(rank, world):
                     results[(name, "redo")] = _redo_equal(layer, x)
                     with torch.no_grad():  # inference: the Triton SwiGLU, one-sync dispatch
                         inference = _rel_diff(layer(x)[0], stock(x)[0])
+                    results[(name, "fc1 first")] = _fc1_before_the_counts(layer, stock, x)
                 results[(name, experts, backend)] = dict(
                     same_init=same_init, out=_rel_diff(out, ref[0]), dx=_rel_diff(dx, ref[1]),
                     dw=max(_rel_diff(grads[k], ref[2][k]) for k in ref[2]),
@@ -123,10 +124,13 @@ def _layer_scenarios(rank, world):
 
 def _postprocess_equal(layer, x):
     """`dispatch.single_sync_postprocess` against Megatron's `dispatch_postprocess` on the
-    same dispatched tokens: the same rows, permutation, probabilities and counts, bitwise."""
+    same dispatched tokens: the same rows, permutation, probabilities and counts, bitwise;
+    and `deferred_postprocess`, exact where every expert is local, padded to its bound
+    (inference) everywhere: its first rows, once trimmed, are Megatron's."""
     from megatron_overlap.mcore.dispatch import deferred_postprocess, single_sync_postprocess
 
     disp = layer.token_dispatcher
+    topk = layer.config.moe_router_topk
     with torch.no_grad():
         probs, routing_map = layer.route(x)
         hidden, probs = layer.preprocess(x, probs, routing_map)
@@ -139,30 +143,60 @@ def _postprocess_equal(layer, x):
         same = (all(torch.equal(a, b) for a, b in zip(ours, theirs))
                 and torch.equal(disp.reversed_local_input_permutation_mapping, their_perm)
                 and disp.routing_map is None and ours[0].shape[0] > 0)
-        disp.routing_map = routing
-        late = deferred_postprocess(disp, hidden, probs, layer.config.moe_router_topk)
-        if late is None:  # experts on other ranks: the row count needs the counts
-            return same and layer.token_dispatcher.ep_size > 1
-        late_out = (late.permuted, late.tokens_per_expert(), late.probs)
-        return (same and all(torch.equal(a, b) for a, b in zip(late_out, theirs))
-                and torch.equal(disp.reversed_local_input_permutation_mapping, their_perm)
-                and late.routing_map is routing and disp.routing_map is None)
+        for pad in (False, True):
+            disp.routing_map = routing
+            late = deferred_postprocess(disp, hidden, probs, topk, pad=pad)
+            if late is None:  # experts on other ranks, no padding: the rows need the counts
+                same = same and not pad and disp.ep_size > 1
+                disp.routing_map = None
+                continue
+            counts = late.tokens_per_expert()
+            rows = int(counts.sum())
+            bound = late.permuted.shape[0]
+            late.trim(disp, rows)
+            late_out = (late.permuted, counts, late.probs)
+            same = (same and all(torch.equal(a, b) for a, b in zip(late_out, theirs))
+                    and torch.equal(disp.reversed_local_input_permutation_mapping, their_perm)
+                    and torch.equal(disp.local_probs, theirs[2])
+                    and late.routing_map is routing and disp.routing_map is None
+                    and late.padded == pad
+                    and bound == hidden.shape[0] * min(topk, disp.num_local_experts))
+        return same
 
 
 def _redo_equal(layer, x):
-    """Were the rows fewer than M x top-k (a router dropping tokens), the deferred
-    postprocess's padded rows are thrown away and the layer redoes it with the counts."""
+    """Were the rows fewer than M x top-k (a router dropping tokens): in inference the
+    deferred postprocess's padding rows are trimmed; where they may not be (a gradient
+    flows) the layer redoes it with the counts. Both give the exact path's output."""
     import megatron_overlap.mcore.layer as layer_module
 
     real = layer_module.deferred_postprocess
     with torch.no_grad():
         want = layer(x)[0]
-        layer_module.deferred_postprocess = lambda d, h, p, k: real(d, h, p, k + 1)
-        try:
-            got = layer(x)[0]
-        finally:
-            layer_module.deferred_postprocess = real
-    return torch.equal(got, want)
+        got = {}
+        for pad in (True, False):
+            layer_module.deferred_postprocess = (
+                lambda d, h, p, k, pad=pad, **kw: real(d, h, p, k + 1, pad=pad))
+            try:
+                got[pad] = layer(x)[0]
+            finally:
+                layer_module.deferred_postprocess = real
+    return torch.equal(got[True], want) and torch.equal(got[False], want)
+
+
+def _fc1_before_the_counts(layer, stock, x):
+    """Inference with FC1 queued before the host has the counts, as on a GPU
+    (torch._grouped_mm on device offsets; it runs on CPU too): under EP on the padded
+    rows, whose outputs the activation skips and the layer trims. Against stock."""
+    import megatron_overlap.mcore.experts as experts_module
+
+    real = experts_module._grouped_mm_ok
+    experts_module._grouped_mm_ok = lambda t: hasattr(torch, "_grouped_mm")
+    try:
+        with torch.no_grad():
+            return _rel_diff(layer(x)[0], stock(x)[0])
+    finally:
+        experts_module._grouped_mm_ok = real
 
 
 def _bf16_case(tp, ep, x, grad):
@@ -329,12 +363,13 @@ def test_single_sync_dispatch_gives_megatrons_rows_and_inference_matches_stock(l
     for rank, res in enumerate(layer_runs):
         assert res[(layout, "postprocess")] and res[(layout, "redo")], rank
         assert res[(layout, "grouped", "interpret")]["inference"] < 1e-5, rank
+        assert res[(layout, "fc1 first")] < 1e-5, rank
 
 
 def test_interpret_backend_plans_every_launch_and_reference_does_not(layer_runs):
     for res in layer_runs:
         for key, r in res.items():
-            if not isinstance(key, tuple) or key[1] in ("postprocess", "redo", "gated"):
+            if not isinstance(key, tuple) or key[1] in ("postprocess", "redo", "gated", "fc1 first"):
                 continue
             layout, experts, backend = key
             assert r["plan"] == ("model" if backend == "interpret" else None), (layout, experts, r)

@@ -12,16 +12,30 @@ that size needs no sync. Same rows, same order, same bits as Megatron's (`permut
 selects from the [experts, tokens] transposed map in row-major order: expert-major,
 token-ascending).
 
-Where every expert is on the rank (EP = 1) and no token is dropped, the rows number
-M x top-k, known without the counts: `deferred_postprocess` then permutes without
-waiting, the counts travel to the host by an asynchronous copy, FC1 runs on device
-offsets, and the host waits for that copy only when the fused op needs the counts,
-with FC1 and the activation already queued: the sync no longer leaves the GPU idle.
+Where the number of rows is known without the counts, or in inference bounded by them,
+`deferred_postprocess` permutes without waiting: every expert on the rank (EP = 1) and
+no token dropped gives M x top-k rows; under EP the rows are at most M x min(top-k,
+local experts), and in inference (no backward to keep the padding out of) the
+permutation is sized by that bound, the real rows copied by `gather_rows` (the device
+knows their count), the rest left as padding. The counts travel to the host by an
+asynchronous copy, FC1 runs on device offsets, and the host waits for that copy only
+when the fused op needs the counts, with FC1 and the activation already queued: the
+sync no longer leaves the GPU idle. The caller trims the padding (`Deferred.trim`).
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
+
+from ..kernels.gather_rows import gather_rows
+from ..ops.config import interpreting
+
+#: Pad the permutation to a bound only while the bound is at most this many times the
+#: rows a uniform routing gives (EP x min(top-k, local experts) / top-k): beyond it the
+#: padding's memory outweighs one host sync (the single-sync postprocess runs instead).
+MAX_PADDING = 4
 
 
 def single_sync_postprocess(disp, hidden_states: torch.Tensor, probs: torch.Tensor):
@@ -42,22 +56,31 @@ def single_sync_postprocess(disp, hidden_states: torch.Tensor, probs: torch.Tens
     return permuted, tokens_per_expert, disp.local_probs
 
 
-def _select(disp, hidden_states, local_probs, pairs, num_tokens: int) -> torch.Tensor:
+def _select(disp, hidden_states, local_probs, pairs, num_tokens: int,
+            valid: torch.Tensor | None = None) -> torch.Tensor:
     """The rows and probabilities of the (expert, token) `pairs`, into the dispatcher's
-    state as Megatron's `permute` leaves it; returns the permuted hidden states."""
+    state as Megatron's `permute` leaves it; returns the permuted hidden states. `valid`
+    (the real rows' count, on the device): only those rows are copied (no gradient)."""
     token_index = pairs[:, 1].contiguous()  # Megatron's sorted_indices are contiguous
     flat = pairs[:, 0] * num_tokens + token_index
     disp.local_probs = local_probs.T.contiguous().view(-1).index_select(0, flat)
     disp.reversed_local_input_permutation_mapping = token_index
     disp.routing_map = None
+    if valid is not None and (hidden_states.is_cuda or interpreting()):
+        return gather_rows(hidden_states, token_index, valid)
     return hidden_states.index_select(0, token_index)
 
 
 class Deferred:
-    """A postprocess whose host counts are still on their way (`deferred_postprocess`)."""
+    """A postprocess whose host counts are still on their way (`deferred_postprocess`).
 
-    def __init__(self, permuted, probs, counts_dev, routing_map):
+    permuted [R, H], probs [R]: R = the bound of the rows; the first `sum(counts)` are the
+    real ones (R exactly where nothing was padded). counts_dev: [E] on the device;
+    valid_rows: their sum on the device where the rows were padded (else None)."""
+
+    def __init__(self, permuted, probs, counts_dev, routing_map, valid_rows=None):
         self.permuted, self.probs, self.counts_dev = permuted, probs, counts_dev
+        self.valid_rows = valid_rows
         self.routing_map = routing_map  # kept for a redo: the dispatcher drops its own
         if counts_dev.is_cuda:
             self._host = torch.empty(counts_dev.shape, dtype=torch.int64, pin_memory=True)
@@ -67,32 +90,50 @@ class Deferred:
         else:
             self._host, self._ready = counts_dev.clone(), None
 
+    @property
+    def padded(self) -> bool:
+        return self.valid_rows is not None
+
     def tokens_per_expert(self) -> torch.Tensor:
         """The counts on the host (CPU int64 [E]): waits for their copy only."""
         if self._ready is not None:
             self._ready.synchronize()
         return self._host
 
+    def trim(self, disp, rows: int) -> None:
+        """Keep the first `rows` rows (the real ones) in the dispatcher's state too."""
+        self.permuted, self.probs = self.permuted[:rows], self.probs[:rows]
+        disp.local_probs = self.probs
+        disp.reversed_local_input_permutation_mapping = (
+            disp.reversed_local_input_permutation_mapping[:rows])
+
 
 def deferred_postprocess(disp, hidden_states: torch.Tensor, probs: torch.Tensor,
-                         topk: int) -> Deferred | None:
+                         topk: int, pad: bool = False) -> Deferred | None:
     """`single_sync_postprocess` without waiting for the host at all, where the number of
-    routed rows is known without the counts: every expert is on this rank (EP = 1) and
-    the router drops no tokens, so each of the M tokens has exactly `topk` rows. The
-    counts go to the host by an asynchronous copy; whoever needs them on the host waits
-    for that copy alone (`Deferred.tokens_per_expert`), after queuing the work that does
-    not (FC1 with device offsets, the activation). None where the size is not known."""
+    routed rows is known without the counts (every expert on this rank, EP = 1: each of
+    the M tokens has `topk` rows unless the router drops some) or, with `pad` (inference:
+    no gradient flows through the padding), bounded by M x min(topk, local experts) and
+    that bound at most `MAX_PADDING` times the rows a uniform routing gives. The counts go
+    to the host by an asynchronous copy; whoever needs them on the host waits for that
+    copy alone (`Deferred.tokens_per_expert`), after queuing the work that does not (FC1
+    with device offsets, the activation). None where neither holds, or with a capacity
+    factor (Megatron then pads and drops by its own rules)."""
     lo, hi = disp.local_expert_indices[0], disp.local_expert_indices[-1] + 1
-    if hi - lo != disp.routing_map.shape[1] or disp.config.moe_expert_capacity_factor:
+    local, experts = hi - lo, disp.routing_map.shape[1]
+    if disp.config.moe_expert_capacity_factor or not (local == experts or pad):
+        return None
+    num_tokens = disp.routing_map.shape[0]
+    bound = num_tokens * min(topk, local)
+    if bound > MAX_PADDING * math.ceil(num_tokens * topk * local / experts):
         return None
     disp.hidden_shape_before_permute = hidden_states.shape
     routing_map = disp.routing_map
-    disp.local_map = routing_map.contiguous()
-    num_tokens = disp.local_map.shape[0]
+    disp.local_map = routing_map[:, lo:hi].contiguous()
     counts_dev = disp.local_map.sum(dim=0)
-    # (fill 0: were a token routed to fewer experts, the padding must still index a row;
-    # the caller sees the counts disagree and redoes this with them)
-    pairs = torch.nonzero_static(disp.local_map.T.contiguous(), size=num_tokens * topk,
-                                 fill_value=0)
-    permuted = _select(disp, hidden_states, probs, pairs, num_tokens)
-    return Deferred(permuted, disp.local_probs, counts_dev, routing_map)
+    valid = counts_dev.sum().reshape(1) if pad else None
+    # (fill 0: the padding, or rows a token routed to fewer experts leaves, must still
+    # index a row; the caller trims them, or redoes this with the counts)
+    pairs = torch.nonzero_static(disp.local_map.T.contiguous(), size=bound, fill_value=0)
+    permuted = _select(disp, hidden_states, probs[:, lo:hi], pairs, num_tokens, valid)
+    return Deferred(permuted, disp.local_probs, counts_dev, routing_map, valid)

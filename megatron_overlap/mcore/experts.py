@@ -55,7 +55,8 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int] | No
 
     x: [T, in] expert-sorted rows; weight: [E, out, in] (nn.Linear layout); counts: host
     list of rows per expert (sum T), or None with `device_counts` ([E] on x's device;
-    torch._grouped_mm only: the host need not know them). Returns [T, out] in x's dtype.
+    with torch._grouped_mm the host need not know them; their sum may be below T, the
+    rows past it padding). Returns [T, out] in x's dtype (padding rows unspecified).
     """
     if _grouped_mm_ok(x) and x.shape[0]:  # no rows: the loop keeps the autograd graph
         if counts is None:
@@ -71,6 +72,8 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int] | No
         # torch.matmul(x, w.t()) is what Megatron's linears compute: same bits as SequentialMLP.
         parts.append(torch.matmul(x[start:start + n], weight[e].t()))
         start += n
+    if start < x.shape[0]:  # padding rows, as torch._grouped_mm leaves them
+        parts.append(x.new_empty(x.shape[0] - start, weight.shape[1]))
     return torch.cat(parts) if parts else x.new_zeros(0, weight.shape[1])
 
 
@@ -122,14 +125,16 @@ def fused_swiglu_applies(mlp, bias: torch.Tensor | None) -> bool:
 
 
 def _routed_activation(mlp, intermediate: torch.Tensor, bias: torch.Tensor | None,
-                       probs: torch.Tensor) -> torch.Tensor:
+                       probs: torch.Tensor, valid_rows: torch.Tensor | None = None
+                       ) -> torch.Tensor:
     """The overlapped layer's activation: the one-pass Triton kernel where it computes the
     same function (on CUDA, or on CPU under the interpreter) and no gradient is needed
-    (the kernel has no backward: a prefill), else Megatron's."""
+    (the kernel has no backward: a prefill), else Megatron's. `valid_rows` (device): the
+    rows past it are padding, which the kernel skips (Megatron's computes them too)."""
     needs_grad = torch.is_grad_enabled() and (intermediate.requires_grad or probs.requires_grad)
     if (fused_swiglu_applies(mlp, bias) and not needs_grad
             and (intermediate.is_cuda or interpreting())):
-        return weighted_swiglu(intermediate, probs)
+        return weighted_swiglu(intermediate, probs, valid_rows=valid_rows)
     return mlp_activation(mlp, intermediate, bias, probs)
 
 
@@ -213,14 +218,19 @@ class GroupedGemmExperts(MegatronModule):
                 config.output_layer_init_method(self.fc2_weight[e])
 
     def fc1_activation(self, x: torch.Tensor, tokens_per_expert, probs: torch.Tensor,
-                       activation=None, device_counts=None) -> torch.Tensor:
+                       activation=None, device_counts=None,
+                       valid_rows=None) -> torch.Tensor:
         """FC1 + activation with probs: x [T, H] -> [T, K] (x's dtype). `activation`:
-        (mlp, intermediate, bias, probs) -> output; None = Megatron's (`mlp_activation`).
-        tokens_per_expert None: FC1 by `device_counts` (see `grouped_linear`)."""
+        (mlp, intermediate, bias, probs[, valid_rows]) -> output; None = Megatron's
+        (`mlp_activation`). tokens_per_expert None: FC1 by `device_counts` (see
+        `grouped_linear`), whose sum may be below T (`valid_rows`, on the device: the rows
+        past it are padding, their output unspecified)."""
         x, probs = _apply_probs_on_input(self.config, x, probs)
         counts = None if tokens_per_expert is None else host_counts(tokens_per_expert)
         inter = grouped_linear(x, self.fc1_weight, counts, device_counts)
-        return (activation or mlp_activation)(self, inter, None, probs)
+        if valid_rows is None:
+            return (activation or mlp_activation)(self, inter, None, probs)
+        return activation(self, inter, None, probs, valid_rows)
 
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert,
                 permuted_probs: torch.Tensor):
@@ -249,10 +259,12 @@ def host_counts(tokens_per_expert) -> list[int]:
 
 
 def fc1_and_fc2_weight(experts, x: torch.Tensor, tokens_per_expert, probs: torch.Tensor,
-                       device_counts: torch.Tensor | None = None):
+                       device_counts: torch.Tensor | None = None,
+                       valid_rows: torch.Tensor | None = None):
     """(h [T, K], w [E, H, K]): FC1 + activation output and the FC2 weight of `experts`.
     tokens_per_expert may be None where `device_counts` is given and `experts` can run FC1
-    without the host counts (`needs_host_counts` is False).
+    without the host counts (`needs_host_counts` is False); x's rows past their sum
+    (`valid_rows`, on the device) are then padding, h's rows there unspecified.
 
     Supports GroupedGemmExperts (its stacked weight, no copy) and Megatron's SequentialMLP
     (the per-expert FC2 weights stacked with torch.stack, so gradients reach each expert's
@@ -262,7 +274,7 @@ def fc1_and_fc2_weight(experts, x: torch.Tensor, tokens_per_expert, probs: torch
     """
     if isinstance(experts, GroupedGemmExperts):
         return (experts.fc1_activation(x, tokens_per_expert, probs, _routed_activation,
-                                       device_counts), experts.fc2_weight)
+                                       device_counts, valid_rows), experts.fc2_weight)
     if isinstance(experts, SequentialMLP):
         x, probs = _apply_probs_on_input(experts.config, x, probs)
         counts = host_counts(tokens_per_expert)

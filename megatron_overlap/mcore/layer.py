@@ -8,8 +8,8 @@ This subclass overrides exactly those two steps: FC1 + activation stay the exper
 reduce-scatter become one `gemm2_gather_rs` call whose output is what `token_combine`
 returns. Where the fused op runs, the layer also leaves the GPU idle less often
 (`dispatch.py`): the dispatcher's postprocess syncs the host once instead of three
-times (same rows, same bits), or, where every expert is local, only once FC1 and the
-activation are queued; in inference the weighted SwiGLU is one Triton pass, and a
+times (same rows, same bits), or, where every expert is local or (in inference) under EP
+with the rows padded to a bound, only once FC1 and the activation are queued; in inference the weighted SwiGLU is one Triton pass, and a
 gated shared expert's gate and add into the routed output are one more
 (`kernels/gated_add.py`). Router, dispatch and the shared experts' GEMMs are Megatron's.
 
@@ -137,24 +137,30 @@ class OverlapMoELayer(MoELayer):
     def _postprocess(self, hidden_states, probs):
         """(host tokens_per_expert, FC1 + activation output, FC2 weight) of the dispatched
         tokens: Megatron's postprocess where TE permutes, else one sync (`single_sync_postprocess`)
-        or, where the row count is known without the counts, none before FC1 is queued
-        (`deferred_postprocess`)."""
+        or, where the row count is known or (in inference) bounded without the counts,
+        none before FC1 is queued (`deferred_postprocess`)."""
         disp, topk = self.token_dispatcher, self.config.moe_router_topk
+        pad = not (torch.is_grad_enabled() and (
+            hidden_states.requires_grad or probs.requires_grad
+            or any(p.requires_grad for p in self.experts.parameters())))
         deferred = None if self.config.moe_permute_fusion else deferred_postprocess(
-            disp, hidden_states, probs, topk)
+            disp, hidden_states, probs, topk, pad=pad)
         if deferred is not None:
             x, permuted_probs = deferred.permuted, deferred.probs
             h = weight = None
             if not needs_host_counts(self.experts, x):  # FC1 queued before the wait
                 h, weight = fc1_and_fc2_weight(self.experts, x, None, permuted_probs,
-                                               deferred.counts_dev)
+                                               deferred.counts_dev, deferred.valid_rows)
             tokens_per_expert = deferred.tokens_per_expert()
-            if int(tokens_per_expert.sum()) == x.shape[0]:
+            rows = int(tokens_per_expert.sum())
+            if rows == x.shape[0] or (deferred.padded and rows < x.shape[0]):
+                deferred.trim(disp, rows)  # the padding's rows (FC1 skipped them) go
                 if h is None:
-                    h, weight = fc1_and_fc2_weight(self.experts, x, tokens_per_expert,
-                                                   permuted_probs)
-                return tokens_per_expert, h, weight
-            # a router that gave some token fewer than top-k experts: redo with the counts
+                    h, weight = fc1_and_fc2_weight(self.experts, deferred.permuted,
+                                                   tokens_per_expert, deferred.probs)
+                return tokens_per_expert, h[:rows], weight
+            # a router that gave some token fewer than top-k experts, where rows may not
+            # be padded (a gradient flows): redo with the counts
             disp.routing_map = deferred.routing_map
         if self.config.moe_permute_fusion:
             x, tokens_per_expert, permuted_probs = disp.dispatch_postprocess(hidden_states,
