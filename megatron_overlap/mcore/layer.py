@@ -9,9 +9,9 @@ reduce-scatter become one `gemm2_gather_rs` call whose output is what `token_com
 returns. Where the fused op runs, the layer also leaves the GPU idle less often
 (`dispatch.py`): the dispatcher's postprocess syncs the host once instead of three
 times (same rows, same bits), or, where every expert is local or (in inference) under EP
-with the rows padded to a bound, only once FC1 and the activation are queued; in inference the weighted SwiGLU is one Triton pass, and a
-gated shared expert's gate and add into the routed output are one more
-(`kernels/gated_add.py`). Router, dispatch and the shared experts' GEMMs are Megatron's.
+with the rows padded to a bound, only once FC1 and the activation are queued. In
+inference the weighted SwiGLU is one Triton pass, and a gated shared expert's gate and
+add into the routed output are one more (`kernels/gated_add.py`). Router, dispatch and the shared experts' GEMMs are Megatron's.
 
 Anything else (another dispatcher, TE experts, fp8, expert biases, latent MoE, the
 inference dispatcher, a call captured into a CUDA graph) runs the stock path after one
