@@ -80,7 +80,10 @@ def test_postprocesses_give_megatrons_rows_order_probs_and_counts(case):
         assert padded is None  # too much padding: the single-sync postprocess runs
         return
     assert padded.permuted.shape[0] == bound and padded.padded
-    assert int(padded.valid_rows) == int(counts.sum())
+    if len(local) < experts:  # padded by design: the work on the padding is skipped
+        assert int(padded.valid_rows) == int(counts.sum())
+    else:
+        assert padded.valid_rows is None
     assert torch.equal(padded.tokens_per_expert(), counts)
     padded.trim(disp, int(counts.sum()))
     assert torch.equal(padded.permuted, rows) and torch.equal(padded.probs, want_probs)

@@ -75,12 +75,15 @@ class Deferred:
     """A postprocess whose host counts are still on their way (`deferred_postprocess`).
 
     permuted [R, H], probs [R]: R = the bound of the rows; the first `sum(counts)` are the
-    real ones (R exactly where nothing was padded). counts_dev: [E] on the device;
-    valid_rows: their sum on the device where the rows were padded (else None)."""
+    real ones (all R unless a token has fewer rows than the bound allows). counts_dev:
+    [E] on the device. padded: may the caller trim rows past the real ones (no gradient
+    flows through them)? valid_rows: the counts' sum on the device where the bound
+    exceeds the rows by design (EP), so that the work on the padding can be skipped."""
 
-    def __init__(self, permuted, probs, counts_dev, routing_map, valid_rows=None):
+    def __init__(self, permuted, probs, counts_dev, routing_map, padded=False,
+                 valid_rows=None):
         self.permuted, self.probs, self.counts_dev = permuted, probs, counts_dev
-        self.valid_rows = valid_rows
+        self.padded, self.valid_rows = padded, valid_rows
         self.routing_map = routing_map  # kept for a redo: the dispatcher drops its own
         if counts_dev.is_cuda:
             self._host = torch.empty(counts_dev.shape, dtype=torch.int64, pin_memory=True)
@@ -89,10 +92,6 @@ class Deferred:
             self._ready.record()
         else:
             self._host, self._ready = counts_dev.clone(), None
-
-    @property
-    def padded(self) -> bool:
-        return self.valid_rows is not None
 
     def tokens_per_expert(self) -> torch.Tensor:
         """The counts on the host (CPU int64 [E]): waits for their copy only."""
@@ -131,9 +130,10 @@ def deferred_postprocess(disp, hidden_states: torch.Tensor, probs: torch.Tensor,
     routing_map = disp.routing_map
     disp.local_map = routing_map[:, lo:hi].contiguous()
     counts_dev = disp.local_map.sum(dim=0)
-    valid = counts_dev.sum().reshape(1) if pad else None
+    # where every expert is local the bound is the rows (but for a dropped token): no skip
+    valid = counts_dev.sum().reshape(1) if pad and local < experts else None
     # (fill 0: the padding, or rows a token routed to fewer experts leaves, must still
     # index a row; the caller trims them, or redoes this with the counts)
     pairs = torch.nonzero_static(disp.local_map.T.contiguous(), size=bound, fill_value=0)
     permuted = _select(disp, hidden_states, probs[:, lo:hi], pairs, num_tokens, valid)
-    return Deferred(permuted, disp.local_probs, counts_dev, routing_map, valid)
+    return Deferred(permuted, disp.local_probs, counts_dev, routing_map, pad, valid)
