@@ -86,3 +86,36 @@ def test_auto_picks_the_gluon_kernel_for_bf16_on_hopper_and_triton_otherwise():
     assert gemm2.resolve_impl("auto", dev, bf16, 128, 256, 8, True) == "triton"
     assert gemm2.resolve_impl("auto", dev, bf16, 128, 128, 4, False) == "triton"  # rows
     assert gemm2.resolve_impl("triton", dev, bf16, 128, 128, 4, True) == "triton"
+
+
+def test_layer_elementwise_kernels_match_their_references_on_the_gpu_at_model_sizes():
+    """The layer's one-pass kernels compiled for the GPU (the CPU suite runs them under the
+    interpreter): weighted SwiGLU with and without a device row bound (Qwen's K = 1408),
+    the gated shared add (H = 2048) and the bounded row gather, on poisoned outputs."""
+    from megatron_overlap.kernels import gated_add, gather_rows, swiglu
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows, k, h = 5000, 1408, 2048
+    inter = torch.randn(rows, 2 * k, device="cuda", generator=g).bfloat16()
+    probs = torch.rand(rows, device="cuda", generator=g)
+    want = swiglu.weighted_swiglu_reference(inter, probs).float()
+    out = torch.full((rows, k), float("nan"), device="cuda", dtype=torch.bfloat16)
+    swiglu.weighted_swiglu(inter, probs, out=out)
+    assert (out.float() - want).abs().max() <= 1e-2 * want.abs().max()
+    valid = torch.tensor([3001], device="cuda")
+    out = torch.full((rows, k), float("nan"), device="cuda", dtype=torch.bfloat16)
+    swiglu.weighted_swiglu(inter, probs, out=out, valid_rows=valid)
+    assert (out[:3001].float() - want[:3001]).abs().max() <= 1e-2 * want.abs().max()
+    assert out[3001:].isnan().all()
+
+    routed = torch.randn(rows, h, device="cuda", generator=g).bfloat16()
+    shared = torch.randn(rows, h, device="cuda", generator=g).bfloat16()
+    logit = torch.randn(rows, 1, device="cuda", generator=g).bfloat16()
+    ref = gated_add.add_gated_shared_reference(routed, shared, logit).float()
+    fused = gated_add.add_gated_shared_(routed.clone(), shared, logit).float()
+    assert (fused - ref).abs().max() <= 1e-2 * ref.abs().max()
+
+    src = torch.randn(700, h, device="cuda", generator=g).bfloat16()
+    index = torch.randint(0, 700, (rows,), device="cuda", generator=g)
+    got = gather_rows.gather_rows(src, index, valid)
+    assert torch.equal(got[:3001], src[index[:3001]])
