@@ -557,3 +557,15 @@ def test_each_profile_arm_switches_off_its_part_and_restores_it():
     assert seen["overlap-megatron-postprocess"] == everything | dict(deferred=False,
                                                                       single=False)
     assert seen["overlap-megatron-shared-gate"] == everything | dict(gate=False)
+
+
+def test_layer_kernel_experiment_checks_each_kernel_against_what_it_replaces():
+    import try_layer_kernels
+
+    arms = try_layer_kernels.cases(8, hidden=64, k=48, topk=4, device="cpu",
+                                   dtype=torch.float32)  # asserts the agreement inside
+    assert {case: len(a) for case, a in arms.items()} == {"gather": 3, "swiglu": 2,
+                                                          "gated add": 2}
+    for case in arms.values():
+        for fn in case.values():
+            fn()

@@ -95,6 +95,8 @@ for s in "$@"; do
         stage layer_TP$1EP$2 100 $TR "$REPO/tools/bench_layer.py" --models granite,qwen,deepseek \
           --tp $1 --ep $2 --seqs 4096,16384 --samples 12 ${INPUT_LAYER:+--input-layer $INPUT_LAYER} \
           --json "$OUT/layer_${TAG:-}TP$1EP$2.json"; done ;;
+    layer_kernels) stage layer_kernels ${LK_SECS:-90} python3 "$REPO/tools/try_layer_kernels.py" \
+        --json "$OUT/exp_layer_kernels${TAG:-}.json" ;;
     layers_1gpu) stage layer_TP1EP1 ${LAYER_SECS:-120} torchrun --nproc-per-node 1 \
         "$REPO/tools/bench_layer.py" --models granite,qwen,deepseek --tp 1 --ep 1 \
         --seqs 4096,16384 --samples 12 ${INPUT_LAYER:+--input-layer $INPUT_LAYER} \
