@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch_cache import LaunchCache
+from .launch_cache import LaunchCache, row_tile
 
 
 @triton.jit(do_not_specialize=["rows"])
@@ -49,10 +49,7 @@ def block_shape(h: int) -> tuple[int, int]:
     """(BLOCK_R, BLOCK_H): the widest power-of-two column block up to 512 that divides H
     (2048 -> 512, 5120 -> 512, 1536 -> 512, 64 -> 64; no masked columns where one does),
     4096 elements a program."""
-    block_h = 512
-    while block_h > 16 and h % block_h:
-        block_h //= 2
-    return 4096 // block_h, block_h
+    return row_tile(h, 512)
 
 
 def add_gated_shared_(out: torch.Tensor, shared: torch.Tensor,

@@ -231,3 +231,13 @@ class LaunchCache:
         else:
             binary[g](*args, *constexpr_values, stream=stream.cuda_stream)
         return binary
+
+
+def row_tile(width: int, widest: int) -> tuple[int, int]:
+    """(BLOCK_R, BLOCK_W) of the one-pass row kernels (`swiglu`, `gated_add`,
+    `gather_rows`): the widest power-of-two column block up to `widest` that divides
+    `width` (no masked columns where one does; 16 at the least), 4096 elements a program."""
+    block = widest
+    while block > 16 and width % block:
+        block //= 2
+    return 4096 // block, block

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch_cache import LaunchCache
+from .launch_cache import LaunchCache, row_tile
 
 
 @triton.jit(do_not_specialize=["rows"])
@@ -54,10 +54,7 @@ _SWIGLU = LaunchCache(weighted_swiglu_kernel)
 def block_shape(k: int) -> tuple[int, int]:
     """(BLOCK_R, BLOCK_K): the widest power-of-two column block up to 256 that divides K
     (1408 -> 128, 704 -> 64, 512 -> 256; no masked columns), 4096 elements a program."""
-    block_k = 256
-    while block_k > 16 and k % block_k:
-        block_k //= 2
-    return 4096 // block_k, block_k
+    return row_tile(k, 256)
 
 
 def weighted_swiglu(inter: torch.Tensor, probs: torch.Tensor,

@@ -107,25 +107,22 @@ def kernels():
                                "valid_ptr": "*i64"}, {"rows": "i32"}, meta), meta,
                    dict(num_warps=4),
                    {(0,): [["tt.divisibility", 16]], (2,): [["tt.divisibility", 16]]})
-    from megatron_overlap.kernels import gather_rows
+    from megatron_overlap.kernels import gated_add, gather_rows
 
-    for h in (2048, 1536):
-        block_r, block_h = gather_rows.block_shape(h)
-        meta = dict(H=h, BLOCK_R=block_r, BLOCK_H=block_h)
-        yield (f"gather_rows H={h}", gather_rows.gather_rows_kernel,
-               _signature({"src_ptr": "*bf16", "index_ptr": "*i64", "valid_ptr": "*i64",
-                           "out_ptr": "*bf16"}, {"rows": "i32"}, meta), meta,
-               dict(num_warps=4),
-               {(0,): [["tt.divisibility", 16]], (3,): [["tt.divisibility", 16]]})
-    from megatron_overlap.kernels import gated_add
-
-    for h in (2048, 5120):
-        block_r, block_h = gated_add.block_shape(h)
-        meta = dict(H=h, BLOCK_R=block_r, BLOCK_H=block_h)
-        yield (f"gated_add H={h}", gated_add.gated_add_kernel,
-               _signature({"out_ptr": "*bf16", "shared_ptr": "*bf16", "logit_ptr": "*bf16"},
-                          {"rows": "i32"}, meta), meta, dict(num_warps=4),
-               {(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]]})
+    row_kernels = (  # (name, module, its pointers, the 16-byte aligned ones, widths H)
+        ("gather_rows", gather_rows, {"src_ptr": "*bf16", "index_ptr": "*i64",
+                                      "valid_ptr": "*i64", "out_ptr": "*bf16"}, (0, 3),
+         (2048, 1536)),
+        ("gated_add", gated_add, {"out_ptr": "*bf16", "shared_ptr": "*bf16",
+                                  "logit_ptr": "*bf16"}, (0, 1), (2048, 5120)),
+    )
+    for name, module, pointers, aligned, widths in row_kernels:
+        for h in widths:
+            block_r, block_h = module.block_shape(h)
+            meta = dict(H=h, BLOCK_R=block_r, BLOCK_H=block_h)
+            yield (f"{name} H={h}", getattr(module, f"{name}_kernel"),
+                   _signature(pointers, {"rows": "i32"}, meta), meta, dict(num_warps=4),
+                   {(i,): [["tt.divisibility", 16]] for i in aligned})
     for dest, from_counts in ((False, False), (True, True)):
         meta = dict(BLOCK_T=64, EXPERTS_POW2=64, SEARCH_STEPS=17, TOPK_POW2=4, CHECK_ROWS=256,
                     CHECK_CHUNK=64, WINDOW_STEPS=7, WRITE_DEST=dest, FROM_COUNTS=from_counts)
