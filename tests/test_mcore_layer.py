@@ -242,6 +242,10 @@ def _gated_shared_case(tp, ep, x, grad):
             fused = layer(x)[0]
             fused_calls = len(calls)
             below = small(x)[0]
+            whole = layer._fuses_shared_gate(x)
+            layer.fwd_execution_map = "route"  # a forward split into steps (Megatron's
+            split = layer._fuses_shared_gate(x)  # CUDA-graph and 1F1B-overlap schedules)
+            layer.fwd_execution_map = ["route", "expert_compute", "postprocess"]
         trained, ref = _run(layer, x, grad), _run(stock, x, grad)
     finally:
         layer_module.add_gated_shared_ = real
@@ -250,7 +254,8 @@ def _gated_shared_case(tp, ep, x, grad):
                 trained=max(_rel_diff(a, b) for a, b in zip(trained[:2], ref[:2])),
                 gate_grad=_rel_diff(trained[2]["shared_experts.gate_weight"],
                                     ref[2]["shared_experts.gate_weight"]),
-                gate_restored=layer.shared_experts.use_shared_expert_gate)
+                gate_restored=layer.shared_experts.use_shared_expert_gate,
+                whole=whole, split=split)
 
 
 def _decision_log(config, x):
@@ -383,6 +388,7 @@ def test_gated_shared_expert_joins_in_one_pass_in_inference_and_stock_elsewhere(
         assert r["fused_calls"] == 1 and r["inference"] < 1e-5, (rank, r)  # fp32
         assert r["below_equal"] and r["calls_after"] == 0, (rank, r)
         assert r["trained"] < 1e-5 and r["gate_grad"] < 1e-5 and r["gate_restored"], (rank, r)
+        assert r["whole"] and not r["split"], (rank, r)
 
 
 def test_bf16_layer_matches_stock_to_bf16_rounding(layer_runs):

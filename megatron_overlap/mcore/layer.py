@@ -175,11 +175,16 @@ class OverlapMoELayer(MoELayer):
         """Join a gated shared expert to the routed output in one pass (`add_gated_shared_`)?
         Where the overlap may run, in inference (the kernel has no backward), on CUDA or
         under the interpreter, with Megatron's plain shared expert (not its own overlap),
-        and without CUDA graphs (TE's partial capture replays a stored, gated output)."""
+        without CUDA graphs (TE's partial capture replays a stored, gated output), and in
+        one forward call (not split into steps that other calls may interleave: the
+        ungated output waits on this layer between its steps)."""
+        steps = getattr(self, "fwd_execution_map", ())  # a list, or one step's name
         if not (self.overlap_enabled and self._unsupported is None and self.use_shared_expert
                 and not self.shared_expert_overlap and not self.shared_experts_recompute
                 and getattr(self.shared_experts, "use_shared_expert_gate", False)
-                and getattr(self.config, "cuda_graph_impl", "none") == "none"):
+                and getattr(self.config, "cuda_graph_impl", "none") == "none"
+                and not isinstance(steps, str)
+                and {"route", "expert_compute", "postprocess"} <= set(steps)):
             return False
         needs_grad = torch.is_grad_enabled() and (
             hidden_states.requires_grad
