@@ -334,3 +334,7 @@ def test_prefill_launcher_times_both_policies_and_reports_decisions(model_runs):
     decisions = result["decisions_rank0"]
     assert [d["layer"] for d in decisions] == [2]  # layer 1 is DeepSeek's dense FFN
     assert decisions[0]["C"] >= 1 and decisions[0]["L"] >= 1
+    # this rank's 4 of tiny DeepSeek's 8 experts got some of the 16 tokens x top-3 rows
+    d = decisions[0]
+    assert 0 < d["max_e"] <= d["rows"] <= 16 * 3
+    assert d["max_over_mean"] == round(d["max_e"] * 4 / d["rows"], 2) >= 1

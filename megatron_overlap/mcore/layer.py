@@ -57,6 +57,7 @@ class OverlapMoELayer(MoELayer):
         overlap_enabled: set False to run the stock path (same weights), e.g. for A/B runs.
         last_plan: the planner's decision of the latest launch (None on the reference
             backend, on the stock path or before the first launch).
+        last_rows: the host counts (rows per local expert) of the latest fused launch.
         decisions: how many distinct (C, L) decisions this layer has logged.
 
     Calls whose gathered activations (tokens x hidden) are smaller than the config's
@@ -71,6 +72,7 @@ class OverlapMoELayer(MoELayer):
         self.overlap_config = overlap_config or OverlapConfig()
         self.overlap_enabled = True
         self.last_plan = None
+        self.last_rows = None
         self.decisions = 0
         self._unsupported = self._why_unsupported()
         self._fused_pending = False  # routed_experts_compute already did the combine
@@ -254,6 +256,7 @@ class OverlapMoELayer(MoELayer):
     def _note_decision(self, plan, tokens_per_expert, m, weight, group) -> None:
         """INFO line on this layer's first launch and whenever (C, L) changes."""
         self.last_plan = plan
+        self.last_rows = tokens_per_expert  # host counts of this rank's experts
         key = ("reference",) if plan is None else (plan.comm_ctas, plan.splits)
         if key == self._last_key:
             return

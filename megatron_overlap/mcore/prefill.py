@@ -161,7 +161,8 @@ def _schedule(policies: list[str], iters: int) -> list[str]:
 
 
 def decisions(model) -> list[dict]:
-    """The latest launch decision of every OverlapMoELayer (C, L, P, predicted T)."""
+    """The latest launch decision of every OverlapMoELayer (C, L, P, predicted T) and the
+    load of its local experts then (rows, the busiest expert's, their ratio to the mean)."""
     rows = []
     for layer in (m for m in model.modules() if isinstance(m, OverlapMoELayer)):
         plan = layer.last_plan
@@ -169,6 +170,12 @@ def decisions(model) -> list[dict]:
         if plan is not None:
             row.update(C=plan.comm_ctas, L=plan.splits, P=plan.compute_slots,
                        T=round(plan.predicted, 2), source=plan.source)
+        if layer.last_rows is not None and len(layer.last_rows):
+            counts = [int(c) for c in layer.last_rows]
+            total = sum(counts)
+            row.update(rows=total, max_e=max(counts),
+                       max_over_mean=round(max(counts) * len(counts) / total, 2) if total
+                       else None)
         rows.append(row)
     return rows
 
@@ -240,11 +247,13 @@ def report(result: dict) -> str:
     if "speedup" in result:
         lines.append(f"  speedup stock/overlap: {result['speedup']:.3f}x")
     for row in result["decisions_rank0"]:
+        load = (f", max_e {row['max_e']} of {row['rows']} rows ({row['max_over_mean']}x the "
+                f"mean)" if row.get("max_over_mean") else "")
         if "C" in row:
             lines.append(f"  layer {row['layer']}: C={row['C']} L={row['L']} P={row['P']} "
-                         f"T={row['T']} ({row['source']})")
+                         f"T={row['T']} ({row['source']}){load}")
         else:
-            lines.append(f"  layer {row['layer']}: {row['backend']} backend (no plan)")
+            lines.append(f"  layer {row['layer']}: {row['backend']} backend (no plan){load}")
     return "\n".join(lines)
 
 
