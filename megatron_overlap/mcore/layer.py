@@ -218,7 +218,8 @@ class OverlapMoELayer(MoELayer):
             return super().postprocess(output, shared_expert_output)
         ungated, logits = pending
         output = super().postprocess(output, None)
-        if self._routed_by_op and output.is_contiguous() and ungated.is_contiguous():
+        if (self._routed_by_op and output.dtype == ungated.dtype and output.is_contiguous()
+                and ungated.is_contiguous()):
             return add_gated_shared_(output, ungated, logits)
         return output + ungated * torch.sigmoid(logits)
 
