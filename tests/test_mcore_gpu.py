@@ -123,11 +123,11 @@ def _one_gpu_inference(rank, world):
                                                          min_combine_elements=0))):
             # "one sync": the postprocess that waits for the counts before FC1
             layer_module.deferred_postprocess = (
-                (lambda *args: None) if name == "one sync" else real_deferred)
+                (lambda *args, **kwargs: None) if name == "one sync" else real_deferred)
             model_parallel_cuda_manual_seed(7, force_reset_rng=True)
             torch.manual_seed(7)
             layer = (spec if overlap is None else with_overlap_moe(spec, overlap))(
-                config=config).cuda()  # (the shared expert's gate is built on the CPU)
+                config=config).cuda().eval()  # (the shared expert's gate is built on the CPU)
             with torch.no_grad():
                 torch.cuda.synchronize()
                 outs[name] = [layer(x)[0] for _ in range(3)]  # back to back, no sync

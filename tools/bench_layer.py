@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from benchlib import abba, env_info, summarize, write_json  # noqa: E402
 
 from megatron_overlap.mcore import prefill  # noqa: E402
-from megatron_overlap.mcore.layer import OverlapMoELayer  # noqa: E402
+from megatron_overlap.mcore.layer import OverlapMoELayer, set_overlap_enabled  # noqa: E402
 from megatron_overlap.mcore.models import build_model  # noqa: E402
 from megatron_overlap.ops import OverlapConfig  # noqa: E402
 
@@ -76,7 +76,7 @@ def build_case(model_name, tp, ep, seq, batch, args, device):
     tokens, positions = prefill._inputs(argparse.Namespace(batch=batch, seed=0), seq,
                                         model.vocab_size, device)
     handle = layer.register_forward_pre_hook(capture)
-    layer.overlap_enabled = False  # the layers before it run stock (they are not timed)
+    set_overlap_enabled(model, False)  # the layers before it run stock (they are not timed)
     try:
         with torch.no_grad():
             model(tokens, positions, None)
@@ -84,7 +84,7 @@ def build_case(model_name, tp, ep, seq, batch, args, device):
         pass
     finally:
         handle.remove()
-        layer.overlap_enabled = True
+        set_overlap_enabled(model, True)
     if not captured:
         raise RuntimeError(f"the forward never reached MoE layer {input_layer}")
     return layer, captured[0]

@@ -117,7 +117,7 @@ def _arm(layer, name: str):
         if name == "overlap-megatron-swiglu":
             experts_module._routed_activation = experts_module.mlp_activation
         if name in ("overlap-single-sync", "overlap-megatron-postprocess"):
-            layer_module.deferred_postprocess = lambda *args: None
+            layer_module.deferred_postprocess = lambda *args, **kwargs: None
         if name == "overlap-megatron-postprocess":
             layer_module.single_sync_postprocess = (
                 lambda disp, hidden, probs: disp.dispatch_postprocess(hidden, probs))

@@ -59,8 +59,9 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int] | No
     rows past it padding). Returns [T, out] in x's dtype (padding rows unspecified).
     """
     if _grouped_mm_ok(x) and x.shape[0]:  # no rows: the loop keeps the autograd graph
-        if counts is None:
-            offs = torch.cumsum(device_counts, 0, dtype=torch.int32)
+        if counts is None:  # (clamped: counts past T, which only a router breaking its
+            # top-k could give, must not make the GEMM read past x; the caller redoes it)
+            offs = torch.cumsum(device_counts, 0, dtype=torch.int32).clamp_(max=x.shape[0])
         else:
             offs = torch.tensor(list(accumulate(counts)), dtype=torch.int32)
             offs = offs.to(x.device, non_blocking=True)
@@ -78,8 +79,9 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int] | No
 
 
 def mlp_activation(mlp, intermediate: torch.Tensor, bias: torch.Tensor | None,
-                   probs: torch.Tensor) -> torch.Tensor:
-    """Megatron `MLP.forward`'s activation with per-token scale (0.19), for expert rows.
+                   probs: torch.Tensor, valid_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """Megatron `MLP.forward`'s activation with per-token scale (0.19), for expert rows
+    (every row, padding included: `valid_rows` is accepted and not used).
 
     mlp: anything with `.config` and `.activation_func` (an MLP expert or GroupedGemmExperts).
     intermediate: [T, ffn_out] FC1 output; probs: [T] routing probabilities. Returns [T, K]
@@ -128,11 +130,13 @@ def _routed_activation(mlp, intermediate: torch.Tensor, bias: torch.Tensor | Non
                        probs: torch.Tensor, valid_rows: torch.Tensor | None = None
                        ) -> torch.Tensor:
     """The overlapped layer's activation: the one-pass Triton kernel where it computes the
-    same function (on CUDA, or on CPU under the interpreter) and no gradient is needed
-    (the kernel has no backward: a prefill), else Megatron's. `valid_rows` (device): the
+    same function (on CUDA, or on CPU under the interpreter) in inference (eval mode, no
+    gradient: the kernel has no backward, and a training step's recompute, which runs
+    its first forward without gradients, must give the bits it recomputes), else
+    Megatron's. `valid_rows` (device): the
     rows past it are padding, which the kernel skips (Megatron's computes them too)."""
     needs_grad = torch.is_grad_enabled() and (intermediate.requires_grad or probs.requires_grad)
-    if (fused_swiglu_applies(mlp, bias) and not needs_grad
+    if (fused_swiglu_applies(mlp, bias) and not needs_grad and not mlp.training
             and (intermediate.is_cuda or interpreting())):
         return weighted_swiglu(intermediate, probs, valid_rows=valid_rows)
     return mlp_activation(mlp, intermediate, bias, probs)
@@ -221,16 +225,14 @@ class GroupedGemmExperts(MegatronModule):
                        activation=None, device_counts=None,
                        valid_rows=None) -> torch.Tensor:
         """FC1 + activation with probs: x [T, H] -> [T, K] (x's dtype). `activation`:
-        (mlp, intermediate, bias, probs[, valid_rows]) -> output; None = Megatron's
+        (mlp, intermediate, bias, probs, valid_rows) -> output; None = Megatron's
         (`mlp_activation`). tokens_per_expert None: FC1 by `device_counts` (see
         `grouped_linear`), whose sum may be below T (`valid_rows`, on the device: the rows
         past it are padding, their output unspecified)."""
         x, probs = _apply_probs_on_input(self.config, x, probs)
         counts = None if tokens_per_expert is None else host_counts(tokens_per_expert)
         inter = grouped_linear(x, self.fc1_weight, counts, device_counts)
-        if valid_rows is None:
-            return (activation or mlp_activation)(self, inter, None, probs)
-        return activation(self, inter, None, probs, valid_rows)
+        return (activation or mlp_activation)(self, inter, None, probs, valid_rows)
 
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert,
                 permuted_probs: torch.Tensor):

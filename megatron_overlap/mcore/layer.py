@@ -142,7 +142,7 @@ class OverlapMoELayer(MoELayer):
         or, where the row count is known or (in inference) bounded without the counts,
         none before FC1 is queued (`deferred_postprocess`)."""
         disp, topk = self.token_dispatcher, self.config.moe_router_topk
-        pad = not (torch.is_grad_enabled() and (
+        pad = not self.training and not (torch.is_grad_enabled() and (
             hidden_states.requires_grad or probs.requires_grad
             or any(p.requires_grad for p in self.experts.parameters())))
         deferred = None if self.config.moe_permute_fusion else deferred_postprocess(
@@ -175,13 +175,15 @@ class OverlapMoELayer(MoELayer):
 
     def _fuses_shared_gate(self, hidden_states) -> bool:
         """Join a gated shared expert to the routed output in one pass (`add_gated_shared_`)?
-        Where the overlap may run, in inference (the kernel has no backward), on CUDA or
+        Where the overlap may run, in inference (eval mode, no gradient: the kernel has no
+        backward, and a recompute must give the first forward's bits), on CUDA or
         under the interpreter, with Megatron's plain shared expert (not its own overlap),
         without CUDA graphs (TE's partial capture replays a stored, gated output), and in
         one forward call (not split into steps that other calls may interleave: the
         ungated output waits on this layer between its steps)."""
         steps = getattr(self, "fwd_execution_map", ())  # a list, or one step's name
-        if not (self.overlap_enabled and self._unsupported is None and self.use_shared_expert
+        if not (self.overlap_enabled and not self.training and self._unsupported is None
+                and self.use_shared_expert
                 and not self.shared_expert_overlap and not self.shared_experts_recompute
                 and getattr(self.shared_experts, "use_shared_expert_gate", False)
                 and getattr(self.config, "cuda_graph_impl", "none") == "none"
@@ -214,7 +216,7 @@ class OverlapMoELayer(MoELayer):
         """Stock, plus the gated shared expert `shared_experts_compute` left ungated: one pass
         into the fused op's fresh output, else Megatron's multiply and add (its bits)."""
         pending, self._gated_shared = self._gated_shared, None
-        if pending is None:
+        if pending is None or shared_expert_output is not None:  # (stale: a failed call's)
             return super().postprocess(output, shared_expert_output)
         ungated, logits = pending
         output = super().postprocess(output, None)
