@@ -10,8 +10,9 @@ returns. Where the fused op runs, the layer also leaves the GPU idle less often
 (`dispatch.py`): the dispatcher's postprocess syncs the host once instead of three
 times (same rows, same bits), or, where every expert is local or (in inference) under EP
 with the rows padded to a bound, only once FC1 and the activation are queued. In
-inference the weighted SwiGLU is one Triton pass, and a gated shared expert's gate and
-add into the routed output are one more (`kernels/gated_add.py`). Router, dispatch and the shared experts' GEMMs are Megatron's.
+inference (eval mode, no gradient) the weighted SwiGLU is one Triton pass, and a gated
+shared expert's gate and add into the routed output are one more
+(`kernels/gated_add.py`). Router, dispatch and the shared experts' GEMMs are Megatron's.
 
 Anything else (another dispatcher, TE experts, fp8, expert biases, latent MoE, the
 inference dispatcher, a call captured into a CUDA graph) runs the stock path after one
