@@ -508,7 +508,13 @@ def _layer_input_case(rank, world):
                                argparse.Namespace(**{**vars(args), "input_layer": 1}), device)
     except ValueError as e:
         dense = str(e)
-    return dict(layer_number=layer.layer_number, shape=tuple(hidden.shape),
+    too_deep = None
+    try:
+        bench_layer.build_case("qwen", 1, 1, 16, 2,
+                               argparse.Namespace(**{**vars(args), "input_layer": 99}), device)
+    except ValueError as e:
+        too_deep = str(e)
+    return dict(layer_number=layer.layer_number, shape=tuple(hidden.shape), too_deep=too_deep,
                 same=torch.equal(hidden, seen[0]), overlap_enabled=layer.overlap_enabled,
                 topk=layer.config.moe_router_topk, experts=layer.config.num_moe_experts,
                 skew=skew, dense=dense)
@@ -523,6 +529,7 @@ def test_layer_benchmark_input_layer_is_what_that_layer_gets_in_a_prefill():
     assert r["skew"]["mean"] == 16 * 2 * r["topk"] / r["experts"]
     assert r["skew"]["max_over_mean"] == r["skew"]["max_e"] / r["skew"]["mean"] >= 1
     assert "layer 1 of deepseek is dense" in r["dense"]
+    assert "qwen has 2 layers" in r["too_deep"]  # (tiny models have two)
 
 
 def test_each_profile_arm_switches_off_its_part_and_restores_it():

@@ -28,7 +28,7 @@ from benchlib import abba, env_info, summarize, write_json  # noqa: E402
 
 from megatron_overlap.mcore import prefill  # noqa: E402
 from megatron_overlap.mcore.layer import OverlapMoELayer, set_overlap_enabled  # noqa: E402
-from megatron_overlap.mcore.models import build_model  # noqa: E402
+from megatron_overlap.mcore.models import build_model, model_config  # noqa: E402
 from megatron_overlap.ops import OverlapConfig  # noqa: E402
 
 
@@ -54,6 +54,8 @@ def build_case(model_name, tp, ep, seq, batch, args, device):
     if input_layer and input_layer < _first_moe_layer(model_name):
         raise ValueError(f"--input-layer {input_layer}: layer {input_layer} of {model_name} "
                          f"is dense (its first MoE layer is {_first_moe_layer(model_name)})")
+    if input_layer > (depth := model_config(model_name, tp, ep, tiny=args.tiny)[0].num_layers):
+        raise ValueError(f"--input-layer {input_layer}: {model_name} has {depth} layers")
     depth = input_layer or _first_moe_layer(model_name)
     config = OverlapConfig(backend=args.backend, min_combine_elements=args.min_elements)
     fusion = {"bias_activation_fusion": False} if args.no_bias_swiglu_fusion else {}
