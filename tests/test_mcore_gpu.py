@@ -1,7 +1,8 @@
 """OverlapMoELayer on 2 GPUs (device machine): `pytest -m gpu tests/test_mcore_gpu.py`.
 
 Triton backend, bf16, Qwen-like widths with fewer experts; TP2EP1 and TP1EP2, both
-experts modules: forward and gradients against the stock MoELayer on the same weights.
+experts modules: forward and gradients against the stock MoELayer on the same weights,
+and inference (under EP through the padded postprocess).
 """
 
 import pytest
@@ -65,9 +66,29 @@ def _two_gpu(rank, world):
             results[(tp, ep, experts)] = dict(
                 same_init=same,
                 out=_rel(o1, o0), dx=_rel(dx1, dx0), dw=max(_rel(a, b) for a, b in zip(w1, w0)),
-                overlap=isinstance(layer, OverlapMoELayer) and layer.last_plan is not None)
+                overlap=isinstance(layer, OverlapMoELayer) and layer.last_plan is not None,
+                inference=_inference(stock, layer, x))
     ps.destroy_model_parallel()
     return results
+
+
+def _inference(stock, layer, x):
+    """Eval mode, no gradient, three calls back to back: under EP the postprocess pads the
+    rows to their bound (`gather_rows` copies the real ones) and FC1 is queued before the
+    counts reach the host. Against stock, and how many bounded gathers ran."""
+    import megatron_overlap.mcore.dispatch as dispatch_module
+
+    real, gathers = dispatch_module.gather_rows, []
+    dispatch_module.gather_rows = lambda *a: gathers.append(1) or real(*a)
+    try:
+        stock.eval(), layer.eval()
+        with torch.no_grad():
+            want = stock(x)[0]
+            outs = [layer(x)[0] for _ in range(3)]
+    finally:
+        dispatch_module.gather_rows = real
+    return dict(rel=max(_rel(o, want) for o in outs), gathers=len(gathers),
+                calls_equal=all(torch.equal(o, outs[0]) for o in outs))
 
 
 def test_two_gpu_overlap_layer_matches_stock_in_bf16():
@@ -77,6 +98,9 @@ def test_two_gpu_overlap_layer_matches_stock_in_bf16():
         for key, r in res.items():
             assert r["same_init"] and r["overlap"], (rank, key, r)
             assert r["out"] < 2e-2 and r["dx"] < 2e-2 and r["dw"] < 2e-2, (rank, key, r)
+            i = r["inference"]
+            assert i["rel"] < 2e-2 and i["calls_equal"], (rank, key, i)
+            assert i["gathers"] == (3 if key[1] == 2 else 0), (rank, key, i)  # EP: padded
 
 
 def _one_gpu_inference(rank, world):
