@@ -240,6 +240,16 @@ def _layer_input(r) -> str:
     return f"{source}: {routing['max_over_mean']:.2f}" if routing else source
 
 
+def _layer_loads(r) -> str:
+    """min / median / max of the MoE layers' max_e / mean at their latest fused launch (rank
+    0's local experts; runs before the prefill recorded it, or stock-path layers: '-')."""
+    loads = sorted(d["max_over_mean"] for d in r.get("decisions_rank0", [])
+                   if d.get("max_over_mean"))
+    if not loads:
+        return "-"
+    return f"{loads[0]:.2f} / {loads[len(loads) // 2]:.2f} / {loads[-1]:.2f}"
+
+
 def profile_section(tag, data) -> str:
     """One MoE layer's GPU time per arm (tools/profile_layer.py): wall, busy, idle and the
     kinds that take the most time, ms per layer call."""
@@ -265,18 +275,19 @@ def prefill_section(tag, prefill, out_dir) -> str:
     """Table, geomeans and a speedup-vs-S plot of complete-model prefill runs."""
     lines = [f"### Complete-model prefill, {tag} (python -m megatron_overlap.mcore.prefill "
              "--abba)\n",
-             "| model | layout | B x S | stock ms [95% CI] | overlap ms [95% CI] | speedup |",
-             "|---|---|---|---|---|---|"]
+             "| model | layout | B x S | stock ms [95% CI] | overlap ms [95% CI] | speedup | "
+             "max_e/mean over layers |",
+             "|---|---|---|---|---|---|---|"]
     for r in sorted(prefill, key=lambda r: (r["model"], r["tp"], r["ep"], r["seq"])):
         head = (f"| {r['model']} | TP{r['tp']}EP{r['ep']} | {r['batch']}x{r['seq']}"
                 + ("*" if "source" in r else "") + " | ")
         if r.get("oom"):
-            lines.append(head + "OOM | OOM | - |")
+            lines.append(head + "OOM | OOM | - | - |")
             continue
         st, ov = r["policies"]["stock"], r["policies"]["overlap"]
         lines.append(head + f"{st['median_ms']:.2f} [{st['ci95_ms'][0]:.2f}, {st['ci95_ms'][1]:.2f}]"
                      f" | {ov['median_ms']:.2f} [{ov['ci95_ms'][0]:.2f}, "
-                     f"{ov['ci95_ms'][1]:.2f}] | {r['speedup']:.3f}x |")
+                     f"{ov['ci95_ms'][1]:.2f}] | {r['speedup']:.3f}x | {_layer_loads(r)} |")
     if any("source" in r for r in prefill):
         lines.append("\n\\* parsed from the run's printed report (its JSON did not come back "
                      "from the device machine; see the file's `source`)")
