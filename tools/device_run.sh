@@ -106,6 +106,12 @@ for s in "$@"; do
         --tp 1 --ep 1 --seqs ${SEQS:-4096,16384} ${PROFILE_ARMS:+--arms "$PROFILE_ARMS"} \
         ${INPUT_LAYER:+--input-layer $INPUT_LAYER} \
         --json "$OUT/profile_layer_${TAG:-}TP1EP1.json" ;;
+    profile_layers) for lay in "1 2" "2 1"; do set -- $lay
+        stage profile_layer_TP$1EP$2 ${PROFILE_SECS:-200} $TR "$REPO/tools/profile_layer.py" \
+          --models ${PROFILE_MODELS:-granite,qwen,deepseek} --tp $1 --ep $2 \
+          --seqs ${SEQS:-4096,16384} ${PROFILE_ARMS:+--arms "$PROFILE_ARMS"} \
+          ${INPUT_LAYER:+--input-layer $INPUT_LAYER} \
+          --json "$OUT/profile_layer_${TAG:-}TP$1EP$2.json"; done ;;
     prefill_1gpu) for m in ${PREFILL_MODELS:-granite qwen deepseek}; do
         stage prefill_${m}_TP1EP1 ${PREFILL_SECS:-75} torchrun --nproc-per-node 1 \
           -m megatron_overlap.mcore.prefill --model $m --tp 1 --ep 1 --batch 4 \
