@@ -12,8 +12,8 @@ that size needs no sync. Same rows, same order, same bits as Megatron's (`permut
 selects from the [experts, tokens] transposed map in row-major order: expert-major,
 token-ascending).
 
-Where the number of rows is known without the counts, or in inference bounded by them,
-`deferred_postprocess` permutes without waiting: every expert on the rank (EP = 1) and
+Where the number of rows is known without the counts, or (in inference) bounded without
+them, `deferred_postprocess` permutes without waiting: every expert on the rank (EP = 1) and
 no token dropped gives M x top-k rows; under EP the rows are at most M x min(top-k,
 local experts), and in inference (no backward to keep the padding out of) the
 permutation is sized by that bound, the real rows copied by `gather_rows` (the device
