@@ -218,6 +218,16 @@ def test_layer_profile_counts_concurrent_kernels_once_in_busy_time_and_by_kind_i
         profile_layer.breakdown(trace, calls=3)
 
 
+def test_layer_profile_names_our_kernels_before_the_generic_kinds():
+    import profile_layer
+
+    assert profile_layer.kind_of("gather_rows_kernel") == "ours: bounded row gather"
+    assert profile_layer.kind_of("gated_add_kernel") == "ours: gated shared add"
+    assert profile_layer.kind_of("gather_rs_kernel") == "ours: GatherRS"
+    assert profile_layer.kind_of("void at::native::vectorized_gather_kernel<16, long>") == \
+        "index / gather / scatter"
+
+
 def test_report_profile_section_gives_each_arm_its_ratio_to_stock_and_the_inputs_skew():
     def arm(wall):
         return dict(wall_ms=wall, gpu_busy_ms=wall - 1, gpu_idle_ms=1.0,

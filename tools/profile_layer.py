@@ -40,6 +40,7 @@ KINDS = (
     ("ours: routing table", r"routing_table"),
     ("ours: SwiGLU", r"weighted_swiglu"),
     ("ours: gated shared add", r"gated_add"),
+    ("ours: bounded row gather", r"gather_rows"),
     ("grouped GEMM (torch._grouped_mm)", r"GroupProblemShape|grouped_mm|[Gg]rouped"),
     ("dense GEMM", r"gemm|Gemm|nvjet|cublas|xmma|cutlass"),
     ("NCCL", r"nccl"),
