@@ -594,3 +594,31 @@ def test_layer_kernel_experiment_checks_each_kernel_against_what_it_replaces():
     for case in arms.values():
         for fn in case.values():
             fn()
+
+
+def test_prefill_profile_gives_each_kernel_to_the_moe_layer_that_launched_it():
+    import profile_prefill
+
+    mark = profile_prefill.MARK
+
+    def ev(cat, name, ts, dur, **args):
+        return dict(ph="X", cat=cat, name=name, ts=ts, dur=dur, args=args)
+
+    trace = dict(traceEvents=[
+        ev("user_annotation", mark, 100, 50), ev("user_annotation", mark, 300, 50),
+        ev("cuda_runtime", "cudaLaunchKernel", 90, 1, correlation=1),   # before: the rest
+        ev("cuda_runtime", "cudaLaunchKernel", 110, 1, correlation=2),  # layer 0
+        ev("cuda_driver", "cuLaunchKernel", 120, 1, correlation=3),     # layer 0 (Triton's)
+        ev("cuda_runtime", "cudaLaunchKernel", 310, 1, correlation=4),  # layer 1
+        ev("kernel", "attention", 95, 30, correlation=1),
+        ev("kernel", "router", 130, 10, correlation=2),
+        ev("kernel", "gemm2", 150, 40, correlation=3),  # runs after the host range ended
+        ev("kernel", "fc1", 320, 5, correlation=4),
+        ev("kernel", "orphan", 400, 2),  # no correlation: the rest
+    ])
+    r = profile_prefill.attribute(trace)
+    assert r["layers"] == [dict(kernel_ms=0.05, span_ms=0.06), dict(kernel_ms=0.005,
+                                                                     span_ms=0.005)]
+    assert r["rest_kernel_ms"] == 0.032 and r["wall_ms"] == 0.307
+    with pytest.raises(ValueError, match="marked MoE layers"):
+        profile_prefill.attribute(dict(traceEvents=[ev("kernel", "k", 0, 1)]))

@@ -112,6 +112,10 @@ for s in "$@"; do
           --seqs ${SEQS:-4096,16384} ${PROFILE_ARMS:+--arms "$PROFILE_ARMS"} \
           ${INPUT_LAYER:+--input-layer $INPUT_LAYER} \
           --json "$OUT/profile_layer_${TAG:-}TP$1EP$2.json"; done ;;
+    profile_prefill_1gpu) for m in ${PREFILL_MODELS:-qwen deepseek}; do
+        stage profile_prefill_$m ${PREFILL_SECS:-120} torchrun --nproc-per-node 1 \
+          "$REPO/tools/profile_prefill.py" --model $m --seqs ${PREFILL_SEQS:-4096,16384} \
+          --json "$OUT/profile_prefill_${TAG:-}${m}_TP1EP1.json"; done ;;
     prefill_1gpu) for m in ${PREFILL_MODELS:-granite qwen deepseek}; do
         stage prefill_${m}_TP1EP1 ${PREFILL_SECS:-75} torchrun --nproc-per-node 1 \
           -m megatron_overlap.mcore.prefill --model $m --tp 1 --ep 1 --batch 4 \

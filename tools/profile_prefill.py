@@ -1,0 +1,149 @@
+"""Where a prefill's time goes, stock and overlapped: GPU time inside and outside the MoE layers.
+
+    torchrun --nproc-per-node 1 tools/profile_prefill.py --model qwen --seq 16384 \
+        --json out/profile_prefill_qwen.json
+
+The layer benchmark times one MoE layer alone; a prefill runs it between attention
+blocks, and session 12 found the prefill saving less than the layer benchmark predicts
+(Qwen S = 16384: 91 ms predicted over 24 layers, 38 ms seen). This profiles one whole
+forward per arm (after a warm-up of each) and attributes every GPU kernel to the MoE
+layer whose host range launched it (the profiler's correlation ids link each kernel to
+its launch) or to "the rest": per arm, the kernel time and the span (first kernel start
+to last kernel end) of each MoE layer, and the kernel time of the rest of the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+from benchlib import env_info, write_json  # noqa: E402
+
+from megatron_overlap.mcore import prefill  # noqa: E402
+from megatron_overlap.mcore.layer import OverlapMoELayer, set_overlap_enabled  # noqa: E402
+from megatron_overlap.mcore.models import build_model  # noqa: E402
+from megatron_overlap.ops import OverlapConfig  # noqa: E402
+
+MARK = "megatron_overlap.moe_layer"
+
+
+def attribute(trace: dict) -> dict:
+    """{"layers": [{"kernel_ms", "span_ms"} per marked MoE layer range, in order],
+    "rest_kernel_ms", "wall_ms"} of one profiled forward."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
+    marks = sorted((e for e in events if e.get("name") == MARK
+                    and e.get("cat") == "user_annotation"), key=lambda e: e["ts"])
+    # (Triton's launcher and the op's event calls go through the driver API)
+    launches = {e["args"]["correlation"]: e["ts"] for e in events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver")
+                and "correlation" in e.get("args", {})}
+    kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
+    if not marks or not kernels:
+        raise ValueError(f"found {len(marks)} marked MoE layers and {len(kernels)} GPU "
+                         "events (was CUDA profiled?)")
+    layers = [dict(kernel_us=0.0, first=None, last=None) for _ in marks]
+    rest = 0.0
+    for k in kernels:
+        launched = launches.get(k.get("args", {}).get("correlation"))
+        owner = None
+        if launched is not None:
+            for i, m in enumerate(marks):
+                if m["ts"] <= launched <= m["ts"] + m["dur"]:
+                    owner = layers[i]
+                    break
+        if owner is None:
+            rest += k["dur"]
+            continue
+        owner["kernel_us"] += k["dur"]
+        owner["first"] = k["ts"] if owner["first"] is None else min(owner["first"], k["ts"])
+        end = k["ts"] + k["dur"]
+        owner["last"] = end if owner["last"] is None else max(owner["last"], end)
+    wall = max(k["ts"] + k["dur"] for k in kernels) - min(k["ts"] for k in kernels)
+    return dict(
+        layers=[dict(kernel_ms=l["kernel_us"] / 1e3,
+                     span_ms=0.0 if l["first"] is None else (l["last"] - l["first"]) / 1e3)
+                for l in layers],
+        rest_kernel_ms=rest / 1e3, wall_ms=wall / 1e3)
+
+
+def _mark_moe_layers(model) -> None:
+    """Wrap every OverlapMoELayer's forward in a profiler range named MARK."""
+    for layer in (m for m in model.modules() if isinstance(m, OverlapMoELayer)):
+        forward = layer.forward
+
+        def marked(*args, _forward=forward, **kwargs):
+            with torch.profiler.record_function(MARK):
+                return _forward(*args, **kwargs)
+        layer.forward = marked
+
+
+def profile_forward(model, tokens, positions) -> dict:
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=activities) as prof:
+        with torch.no_grad():
+            model(tokens, positions, None)
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            return attribute(json.load(f))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="qwen")
+    ap.add_argument("--seqs", default="4096,16384")
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--json", default="")
+    args = ap.parse_args()
+    setup = argparse.Namespace(tp=1, ep=1, seed=0, preload=None, batch=args.batch)
+    device = prefill._setup(setup)
+    model = build_model(args.model, 1, 1, overlap=OverlapConfig()).to(device).eval()
+    _mark_moe_layers(model)
+    results = []
+    for seq in map(int, args.seqs.split(",")):
+        tokens, positions = prefill._inputs(setup, seq, model.vocab_size, device)
+        row = dict(model=args.model, seq=seq, batch=args.batch)
+        for arm in ("stock", "overlap"):
+            set_overlap_enabled(model, arm == "overlap")
+            with torch.no_grad():
+                for _ in range(args.warmup):
+                    model(tokens, positions, None)
+            row[arm] = profile_forward(model, tokens, positions)
+        results.append(row)
+        if dist.get_rank() == 0:
+            _print(row)
+    if dist.get_rank() == 0:
+        write_json(args.json, dict(env=env_info(), command=" ".join(sys.argv), results=results))
+    return 0
+
+
+def _print(row: dict) -> None:
+    st, ov = row["stock"], row["overlap"]
+    print(f"== {row['model']} S={row['seq']} B={row['batch']}: GPU wall stock "
+          f"{st['wall_ms']:.1f} ms, overlap {ov['wall_ms']:.1f} ms")
+    for name, key in (("MoE kernel time", "kernel_ms"), ("MoE span", "span_ms")):
+        a = sum(l[key] for l in st["layers"])
+        b = sum(l[key] for l in ov["layers"])
+        print(f"  {name} over {len(st['layers'])} layers: stock {a:.1f}, overlap {b:.1f}, "
+              f"saved {a - b:.1f} ms")
+    print(f"  the rest's kernel time: stock {st['rest_kernel_ms']:.1f}, overlap "
+          f"{ov['rest_kernel_ms']:.1f} ms")
+    for i, (a, b) in enumerate(zip(st["layers"], ov["layers"])):
+        print(f"    MoE layer {i}: span {a['span_ms']:.2f} -> {b['span_ms']:.2f}, kernels "
+              f"{a['kernel_ms']:.2f} -> {b['kernel_ms']:.2f} ms")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
