@@ -620,5 +620,7 @@ def test_prefill_profile_gives_each_kernel_to_the_moe_layer_that_launched_it():
     assert r["layers"] == [dict(kernel_ms=0.05, span_ms=0.06), dict(kernel_ms=0.005,
                                                                      span_ms=0.005)]
     assert r["rest_kernel_ms"] == 0.032 and r["wall_ms"] == 0.307
+    assert r["rest_top"] == {"attention": 0.03, "orphan": 0.002}
+    assert sum(r["rest_kinds"].values()) == pytest.approx(0.032)
     with pytest.raises(ValueError, match="marked MoE layers"):
         profile_prefill.attribute(dict(traceEvents=[ev("kernel", "k", 0, 1)]))

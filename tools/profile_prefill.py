@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 from benchlib import env_info, write_json  # noqa: E402
+from profile_layer import kind_of  # noqa: E402
 
 from megatron_overlap.mcore import prefill  # noqa: E402
 from megatron_overlap.mcore.layer import OverlapMoELayer, set_overlap_enabled  # noqa: E402
@@ -34,9 +35,10 @@ from megatron_overlap.ops import OverlapConfig  # noqa: E402
 MARK = "megatron_overlap.moe_layer"
 
 
-def attribute(trace: dict) -> dict:
+def attribute(trace: dict, top: int = 12) -> dict:
     """{"layers": [{"kernel_ms", "span_ms"} per marked MoE layer range, in order],
-    "rest_kernel_ms", "wall_ms"} of one profiled forward."""
+    "rest_kernel_ms", "wall_ms", "rest_kinds" (ms by `profile_layer.KINDS`), "rest_top"
+    (the `top` kernels of the rest by total ms)} of one profiled forward."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
     marks = sorted((e for e in events if e.get("name") == MARK
                     and e.get("cat") == "user_annotation"), key=lambda e: e["ts"])
@@ -49,7 +51,7 @@ def attribute(trace: dict) -> dict:
         raise ValueError(f"found {len(marks)} marked MoE layers and {len(kernels)} GPU "
                          "events (was CUDA profiled?)")
     layers = [dict(kernel_us=0.0, first=None, last=None) for _ in marks]
-    rest = 0.0
+    rest, rest_kinds, rest_names = 0.0, {}, {}
     for k in kernels:
         launched = launches.get(k.get("args", {}).get("correlation"))
         owner = None
@@ -60,6 +62,9 @@ def attribute(trace: dict) -> dict:
                     break
         if owner is None:
             rest += k["dur"]
+            kind = kind_of(k["name"])
+            rest_kinds[kind] = rest_kinds.get(kind, 0.0) + k["dur"]
+            rest_names[k["name"]] = rest_names.get(k["name"], 0.0) + k["dur"]
             continue
         owner["kernel_us"] += k["dur"]
         owner["first"] = k["ts"] if owner["first"] is None else min(owner["first"], k["ts"])
@@ -70,7 +75,10 @@ def attribute(trace: dict) -> dict:
         layers=[dict(kernel_ms=l["kernel_us"] / 1e3,
                      span_ms=0.0 if l["first"] is None else (l["last"] - l["first"]) / 1e3)
                 for l in layers],
-        rest_kernel_ms=rest / 1e3, wall_ms=wall / 1e3)
+        rest_kernel_ms=rest / 1e3, wall_ms=wall / 1e3,
+        rest_kinds={k: v / 1e3 for k, v in sorted(rest_kinds.items(), key=lambda kv: -kv[1])},
+        rest_top={n[:100]: v / 1e3 for n, v in sorted(rest_names.items(),
+                                                     key=lambda kv: -kv[1])[:top]})
 
 
 def _mark_moe_layers(model) -> None:
@@ -91,11 +99,20 @@ def profile_forward(model, tokens, positions) -> dict:
         with torch.no_grad():
             model(tokens, positions, None)
         torch.cuda.synchronize()
+    clocks = _clocks()  # right after the forward, while the GPU still runs at its load
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
         with open(path) as f:
-            return attribute(json.load(f))
+            return attribute(json.load(f)) | clocks
+
+
+def _clocks() -> dict:
+    """The SM clock (MHz) and power draw (mW) now, through NVML (nvidia-ml-py)."""
+    try:
+        return dict(sm_clock_mhz=torch.cuda.clock_rate(), power_mw=torch.cuda.power_draw())
+    except Exception as e:  # noqa: BLE001 - no NVML: the profile stands without them
+        return dict(clocks_error=str(e)[:100])
 
 
 def main() -> int:
@@ -138,7 +155,13 @@ def _print(row: dict) -> None:
         print(f"  {name} over {len(st['layers'])} layers: stock {a:.1f}, overlap {b:.1f}, "
               f"saved {a - b:.1f} ms")
     print(f"  the rest's kernel time: stock {st['rest_kernel_ms']:.1f}, overlap "
-          f"{ov['rest_kernel_ms']:.1f} ms")
+          f"{ov['rest_kernel_ms']:.1f} ms; SM clock after the forward {st.get('sm_clock_mhz')}"
+          f" / {ov.get('sm_clock_mhz')} MHz, power {st.get('power_mw')} / {ov.get('power_mw')}"
+          " mW")
+    for kind, ms in st["rest_kinds"].items():
+        print(f"    rest {kind:<34} {ms:8.2f} -> {ov['rest_kinds'].get(kind, 0.0):8.2f} ms")
+    for name, ms in st["rest_top"].items():
+        print(f"      {ms:8.2f} -> {ov['rest_top'].get(name, 0.0):8.2f} {name[:80]}")
     for i, (a, b) in enumerate(zip(st["layers"], ov["layers"])):
         print(f"    MoE layer {i}: span {a['span_ms']:.2f} -> {b['span_ms']:.2f}, kernels "
               f"{a['kernel_ms']:.2f} -> {b['kernel_ms']:.2f} ms")
