@@ -100,11 +100,43 @@ def profile_forward(model, tokens, positions) -> dict:
             model(tokens, positions, None)
         torch.cuda.synchronize()
     clocks = _clocks()  # right after the forward, while the GPU still runs at its load
+    clocks["during_unprofiled_forward"] = _sampled(
+        lambda: (model(tokens, positions, None), torch.cuda.synchronize()))
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
         with open(path) as f:
             return attribute(json.load(f)) | clocks
+
+
+def _sampled(fn, period_s: float = 0.01) -> dict:
+    """fn() under no_grad with the SM clock and power sampled every `period_s` by a thread
+    (NVML): their mean and minimum over the call."""
+    import threading
+
+    samples, done = [], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            try:
+                samples.append((torch.cuda.clock_rate(), torch.cuda.power_draw()))
+            except Exception:  # noqa: BLE001 - no NVML: nothing sampled
+                return
+            done.wait(period_s)
+
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    try:
+        with torch.no_grad():
+            fn()
+    finally:
+        done.set()
+        thread.join()
+    if not samples:
+        return {}
+    clock, power = zip(*samples)
+    return dict(samples=len(samples), sm_clock_mhz_mean=sum(clock) / len(clock),
+                sm_clock_mhz_min=min(clock), power_mw_mean=sum(power) / len(power))
 
 
 def _clocks() -> dict:
@@ -158,6 +190,12 @@ def _print(row: dict) -> None:
           f"{ov['rest_kernel_ms']:.1f} ms; SM clock after the forward {st.get('sm_clock_mhz')}"
           f" / {ov.get('sm_clock_mhz')} MHz, power {st.get('power_mw')} / {ov.get('power_mw')}"
           " mW")
+    for arm in ("stock", "overlap"):
+        d = row[arm].get("during_unprofiled_forward", {})
+        if d:
+            print(f"  {arm}: during a forward SM clock mean {d['sm_clock_mhz_mean']:.0f} MHz "
+                  f"(min {d['sm_clock_mhz_min']}), power mean {d['power_mw_mean'] / 1e3:.0f} W, "
+                  f"{d['samples']} samples")
     for kind, ms in st["rest_kinds"].items():
         print(f"    rest {kind:<34} {ms:8.2f} -> {ov['rest_kinds'].get(kind, 0.0):8.2f} ms")
     for name, ms in st["rest_top"].items():
