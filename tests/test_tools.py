@@ -515,18 +515,15 @@ def _layer_input_case(rank, world):
                                         model.vocab_size, device)
     with torch.no_grad():
         model(tokens, positions, None)
-    dense = None
-    try:
-        bench_layer.build_case("deepseek", 1, 1, 16, 2,
-                               argparse.Namespace(**{**vars(args), "input_layer": 1}), device)
-    except ValueError as e:
-        dense = str(e)
-    too_deep = None
-    try:
-        bench_layer.build_case("qwen", 1, 1, 16, 2,
-                               argparse.Namespace(**{**vars(args), "input_layer": 99}), device)
-    except ValueError as e:
-        too_deep = str(e)
+    def refusal(name, input_layer):
+        try:
+            bench_layer.build_case(name, 1, 1, 16, 2, argparse.Namespace(
+                **{**vars(args), "input_layer": input_layer}), device)
+        except ValueError as e:
+            return str(e)
+        return None
+
+    dense, too_deep = refusal("deepseek", 1), refusal("qwen", 99)
     return dict(layer_number=layer.layer_number, shape=tuple(hidden.shape), too_deep=too_deep,
                 same=torch.equal(hidden, seen[0]), overlap_enabled=layer.overlap_enabled,
                 topk=layer.config.moe_router_topk, experts=layer.config.num_moe_experts,
