@@ -126,17 +126,23 @@ def fused_swiglu_applies(mlp, bias: torch.Tensor | None) -> bool:
             and config.activation_func_clamp_value is None)
 
 
+def in_inference(module, tensors) -> bool:
+    """Eval mode and no gradient through any of `tensors` (an iterable, read lazily): where
+    the overlapped layer's one-pass kernels, which have no backward, may run. Eval mode
+    too, since a training step's recompute runs its first forward without gradients and
+    must give the bits it recomputes."""
+    return not module.training and not (
+        torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+
+
 def _routed_activation(mlp, intermediate: torch.Tensor, bias: torch.Tensor | None,
                        probs: torch.Tensor, valid_rows: torch.Tensor | None = None
                        ) -> torch.Tensor:
     """The overlapped layer's activation: the one-pass Triton kernel where it computes the
-    same function (on CUDA, or on CPU under the interpreter) in inference (eval mode, no
-    gradient: the kernel has no backward, and a training step's recompute, which runs
-    its first forward without gradients, must give the bits it recomputes), else
-    Megatron's. `valid_rows` (device): the
+    same function (on CUDA, or on CPU under the interpreter) in inference (`in_inference`),
+    else Megatron's. `valid_rows` (device): the
     rows past it are padding, which the kernel skips (Megatron's computes them too)."""
-    needs_grad = torch.is_grad_enabled() and (intermediate.requires_grad or probs.requires_grad)
-    if (fused_swiglu_applies(mlp, bias) and not needs_grad and not mlp.training
+    if (fused_swiglu_applies(mlp, bias) and in_inference(mlp, (intermediate, probs))
             and (intermediate.is_cuda or interpreting())):
         return weighted_swiglu(intermediate, probs, valid_rows=valid_rows)
     return mlp_activation(mlp, intermediate, bias, probs)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from itertools import chain
 
 import torch
 from megatron.core.transformer.moe.experts import SequentialMLP
@@ -34,7 +35,8 @@ from ..ops import OverlapConfig, gemm2_gather_rs
 from ..ops.config import interpreting, min_combine_elements
 from ..ops.validation import capturing
 from .dispatch import deferred_postprocess, single_sync_postprocess
-from .experts import GroupedGemmExperts, fc1_and_fc2_weight, host_counts, needs_host_counts
+from .experts import (GroupedGemmExperts, fc1_and_fc2_weight, host_counts, in_inference,
+                      needs_host_counts)
 
 log = logging.getLogger("megatron_overlap.mcore")
 _warned: set[str] = set()
@@ -143,9 +145,7 @@ class OverlapMoELayer(MoELayer):
         or, where the row count is known or (in inference) bounded without the counts,
         none before FC1 is queued (`deferred_postprocess`)."""
         disp, topk = self.token_dispatcher, self.config.moe_router_topk
-        pad = not self.training and not (torch.is_grad_enabled() and (
-            hidden_states.requires_grad or probs.requires_grad
-            or any(p.requires_grad for p in self.experts.parameters())))
+        pad = in_inference(self, chain((hidden_states, probs), self.experts.parameters()))
         deferred = None if self.config.moe_permute_fusion else deferred_postprocess(
             disp, hidden_states, probs, topk, pad=pad)
         if deferred is not None:
@@ -176,25 +176,21 @@ class OverlapMoELayer(MoELayer):
 
     def _fuses_shared_gate(self, hidden_states) -> bool:
         """Join a gated shared expert to the routed output in one pass (`add_gated_shared_`)?
-        Where the overlap may run, in inference (eval mode, no gradient: the kernel has no
-        backward, and a recompute must give the first forward's bits), on CUDA or
+        Where the overlap may run, in inference (`in_inference`), on CUDA or
         under the interpreter, with Megatron's plain shared expert (not its own overlap),
         without CUDA graphs (TE's partial capture replays a stored, gated output), and in
         one forward call (not split into steps that other calls may interleave: the
         ungated output waits on this layer between its steps)."""
         steps = getattr(self, "fwd_execution_map", ())  # a list, or one step's name
-        if not (self.overlap_enabled and not self.training and self._unsupported is None
-                and self.use_shared_expert
+        if not (self.overlap_enabled and self._unsupported is None and self.use_shared_expert
                 and not self.shared_expert_overlap and not self.shared_experts_recompute
                 and getattr(self.shared_experts, "use_shared_expert_gate", False)
                 and getattr(self.config, "cuda_graph_impl", "none") == "none"
                 and not isinstance(steps, str)
                 and {"route", "expert_compute", "postprocess"} <= set(steps)):
             return False
-        needs_grad = torch.is_grad_enabled() and (
-            hidden_states.requires_grad
-            or any(p.requires_grad for p in self.shared_experts.parameters()))
-        return (not needs_grad and not capturing(hidden_states)
+        return (in_inference(self, chain((hidden_states,), self.shared_experts.parameters()))
+                and not capturing(hidden_states)
                 and (hidden_states.is_cuda or interpreting()))
 
     def shared_experts_compute(self, hidden_states):
