@@ -338,15 +338,18 @@ def _toggle_and_fallback(config, x, grad):
     torch.manual_seed(1234)
     layer_b = with_overlap_moe(spec, OverlapConfig(backend="reference"))(config=biased)
     fb1, ours = _twice_with_warnings(layer_b, x, grad)
-    # min_combine_elements: the gathered activations are 12 x 2 tokens x 2 ranks x 32 hidden
-    gathered = 12 * 2 * 2 * 32
+    # min_combine_elements: the gathered activations are 12 x 2 tokens x 2 ranks x 32 hidden;
+    # min_gemm2_macs: those 48 tokens x top-k 2 x 32 hidden x FFN 16 x 2 of 4 experts
+    gathered, macs = 12 * 2 * 2 * 32, 48 * 2 * 32 * 16 * 2 // 4
     small = {}
-    for threshold in (gathered + 1, gathered):
+    for key, bounds in (("below", (gathered + 1, 0)), ("at", (gathered, 0)),
+                        ("below macs", (0, macs + 1)), ("at macs", (0, macs))):
         torch.manual_seed(1234)
         layer_t = with_overlap_moe(spec, OverlapConfig(
-            backend="interpret", min_combine_elements=threshold))(config=config)
+            backend="interpret", min_combine_elements=bounds[0],
+            min_gemm2_macs=bounds[1]))(config=config)
         run_t = _run(layer_t, x, grad)
-        small[threshold] = dict(
+        small[key] = dict(
             equal=torch.equal(run_t[0], ref[0]) and torch.equal(run_t[1], ref[1]),
             plan=None if layer_t.last_plan is None else layer_t.last_plan.source)
     # a call captured into a CUDA graph (faked here: CPU) runs the stock path, one warning
@@ -364,7 +367,7 @@ def _toggle_and_fallback(config, x, grad):
     return dict(toggled=toggled, captured=captured,
                 off_equal=torch.equal(off[0], ref[0]) and torch.equal(off[1], ref[1]),
                 fallback_equal=torch.equal(fb1[0], ref_b[0]), fallback_warnings=ours,
-                below=small[gathered + 1], at=small[gathered])
+                thresholds=small)
 
 
 @pytest.fixture(scope="module")
@@ -447,8 +450,9 @@ def test_calls_captured_into_a_cuda_graph_run_the_stock_path_after_one_warning(l
         assert len(c["warnings"]) == 1 and "CUDA graph" in c["warnings"][0]
 
 
-def test_layers_below_min_combine_elements_run_the_stock_path_bit_for_bit(layer_runs):
+def test_layers_below_either_size_threshold_run_the_stock_path_bit_for_bit(layer_runs):
     for res in layer_runs:
-        t = res["toggle"]
-        assert t["below"] == {"equal": True, "plan": None}
-        assert t["at"]["plan"] == "model"  # at the threshold: overlapped and planned
+        t = res["toggle"]["thresholds"]
+        for below, at in (("below", "at"), ("below macs", "at macs")):
+            assert t[below] == {"equal": True, "plan": None}, below
+            assert t[at]["plan"] == "model", at  # at the threshold: overlapped and planned

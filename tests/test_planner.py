@@ -231,37 +231,45 @@ def test_calibration_rejects_non_positive_c_sat():
         Calibration(1.0, 1, 1, 1, 1, 1, c_sat=0)
 
 
-def test_min_combine_elements_comes_from_the_config_then_the_calibration():
+def test_stock_thresholds_come_from_the_config_then_the_calibration():
     import json
 
     import torch
 
     from megatron_overlap.ops import OverlapConfig
-    from megatron_overlap.ops.config import min_combine_elements
+    from megatron_overlap.ops.config import stock_thresholds
     from megatron_overlap.planner import get_preset
     from megatron_overlap.planner.presets import Preset
 
     cpu = torch.device("cpu")
-    assert get_preset("h200").min_combine_elements == 1 << 25
+    h200 = get_preset("h200")
+    assert (h200.min_combine_elements, h200.min_gemm2_macs) == (1 << 25, 0)
     assert get_preset("a100-paper").min_combine_elements == 0
-    for world, want in ((2, 1 << 25), (4, 1 << 25), (1, 1 << 24)):  # one GPU: its own
-        assert min_combine_elements(OverlapConfig(preset="h200"), cpu, world) == want
-        assert min_combine_elements(OverlapConfig(preset="h200", min_combine_elements=7),
-                                    cpu, world) == 7
-        assert min_combine_elements(OverlapConfig(), cpu, world) == 0  # no GPU calibration
-    data = get_preset("h200").to_json()
-    assert Preset.from_json(json.loads(json.dumps(data))) == get_preset("h200")
-    del data["min_combine_elements_one_rank"]  # not measured apart: the group's value
-    assert Preset.from_json(data).combine_threshold(1) == 1 << 25
-    del data["min_combine_elements"]  # calibrations written before the field: never
-    assert Preset.from_json(data).min_combine_elements == 0
-    assert Preset.from_json(data).combine_threshold(1) == 0
-    with pytest.raises(ValueError, match="min_combine_elements_one_rank"):
-        Preset.from_json(dict(data, min_combine_elements_one_rank=-1))
-    with pytest.raises(ValueError, match="min_combine_elements"):
-        Preset.from_json(dict(data, min_combine_elements=-1))
-    with pytest.raises(ValueError, match="min_combine_elements"):
-        OverlapConfig(min_combine_elements=-1)
+    # more ranks: tokens x hidden; one GPU: the GEMM2 multiply-adds (measured apart)
+    for world, want in ((2, (1 << 25, 0)), (4, (1 << 25, 0)), (1, (0, 8 * 10**10))):
+        assert stock_thresholds(OverlapConfig(preset="h200"), cpu, world) == want
+        assert stock_thresholds(OverlapConfig(preset="h200", min_combine_elements=7),
+                                cpu, world) == (7, want[1])
+        assert stock_thresholds(OverlapConfig(preset="h200", min_gemm2_macs=5),
+                                cpu, world) == (want[0], 5)
+        assert stock_thresholds(OverlapConfig(), cpu, world) == (0, 0)  # no GPU calibration
+    data = h200.to_json()
+    assert Preset.from_json(json.loads(json.dumps(data))) == h200
+    del data["min_combine_elements_one_rank"], data["min_gemm2_macs_one_rank"]
+    assert Preset.from_json(data).combine_threshold(1) == 1 << 25  # the group's value
+    assert Preset.from_json(data).gemm2_threshold(1) == 0
+    del data["min_combine_elements"], data["min_gemm2_macs"]  # files before the fields
+    old = Preset.from_json(data)
+    assert (old.combine_threshold(1), old.gemm2_threshold(2)) == (0, 0)
+    for name in ("min_combine_elements", "min_combine_elements_one_rank", "min_gemm2_macs",
+                 "min_gemm2_macs_one_rank"):
+        with pytest.raises(ValueError, match=name):
+            Preset.from_json(dict(data, **{name: -1}))
+    for name in ("min_combine_elements", "min_gemm2_macs"):
+        with pytest.raises(ValueError, match=name):
+            OverlapConfig(**{name: -1})
+        with pytest.raises(ValueError, match=name):
+            OverlapConfig(**{name: True})
 
 
 def test_k_epi_and_topk_scale_rho_only_where_calibrated():

@@ -153,6 +153,37 @@ def test_the_shipped_size_threshold_separates_the_prefill_sweep_it_was_chosen_on
     assert "30 of 30 workloads on the side" in capsys.readouterr().out
 
 
+ONE_GPU_FINAL = ("s9g1,s10g1,s11g1,s11g1default,nothreshold_s11g1,s12g1,s12nothr,s13,s13all,"
+                 "s13ga,s13gb")  # the one-GPU prefill runs of each session's final code
+
+
+def test_the_one_gpu_gemm2_threshold_keeps_the_overlap_off_where_it_lost(monkeypatch, capsys):
+    """Every one-GPU workload below 8e10 multiply-adds that ran overlapped lost in some run
+    (Granite S = 4096 in session 13); on tokens x hidden >= 2^24 (the rule it replaced)
+    that workload sits among the ones that gain."""
+    import analyze_runs
+
+    def misplaced(*flags):
+        monkeypatch.setattr(sys, "argv", ["analyze_runs.py", "threshold", "--prefill",
+                                          ONE_GPU_FINAL, "--overlapped-only", *flags])
+        assert analyze_runs.main() == 0
+        out = capsys.readouterr().out
+        rows = [line for line in out.splitlines() if "speedup" in line and ":" in line]
+        below = [line for line in rows if " < " in line]
+        above_slow = [line for line in rows if " >= " in line
+                      and float(line.rsplit(" ", 1)[1]) < 0.98]
+        return below, above_slow
+
+    below, above_slow = misplaced("--macs", str(8 * 10**10))
+    assert {line.split()[0] + line.split()[2] + line.split()[3] for line in below} == {
+        "graniteS=1024:", "graniteS=2048:", "graniteS=4096:", "qwenS=1024:", "deepseekS=1024:"}
+    # above it, one run of 52 below 0.98x (DeepSeek S = 2048, 0.938; the same session's
+    # other run of it: 1.148)
+    assert len(above_slow) == 1 and "deepseek" in above_slow[0] and "S= 2048" in above_slow[0]
+    _, above_slow_old = misplaced("--elements", str(1 << 24))
+    assert len(above_slow_old) == 4  # Granite S = 4096's three session-13 runs too
+
+
 def _trace(*events):
     return {"traceEvents": [dict(ph="X", **e) for e in events]}
 
@@ -498,7 +529,8 @@ def _layer_input_case(rank, world):
     from megatron_overlap.ops import OverlapConfig
 
     device = prefill._setup(argparse.Namespace(tp=1, ep=1, seed=0, preload="shims"))
-    args = argparse.Namespace(input_layer=2, backend="interpret", min_elements=0, tiny=True,
+    args = argparse.Namespace(input_layer=2, backend="interpret", min_elements=0,
+                              min_gemm2_macs=0, tiny=True,
                               no_bias_swiglu_fusion=False)
     layer, hidden = bench_layer.build_case("qwen", 1, 1, 16, 2, args, device)
     skew = bench_layer.routing_skew(layer, hidden)

@@ -28,8 +28,9 @@ bias: the same policy at two places in a round (`C=3` / `C=28` early, `sweep C=.
     among the sweep): the ratio of their medians (1.0 without a position effect).
 amdahl: the layer speedup an operator taking no time at all would give: stock layer
     time / (stock layer time - the reference operator's GPU time) at the same shapes.
-threshold: complete-model prefill speedups against a layer's gathered tokens x hidden,
-    and whether `--elements` (default 2^25) separates the slower from the faster ones.
+threshold: complete-model prefill speedups against a layer's gathered tokens x hidden
+    (or, with `--macs`, one rank's GEMM2 multiply-adds), and whether `--elements`
+    (default 2^25) or `--macs` separates the slower from the faster ones.
 fit-f: the overlap factor f with the least mean replayed regret (grid 1.0-2.5, tail
     helpers, local top-k, recorded L) over the runs' sweeps.
 host-exposed: per run, the host time a whole-op call exposes (whole op minus its
@@ -268,20 +269,33 @@ def amdahl(args) -> None:
               f"reference operator {gpu:.2f} ms -> at most {stock / (stock - gpu):.2f}x")
 
 
+def _size(r: dict, measure: str) -> int:
+    """The quantity a layer's stock-path threshold reads (`OverlapMoELayer._use_overlap`):
+    gathered tokens x hidden, or one rank's GEMM2 multiply-adds under uniform routing."""
+    shape = MODELS[r["model"]]
+    if measure == "elements":
+        return r["tokens"] * shape.hidden
+    return r["tokens"] * shape.topk * shape.hidden * shape.expert_ffn // (r["tp"] * r["ep"])
+
+
 def threshold(args) -> None:
+    measure, bound = ("elements", args.elements) if args.macs is None else ("gemm2-macs",
+                                                                           args.macs)
     rows = []
-    for path in sorted(glob.glob(os.path.join(args.data, f"prefill_{args.prefill}_*.json"))):
-        with open(path) as f:
-            rows += [r for r in json.load(f) if r.get("speedup")]
-    rows.sort(key=lambda r: (r["tokens"] * MODELS[r["model"]].hidden, r["model"]))
+    for tag in args.prefill.split(","):
+        for path in sorted(glob.glob(os.path.join(args.data, f"prefill_{tag}_*.json"))):
+            with open(path) as f:
+                rows += [r for r in json.load(f) if r.get("speedup") and (
+                    not args.overlapped_only
+                    or any("C" in d for d in r.get("decisions_rank0", ())))]
+    rows.sort(key=lambda r: (_size(r, measure), r["model"]))
     wrong = 0
     for r in rows:
-        elements = r["tokens"] * MODELS[r["model"]].hidden
-        below = elements < args.elements
+        size = _size(r, measure)
+        below = size < bound
         wrong += below == (r["speedup"] >= 1.0)
-        print(f"  {r['model']:9s} TP{r['tp']}EP{r['ep']} S={r['seq']:5d}: tokens x hidden "
-              f"{elements:>10d} {'<' if below else '>='} {args.elements}, speedup "
-              f"{r['speedup']:.3f}")
+        print(f"  {r['model']:9s} TP{r['tp']}EP{r['ep']} S={r['seq']:5d}: {measure} "
+              f"{size:>13d} {'<' if below else '>='} {bound}, speedup {r['speedup']:.3f}")
     print(f"{len(rows) - wrong} of {len(rows)} workloads on the side of the threshold their "
           f"speedup puts them (below: slower overlapped; at or above: faster)")
 
@@ -394,8 +408,14 @@ def main() -> int:
                     "--local-topk)")
     ap.add_argument("--layer", default="layer_s3")
     ap.add_argument("--op", default="op13")
-    ap.add_argument("--prefill", default="s3", help="prefill run tag")
-    ap.add_argument("--elements", type=int, default=1 << 25)
+    ap.add_argument("--prefill", default="s3",
+                    help="prefill run tags, comma-separated (file name globs)")
+    ap.add_argument("--elements", type=int, default=1 << 25,
+                    help="threshold: on gathered tokens x hidden")
+    ap.add_argument("--macs", type=int, default=None,
+                    help="threshold: on one rank's GEMM2 multiply-adds instead")
+    ap.add_argument("--overlapped-only", action="store_true",
+                    help="threshold: only the workloads where the overlap ran")
     ap.add_argument("--data", default=DATA)
     args = ap.parse_args()
     if args.what == "replay":

@@ -57,7 +57,7 @@ def build_case(model_name, tp, ep, seq, batch, args, device):
     if input_layer > (depth := model_config(model_name, tp, ep, tiny=args.tiny)[0].num_layers):
         raise ValueError(f"--input-layer {input_layer}: {model_name} has {depth} layers")
     depth = input_layer or _first_moe_layer(model_name)
-    config = OverlapConfig(backend=args.backend, min_combine_elements=args.min_elements)
+    config = OverlapConfig(backend=args.backend, **threshold_kwargs(args))
     fusion = {"bias_activation_fusion": False} if args.no_bias_swiglu_fusion else {}
     model = build_model(model_name, tp, ep, depth, overlap=config, tiny=args.tiny,
                         **fusion).to(device).eval()
@@ -97,6 +97,20 @@ def add_input_layer_arg(ap) -> None:
                     help="time the MoE layer of transformer layer L on its input in a "
                          "prefill of random tokens (skewed routing, as in the prefill); "
                          "0 (default): the first MoE layer on random hidden states")
+
+
+def add_threshold_args(ap) -> None:
+    """The layer's two stock-path thresholds (OverlapConfig.min_combine_elements and
+    min_gemm2_macs); default: the calibration's, as the product runs."""
+    ap.add_argument("--min-elements", type=int, default=None,
+                    help="the layer's min_combine_elements (default: the calibration's; 0 "
+                         "with --min-gemm2-macs 0 compares the overlapped path at every size)")
+    ap.add_argument("--min-gemm2-macs", type=int, default=None,
+                    help="the layer's min_gemm2_macs (default: the calibration's)")
+
+
+def threshold_kwargs(args) -> dict:
+    return dict(min_combine_elements=args.min_elements, min_gemm2_macs=args.min_gemm2_macs)
 
 
 def routing_skew(layer, hidden) -> dict:
@@ -154,9 +168,7 @@ def main() -> int:
     ap.add_argument("--samples", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--backend", default="auto")
-    ap.add_argument("--min-elements", type=int, default=None,
-                    help="the layer's min_combine_elements (default: the calibration's; 0 "
-                         "compares the overlapped path at every size)")
+    add_threshold_args(ap)
     ap.add_argument("--tiny", action="store_true")
     add_input_layer_arg(ap)
     ap.add_argument("--no-bias-swiglu-fusion", action="store_true",

@@ -235,6 +235,8 @@ def main() -> int:
         # measured by the prefill sweeps, not here: kept from the shipped calibration
         min_combine_elements=getattr(shipped, "min_combine_elements", 0),
         min_combine_elements_one_rank=getattr(shipped, "min_combine_elements_one_rank", None),
+        min_gemm2_macs=getattr(shipped, "min_gemm2_macs", 0),
+        min_gemm2_macs_one_rank=getattr(shipped, "min_gemm2_macs_one_rank", None),
     )
     payload = dict(preset=preset.to_json(), measured=dict(
         case=case.label(), c_cal=args.c_cal, comp_ms=med["comp"], comp_waves=comp_waves,

@@ -93,34 +93,45 @@ for s in "$@"; do
     host) stage host 90 $TR "$REPO/tools/host_overhead.py" ${CPROFILE:+--cprofile $CPROFILE} --json "$OUT/host_TP2EP1.json" ;;
     layers) for lay in "2 1" "1 2"; do set -- $lay
         stage layer_TP$1EP$2 100 $TR "$REPO/tools/bench_layer.py" --models granite,qwen,deepseek \
-          --tp $1 --ep $2 --seqs 4096,16384 --samples 12 ${INPUT_LAYER:+--input-layer $INPUT_LAYER} \
+          --tp $1 --ep $2 --seqs 4096,16384 --samples 12 ${INPUT_LAYER:+--input-layer $INPUT_LAYER} ${LAYER_ARGS:-} \
           --json "$OUT/layer_${TAG:-}TP$1EP$2.json"; done ;;
     layer_kernels) stage layer_kernels ${LK_SECS:-90} python3 "$REPO/tools/try_layer_kernels.py" \
         --json "$OUT/exp_layer_kernels${TAG:-}.json" ;;
     layers_1gpu) stage layer_TP1EP1 ${LAYER_SECS:-120} torchrun --nproc-per-node 1 \
         "$REPO/tools/bench_layer.py" --models granite,qwen,deepseek --tp 1 --ep 1 \
-        --seqs 4096,16384 --samples 12 ${INPUT_LAYER:+--input-layer $INPUT_LAYER} \
+        --seqs 4096,16384 --samples 12 ${INPUT_LAYER:+--input-layer $INPUT_LAYER} ${LAYER_ARGS:-} \
         --json "$OUT/layer_${TAG:-}TP1EP1.json" ;;
     profile_layer_1gpu) stage profile_layer_TP1EP1 ${PROFILE_SECS:-200} torchrun --nproc-per-node 1 \
         "$REPO/tools/profile_layer.py" --models ${PROFILE_MODELS:-granite,qwen,deepseek} \
         --tp 1 --ep 1 --seqs ${SEQS:-4096,16384} ${PROFILE_ARMS:+--arms "$PROFILE_ARMS"} \
-        ${INPUT_LAYER:+--input-layer $INPUT_LAYER} \
+        ${INPUT_LAYER:+--input-layer $INPUT_LAYER} ${LAYER_ARGS:-} \
         --json "$OUT/profile_layer_${TAG:-}TP1EP1.json" ;;
     profile_layers) for lay in "1 2" "2 1"; do set -- $lay
         stage profile_layer_TP$1EP$2 ${PROFILE_SECS:-200} $TR "$REPO/tools/profile_layer.py" \
           --models ${PROFILE_MODELS:-granite,qwen,deepseek} --tp $1 --ep $2 \
           --seqs ${SEQS:-4096,16384} ${PROFILE_ARMS:+--arms "$PROFILE_ARMS"} \
-          ${INPUT_LAYER:+--input-layer $INPUT_LAYER} \
+          ${INPUT_LAYER:+--input-layer $INPUT_LAYER} ${LAYER_ARGS:-} \
           --json "$OUT/profile_layer_${TAG:-}TP$1EP$2.json"; done ;;
     profile_prefill_1gpu) for m in ${PREFILL_MODELS:-qwen deepseek}; do
         stage profile_prefill_$m ${PREFILL_SECS:-120} torchrun --nproc-per-node 1 \
           "$REPO/tools/profile_prefill.py" --model $m --seqs ${PREFILL_SEQS:-4096,16384} \
-          --json "$OUT/profile_prefill_${TAG:-}${m}_TP1EP1.json"; done ;;
+          ${LAYER_ARGS:-} --json "$OUT/profile_prefill_${TAG:-}${m}_TP1EP1.json"; done ;;
     prefill_1gpu) for m in ${PREFILL_MODELS:-granite qwen deepseek}; do
         stage prefill_${m}_TP1EP1 ${PREFILL_SECS:-75} torchrun --nproc-per-node 1 \
           -m megatron_overlap.mcore.prefill --model $m --tp 1 --ep 1 --batch 4 \
           --seqs ${PREFILL_SEQS:-4096,16384} --iters 4 --warmup 1 --abba ${PREFILL_ARGS:-} \
           --json "$OUT/prefill_${TAG:-}${m}_TP1EP1.json"; done ;;
+    ab_code)  # the one-GPU prefill of an older commit's wheel (.whl/old/) against this one,
+      # alternating, both with the overlap at every size: did a change of code move it?
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site_old "$REPO"/.whl/old/*.whl >>"$LOG" 2>&1
+      for r in 1 2; do for code in old new; do for m in ${PREFILL_MODELS:-granite}; do
+        if [ $code = old ]; then path=/tmp/site_old:/tmp/site; off="--moe-overlap-min-elements 0"
+        else path=/tmp/site; off="--moe-overlap-min-elements 0 --moe-overlap-min-gemm2-macs 0"; fi
+        PYTHONPATH=$path stage prefill_${code}${r}_$m ${PREFILL_SECS:-75} torchrun \
+          --nproc-per-node 1 -m megatron_overlap.mcore.prefill --model $m --tp 1 --ep 1 \
+          --batch 4 --seqs ${PREFILL_SEQS:-4096} --iters 4 --warmup 1 --abba $off \
+          --json "$OUT/prefill_${TAG:-}ab${code}${r}_${m}_TP1EP1.json"; done; done; done ;;
     prefill_sweep) for lay in "2 1" "1 2"; do for m in granite qwen deepseek; do set -- $lay
         stage prefill_${m}_TP$1EP$2 ${PREFILL_SECS:-75} $TR -m megatron_overlap.mcore.prefill \
           --model $m --tp $1 --ep $2 --batch 4 --seqs ${PREFILL_SEQS:-1024,2048,4096,8192,16384} \

@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_layer import add_input_layer_arg, build_case, routing_skew  # noqa: E402
+from bench_layer import (add_input_layer_arg, add_threshold_args, build_case,  # noqa: E402
+                         routing_skew)
 from benchlib import env_info, write_json  # noqa: E402
 
 from megatron_overlap.mcore import prefill  # noqa: E402
@@ -185,7 +186,7 @@ def main() -> int:
     ap.add_argument("--calls", type=int, default=6)
     ap.add_argument("--arms", default="stock,overlap",
                     help=f"comma-separated, of: {'; '.join(ARMS)}")
-    ap.add_argument("--min-elements", type=int, default=None)
+    add_threshold_args(ap)
     add_input_layer_arg(ap)
     ap.add_argument("--no-bias-swiglu-fusion", action="store_true",
                     help="eager SwiGLU (Megatron's flag of that name; fused by default)")

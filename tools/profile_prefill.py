@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
+from bench_layer import add_threshold_args, threshold_kwargs  # noqa: E402
 from benchlib import env_info, write_json  # noqa: E402
 from profile_layer import kind_of  # noqa: E402
 
@@ -153,11 +154,13 @@ def main() -> int:
     ap.add_argument("--seqs", default="4096,16384")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=2)
+    add_threshold_args(ap)
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     setup = argparse.Namespace(tp=1, ep=1, seed=0, preload=None, batch=args.batch)
     device = prefill._setup(setup)
-    model = build_model(args.model, 1, 1, overlap=OverlapConfig()).to(device).eval()
+    model = build_model(args.model, 1, 1, overlap=OverlapConfig(**threshold_kwargs(args))).to(
+        device).eval()
     _mark_moe_layers(model)
     results = []
     for seq in map(int, args.seqs.split(",")):

@@ -57,7 +57,14 @@ def add_moe_overlap_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                        metavar="N",
                        help="Layers whose gathered tokens x hidden is below N run the stock "
                        "path (host-bound there); default: the device calibration's (H200: "
-                       "33554432, 16777216 on one GPU); 0 overlaps always.")
+                       "33554432, 16777216 on one GPU); 0 = no bound.")
+    group.add_argument("--moe-overlap-min-gemm2-macs", type=_non_negative_int, default=None,
+                       metavar="N",
+                       help="Layers whose expert down-projection has fewer than N "
+                       "multiply-adds per rank (tokens x top-k x hidden x FFN x local / all "
+                       "experts) run the stock path too; default: the device calibration's "
+                       "(H200: 80000000000 on one GPU, none on more); 0 = no bound. Both "
+                       "bounds 0: the overlap runs at every size.")
     group.add_argument("--moe-overlap-no-tail-helpers", action="store_true",
                        help="Leave the last split to the C communication CTAs (default: when "
                        "GEMM2 ends, one more GatherRS CTA per SM it leaves shares it; same "
@@ -92,6 +99,7 @@ def overlap_config_from_args(args) -> OverlapConfig | None:
         splits=getattr(args, "moe_overlap_splits", None),
         preset=calibration,
         min_combine_elements=getattr(args, "moe_overlap_min_elements", None),
+        min_gemm2_macs=getattr(args, "moe_overlap_min_gemm2_macs", None),
         **({"placement": placement} if (placement := getattr(
             args, "moe_overlap_placement", "auto")) != "auto" else {}),
         **({"tail_helpers": False} if getattr(args, "moe_overlap_no_tail_helpers", False)

@@ -32,7 +32,7 @@ from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDisp
 
 from ..kernels.gated_add import add_gated_shared_
 from ..ops import OverlapConfig, gemm2_gather_rs
-from ..ops.config import interpreting, min_combine_elements
+from ..ops.config import interpreting, stock_thresholds
 from ..ops.validation import capturing
 from .dispatch import deferred_postprocess, single_sync_postprocess
 from .experts import (GroupedGemmExperts, fc1_and_fc2_weight, host_counts, in_inference,
@@ -64,7 +64,9 @@ class OverlapMoELayer(MoELayer):
         decisions: how many distinct (C, L) decisions this layer has logged.
 
     Calls whose gathered activations (tokens x hidden) are smaller than the config's
-    `min_combine_elements` (by default the device calibration's) run the stock path.
+    `min_combine_elements`, or whose expert down-projection on this rank has fewer
+    multiply-adds than its `min_gemm2_macs` (by default the device calibration's), run the
+    stock path.
     """
 
     def __init__(self, *args, overlap_config: OverlapConfig | None = None, **kwargs):
@@ -82,7 +84,8 @@ class OverlapMoELayer(MoELayer):
         self._routed_by_op = False  # this call's routed output came from the fused op
         self._gated_shared = None  # (shared output before its gate, gate logits) to add
         self._last_key = None
-        self._min_elements: int | None = None  # min_combine_elements, resolved on first use
+        # (min_combine_elements, min_gemm2_macs), resolved on first use
+        self._thresholds: tuple[int, int] | None = None
 
     def _why_unsupported(self) -> str | None:
         c = self.config
@@ -116,28 +119,36 @@ class OverlapMoELayer(MoELayer):
             _warn_once("capture", "MoE layers captured in a CUDA graph run the stock "
                        "Megatron path (the overlapped op cannot be replayed)")
             return False
-        if self._min_elements is None:
+        if self._thresholds is None:
             group = self.token_dispatcher.tp_ep_group
-            self._min_elements = min_combine_elements(
-                self.overlap_config, hidden_states.device,
-                group.size() if group is not None else 1)
-        numel = hidden_states.numel()
-        if numel < self._min_elements:
+            self._thresholds = stock_thresholds(self.overlap_config, hidden_states.device,
+                                                group.size() if group is not None else 1)
+        numel, macs = hidden_states.numel(), self._gemm2_macs(hidden_states.shape[0])
+        if numel < self._thresholds[0] or macs < self._thresholds[1]:
             # Too small to gain: the model is host-bound there and the stock path has less
-            # host work (the threshold is the calibration's, docs/RESULTS.md).
-            self._note_stock(numel)
+            # host work (the thresholds are the calibration's, docs/RESULTS.md).
+            self._note_stock(numel, macs)
             return False
         return True
 
-    def _note_stock(self, numel: int) -> None:
+    def _gemm2_macs(self, tokens: int) -> int:
+        """Multiply-adds of this rank's expert down-projection for `tokens` gathered tokens
+        under uniform routing: tokens x top-k x hidden x local FFN x local / all experts."""
+        c = self.config
+        ffn = (c.moe_ffn_hidden_size or c.ffn_hidden_size) // (c.expert_tensor_parallel_size or 1)
+        return (tokens * c.moe_router_topk * c.hidden_size * ffn * self.num_local_experts
+                // c.num_moe_experts)
+
+    def _note_stock(self, numel: int, macs: int) -> None:
         key = ("stock", numel)
         if key == self._last_key:
             return
         self._last_key = key
         self.last_plan = None
         self.decisions += 1
-        log.info("moe-overlap layer %s: stock path, tokens x hidden = %d below %d "
-                 "(min_combine_elements)", self.layer_number, numel, self._min_elements)
+        log.info("moe-overlap layer %s: stock path, tokens x hidden = %d, GEMM2 multiply-adds "
+                 "= %d, below (min_combine_elements, min_gemm2_macs) = %s", self.layer_number,
+                 numel, macs, self._thresholds)
 
     def _postprocess(self, hidden_states, probs):
         """(host tokens_per_expert, FC1 + activation output, FC2 weight) of the dispatched

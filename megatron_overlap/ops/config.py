@@ -53,6 +53,11 @@ class OverlapConfig:
         overlap's extra host work costs more than it saves. None = the calibration's value
         (H200: 2^25, 2^24 on a group of one rank; 0 for devices without one and under the
         interpreter); 0 = never.
+    min_gemm2_macs: the same for the multiply-adds of one rank's expert down-projection
+        under uniform routing (M x top-k x hidden x FFN x local / all experts), a proxy for
+        the GPU time a layer has to hide the overlap's host work behind. None = the
+        calibration's (H200: 8e10 on a group of one rank, where it separates the measured
+        gains from the losses and tokens x hidden does not; 0 on more ranks); 0 = never.
     """
 
     backend: str = "auto"
@@ -66,6 +71,7 @@ class OverlapConfig:
     sync_errors: bool = False
     tiles: "TileConfig | None" = None
     min_combine_elements: int | None = None
+    min_gemm2_macs: int | None = None
     tail_helpers: bool = os.environ.get("MEGATRON_OVERLAP_TAIL_HELPERS", "1") != "0"
     placement: str | None = os.environ.get("MEGATRON_OVERLAP_PLACEMENT") or None
 
@@ -85,10 +91,10 @@ class OverlapConfig:
         if not isinstance(self.tail_helpers, bool):
             raise ValueError(f"OverlapConfig.tail_helpers must be a bool, got "
                              f"{self.tail_helpers!r}")
-        m = self.min_combine_elements
-        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 0):
-            raise ValueError(f"OverlapConfig.min_combine_elements must be an int >= 0 or "
-                             f"None, got {m!r}")
+        for name in ("min_combine_elements", "min_gemm2_macs"):
+            m = getattr(self, name)
+            if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 0):
+                raise ValueError(f"OverlapConfig.{name} must be an int >= 0 or None, got {m!r}")
 
 
 @dataclass(frozen=True)
@@ -280,17 +286,22 @@ def calibration_for(device: DeviceSpec, preset: str | None) -> Calibration:
     return A100_PAPER.calibration
 
 
-def min_combine_elements(config: OverlapConfig, device: torch.device, world: int) -> int:
-    """The layer's overlap threshold: the config's, else the calibration's for this device
-    and a group of `world` ranks (`Preset.combine_threshold`)."""
-    if config.min_combine_elements is not None:
-        return config.min_combine_elements
+def stock_thresholds(config: OverlapConfig, device: torch.device,
+                     world: int) -> tuple[int, int]:
+    """The layer's overlap thresholds (min_combine_elements, min_gemm2_macs): each the
+    config's, else the calibration's for this device and a group of `world` ranks
+    (`Preset.combine_threshold`, `Preset.gemm2_threshold`); 0 without a calibration."""
+    preset = None
     if config.preset is not None:
-        return get_preset(config.preset).combine_threshold(world)
-    if device.type != "cuda":
-        return 0
-    found = preset_for_device(torch.cuda.get_device_properties(device).name)
-    return found.combine_threshold(world) if found is not None else 0
+        preset = get_preset(config.preset)
+    elif device.type == "cuda":
+        preset = preset_for_device(torch.cuda.get_device_properties(device).name)
+    elements, macs = config.min_combine_elements, config.min_gemm2_macs
+    if elements is None:
+        elements = preset.combine_threshold(world) if preset is not None else 0
+    if macs is None:
+        macs = preset.gemm2_threshold(world) if preset is not None else 0
+    return elements, macs
 
 
 def kernel_spec(tiles: TileConfig, comm_tm: int, comm_tn: int, o_comp: int,

@@ -29,12 +29,24 @@ class Preset:
     # The same where the group is one rank (one GPU: no reduce-scatter, a shorter host
     # path), where it was measured on its own; None = min_combine_elements.
     min_combine_elements_one_rank: int | None = None
+    # Below this many multiply-adds of one rank's expert down-projection (GEMM2: M x top-k
+    # x hidden x FFN x local / all experts, uniform routing) the layer runs its stock path
+    # too: a proxy for how much GPU work a layer has to hide the overlap's host work behind,
+    # 0 = never; `_one_rank` as above.
+    min_gemm2_macs: int = 0
+    min_gemm2_macs_one_rank: int | None = None
 
     def combine_threshold(self, world: int) -> int:
         """min_combine_elements for a group of `world` ranks."""
         if world == 1 and self.min_combine_elements_one_rank is not None:
             return self.min_combine_elements_one_rank
         return self.min_combine_elements
+
+    def gemm2_threshold(self, world: int) -> int:
+        """min_gemm2_macs for a group of `world` ranks."""
+        if world == 1 and self.min_gemm2_macs_one_rank is not None:
+            return self.min_gemm2_macs_one_rank
+        return self.min_gemm2_macs
 
     def with_sm_margin(self, sm_margin: int) -> "Preset":
         return replace(self, device=DeviceSpec(self.device.name, self.device.sms, sm_margin))
@@ -46,13 +58,12 @@ class Preset:
             "device": {"name": self.device.name, "sms": self.device.sms},
             "calibration": asdict(self.calibration),
             "default_splits": self.default_splits,
-            "min_combine_elements": self.min_combine_elements,
-            **({"min_combine_elements_one_rank": self.min_combine_elements_one_rank}
-               if self.min_combine_elements_one_rank is not None else {}),
+            **{name: getattr(self, name) for name in _THRESHOLDS
+               if getattr(self, name) is not None},
         }
 
     def __post_init__(self) -> None:
-        for name in ("min_combine_elements", "min_combine_elements_one_rank"):
+        for name in _THRESHOLDS:
             m = getattr(self, name)
             if m is None and name.endswith("one_rank"):
                 continue
@@ -70,10 +81,15 @@ class Preset:
                 default_splits=data.get("default_splits", 1),
                 min_combine_elements=data.get("min_combine_elements", 0),
                 min_combine_elements_one_rank=data.get("min_combine_elements_one_rank"),
+                min_gemm2_macs=data.get("min_gemm2_macs", 0),
+                min_gemm2_macs_one_rank=data.get("min_gemm2_macs_one_rank"),
             )
         except (KeyError, TypeError) as err:
             raise ValueError(f"malformed calibration preset: {err}") from err
 
+
+_THRESHOLDS = ("min_combine_elements", "min_combine_elements_one_rank", "min_gemm2_macs",
+               "min_gemm2_macs_one_rank")
 
 A100_PAPER = Preset(
     name="a100-paper",
