@@ -48,10 +48,10 @@ def _two_gpu(rank, world):
         base = get_gpt_layer_local_spec(num_experts=8).submodules.mlp
         for experts, spec in (("sequential", base), ("grouped", with_grouped_experts(base))):
             runs = []
-            # min_combine_elements=0: this size (2048 tokens x 2048) is below the H200
-            # calibration's threshold, where the layer would run the stock path
+            # thresholds 0: this size (2048 tokens x 2048) is below the H200 calibration's
+            # thresholds, where the layer would run the stock path
             for overlap in (None, OverlapConfig(backend="triton", sync_errors=True,
-                                                min_combine_elements=0)):
+                                                min_combine_elements=0, min_gemm2_macs=0)):
                 model_parallel_cuda_manual_seed(7, force_reset_rng=True)
                 torch.manual_seed(7)  # the router draws its weight on the CPU
                 build = spec if overlap is None else with_overlap_moe(spec, overlap)
@@ -127,6 +127,8 @@ def _one_gpu_inference(rank, world):
     g = torch.Generator(device="cuda").manual_seed(3)
     x = torch.randn(2048, 2, 2048, device="cuda", generator=g).bfloat16()
     results = {}
+    # thresholds 0: the overlapped path at this size too
+    always = dict(backend="triton", sync_errors=True, min_combine_elements=0, min_gemm2_macs=0)
     for fusion in (True, False):
         gated_adds.clear()
         config = TransformerConfig(
@@ -141,10 +143,8 @@ def _one_gpu_inference(rank, world):
         spec = with_grouped_experts(get_gpt_layer_local_spec(num_experts=16).submodules.mlp)
         outs = {}
         for name, overlap in (("stock", None),
-                              ("overlap", OverlapConfig(backend="triton", sync_errors=True,
-                                                        min_combine_elements=0)),
-                              ("one sync", OverlapConfig(backend="triton", sync_errors=True,
-                                                         min_combine_elements=0))):
+                              ("overlap", OverlapConfig(**always)),
+                              ("one sync", OverlapConfig(**always))):
             # "one sync": the postprocess that waits for the counts before FC1
             layer_module.deferred_postprocess = (
                 (lambda *args, **kwargs: None) if name == "one sync" else real_deferred)
@@ -185,7 +185,7 @@ def _one_gpu_training(spec, config, x):
         device="cuda").manual_seed(5)).bfloat16()
     runs = []
     for overlap in (None, OverlapConfig(backend="triton", sync_errors=True,
-                                        min_combine_elements=0)):
+                                        min_combine_elements=0, min_gemm2_macs=0)):
         model_parallel_cuda_manual_seed(7, force_reset_rng=True)
         torch.manual_seed(7)
         layer = (spec if overlap is None else with_overlap_moe(spec, overlap))(
