@@ -63,23 +63,18 @@ ERR_BARRIER_TIMEOUT = 2
 
 
 @triton.jit
-def _wait_at_least(ptr, target, max_spins, SCOPE: tl.constexpr, POLL_NS: tl.constexpr):
+def _wait_at_least(ptr, target, max_spins, SCOPE: tl.constexpr):
     """Poll `*ptr` until it reaches `target` or `max_spins` polls pass; 1 if it did.
 
     Polls are plain volatile loads, so dozens of waiting CTAs do not queue atomics on
     the L2 line the producers increment; one acquire read after success orders
-    everything the producers released before it. POLL_NS > 0 sleeps that long between
-    polls (`nanosleep`): the waiting warps leave their SM's issue slots to GEMM2's CTAs
-    beside them (the shared placement) and draw less power, where a prefill runs at
-    the power limit. (Session 2 measured 400 ns no faster for the partition placement.)
+    everything the producers released before it. (Sleeping between polls, nanosleep,
+    measured no faster: 400 ns in session 2, the partition placement; 200 ns in session
+    14, the shared one, at the power limit, where it saved no power: docs/RESULTS.md.)
     """
     seen = tl.load(ptr, volatile=True)
     spins = 0
     while (seen < target) & (spins < max_spins):
-        if POLL_NS > 0:
-            tl.inline_asm_elementwise("nanosleep.u32 $1;\n\tmov.u32 $0, 0;", "=r,r",
-                                      [spins * 0 + POLL_NS], dtype=tl.int32, is_pure=False,
-                                      pack=1)
         seen = tl.load(ptr, volatile=True)
         spins += 1
     seen = tl.atomic_add(ptr, 0, sem="acquire", scope=SCOPE)
@@ -105,7 +100,7 @@ def gather_rs_kernel(
     # meta-parameters
     BLOCK_TM: tl.constexpr, BLOCK_TN: tl.constexpr, TOPK_POW2: tl.constexpr,
     HAS_PROBS: tl.constexpr, COL_ALIGN: tl.constexpr, SLOT_LOOP: tl.constexpr,
-    ITEM_STAGES: tl.constexpr, TOKEN_MAJOR: tl.constexpr, POLL_NS: tl.constexpr,
+    ITEM_STAGES: tl.constexpr, TOKEN_MAJOR: tl.constexpr,
 ):
     tl.static_assert(SLOT_LOOP or not TOKEN_MAJOR, "a token-major y is read one slot at a time")
     pid = tl.program_id(0) + pid_base
@@ -127,7 +122,7 @@ def gather_rs_kernel(
         stride = tl.where(last, all_programs, comm_programs)
         first = tl.where(pid < stride, pid, items)  # helpers skip the earlier splits
         if (first < items) & (alive == 1):
-            ok = _wait_at_least(ready_ptr + split, expected, max_spins, "gpu", POLL_NS)
+            ok = _wait_at_least(ready_ptr + split, expected, max_spins, "gpu")
             if ok == 0:
                 tl.atomic_cas(error_ptr, 0, (1 << 24) | split)
                 alive = alive * 0
@@ -206,7 +201,7 @@ def gather_rs_kernel(
                 tl.atomic_xchg(sig + rank, epoch, sem="release", scope="sys")
             mine = tl.load(signal_ptrs + rank).to(ready_ptr.dtype)
             for src in range(world):
-                ok = _wait_at_least(mine + src, epoch, max_spins, "sys", POLL_NS)
+                ok = _wait_at_least(mine + src, epoch, max_spins, "sys")
                 if ok == 0:
                     tl.atomic_cas(error_ptr, 0, (2 << 24) | src)
         tl.store(done_ptr, 0)
@@ -258,7 +253,7 @@ def launch_gather_rs(
     num_warps: int = 16, kernel=gather_rs_kernel, warmup: bool = False, item_stages: int = 1,
     slot_loop: bool = True, helpers: int = 0, launch_helpers: bool = False, stream=None,
     token_major: bool = False, maxnreg: int | None = None,
-    width: int | None = None, gemm_last_col_tiles: int | None = None, poll_ns: int = 0,
+    width: int | None = None, gemm_last_col_tiles: int | None = None,
 ):
     """Launch exactly `programs` communication CTAs. y [T, N] in GEMM2's row order, or
     with `token_major` [M * k, N] with slot j of token t at row t * k + j, which needs
@@ -270,8 +265,7 @@ def launch_gather_rs(
     stream) instead of the `programs` communication CTAs; `maxnreg` caps the registers
     per thread (None: the compiler's choice); `width`: the split width sw (default
     ceil(N/L)) and `gemm_last_col_tiles` GEMM2's column tiles in the last split, which
-    holds the N - (L-1) sw columns left (default `gemm_col_tiles`); `poll_ns`: sleep
-    between flag polls (CUDA; ignored under the interpreter)."""
+    holds the N - (L-1) sw columns left (default `gemm_col_tiles`)."""
     if token_major and not slot_loop:
         raise ValueError("a token-major y is gathered one slot at a time (slot_loop=True)")
     hidden = y.shape[1]
@@ -287,7 +281,7 @@ def launch_gather_rs(
     meta = dict(BLOCK_TM=block_tm, BLOCK_TN=block_tn, TOPK_POW2=slots,
                 HAS_PROBS=probs is not None, COL_ALIGN=column_alignment(hidden, splits, width),
                 SLOT_LOOP=slot_loop, ITEM_STAGES=stages, TOKEN_MAJOR=token_major,
-                POLL_NS=poll_ns if y.is_cuda else 0, num_warps=num_warps, num_stages=1)
+                num_warps=num_warps, num_stages=1)
     if maxnreg is not None:
         meta["maxnreg"] = maxnreg
     if warmup:

@@ -300,7 +300,7 @@ def test_every_kernel_compiles_for_hopper_without_a_gpu():
     done = subprocess.run([sys.executable, str(tool)], env=env, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count("ok ") == 23, done.stdout  # every listed kernel and mode
+    assert done.stdout.count("ok ") == 22, done.stdout  # every listed kernel and mode
     for name in ("gemm2", "gather_rs", "routing_table", "weighted_swiglu", "gather_rows",
                  "gated_add"):
         assert f"ok {name}" in done.stdout or f"ok grouped_{name}" in done.stdout, name
@@ -310,11 +310,6 @@ def test_every_kernel_compiles_for_hopper_without_a_gpu():
     for layout in ("", " token_major"):
         assert copies[f"ok gather_rs slot_loop=True item_stages=1{layout}"] == 0
         assert copies[f"ok gather_rs slot_loop=True item_stages=2{layout}"] > 0
-    sleeps = {line.split(":")[0]: int(line.split(" sleeps")[0].rsplit(" ", 1)[-1])
-              for line in done.stdout.splitlines() if " sleeps" in line}
-    # the poll back-off really sleeps (two waits: the ready flags, the peers' signal)
-    assert sleeps["ok gather_rs shared placement token_major poll_ns=200"] >= 2
-    assert sleeps["ok gather_rs shared placement token_major"] == 0
 
 
 class _RecordedTriton:

@@ -61,8 +61,7 @@ def kernels():
                                             (True, 16, 2, False), (True, 64, 1, True),
                                             (True, 32, 2, True)):
         meta = dict(BLOCK_TM=rows, BLOCK_TN=1024, TOPK_POW2=4, HAS_PROBS=False, COL_ALIGN=16,
-                    SLOT_LOOP=slot_loop, ITEM_STAGES=stages, TOKEN_MAJOR=tokens, POLL_NS=0,
-                    stride_yn=1)
+                    SLOT_LOOP=slot_loop, ITEM_STAGES=stages, TOKEN_MAJOR=tokens, stride_yn=1)
         name = f"gather_rs slot_loop={slot_loop} item_stages={stages}" + (" token_major" * tokens)
         yield (name, grs.gather_rs_kernel, _signature(comm_ptrs, comm_ints, meta), meta,
                dict(num_warps=32), attrs)
@@ -71,11 +70,9 @@ def kernels():
 
     meta = dict(BLOCK_TM=8, BLOCK_TN=512, TOPK_POW2=4, HAS_PROBS=False, COL_ALIGN=16,
                 SLOT_LOOP=True, ITEM_STAGES=1, TOKEN_MAJOR=True, stride_yn=1)
-    for poll_ns in (0, 200):  # spinning, or sleeping between polls (inline nanosleep)
-        meta_p = dict(meta, POLL_NS=poll_ns)
-        yield ("gather_rs shared placement token_major" + f" poll_ns={poll_ns}" * bool(poll_ns),
-               grs.gather_rs_kernel, _signature(comm_ptrs, comm_ints, meta_p), meta_p,
-               dict(num_warps=4, maxnreg=SHARED_COMM_MAXNREG), attrs)
+    yield ("gather_rs shared placement token_major", grs.gather_rs_kernel,
+           _signature(comm_ptrs, comm_ints, meta), meta,
+           dict(num_warps=4, maxnreg=SHARED_COMM_MAXNREG), attrs)
     yield ("sum_partials", grs.sum_partials_kernel,
            _signature({"recv_ptr": "*bf16", "out_ptr": "*bf16"},
                       {"numel": "i32", "slot_stride": "i32"}, {"WORLD": 0, "BLOCK": 0}),
@@ -162,10 +159,8 @@ def main() -> int:
             continue
         meta = compiled.metadata
         async_copies = compiled.asm["ttgir"].count("async_copy_global_to_local")
-        sleeps = compiled.asm["ptx"].count("nanosleep")
         print(f"ok {name}: {time.perf_counter() - t0:.1f} s, shared {meta.shared} B, "
-              f"{len(compiled.asm['cubin'])} B cubin, {sleeps} sleeps, "
-              f"{async_copies} async copies")
+              f"{len(compiled.asm['cubin'])} B cubin, {async_copies} async copies")
     return 1 if failed else 0
 
 

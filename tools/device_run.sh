@@ -121,23 +121,6 @@ for s in "$@"; do
           -m megatron_overlap.mcore.prefill --model $m --tp 1 --ep 1 --batch 4 \
           --seqs ${PREFILL_SEQS:-4096,16384} --iters 4 --warmup 1 --abba ${PREFILL_ARGS:-} \
           --json "$OUT/prefill_${TAG:-}${m}_TP1EP1.json"; done ;;
-    poll_ab)  # GatherRS spinning (0) against sleeping POLL_B ns between flag polls, at the
-      # power limit: the one-GPU layer and Qwen's prefill at S = 16384, twice, alternating;
-      # then one profiled prefill per setting for the SM clock and power
-      for r in 1 2; do for ns in 0 ${POLL_B:-200}; do
-        MEGATRON_OVERLAP_POLL_NS=$ns stage layer_poll${ns}_r$r ${LAYER_SECS:-120} torchrun \
-          --nproc-per-node 1 "$REPO/tools/bench_layer.py" --models granite,qwen,deepseek \
-          --tp 1 --ep 1 --seqs ${POLL_SEQS:-16384} --samples 12 --min-gemm2-macs 0 \
-          --json "$OUT/layer_${TAG:-}poll${ns}r${r}_TP1EP1.json"
-        MEGATRON_OVERLAP_POLL_NS=$ns stage prefill_poll${ns}_r$r ${PREFILL_SECS:-90} torchrun \
-          --nproc-per-node 1 -m megatron_overlap.mcore.prefill --model qwen --tp 1 --ep 1 \
-          --batch 4 --seqs ${POLL_SEQS:-16384} --iters 4 --warmup 1 --abba \
-          --json "$OUT/prefill_${TAG:-}poll${ns}r${r}_qwen_TP1EP1.json"; done; done
-      for ns in 0 ${POLL_B:-200}; do
-        MEGATRON_OVERLAP_POLL_NS=$ns stage profile_prefill_poll$ns ${PREFILL_SECS:-90} torchrun \
-          --nproc-per-node 1 "$REPO/tools/profile_prefill.py" --model qwen \
-          --seqs ${POLL_SEQS:-16384} --json "$OUT/profile_prefill_${TAG:-}poll${ns}_qwen_TP1EP1.json"
-      done ;;
     ab_code)  # the one-GPU prefill of an older commit's wheel (.whl/old/) against this one,
       # alternating, both with the overlap at every size: did a change of code move it?
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \

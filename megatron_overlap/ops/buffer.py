@@ -370,7 +370,7 @@ class OverlapBuffer:
                 programs=plan.comm_ctas, block_tm=comm_tm, block_tn=comm_tn,
                 num_warps=t.comm_warps, item_stages=t.comm_stages,
                 slot_loop=t.comm_slot_loop, helpers=helpers, token_major=dest is not None,
-                maxnreg=t.comm_maxnreg, poll_ns=t.comm_poll_ns, **kw)
+                maxnreg=t.comm_maxnreg, **kw)
 
         if "gemm2" not in phases:
             launch_comm()

@@ -153,10 +153,6 @@ class TileConfig:
     gemm_maxnreg: int | None = None  # register cap per GEMM2 thread (None: the kernel's own)
     comm_maxnreg: int | None = None  # register cap per GatherRS thread (None: the compiler's)
     placement: str = "partition"  # "partition": comm CTAs on SMs of their own; "shared"
-    # GatherRS sleeps this many ns between polls of a flag (nanosleep; 0 = spin): fewer
-    # issue slots and less power spent waiting beside GEMM2 (CUDA only; not under the
-    # interpreter, where it is ignored)
-    comm_poll_ns: int = int(os.environ.get("MEGATRON_OVERLAP_POLL_NS", 0))
 
     def __post_init__(self) -> None:
         from ..kernels.gemm2 import IMPLS
@@ -178,10 +174,6 @@ class TileConfig:
                                     or not 24 <= cap <= 248 or cap % 8):
                 raise ValueError(f"TileConfig.{name} must be None or a multiple of 8 in "
                                  f"[24, 248] (registers per thread), got {cap!r}")
-        ns = self.comm_poll_ns
-        if isinstance(ns, bool) or not isinstance(ns, int) or not 0 <= ns <= 1_000_000:
-            raise ValueError(f"TileConfig.comm_poll_ns must be an int in [0, 1e6] (ns), "
-                             f"got {ns!r}")
         if self.token_major and not self.comm_slot_loop:
             raise ValueError("a token-major y is gathered one slot at a time: "
                              "comm_slot_loop must be True (or token_major False)")
