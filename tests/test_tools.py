@@ -45,11 +45,13 @@ def _result(model, seq, speedup, oom=False):
 def test_report_prefill_section_keeps_oom_rows_and_geomeans_over_the_rest(tmp_path):
     rows = [_result("qwen", 1024, 0.9), _result("qwen", 4096, 1.1),
             _result("qwen", 16384, 1.21), _result("qwen", 8192, 0, oom=True)]
-    rows[1]["decisions_rank0"] = [dict(layer=i, max_over_mean=v) for i, v in
+    rows[1]["decisions_rank0"] = [dict(layer=i, C=8, max_over_mean=v) for i, v in
                                   enumerate((1.3, 5.2, 2.0), 1)] + [dict(layer=4)]
+    rows[0]["decisions_rank0"] = [dict(layer=1, backend="auto")]  # below the thresholds
     text = report.prefill_section("t", rows, str(tmp_path))
-    assert "| qwen | TP2EP1 | 4x8192 | OOM | OOM | - | - |" in text
-    assert "| 1.100x | 1.30 / 2.00 / 5.20 |" in text and "| 0.900x | - |" in text
+    assert "| qwen | TP2EP1 | 4x8192 | OOM | OOM | - | - | - |" in text
+    assert "| 1.100x | 3 / 4 | 1.30 / 2.00 / 5.20 |" in text
+    assert "| 0.900x | 0 / 1 | - |" in text and "| 1.210x | - | - |" in text
     big = math.sqrt(1.1 * 1.21)
     assert f"| qwen | TP2EP1 | {(0.9 * 1.1 * 1.21) ** (1 / 3):.3f}x | {big:.3f}x | 0.900x |" in text
 

@@ -250,6 +250,15 @@ def _layer_loads(r) -> str:
     return f"{loads[0]:.2f} / {loads[len(loads) // 2]:.2f} / {loads[-1]:.2f}"
 
 
+def _overlapped(r) -> str:
+    """How many of rank 0's MoE layers ran the fused op in the overlap arm ('0 / n': below
+    the thresholds, both arms ran the stock path); '-' where not recorded."""
+    decisions = r.get("decisions_rank0", [])
+    if not decisions:
+        return "-"
+    return f"{sum('C' in d for d in decisions)} / {len(decisions)}"
+
+
 def profile_section(tag, data) -> str:
     """One MoE layer's GPU time per arm (tools/profile_layer.py): wall, busy, idle and the
     kinds that take the most time, ms per layer call."""
@@ -276,18 +285,19 @@ def prefill_section(tag, prefill, out_dir) -> str:
     lines = [f"### Complete-model prefill, {tag} (python -m megatron_overlap.mcore.prefill "
              "--abba)\n",
              "| model | layout | B x S | stock ms [95% CI] | overlap ms [95% CI] | speedup | "
-             "max_e/mean over layers |",
-             "|---|---|---|---|---|---|---|"]
+             "layers overlapped | max_e/mean over layers |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in sorted(prefill, key=lambda r: (r["model"], r["tp"], r["ep"], r["seq"])):
         head = (f"| {r['model']} | TP{r['tp']}EP{r['ep']} | {r['batch']}x{r['seq']}"
                 + ("*" if "source" in r else "") + " | ")
         if r.get("oom"):
-            lines.append(head + "OOM | OOM | - | - |")
+            lines.append(head + "OOM | OOM | - | - | - |")
             continue
         st, ov = r["policies"]["stock"], r["policies"]["overlap"]
         lines.append(head + f"{st['median_ms']:.2f} [{st['ci95_ms'][0]:.2f}, {st['ci95_ms'][1]:.2f}]"
                      f" | {ov['median_ms']:.2f} [{ov['ci95_ms'][0]:.2f}, "
-                     f"{ov['ci95_ms'][1]:.2f}] | {r['speedup']:.3f}x | {_layer_loads(r)} |")
+                     f"{ov['ci95_ms'][1]:.2f}] | {r['speedup']:.3f}x | {_overlapped(r)} | "
+                     f"{_layer_loads(r)} |")
     if any("source" in r for r in prefill):
         lines.append("\n\\* parsed from the run's printed report (its JSON did not come back "
                      "from the device machine; see the file's `source`)")
