@@ -156,34 +156,38 @@ def test_the_shipped_size_threshold_separates_the_prefill_sweep_it_was_chosen_on
 
 
 ONE_GPU_FINAL = ("s9g1,s10g1,s11g1,s11g1default,nothreshold_s11g1,s12g1,s12nothr,s13,s13all,"
-                 "s13ga,s13gb")  # the one-GPU prefill runs of each session's final code
+                 "s13ga,s13gb,s14nothr,s14abnew1,s14abnew2")  # each session's final code
 
 
-def test_the_one_gpu_gemm2_threshold_keeps_the_overlap_off_where_it_lost(monkeypatch, capsys):
-    """Every one-GPU workload below 8e10 multiply-adds that ran overlapped lost in some run
-    (Granite S = 4096 in session 13); on tokens x hidden >= 2^24 (the rule it replaced)
-    that workload sits among the ones that gain."""
+def test_the_one_gpu_gemm2_threshold_is_the_fit_of_the_prefill_runs(monkeypatch, capsys):
+    """On every one-GPU prefill run with the overlap on, the lowest bound that keeps each
+    workload above it at a median >= 0.98x: on GEMM2 work it brackets the shipped 8e10
+    and keeps Qwen and DeepSeek at S = 2048 overlapped; on tokens x hidden it has to rise
+    past 2^24 (Granite S = 4096's runs of the current code lose), which would turn them off."""
     import analyze_runs
 
-    def misplaced(*flags):
+    def run(*flags):
         monkeypatch.setattr(sys, "argv", ["analyze_runs.py", "threshold", "--prefill",
                                           ONE_GPU_FINAL, "--overlapped-only", *flags])
         assert analyze_runs.main() == 0
         out = capsys.readouterr().out
-        rows = [line for line in out.splitlines() if "speedup" in line and ":" in line]
-        below = [line for line in rows if " < " in line]
-        above_slow = [line for line in rows if " >= " in line
-                      and float(line.rsplit(" ", 1)[1]) < 0.98]
-        return below, above_slow
+        fit = out.splitlines()[-1]
+        lo, hi = (int(x) for x in fit.split("(")[1].split("]")[0].split(", "))
+        below = {" ".join(line.split()[0:1] + line.split()[2:4]) for line in out.splitlines()
+                 if " < " in line}
+        return lo, hi, below
 
-    below, above_slow = misplaced("--macs", str(8 * 10**10))
-    assert {line.split()[0] + line.split()[2] + line.split()[3] for line in below} == {
-        "graniteS=1024:", "graniteS=2048:", "graniteS=4096:", "qwenS=1024:", "deepseekS=1024:"}
-    # above it, one run of 52 below 0.98x (DeepSeek S = 2048, 0.938; the same session's
-    # other run of it: 1.148)
-    assert len(above_slow) == 1 and "deepseek" in above_slow[0] and "S= 2048" in above_slow[0]
-    _, above_slow_old = misplaced("--elements", str(1 << 24))
-    assert len(above_slow_old) == 4  # Granite S = 4096's three session-13 runs too
+    from megatron_overlap.planner import get_preset
+
+    lo, hi, below = run("--macs", str(get_preset("h200").min_gemm2_macs_one_rank))
+    assert lo < 8 * 10**10 <= hi
+    assert below == {"granite S= 1024:", "granite S= 2048:", "granite S= 4096:",
+                     "qwen S= 1024:", "deepseek S= 1024:"}
+    lo, hi, _ = run("--elements", str(1 << 24))
+    assert (lo, hi) == (1 << 24, 1 << 25)
+    with pytest.raises(ValueError, match="largest workload"):
+        analyze_runs.fit_threshold([dict(model="qwen", tp=1, ep=1, seq=1024, tokens=4096,
+                                         speedup=0.9)], "elements", 0.98)
 
 
 def _trace(*events):

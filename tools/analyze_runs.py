@@ -285,9 +285,11 @@ def threshold(args) -> None:
     for tag in args.prefill.split(","):
         for path in sorted(glob.glob(os.path.join(args.data, f"prefill_{tag}_*.json"))):
             with open(path) as f:
-                rows += [r for r in json.load(f) if r.get("speedup") and (
-                    not args.overlapped_only
-                    or any("C" in d for d in r.get("decisions_rank0", ())))]
+                data = json.load(f)
+            rows += [r for r in (data if isinstance(data, list) else [data])
+                     if r.get("speedup") and (
+                         not args.overlapped_only
+                         or any("C" in d for d in r.get("decisions_rank0", ())))]
     rows.sort(key=lambda r: (_size(r, measure), r["model"]))
     wrong = 0
     for r in rows:
@@ -298,6 +300,28 @@ def threshold(args) -> None:
               f"{size:>13d} {'<' if below else '>='} {bound}, speedup {r['speedup']:.3f}")
     print(f"{len(rows) - wrong} of {len(rows)} workloads on the side of the threshold their "
           f"speedup puts them (below: slower overlapped; at or above: faster)")
+    lo, hi = fit_threshold(rows, measure, args.floor)
+    print(f"bounds in ({lo}, {hi}] keep every workload at or above them at a median speedup "
+          f">= {args.floor} over its runs (geometric midpoint {math.sqrt(max(lo, 1) * hi):.3g})")
+
+
+def fit_threshold(rows: list[dict], measure: str, floor: float) -> tuple[int, int]:
+    """(lo, hi]: the lowest bounds such that every workload (model, layout, S) whose size is
+    at or above the bound has a median speedup >= floor over its runs; lo is the largest
+    size below (0 if none)."""
+    runs: dict = {}
+    for r in rows:
+        runs.setdefault((_size(r, measure), r["model"], r["tp"], r["ep"], r["seq"]),
+                        []).append(r["speedup"])
+    sizes = sorted({k[0] for k in runs})
+    ok = {size: all(statistics.median(v) >= floor for k, v in runs.items() if k[0] == size)
+          for size in sizes}
+    i = len(sizes)
+    while i > 0 and ok[sizes[i - 1]]:
+        i -= 1
+    if i == len(sizes):
+        raise ValueError(f"the largest workload's median speedup is below {floor}")
+    return (sizes[i - 1] if i else 0), sizes[i]
 
 
 def geomean(xs) -> float:
@@ -414,6 +438,9 @@ def main() -> int:
                     help="threshold: on gathered tokens x hidden")
     ap.add_argument("--macs", type=int, default=None,
                     help="threshold: on one rank's GEMM2 multiply-adds instead")
+    ap.add_argument("--floor", type=float, default=0.98,
+                    help="threshold: the median speedup every workload above the fitted "
+                         "bound keeps")
     ap.add_argument("--overlapped-only", action="store_true",
                     help="threshold: only the workloads where the overlap ran")
     ap.add_argument("--data", default=DATA)
