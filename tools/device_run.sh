@@ -119,7 +119,7 @@ for s in "$@"; do
     prefill_1gpu) for m in ${PREFILL_MODELS:-granite qwen deepseek}; do
         stage prefill_${m}_TP1EP1 ${PREFILL_SECS:-75} torchrun --nproc-per-node 1 \
           -m megatron_overlap.mcore.prefill --model $m --tp 1 --ep 1 --batch 4 \
-          --seqs ${PREFILL_SEQS:-4096,16384} --iters 4 --warmup 1 --abba ${PREFILL_ARGS:-} \
+          --seqs ${PREFILL_SEQS:-4096,16384} --iters ${PREFILL_ITERS:-8} --warmup 1 --abba ${PREFILL_ARGS:-} \
           --json "$OUT/prefill_${TAG:-}${m}_TP1EP1.json"; done ;;
     ab_code)  # the one-GPU prefill of an older commit's wheel (.whl/old/) against this one,
       # alternating, both with the overlap at every size: did a change of code move it?
@@ -130,12 +130,12 @@ for s in "$@"; do
         else path=/tmp/site; off="--moe-overlap-min-elements 0 --moe-overlap-min-gemm2-macs 0"; fi
         PYTHONPATH=$path stage prefill_${code}${r}_$m ${PREFILL_SECS:-75} torchrun \
           --nproc-per-node 1 -m megatron_overlap.mcore.prefill --model $m --tp 1 --ep 1 \
-          --batch 4 --seqs ${PREFILL_SEQS:-4096} --iters 4 --warmup 1 --abba $off \
+          --batch 4 --seqs ${PREFILL_SEQS:-4096} --iters ${PREFILL_ITERS:-8} --warmup 1 --abba $off \
           --json "$OUT/prefill_${TAG:-}ab${code}${r}_${m}_TP1EP1.json"; done; done; done ;;
     prefill_sweep) for lay in "2 1" "1 2"; do for m in granite qwen deepseek; do set -- $lay
         stage prefill_${m}_TP$1EP$2 ${PREFILL_SECS:-75} $TR -m megatron_overlap.mcore.prefill \
           --model $m --tp $1 --ep $2 --batch 4 --seqs ${PREFILL_SEQS:-1024,2048,4096,8192,16384} \
-          --iters 4 --warmup 1 --abba ${PREFILL_ARGS:-} \
+          --iters ${PREFILL_ITERS:-8} --warmup 1 --abba ${PREFILL_ARGS:-} \
           --json "$OUT/prefill_${TAG:-}${m}_TP$1EP$2.json"; done; done ;;
     x4_op) for lay in TP4EP1 TP2EP2 TP1EP4; do
         stage x4_op_$lay ${X4_OP_SECS:-150} torchrun --nproc-per-node 4 "$REPO/tools/bench_op.py" \
@@ -151,7 +151,7 @@ for s in "$@"; do
         set -- $lay
         stage x4_prefill_${m}_TP$1EP$2 ${PREFILL_SECS:-75} torchrun --nproc-per-node 4 \
           -m megatron_overlap.mcore.prefill --model $m --tp $1 --ep $2 --batch 4 \
-          --seqs ${PREFILL_SEQS:-1024,2048,4096,8192,16384} --iters 4 --warmup 1 --abba \
+          --seqs ${PREFILL_SEQS:-1024,2048,4096,8192,16384} --iters ${PREFILL_ITERS:-8} --warmup 1 --abba \
           --json "$OUT/prefill_${m}_TP$1EP$2.json"; done; done ;;
     *) echo "unknown stage $s" ;;
   esac
