@@ -57,7 +57,7 @@ def add_moe_overlap_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                        metavar="N",
                        help="Layers whose gathered tokens x hidden is below N run the stock "
                        "path (host-bound there); default: the device calibration's (H200: "
-                       "33554432, 16777216 on one GPU); 0 = no bound.")
+                       "33554432 on two or more GPUs, none on one); 0 = no bound.")
     group.add_argument("--moe-overlap-min-gemm2-macs", type=_non_negative_int, default=None,
                        metavar="N",
                        help="Layers whose expert down-projection has fewer than N "

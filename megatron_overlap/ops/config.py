@@ -51,8 +51,8 @@ class OverlapConfig:
     min_combine_elements: read by OverlapMoELayer, not by the op: a layer whose combined
         output (tokens x hidden) has fewer elements runs the stock Megatron path, where the
         overlap's extra host work costs more than it saves. None = the calibration's value
-        (H200: 2^25, 2^24 on a group of one rank; 0 for devices without one and under the
-        interpreter); 0 = never.
+        (H200: 2^25; 0 on a group of one rank, where `min_gemm2_macs` decides; 0 for
+        devices without one and under the interpreter); 0 = never.
     min_gemm2_macs: the same for the multiply-adds of one rank's expert down-projection
         under uniform routing (M x top-k x hidden x FFN x local / all experts), a proxy for
         the GPU time a layer has to hide the overlap's host work behind. None = the
