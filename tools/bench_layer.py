@@ -99,14 +99,16 @@ def add_input_layer_arg(ap) -> None:
                          "0 (default): the first MoE layer on random hidden states")
 
 
-def add_threshold_args(ap) -> None:
+def add_threshold_args(ap, default: int | None = 0) -> None:
     """The layer's two stock-path thresholds (OverlapConfig.min_combine_elements and
-    min_gemm2_macs); default: the calibration's, as the product runs."""
-    ap.add_argument("--min-elements", type=int, default=None,
-                    help="the layer's min_combine_elements (default: the calibration's; 0 "
-                         "with --min-gemm2-macs 0 compares the overlapped path at every size)")
-    ap.add_argument("--min-gemm2-macs", type=int, default=None,
-                    help="the layer's min_gemm2_macs (default: the calibration's)")
+    min_gemm2_macs). The layer tools default to 0: the overlapped layer at every size (what
+    the layer can give; the prefill and `make demo` run the calibration's, None)."""
+    what = "the calibration's" if default is None else str(default)
+    ap.add_argument("--min-elements", type=int, default=default,
+                    help=f"the layer's min_combine_elements (default: {what}; none given "
+                         "to the prefill tools: the calibration's)")
+    ap.add_argument("--min-gemm2-macs", type=int, default=default,
+                    help=f"the layer's min_gemm2_macs (default: {what})")
 
 
 def threshold_kwargs(args) -> dict:

@@ -154,7 +154,7 @@ def main() -> int:
     ap.add_argument("--seqs", default="4096,16384")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=2)
-    add_threshold_args(ap)
+    add_threshold_args(ap, default=None)  # the product's prefill: the calibration's
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     setup = argparse.Namespace(tp=1, ep=1, seed=0, preload=None, batch=args.batch)
