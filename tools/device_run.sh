@@ -123,8 +123,11 @@ for s in "$@"; do
           --json "$OUT/prefill_${TAG:-}${m}_TP1EP1.json"; done ;;
     ab_code)  # the one-GPU prefill of an older commit's wheel (.whl/old/) against this one,
       # alternating, both with the overlap at every size: did a change of code move it?
-      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site_old "$REPO"/.whl/old/*.whl >>"$LOG" 2>&1
+      # (without the old wheel both arms would import this code: refuse instead)
+      compgen -G "$REPO/.whl/old/*.whl" >/dev/null && python3 -m pip install -q --no-index \
+        --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site_old \
+        "$REPO"/.whl/old/*.whl >>"$LOG" 2>&1 \
+        || { echo "ab_code: no old wheel installed from .whl/old/" | tee -a "$LOG"; continue; }
       for r in 1 2; do for code in old new; do for m in ${PREFILL_MODELS:-granite}; do
         if [ $code = old ]; then path=/tmp/site_old:/tmp/site; off="--moe-overlap-min-elements 0"
         else path=/tmp/site; off="--moe-overlap-min-elements 0 --moe-overlap-min-gemm2-macs 0"; fi
