@@ -105,6 +105,8 @@ def _layer_scenarios(rank, world):
                     with torch.no_grad():
                         inference = _rel_diff(layer(x)[0], stock(x)[0])
                 if experts == "grouped" and backend == "interpret":
+                    # the gathered tokens of this TP x EP group: 12 / TP x 2 per rank
+                    results[(name, "gemm2 macs")] = layer._gemm2_macs(12 // tp * 2 * tp * ep)
                     results[(name, "postprocess")] = _postprocess_equal(layer, x)
                     results[(name, "redo")] = _redo_equal(layer, x)
                     results[(name, "fc1 first")] = _fc1_before_the_counts(layer, stock, x)
@@ -399,7 +401,8 @@ def test_single_sync_dispatch_gives_megatrons_rows_and_inference_matches_stock(l
 def test_interpret_backend_plans_every_launch_and_reference_does_not(layer_runs):
     for res in layer_runs:
         for key, r in res.items():
-            if not isinstance(key, tuple) or key[1] in ("postprocess", "redo", "gated", "fc1 first"):
+            if not isinstance(key, tuple) or key[1] in ("postprocess", "redo", "gated",
+                                                        "fc1 first", "gemm2 macs"):
                 continue
             layout, experts, backend = key
             assert r["plan"] == ("model" if backend == "interpret" else None), (layout, experts, r)
@@ -448,6 +451,15 @@ def test_calls_captured_into_a_cuda_graph_run_the_stock_path_after_one_warning(l
         c = res["toggle"]["captured"]
         assert c["equal"] and c["plan"] is None
         assert len(c["warnings"]) == 1 and "CUDA graph" in c["warnings"][0]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_gemm2_work_counts_one_ranks_share_of_the_expert_down_projection(layer_runs, layout):
+    """tokens x top-k x hidden x FFN / expert-TP x local / all experts: TP splits the FFN,
+    EP the experts (24 x EP gathered tokens, top-k 2, hidden 32, FFN 16, 4 experts)."""
+    tp, ep = LAYOUTS[layout]
+    want = 24 * ep * 2 * 32 * (16 // tp) * (4 // ep) // 4
+    assert all(res[(layout, "gemm2 macs")] == want for res in layer_runs)
 
 
 def test_layers_below_either_size_threshold_run_the_stock_path_bit_for_bit(layer_runs):
