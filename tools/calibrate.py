@@ -233,10 +233,7 @@ def main() -> int:
         calibration=calib,
         default_splits=args.splits,
         # measured by the prefill sweeps, not here: kept from the shipped calibration
-        min_combine_elements=getattr(shipped, "min_combine_elements", 0),
-        min_combine_elements_one_rank=getattr(shipped, "min_combine_elements_one_rank", None),
-        min_gemm2_macs=getattr(shipped, "min_gemm2_macs", 0),
-        min_gemm2_macs_one_rank=getattr(shipped, "min_gemm2_macs_one_rank", None),
+        **(shipped.thresholds() if shipped is not None else {}),
     )
     payload = dict(preset=preset.to_json(), measured=dict(
         case=case.label(), c_cal=args.c_cal, comp_ms=med["comp"], comp_waves=comp_waves,

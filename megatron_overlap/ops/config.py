@@ -296,12 +296,10 @@ def stock_thresholds(config: OverlapConfig, device: torch.device,
         preset = get_preset(config.preset)
     elif device.type == "cuda":
         preset = preset_for_device(torch.cuda.get_device_properties(device).name)
-    elements, macs = config.min_combine_elements, config.min_gemm2_macs
-    if elements is None:
-        elements = preset.combine_threshold(world) if preset is not None else 0
-    if macs is None:
-        macs = preset.gemm2_threshold(world) if preset is not None else 0
-    return elements, macs
+    shipped = ((preset.combine_threshold(world), preset.gemm2_threshold(world))
+               if preset is not None else (0, 0))
+    given = (config.min_combine_elements, config.min_gemm2_macs)
+    return tuple(s if g is None else g for g, s in zip(given, shipped))
 
 
 def kernel_spec(tiles: TileConfig, comm_tm: int, comm_tn: int, o_comp: int,

@@ -48,6 +48,11 @@ class Preset:
             return self.min_gemm2_macs_one_rank
         return self.min_gemm2_macs
 
+    def thresholds(self) -> dict:
+        """The four stock-path threshold fields by name (measured by prefill sweeps, not by
+        `tools/calibrate.py`, which carries them over from the shipped preset)."""
+        return {name: getattr(self, name) for name in _THRESHOLDS}
+
     def with_sm_margin(self, sm_margin: int) -> "Preset":
         return replace(self, device=DeviceSpec(self.device.name, self.device.sms, sm_margin))
 
@@ -58,8 +63,7 @@ class Preset:
             "device": {"name": self.device.name, "sms": self.device.sms},
             "calibration": asdict(self.calibration),
             "default_splits": self.default_splits,
-            **{name: getattr(self, name) for name in _THRESHOLDS
-               if getattr(self, name) is not None},
+            **{name: m for name, m in self.thresholds().items() if m is not None},
         }
 
     def __post_init__(self) -> None:
@@ -79,10 +83,9 @@ class Preset:
                 device=DeviceSpec(data["device"]["name"], data["device"]["sms"]),
                 calibration=Calibration(**data["calibration"]),
                 default_splits=data.get("default_splits", 1),
-                min_combine_elements=data.get("min_combine_elements", 0),
-                min_combine_elements_one_rank=data.get("min_combine_elements_one_rank"),
-                min_gemm2_macs=data.get("min_gemm2_macs", 0),
-                min_gemm2_macs_one_rank=data.get("min_gemm2_macs_one_rank"),
+                # (absent from files written before a field: never / the group's value)
+                **{name: data.get(name, None if name.endswith("_one_rank") else 0)
+                   for name in _THRESHOLDS},
             )
         except (KeyError, TypeError) as err:
             raise ValueError(f"malformed calibration preset: {err}") from err
