@@ -22,8 +22,9 @@ runs on the host's critical path after the dispatcher's sync in every MoE layer.
 The order is the kernel's input contract; the same program also checks it for a
 slice of the rows (token_index[j] < token_index[j+1] inside every segment) and
 records ERR_UNSORTED in the error word on a violation (ERR_TOPK for a token with more
-than k rows, whose extra rows no slot would hold), which the host raises as a
-ValueError at its next check: a wrong order cannot pass silently.
+than k rows, whose extra rows no slot would hold; ERR_COUNTS for expert counts that do
+not sum to the rows), which the host raises as a ValueError at its next check: a wrong
+order cannot pass silently.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from .launch_cache import LaunchCache
 
 ERR_UNSORTED = 3
 ERR_TOPK = 4
+ERR_COUNTS = 5
 
 
 @triton.jit(do_not_specialize=["num_rows", "num_tokens", "topk", "num_experts"])
@@ -57,10 +59,18 @@ def routing_table_kernel(
         # offsets_ptr holds the counts (the host's, in mapped pinned memory): every
         # program sums them itself, and program 0 stores the packed device offsets
         # [row_start (E+1) | tile_start (E+1) | counts (E)] that GEMM2 and GatherRS read
-        count = tl.load(offsets_ptr + experts, mask=known, other=0)
-        end = tl.cumsum(count, axis=0)
-        begin = end - count
+        raw = tl.load(offsets_ptr + experts, mask=known, other=0).to(tl.int32)
+        # counts that do not sum to the rows (the host checks its own; device counts
+        # cannot be): clamped into [0, rows] so that no kernel reads or writes past x or
+        # y, and recorded as ERR_COUNTS
+        count = tl.maximum(raw, 0)
+        total = tl.cumsum(count, axis=0)
+        end = tl.minimum(total, num_rows)
+        begin = tl.minimum(total - count, num_rows)
+        count = end - begin
         if pid == 0:
+            if (tl.max(total, axis=0) != num_rows) | (tl.min(raw, axis=0) < 0):
+                tl.atomic_cas(error_ptr, 0, 5 << 24)  # ERR_COUNTS
             tile_end = tl.cumsum((count + block_m - 1) // block_m, axis=0)
             tl.store(packed_ptr + experts * 0, 0, mask=experts == 0)
             tl.store(packed_ptr + num_experts + 1 + experts * 0, 0, mask=experts == 0)
@@ -144,11 +154,14 @@ def launch_routing_table(token_index: torch.Tensor, row_start: torch.Tensor, num
     ERR_TOPK << 24 if a token has more than `topk` rows. `dest` ([T] int32), when
     given, receives the inverse: dest[table[t, s]] = t * topk + s.
 
-    `from_counts` = (packed, block_m): `row_start` is then the counts [E] instead, in
-    memory the GPU reads (the op's: pinned host memory, read in place), and the launch
-    also fills `packed` ([3E + 2] int32 on the device) with `gemm2.packed_offsets_host`'s
-    layout, [row_start | tile_start | counts]: the host's offsets reach the device
-    without a copy or any summing on the host's critical path.
+    `from_counts` = (packed, block_m): `row_start` is then the counts [E] instead (int32
+    or int64), in memory the GPU reads (the op's: pinned host memory read in place, or
+    the device counts a layer never brought to the host), and the launch also fills
+    `packed` ([3E + 2] int32 on the device) with `gemm2.packed_offsets_host`'s layout,
+    [row_start | tile_start | counts]: the offsets reach the device without a copy or
+    any summing on the host's critical path. Counts that do not sum to the T rows, or
+    a negative one, are clamped into [0, T] there (no kernel reads or writes past x or
+    y) and recorded as ERR_COUNTS << 24 in `error`.
     """
     table = torch.empty(num_tokens, topk, dtype=torch.int32, device=token_index.device)
     rows = token_index.numel()

@@ -255,6 +255,31 @@ def test_routing_table_from_counts_fills_the_offsets_even_without_rows_and_check
         rt.launch_routing_table(none, counts, 5, 2, error, from_counts=(filled[:3], 16))
 
 
+def test_routing_table_reads_int64_counts_and_flags_counts_that_miss_the_rows():
+    """The counts a layer never brings to the host (int64, as `local_map.sum` gives them)
+    give the host path's table and offsets; counts that do not sum to the rows, or a
+    negative one, are recorded as ERR_COUNTS and clamped so no offset passes the rows."""
+    token_index, counts = _megatron_rows(7, 24, 5, 5, 2)
+    rows = token_index.numel()
+    packed, _ = gemm2.packed_offsets_host(counts, 16, "cpu")
+    error = torch.zeros(1, dtype=torch.int32)
+    filled = torch.full_like(packed, -9)
+    table = rt.launch_routing_table(token_index, torch.tensor(counts), 24, 2, error,
+                                    from_counts=(filled, 16))
+    assert int(error) == 0 and torch.equal(filled, packed)
+    assert torch.equal(table, rt.combine_table(token_index, 24, 2))
+    for bad in ([c + 3 for c in counts], [counts[0] - 1] + counts[1:],
+                [-1] + counts[1:-1] + [counts[-1] + counts[0] + 1]):
+        error = torch.zeros(1, dtype=torch.int32)
+        filled = torch.full_like(packed, -9)
+        rt.launch_routing_table(token_index, torch.tensor(bad), 24, 2, error,
+                                from_counts=(filled, 16))
+        assert int(error) >> 24 == rt.ERR_COUNTS, bad
+        row_start, _, clamped = gemm2.unpack_offsets(filled, len(counts))
+        assert int(row_start.max()) <= rows and int(clamped.min()) >= 0
+        assert torch.equal(row_start[1:] - row_start[:-1], clamped)
+
+
 @pytest.mark.parametrize("local", [64, 24])
 def test_routing_table_kernel_over_many_token_blocks(local):
     """64 experts: 64 tokens per program, so each program searches the window of its

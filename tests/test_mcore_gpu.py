@@ -141,9 +141,10 @@ def _one_gpu_inference(rank, world):
             moe_router_load_balancing_type="none", transformer_impl="local",
             bias_activation_fusion=fusion)
         spec = with_grouped_experts(get_gpt_layer_local_spec(num_experts=16).submodules.mlp)
-        outs = {}
+        outs, syncs = {}, {}
         for name, overlap in (("stock", None),
                               ("overlap", OverlapConfig(**always)),
+                              ("host counts", OverlapConfig(host_counts=True, **always)),
                               ("one sync", OverlapConfig(**always))):
             # "one sync": the postprocess that waits for the counts before FC1
             layer_module.deferred_postprocess = (
@@ -154,7 +155,10 @@ def _one_gpu_inference(rank, world):
                 config=config).cuda().eval()  # (the shared expert's gate is built on the CPU)
             with torch.no_grad():
                 torch.cuda.synchronize()
-                outs[name] = [layer(x)[0] for _ in range(3)]  # back to back, no sync
+                first = layer(x)[0]  # (compiles, builds the buffer)
+                # then two calls back to back, the host syncs torch sees counted
+                later, syncs[name] = _host_syncs(lambda: [layer(x)[0] for _ in range(2)])
+                outs[name] = [first] + later
                 torch.cuda.synchronize()
             outs[name + " plan"] = getattr(layer, "last_plan", None) is not None
         layer_module.deferred_postprocess = real_deferred
@@ -163,14 +167,38 @@ def _one_gpu_inference(rank, world):
         results[fusion] = dict(
             train=train, gated_adds=inference_gated_adds,
             train_gated_adds=len(gated_adds) - inference_gated_adds,
-            planned=outs["overlap plan"] and outs["one sync plan"],
-            paths_equal=all(torch.equal(a, b) for a, b in zip(outs["overlap"],
-                                                               outs["one sync"])),
+            planned=outs["overlap plan"] and outs["one sync plan"] and outs["host counts plan"],
+            paths_equal=all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(
+                outs["overlap"], outs["one sync"], outs["host counts"])),
+            syncs=syncs,
             calls_equal=all(torch.equal(o, outs["overlap"][0]) for o in outs["overlap"]),
             rel=max(_rel(a, b) for a, b in zip(outs["overlap"], outs["stock"])))
     ps.destroy_model_parallel()
     layer_module.add_gated_shared_ = real_gated_add
     return results
+
+
+def _host_syncs(fn):
+    """(fn(), how many synchronizing CUDA calls torch saw during it: its sync debug mode,
+    plus the counts' `Deferred.tokens_per_expert` waits, an event synchronize it does not
+    see)."""
+    import warnings
+
+    from megatron_overlap.mcore import dispatch
+
+    real, waits = dispatch.Deferred.tokens_per_expert, []
+    dispatch.Deferred.tokens_per_expert = lambda self: waits.append(1) or real(self)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                out = fn()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    finally:
+        dispatch.Deferred.tokens_per_expert = real
+    return out, sum("synchroniz" in str(w.message) for w in caught) + len(waits)
 
 
 def _one_gpu_training(spec, config, x):
@@ -204,6 +232,10 @@ def test_one_gpu_layer_matches_stock_in_inference_and_training_with_fc1_before_t
     (res,) = run_ranks(1, _one_gpu_inference, backend="nccl")
     for fusion, r in res.items():
         assert r["planned"] and r["paths_equal"] and r["calls_equal"], (fusion, r)
+        # the stock dispatcher syncs three times a call, the one-sync path once, the
+        # deferred one waits for the counts once; with them kept on the device, never
+        s = r["syncs"]
+        assert s["overlap"] == 0 and s["host counts"] == 2 and s["stock"] >= 4, (fusion, s)
         assert r["rel"] < 2e-2, (fusion, r)
         # the gated shared expert joined in one pass in both overlapped arms' 3 calls each
         assert r["gated_adds"] == 6 and r["train_gated_adds"] == 0, (fusion, r)

@@ -110,6 +110,7 @@ def _layer_scenarios(rank, world):
                     results[(name, "postprocess")] = _postprocess_equal(layer, x)
                     results[(name, "redo")] = _redo_equal(layer, x)
                     results[(name, "fc1 first")] = _fc1_before_the_counts(layer, stock, x)
+                    results[(name, "device counts")] = _counts_on_device(layer, x)
                 results[(name, experts, backend)] = dict(
                     same_init=same_init, out=_rel_diff(out, ref[0]), dx=_rel_diff(dx, ref[1]),
                     dw=max(_rel_diff(grads[k], ref[2][k]) for k in ref[2]),
@@ -170,23 +171,66 @@ def _postprocess_equal(layer, x):
 
 
 def _redo_equal(layer, x):
-    """Were the rows fewer than M x top-k (a router dropping tokens): in inference the
-    deferred postprocess's padding rows are trimmed; where they may not be (a gradient
-    flows) the layer redoes it with the counts. Both give the exact path's output."""
+    """Were the rows fewer than M x top-k (a router dropping tokens), with host counts: in
+    inference the deferred postprocess's padding rows are trimmed; where they may not be
+    (a gradient flows) the layer redoes it with the counts. Both give the exact path's
+    output. With the counts kept on the device (the default where every expert is
+    local) the op sees counts short of the rows: a clear error, not a wrong output."""
+    import dataclasses
+
     import megatron_overlap.mcore.layer as layer_module
 
-    real = layer_module.deferred_postprocess
+    real, config = layer_module.deferred_postprocess, layer.overlap_config
+    short = lambda d, h, p, k, pad=False, **kw: real(d, h, p, k + 1, pad=pad, **kw)  # noqa: E731
     with torch.no_grad():
         want = layer(x)[0]
-        got = {}
-        for pad in (True, False):
-            layer_module.deferred_postprocess = (
-                lambda d, h, p, k, pad=pad, **kw: real(d, h, p, k + 1, pad=pad))
-            try:
+        got, error = {}, None
+        layer.overlap_config = dataclasses.replace(config, host_counts=True)
+        try:
+            for pad in (True, False):
+                layer_module.deferred_postprocess = (
+                    lambda *a, pad=pad, **kw: short(*a, **dict(kw, pad=pad)))
                 got[pad] = layer(x)[0]
-            finally:
-                layer_module.deferred_postprocess = real
-    return torch.equal(got[True], want) and torch.equal(got[False], want)
+            layer.overlap_config = config
+            layer_module.deferred_postprocess = short
+            try:
+                layer(x)
+            except ValueError as err:
+                error = str(err)
+        finally:
+            layer_module.deferred_postprocess = real
+            layer.overlap_config = config
+    local = layer.num_local_experts == layer.config.num_moe_experts
+    return (torch.equal(got[True], want) and torch.equal(got[False], want)
+            and (error is not None and "sums to" in error) == local)
+
+
+def _counts_on_device(layer, x):
+    """In inference with every expert local, the layer never waits for the host counts:
+    the op gets them as the device tensor (`last_rows`), with the bits of the path that
+    waits for them (`host_counts=True`); under EP the layer waits, as before."""
+    import dataclasses
+
+    from megatron_overlap.mcore import dispatch
+
+    real, config, waits = dispatch.Deferred.tokens_per_expert, layer.overlap_config, []
+
+    def counted(self):
+        waits.append(1)
+        return real(self)
+
+    dispatch.Deferred.tokens_per_expert = counted
+    try:
+        with torch.no_grad():
+            kept = layer(x)[0]
+            kept_waits, kept_rows = len(waits), layer.last_rows
+            layer.overlap_config = dataclasses.replace(config, host_counts=True)
+            host = layer(x)[0]
+    finally:
+        dispatch.Deferred.tokens_per_expert = real
+        layer.overlap_config = config
+    return dict(equal=torch.equal(kept, host), waits=kept_waits,
+                host_waits=len(waits) - kept_waits, rows=int(sum(kept_rows)))
 
 
 def _fc1_before_the_counts(layer, stock, x):
@@ -196,8 +240,12 @@ def _fc1_before_the_counts(layer, stock, x):
     import megatron_overlap.mcore.experts as experts_module
     import megatron_overlap.mcore.layer as layer_module
 
+    import dataclasses
+
     real, real_deferred = experts_module._grouped_mm_ok, layer_module.deferred_postprocess
     experts_module._grouped_mm_ok = lambda t: hasattr(torch, "_grouped_mm")
+    config = layer.overlap_config  # (the redo below needs the host counts)
+    layer.overlap_config = dataclasses.replace(config, host_counts=True)
     try:
         with torch.no_grad():
             want = stock(x)[0]
@@ -210,6 +258,7 @@ def _fc1_before_the_counts(layer, stock, x):
     finally:
         experts_module._grouped_mm_ok = real
         layer_module.deferred_postprocess = real_deferred
+        layer.overlap_config = config
 
 
 def _bf16_case(tp, ep, x, grad):
@@ -402,7 +451,8 @@ def test_interpret_backend_plans_every_launch_and_reference_does_not(layer_runs)
     for res in layer_runs:
         for key, r in res.items():
             if not isinstance(key, tuple) or key[1] in ("postprocess", "redo", "gated",
-                                                        "fc1 first", "gemm2 macs"):
+                                                        "fc1 first", "gemm2 macs",
+                                                        "device counts"):
                 continue
             layout, experts, backend = key
             assert r["plan"] == ("model" if backend == "interpret" else None), (layout, experts, r)
@@ -451,6 +501,17 @@ def test_calls_captured_into_a_cuda_graph_run_the_stock_path_after_one_warning(l
         c = res["toggle"]["captured"]
         assert c["equal"] and c["plan"] is None
         assert len(c["warnings"]) == 1 and "CUDA graph" in c["warnings"][0]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layer_never_waits_for_the_counts_where_every_expert_is_local(layer_runs, layout):
+    tp, ep = LAYOUTS[layout]
+    for rank, res in enumerate(layer_runs):
+        r = res[(layout, "device counts")]
+        assert r["equal"] and r["host_waits"] == 1, (rank, r)  # host_counts=True waits
+        assert r["waits"] == (0 if ep == 1 else 1), (rank, r)
+        if ep == 1:  # every token's top-2 rows: 24 gathered tokens x 2
+            assert r["rows"] == 48, (rank, r)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

@@ -159,6 +159,9 @@ def test_flags_parse_into_the_overlap_config(tmp_path):
     assert always.tail_helpers == OverlapConfig().tail_helpers
     plain = overlap_config_from_args(_parse(["--moe-overlap", "--moe-overlap-no-tail-helpers"]))
     assert plain.tail_helpers is False
+    assert auto.host_counts is False  # the counts stay on the device where they can
+    assert overlap_config_from_args(_parse(["--moe-overlap", "--moe-overlap-host-counts"])
+                                    ).host_counts is True
     assert auto.placement == OverlapConfig().placement  # "auto": the device default
     part = overlap_config_from_args(_parse(["--moe-overlap", "--moe-overlap-placement",
                                             "partition"]))

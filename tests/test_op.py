@@ -266,6 +266,28 @@ def test_bad_input_raises_a_clear_value_error(change, message):
         call(p, 30, 2, INTERP)
 
 
+def test_device_counts_that_miss_the_rows_raise_at_the_check_and_the_buffer_stays_usable():
+    """Counts the host never saw (a tensor handed to `route`, as the op does with CUDA
+    counts) that do not sum to the rows: ValueError at the next check, naming the counts,
+    not a broken buffer; the right counts then route as the host's do."""
+    from megatron_overlap.ops import OverlapBuffer
+
+    p = routed_problem(0, 1, tokens=30, experts=3, topk=2, ffn=16, hidden=32)
+    buf = OverlapBuffer.get(None, torch.device("cpu"), "interpret")
+    for bad in (p["counts"] + 1, p["counts"] - 1):
+        buf.route(p["token_index"], bad, 16, 30, 2)
+        with pytest.raises(ValueError, match="does not sum to x's rows"):
+            buf.note_launch(None, sync=True)
+        assert buf.broken is None and int(buf.error) == 0
+    table, offsets, counts_dev, row_tiles, _ = buf.route(p["token_index"], p["counts"], 16,
+                                                         30, 2)
+    host = buf.route(p["token_index"], p["counts"].tolist(), 16, 30, 2)
+    buf.note_launch(None, sync=True)
+    assert row_tiles is None and host[3] == int(offsets[1][-1])
+    assert torch.equal(table, host[0]) and torch.equal(counts_dev, host[2])
+    assert all(torch.equal(a, b) for a, b in zip(offsets, host[1]))
+
+
 def test_bad_sizes_and_backends_raise_clear_errors():
     p = routed_problem(0, 1, tokens=30, experts=3, topk=2, ffn=16, hidden=32)
     with pytest.raises(ValueError, match="topk is 1"):
@@ -278,6 +300,8 @@ def test_bad_sizes_and_backends_raise_clear_errors():
         OverlapConfig(backend="cuda")
     with pytest.raises(ValueError, match="tail_helpers must be a bool"):
         OverlapConfig(tail_helpers=1)
+    with pytest.raises(ValueError, match="host_counts must be a bool"):
+        OverlapConfig(host_counts="yes")
     with pytest.raises(ValueError, match="gemm_impl must be one of"):
         dataclasses.replace(INTERPRET_TILES, gemm_impl="cutlass")
     with pytest.raises(ValueError, match="128 x"):  # the Gluon kernel's one tile shape

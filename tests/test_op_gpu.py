@@ -207,6 +207,28 @@ def test_calls_queued_far_ahead_of_the_gpu_give_each_routings_own_output(
     assert all(torch.equal(g, w) for g, w in zip(got, want))
 
 
+def test_counts_on_the_device_give_the_host_counts_bits_and_wrong_ones_raise():
+    """CUDA counts (int64 and int32), read in place by the routing-table kernel, with no
+    host sync: the host counts' bits (the planner's estimate picks C and L, which do not
+    change the bits); counts that miss the rows raise ValueError, and the next call works."""
+    p = routed_problem(0, 1, device="cuda", hot=True, **SHAPE)
+    want = _poisoned_call(p, SHAPE["tokens"], SHAPE["topk"])
+    dev = p["counts"].cuda()
+    lazy = OverlapConfig(backend="triton")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any synchronizing torch call raises
+    try:
+        got = [gemm2_gather_rs(p["x"], p["weight"], c, p["token_index"], SHAPE["tokens"],
+                               SHAPE["topk"], config=lazy) for c in (dev, dev.int())]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert all(torch.equal(g, want) for g in got)
+    with pytest.raises(ValueError, match="does not sum to x's rows"):
+        gemm2_gather_rs(p["x"], p["weight"], dev + 1, p["token_index"], SHAPE["tokens"],
+                        SHAPE["topk"], config=TRITON)
+    assert torch.equal(_poisoned_call(p, SHAPE["tokens"], SHAPE["topk"]), want)
+
+
 def test_capturing_the_op_in_a_cuda_graph_raises_before_queuing_anything():
     p = routed_problem(0, 1, device="cuda", tokens=512, experts=4, topk=2, ffn=128, hidden=256)
     graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()

@@ -69,7 +69,6 @@ STEPS = [
     (counts_ring.CountsRing, "record", "CountsRing.record"),
     (gemm2, "packed_offsets_host", "packed_offsets_host (copy path)"),
     (gemm2, "unpack_offsets", "unpack_offsets"),
-    (op, "launch_routing_table", "launch_routing_table"),
     (buffer, "launch_routing_table", "launch_routing_table"),
     (op, "_plan_splits", "_plan_splits (cache miss)"),
     (buffer.OverlapBuffer, "ensure", "OverlapBuffer.ensure"),

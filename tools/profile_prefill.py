@@ -103,11 +103,49 @@ def profile_forward(model, tokens, positions) -> dict:
     clocks = _clocks()  # right after the forward, while the GPU still runs at its load
     clocks["during_unprofiled_forward"] = _sampled(
         lambda: (model(tokens, positions, None), torch.cuda.synchronize()))
+    clocks["host"] = host_timing(lambda: model(tokens, positions, None))
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
         with open(path) as f:
             return attribute(json.load(f)) | clocks
+
+
+def host_timing(forward) -> dict:
+    """One unprofiled forward (no_grad): when the host returned from it (`host_ms`: the
+    launches queued, every host sync inside waited out) and when the GPU finished
+    (`total_ms`); and a second one's host syncs (`host_syncs`: the synchronizing CUDA
+    calls torch's sync debug mode reports, plus the MoE layers' waits for their expert
+    counts, an event synchronize it does not see). host_ms close to total_ms: the host
+    or its syncs bound the forward; far below: the GPU does."""
+    import time
+    import warnings
+
+    from megatron_overlap.mcore import dispatch
+
+    torch.cuda.synchronize()
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        forward()
+        t1 = time.perf_counter()
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+    real, waits = dispatch.Deferred.tokens_per_expert, []
+    dispatch.Deferred.tokens_per_expert = lambda self: waits.append(1) or real(self)
+    try:
+        with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                forward()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    finally:
+        dispatch.Deferred.tokens_per_expert = real
+    torch.cuda.synchronize()
+    syncs = sum("synchroniz" in str(w.message) for w in caught)
+    return dict(host_ms=(t1 - t0) * 1e3, total_ms=(t2 - t0) * 1e3,
+                host_syncs=syncs + len(waits))
 
 
 def _sampled(fn, period_s: float = 0.01) -> dict:
@@ -155,11 +193,14 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=2)
     add_threshold_args(ap, default=None)  # the product's prefill: the calibration's
+    ap.add_argument("--host-counts", action="store_true",
+                    help="OverlapConfig(host_counts=True): the layers wait for their counts")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     setup = argparse.Namespace(tp=1, ep=1, seed=0, preload=None, batch=args.batch)
     device = prefill._setup(setup)
-    model = build_model(args.model, 1, 1, overlap=OverlapConfig(**threshold_kwargs(args))).to(
+    model = build_model(args.model, 1, 1, overlap=OverlapConfig(
+        host_counts=args.host_counts, **threshold_kwargs(args))).to(
         device).eval()
     _mark_moe_layers(model)
     results = []
@@ -194,6 +235,10 @@ def _print(row: dict) -> None:
           f" / {ov.get('sm_clock_mhz')} MHz, power {st.get('power_mw')} / {ov.get('power_mw')}"
           " mW")
     for arm in ("stock", "overlap"):
+        h = row[arm].get("host", {})
+        if h:
+            print(f"  {arm}: unprofiled forward {h['total_ms']:.1f} ms, the host back from it "
+                  f"at {h['host_ms']:.1f} ms, {h['host_syncs']} host syncs")
         d = row[arm].get("during_unprofiled_forward", {})
         if d:
             print(f"  {arm}: during a forward SM clock mean {d['sm_clock_mhz_mean']:.0f} MHz "

@@ -69,6 +69,11 @@ def add_moe_overlap_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                        help="Leave the last split to the C communication CTAs (default: when "
                        "GEMM2 ends, one more GatherRS CTA per SM it leaves shares it; same "
                        "output either way). Also MEGATRON_OVERLAP_TAIL_HELPERS=0.")
+    group.add_argument("--moe-overlap-host-counts", action="store_true",
+                       help="Bring the expert counts to the host before each fused launch "
+                       "(exact planning, one host sync per MoE layer). Default: where every "
+                       "expert is on the rank they stay on the device and no MoE layer "
+                       "syncs the host.")
     group.add_argument("--moe-overlap-placement", choices=("auto", "shared", "partition"),
                        default="auto",
                        help="Where the communication CTAs run: shared (one beside GEMM2's on "
@@ -104,4 +109,5 @@ def overlap_config_from_args(args) -> OverlapConfig | None:
             args, "moe_overlap_placement", "auto")) != "auto" else {}),
         **({"tail_helpers": False} if getattr(args, "moe_overlap_no_tail_helpers", False)
            else {}),
+        host_counts=getattr(args, "moe_overlap_host_counts", False),
     )

@@ -21,6 +21,8 @@ knows their count), the rest left as padding. The counts travel to the host by a
 asynchronous copy, FC1 runs on device offsets, and the host waits for that copy only
 when the fused op needs the counts, with FC1 and the activation already queued: the
 sync no longer leaves the GPU idle. The caller trims the padding (`Deferred.trim`).
+Where every expert is local the fused op takes the counts on the device
+(`OverlapConfig.host_counts`): no copy, no wait, no host sync in the layer at all.
 """
 
 from __future__ import annotations
@@ -81,20 +83,28 @@ class Deferred:
     exceeds the rows by design (EP), so that the work on the padding can be skipped."""
 
     def __init__(self, permuted, probs, counts_dev, routing_map, padded=False,
-                 valid_rows=None):
+                 valid_rows=None, host_copy=True):
         self.permuted, self.probs, self.counts_dev = permuted, probs, counts_dev
         self.padded, self.valid_rows = padded, valid_rows
         self.routing_map = routing_map  # kept for a redo: the dispatcher drops its own
-        if counts_dev.is_cuda:
-            self._host = torch.empty(counts_dev.shape, dtype=torch.int64, pin_memory=True)
-            self._host.copy_(counts_dev, non_blocking=True)
+        self._host = self._ready = None
+        if host_copy:
+            self._copy()
+
+    def _copy(self) -> None:
+        if self.counts_dev.is_cuda:
+            self._host = torch.empty(self.counts_dev.shape, dtype=torch.int64, pin_memory=True)
+            self._host.copy_(self.counts_dev, non_blocking=True)
             self._ready = torch.cuda.Event()
             self._ready.record()
         else:
-            self._host, self._ready = counts_dev.clone(), None
+            self._host = self.counts_dev.clone()
 
     def tokens_per_expert(self) -> torch.Tensor:
-        """The counts on the host (CPU int64 [E]): waits for their copy only."""
+        """The counts on the host (CPU int64 [E]): waits for their copy only (queued
+        now where the caller asked for none up front)."""
+        if self._host is None:
+            self._copy()
         if self._ready is not None:
             self._ready.synchronize()
         return self._host
@@ -108,7 +118,8 @@ class Deferred:
 
 
 def deferred_postprocess(disp, hidden_states: torch.Tensor, probs: torch.Tensor,
-                         topk: int, pad: bool = False) -> Deferred | None:
+                         topk: int, pad: bool = False, host_copy: bool = True
+                         ) -> Deferred | None:
     """`single_sync_postprocess` without waiting for the host at all, where the number of
     routed rows is known without the counts (every expert on this rank, EP = 1: each of
     the M tokens has `topk` rows unless the router drops some) or, with `pad` (inference:
@@ -117,7 +128,8 @@ def deferred_postprocess(disp, hidden_states: torch.Tensor, probs: torch.Tensor,
     to the host by an asynchronous copy; whoever needs them on the host waits for that
     copy alone (`Deferred.tokens_per_expert`), after queuing the work that does not (FC1
     with device offsets, the activation). None where neither holds, or with a capacity
-    factor (Megatron then pads and drops by its own rules)."""
+    factor (Megatron then pads and drops by its own rules). `host_copy` False: the caller
+    means to keep the counts on the device, so no copy to the host is queued up front."""
     lo, hi = disp.local_expert_indices[0], disp.local_expert_indices[-1] + 1
     local, experts = hi - lo, disp.routing_map.shape[1]
     if disp.config.moe_expert_capacity_factor or not (local == experts or pad):
@@ -136,4 +148,5 @@ def deferred_postprocess(disp, hidden_states: torch.Tensor, probs: torch.Tensor,
     # index a row; the caller trims them, or redoes this with the counts)
     pairs = torch.nonzero_static(disp.local_map.T.contiguous(), size=bound, fill_value=0)
     permuted = _select(disp, hidden_states, probs[:, lo:hi], pairs, num_tokens, valid)
-    return Deferred(permuted, disp.local_probs, counts_dev, routing_map, pad, valid)
+    return Deferred(permuted, disp.local_probs, counts_dev, routing_map, pad, valid,
+                    host_copy)

@@ -256,8 +256,11 @@ class GroupedGemmExperts(MegatronModule):
 
 
 def needs_host_counts(experts, x: torch.Tensor) -> bool:
-    """Does FC1 of `experts` need the counts on the host (a per-expert split)?"""
-    return not (isinstance(experts, GroupedGemmExperts) and _grouped_mm_ok(x) and x.shape[0])
+    """Does FC1 of `experts` need the counts brought to the host (a per-expert split of
+    device rows)? Not for grouped experts where torch._grouped_mm runs, nor on CPU, where
+    the "device" counts already are host memory (their loop reads them for free)."""
+    return not (isinstance(experts, GroupedGemmExperts) and x.shape[0]
+                and (x.device.type == "cpu" or _grouped_mm_ok(x)))
 
 
 def host_counts(tokens_per_expert) -> list[int]:

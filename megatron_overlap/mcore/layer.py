@@ -8,8 +8,9 @@ This subclass overrides exactly those two steps: FC1 + activation stay the exper
 reduce-scatter become one `gemm2_gather_rs` call whose output is what `token_combine`
 returns. Where the fused op runs, the layer also leaves the GPU idle less often
 (`dispatch.py`): the dispatcher's postprocess syncs the host once instead of three
-times (same rows, same bits), or, where every expert is local or (in inference) under EP
-with the rows padded to a bound, only once FC1 and the activation are queued. In
+times (same rows, same bits), or, (in inference) under EP with the rows padded to a
+bound, only once FC1 and the activation are queued, or, where every expert is local,
+never: the op takes the expert counts on the device (`OverlapConfig.host_counts`). In
 inference (eval mode, no gradient) the weighted SwiGLU is one Triton pass, and a gated
 shared expert's gate and add into the routed output are one more
 (`kernels/gated_add.py`). Router, dispatch and the shared experts' GEMMs are Megatron's.
@@ -60,7 +61,9 @@ class OverlapMoELayer(MoELayer):
         overlap_enabled: set False to run the stock path (same weights), e.g. for A/B runs.
         last_plan: the planner's decision of the latest launch (None on the reference
             backend, on the stock path or before the first launch).
-        last_rows: the host counts (rows per local expert) of the latest fused launch.
+        last_rows: the counts (rows per local expert) of the latest fused launch: on the
+            host, or a device tensor where the layer kept them there
+            (`OverlapConfig.host_counts`).
         decisions: how many distinct (C, L) decisions this layer has logged.
 
     Calls whose gathered activations (tokens x hidden) are smaller than the config's
@@ -157,14 +160,17 @@ class OverlapMoELayer(MoELayer):
         none before FC1 is queued (`deferred_postprocess`)."""
         disp, topk = self.token_dispatcher, self.config.moe_router_topk
         pad = in_inference(self, chain((hidden_states, probs), self.experts.parameters()))
+        on_device = self._counts_stay_on_device(hidden_states)
         deferred = None if self.config.moe_permute_fusion else deferred_postprocess(
-            disp, hidden_states, probs, topk, pad=pad)
+            disp, hidden_states, probs, topk, pad=pad, host_copy=not on_device)
         if deferred is not None:
             x, permuted_probs = deferred.permuted, deferred.probs
             h = weight = None
             if not needs_host_counts(self.experts, x):  # FC1 queued before the wait
                 h, weight = fc1_and_fc2_weight(self.experts, x, None, permuted_probs,
                                                deferred.counts_dev, deferred.valid_rows)
+                if on_device:  # the rows are M x top-k: the op takes the device counts
+                    return deferred.counts_dev, h, weight
             tokens_per_expert = deferred.tokens_per_expert()
             rows = int(tokens_per_expert.sum())
             if rows == x.shape[0] or (deferred.padded and rows < x.shape[0]):
@@ -184,6 +190,16 @@ class OverlapMoELayer(MoELayer):
                                                                            probs)
         h, weight = fc1_and_fc2_weight(self.experts, x, tokens_per_expert, permuted_probs)
         return tokens_per_expert, h, weight
+
+    def _counts_stay_on_device(self, hidden_states) -> bool:
+        """Hand the op this call's expert counts on the device, the host never waiting for
+        them? Where every expert is on this rank (the rows are M x top-k, known without
+        the counts; `deferred_postprocess` checks that no capacity factor drops any), FC1
+        runs on device offsets (grouped experts on CUDA) and the config does not ask for
+        host counts (`OverlapConfig.host_counts`)."""
+        return (not self.overlap_config.host_counts
+                and self.num_local_experts == self.config.num_moe_experts
+                and not needs_host_counts(self.experts, hidden_states))
 
     def _fuses_shared_gate(self, hidden_states) -> bool:
         """Join a gated shared expert to the routed output in one pass (`add_gated_shared_`)?
@@ -267,7 +283,7 @@ class OverlapMoELayer(MoELayer):
     def _note_decision(self, plan, tokens_per_expert, m, weight, group) -> None:
         """INFO line on this layer's first launch and whenever (C, L) changes."""
         self.last_plan = plan
-        self.last_rows = tokens_per_expert  # host counts of this rank's experts
+        self.last_rows = tokens_per_expert  # this rank's experts' (host or device) counts
         key = ("reference",) if plan is None else (plan.comm_ctas, plan.splits)
         if key == self._last_key:
             return
@@ -277,8 +293,12 @@ class OverlapMoELayer(MoELayer):
             return
         e, n, k = weight.shape
         d = group.size() if group is not None else 1
-        counts = host_counts(tokens_per_expert)
-        sig = f"M={m} N={n} K={k} D={d} E={e} rows={sum(counts)} max_e={max(counts, default=0)}"
+        if isinstance(tokens_per_expert, torch.Tensor) and tokens_per_expert.is_cuda:
+            load = "counts on the device"  # (reading them would sync the host)
+        else:
+            counts = host_counts(tokens_per_expert)
+            load = f"rows={sum(counts)} max_e={max(counts, default=0)}"
+        sig = f"M={m} N={n} K={k} D={d} E={e} {load}"
         if plan is None:
             log.info("moe-overlap layer %s: reference backend (not overlapped), %s",
                      self.layer_number, sig)

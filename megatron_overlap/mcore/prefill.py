@@ -171,7 +171,8 @@ def decisions(model) -> list[dict]:
             row.update(C=plan.comm_ctas, L=plan.splits, P=plan.compute_slots,
                        T=round(plan.predicted, 2), source=plan.source)
         if layer.last_rows is not None and len(layer.last_rows):
-            counts = [int(c) for c in layer.last_rows]
+            counts = (layer.last_rows.tolist() if isinstance(layer.last_rows, torch.Tensor)
+                      else [int(c) for c in layer.last_rows])
             total = sum(counts)
             row.update(rows=total, max_e=max(counts),
                        max_over_mean=round(max(counts) * len(counts) / total, 2) if total

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from ..kernels import gather_rs as grs
 from ..kernels import gemm2
-from ..kernels.routing_table import ERR_TOPK, ERR_UNSORTED, launch_routing_table
+from ..kernels.routing_table import ERR_COUNTS, ERR_TOPK, ERR_UNSORTED, launch_routing_table
 from ..planner import PlanCache, expert_row_tiles, ranking_calibration
 from .config import (GPU_TILES, INTERPRET_TILES, PARTITION_TILES, OverlapConfig, TileConfig,
                      calibration_for, device_spec, gpu_tiles, kernel_spec)
@@ -140,7 +140,7 @@ class OverlapBuffer:
         return raw.view(dtype).view(self.world, cap, hidden)
 
     # ---------------------------------------------------------------- offsets, table
-    def route(self, token_index, counts: list, block_m: int, num_tokens: int, topk: int,
+    def route(self, token_index, counts, block_m: int, num_tokens: int, topk: int,
               dest=None) -> tuple:
         """(table, (row_start, tile_start), counts_dev, row_tiles, event) from host
         counts: the expert offsets (`gemm2.packed_offsets_host`'s layout) on the device, the
@@ -149,6 +149,10 @@ class OverlapBuffer:
         the copy path): `launch(fork=event)` forks GatherRS's stream from it instead of
         recording one more (valid while nothing the side stream depends on is queued
         on the caller's stream between the two; the op queues nothing there).
+
+        `counts` may instead be an int tensor on this device (counts the host never
+        saw): the kernel reads it in place the same way; row_tiles and the event are
+        then None (the caller estimates the former).
 
         The counts go into the next pinned slot of a ring (`counts_ring`), which the
         routing-table kernel reads in place (mapped): it sums them and writes the offsets
@@ -160,22 +164,23 @@ class OverlapBuffer:
         again only once the kernel that read it has run (the event above)."""
         experts = len(counts)
         table = None
-        if self.mapped_offsets:
-            row_tiles = expert_row_tiles(counts, block_m)
-            src = self.counts_ring.write(counts)
+        on_device = isinstance(counts, torch.Tensor)
+        if on_device or self.mapped_offsets:
+            row_tiles = None if on_device else expert_row_tiles(counts, block_m)
+            src = counts if on_device else self.counts_ring.write(counts)
             dev = torch.empty(3 * experts + 2, dtype=torch.int32, device=self.device)
             try:
                 table = launch_routing_table(token_index, src, num_tokens, topk, self.error,
                                              dest, from_counts=(dev, block_m))
             except ValueError as err:  # raised by the launcher before anything is queued
-                if "cannot be accessed" not in str(err):
+                if on_device or "cannot be accessed" not in str(err):
                     raise
                 self.mapped_offsets = False
                 warnings.warn(f"megatron-overlap: the GPU cannot read pinned host memory in "
                               f"place here ({err}); the expert offsets are copied instead",
                               RuntimeWarning, stacklevel=3)
         if table is not None:
-            routed = self.counts_ring.record()
+            routed = None if on_device else self.counts_ring.record()
             row_start, tile_start, counts_dev = gemm2.unpack_offsets(dev, experts)
         else:  # the copy path
             dev, row_tiles = gemm2.packed_offsets_host(counts, block_m, self.device)
@@ -260,7 +265,7 @@ class OverlapBuffer:
         else:
             code = int(word[0])
         self._pending = None
-        if code >> 24 in (ERR_UNSORTED, ERR_TOPK):  # bad input, not a broken buffer
+        if code >> 24 in (ERR_UNSORTED, ERR_TOPK, ERR_COUNTS):  # bad input, not a broken buffer
             self.error.zero_()
             raise ValueError(describe_error(code, self.rank))
         if code:

@@ -58,6 +58,14 @@ class OverlapConfig:
         the GPU time a layer has to hide the overlap's host work behind. None = the
         calibration's (H200: 8e10 on a group of one rank, where it separates the measured
         gains from the losses and tokens x hidden does not; 0 on more ranks); 0 = never.
+    host_counts: read by OverlapMoELayer, not by the op. False (the default): where the
+        rows are known without the expert counts (every expert on the rank, no token
+        dropped: M x top-k) and FC1 runs on device offsets, the layer hands the op the
+        counts on the device and the host never waits for them, so no MoE layer
+        synchronizes the host and it can queue later layers while the GPU runs this one
+        (the planner then reads the load as uniform; GEMM2's row tiles barely depend on
+        the skew). True brings them to the host first: exact planning, one host sync per
+        layer (after FC1 is queued).
     """
 
     backend: str = "auto"
@@ -74,6 +82,7 @@ class OverlapConfig:
     min_gemm2_macs: int | None = None
     tail_helpers: bool = os.environ.get("MEGATRON_OVERLAP_TAIL_HELPERS", "1") != "0"
     placement: str | None = os.environ.get("MEGATRON_OVERLAP_PLACEMENT") or None
+    host_counts: bool = False
 
     def __post_init__(self) -> None:
         if self.placement is not None and self.placement not in PLACEMENTS:
@@ -88,9 +97,10 @@ class OverlapConfig:
                 raise ValueError(f"OverlapConfig.{name} must be a positive int or None, got {value!r}")
         if self.sm_margin < 0 or self.max_spins < 1:
             raise ValueError("OverlapConfig.sm_margin must be >= 0 and max_spins >= 1")
-        if not isinstance(self.tail_helpers, bool):
-            raise ValueError(f"OverlapConfig.tail_helpers must be a bool, got "
-                             f"{self.tail_helpers!r}")
+        for name in ("tail_helpers", "host_counts"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"OverlapConfig.{name} must be a bool, got "
+                                 f"{getattr(self, name)!r}")
         for name in ("min_combine_elements", "min_gemm2_macs"):
             m = getattr(self, name)
             if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 0):

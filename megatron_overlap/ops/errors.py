@@ -8,7 +8,7 @@ into one of these at its next check (`OverlapBuffer.check`).
 from __future__ import annotations
 
 from ..kernels import gather_rs as grs
-from ..kernels.routing_table import ERR_TOPK, ERR_UNSORTED
+from ..kernels.routing_table import ERR_COUNTS, ERR_TOPK, ERR_UNSORTED
 
 
 class OverlapTimeoutError(RuntimeError):
@@ -28,6 +28,11 @@ def describe_error(code: int, rank: int, expected: int | None = None) -> str:
     if kind == ERR_TOPK:
         return (f"a token on rank {rank} has more rows than topk; that call's output is "
                 f"wrong (each token has at most one row per expert and topk in all)")
+    if kind == ERR_COUNTS:
+        return (f"tokens_per_expert on rank {rank} (on the device) does not sum to x's rows "
+                f"or has a negative entry; that call's output is wrong (a router that "
+                f"gives some token fewer than top-k experts needs the host counts: "
+                f"OverlapConfig(host_counts=True))")
     if kind == grs.ERR_BARRIER_TIMEOUT:
         return (f"GatherRS on rank {rank} timed out at the cross-rank barrier waiting for "
                 f"rank {value}")

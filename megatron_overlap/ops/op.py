@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..kernels import gemm2
-from ..kernels.routing_table import combine_table, launch_routing_table
+from ..kernels.routing_table import combine_table
 from ..planner import Workload, expert_row_tiles, reservation
 from .buffer import OverlapBuffer
 from .config import OverlapConfig, TileConfig, default_splits, resolve_backend, with_register_caps
@@ -148,7 +148,10 @@ def gemm2_gather_rs(
         x: [T, K] expert-sorted activations (bf16, fp16 or fp32), rows of expert 0 first.
         weight: [E, N, K] FC2 weights of the local experts (nn.Linear layout), x's dtype.
         tokens_per_expert: [E] rows per local expert: a host list / CPU tensor (exact
-            planning) or a CUDA tensor (the planner's normalized-load estimate, no sync).
+            planning) or an int32 / int64 CUDA tensor (the planner's normalized-load
+            estimate; the host never waits for the counts). Device counts are read in
+            place by the routing-table kernel, which checks their sum against T and
+            raises (ValueError) as for token_index below.
         token_index: [T] int, the global token (0..M-1) of each row (Megatron's
             `reversed_local_input_permutation_mapping`), in Megatron's permutation
             order: strictly ascending inside each expert's rows. Checked on CPU at the
@@ -266,15 +269,10 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
     # (the receive slots first: growing them queues copies that GatherRS depends on, which
     # must come before the event it forks from, `route`'s)
     buf.ensure(num_tokens // world, hidden, config.partial_dtype or x.dtype)
-    routed = None
-    if counts is not None:
-        table, offsets, counts_dev, row_tiles, routed = buf.route(
-            token_index, counts, tiles.block_m, num_tokens, topk, dest)
-    else:
-        counts_dev = to_device(counts_dev, x.device)
-        offsets = gemm2.expert_offsets(counts_dev, tiles.block_m)
-        table = launch_routing_table(token_index, offsets[0], num_tokens, topk, buf.error,
-                                     dest)
+    # (device counts the same way, read in place: no host sync, no torch ops)
+    table, offsets, counts_dev, row_tiles, routed = buf.route(
+        token_index, counts if counts is not None else to_device(counts_dev, x.device),
+        tiles.block_m, num_tokens, topk, dest)
     launch = Launch(config, backend, group, world, rank, counts, counts_dev, table, buf, None, {},
                     routed)
     # W_comp reads only row_tiles = sum_e ceil(M_e / TM) (with host counts it came with

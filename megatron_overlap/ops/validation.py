@@ -24,7 +24,11 @@ def host_counts(tokens_per_expert, rows: int, experts: int):
             raise ValueError("tokens_per_expert must hold integers")
         if tokens_per_expert.device.type == "cpu":
             return tokens_per_expert.tolist(), tokens_per_expert
-        return None, tokens_per_expert
+        if tokens_per_expert.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"tokens_per_expert on the device must be int32 or int64, got "
+                             f"{tokens_per_expert.dtype}")
+        # (the kernels read it in place: their sum is checked there, ERR_COUNTS)
+        return None, tokens_per_expert.contiguous()
     counts = list(tokens_per_expert)
     if len(counts) != experts:
         raise ValueError(f"tokens_per_expert must have {experts} entries (one per local "
