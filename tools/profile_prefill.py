@@ -93,7 +93,7 @@ def _mark_moe_layers(model) -> None:
         layer.forward = marked
 
 
-def profile_forward(model, tokens, positions) -> dict:
+def profile_forward(model, tokens, positions, cprofile: bool = False) -> dict:
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=activities) as prof:
@@ -104,6 +104,8 @@ def profile_forward(model, tokens, positions) -> dict:
     clocks["during_unprofiled_forward"] = _sampled(
         lambda: (model(tokens, positions, None), torch.cuda.synchronize()))
     clocks["host"] = host_timing(lambda: model(tokens, positions, None))
+    if cprofile:
+        clocks["cprofile"] = cprofile_forward(lambda: model(tokens, positions, None))
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "trace.json")
         prof.export_chrome_trace(path)
@@ -146,6 +148,29 @@ def host_timing(forward) -> dict:
     syncs = sum("synchroniz" in str(w.message) for w in caught)
     return dict(host_ms=(t1 - t0) * 1e3, total_ms=(t2 - t0) * 1e3,
                 host_syncs=syncs + len(waits))
+
+
+def cprofile_forward(forward, top: int = 30) -> dict:
+    """One forward (no_grad) under cProfile: the `top` functions by own time and by
+    cumulative time (ms, inflated alike by the profiler), where the host's time goes;
+    a host sync's wait shows as the own time of the call that waited."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    torch.cuda.synchronize()
+    with torch.no_grad():
+        prof.enable()
+        forward()
+        prof.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(prof).stats
+
+    def rows(key):
+        return [dict(fn=f"{os.path.basename(f)}:{line}:{name}", calls=v[1],
+                     own_ms=round(v[2] * 1e3, 3), cum_ms=round(v[3] * 1e3, 3))
+                for (f, line, name), v in sorted(stats.items(), key=key)[:top]]
+    return dict(by_own=rows(lambda kv: -kv[1][2]), by_cum=rows(lambda kv: -kv[1][3]))
 
 
 def _sampled(fn, period_s: float = 0.01) -> dict:
@@ -195,6 +220,8 @@ def main() -> int:
     add_threshold_args(ap, default=None)  # the product's prefill: the calibration's
     ap.add_argument("--host-counts", action="store_true",
                     help="OverlapConfig(host_counts=True): the layers wait for their counts")
+    ap.add_argument("--cprofile", action="store_true",
+                    help="also one forward per arm under cProfile (the host's functions)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     setup = argparse.Namespace(tp=1, ep=1, seed=0, preload=None, batch=args.batch)
@@ -212,7 +239,7 @@ def main() -> int:
             with torch.no_grad():
                 for _ in range(args.warmup):
                     model(tokens, positions, None)
-            row[arm] = profile_forward(model, tokens, positions)
+            row[arm] = profile_forward(model, tokens, positions, args.cprofile)
         results.append(row)
         if dist.get_rank() == 0:
             _print(row)
@@ -239,6 +266,11 @@ def _print(row: dict) -> None:
         if h:
             print(f"  {arm}: unprofiled forward {h['total_ms']:.1f} ms, the host back from it "
                   f"at {h['host_ms']:.1f} ms, {h['host_syncs']} host syncs")
+        for r in row[arm].get("cprofile", {}).get("by_cum", [])[:25]:
+            print(f"    {arm} cProfile cum {r['cum_ms']:9.2f} own {r['own_ms']:8.2f} ms "
+                  f"{r['calls']:6d}x {r['fn'][:90]}")
+        for r in row[arm].get("cprofile", {}).get("by_own", [])[:25]:
+            print(f"    {arm} cProfile own {r['own_ms']:8.2f} ms {r['calls']:6d}x {r['fn'][:90]}")
         d = row[arm].get("during_unprofiled_forward", {})
         if d:
             print(f"  {arm}: during a forward SM clock mean {d['sm_clock_mhz_mean']:.0f} MHz "
