@@ -287,6 +287,9 @@ def _ranks_run(rank, world, one_gpu=False):
         mine = full[rank * md:(rank + 1) * md].double().cpu()
         outs = [_poisoned_call(p, SHAPE["tokens"], SHAPE["topk"], group, comm_ctas=c, splits=l)
                 for c, l in ((1, 1), (3, 2), (8, 4), (16, 2), (32, 2))]
+        # the counts on the device (what a layer with every expert local hands the op)
+        outs.append(_poisoned_call(dict(p, counts=p["counts"].cuda()), SHAPE["tokens"],
+                                   SHAPE["topk"], group))
         ref = (outs[0] if one_gpu else  # (gloo has no CUDA reduce-scatter)
                gemm2_gather_rs(p["x"], p["weight"], p["counts"], p["token_index"],
                                SHAPE["tokens"], SHAPE["topk"], None, group,
