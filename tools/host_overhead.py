@@ -71,8 +71,13 @@ def main() -> int:
                       device=device)
     counts = inp["counts_list"]
     y = torch.randn(inp["x"].shape[0], inp["hidden"], device=device).to(inp["x"].dtype)
+    on_device = dict(run, tokens_per_expert=torch.as_tensor(counts, device=device))
+    gemm2_gather_rs(**on_device, config=cfg)  # (its own kernel specialization, compiled)
     steps = {
         "whole op (ours)": lambda: gemm2_gather_rs(**run, config=cfg),
+        # the counts as a layer with every expert local hands them over: never on the host
+        "whole op (ours), counts on the device": lambda: gemm2_gather_rs(**on_device,
+                                                                         config=cfg),
         "whole op (reference)": lambda: gemm2_gather_rs(**run, config=ref),
         "prepare": lambda: prepare(**run, config=cfg),
         "combine_table (torch, the reference's)": lambda: rt.combine_table(
