@@ -56,9 +56,10 @@ def routing_table_kernel(
     experts = tl.arange(0, EXPERTS_POW2)
     known = experts < num_experts
     if FROM_COUNTS:
-        # offsets_ptr holds the counts (the host's, in mapped pinned memory): every
-        # program sums them itself, and program 0 stores the packed device offsets
-        # [row_start (E+1) | tile_start (E+1) | counts (E)] that GEMM2 and GatherRS read
+        # offsets_ptr holds the counts (the host's in mapped pinned memory, or the
+        # device's): every program sums them itself, and program 0 stores the packed
+        # device offsets [row_start (E+1) | tile_start (E+1) | counts (E)] that GEMM2
+        # and GatherRS read
         raw = tl.load(offsets_ptr + experts, mask=known, other=0).to(tl.int32)
         # counts that do not sum to the rows (the host checks its own; device counts
         # cannot be): clamped into [0, rows] so that no kernel reads or writes past x or

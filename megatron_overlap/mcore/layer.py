@@ -154,10 +154,11 @@ class OverlapMoELayer(MoELayer):
                  numel, macs, self._thresholds)
 
     def _postprocess(self, hidden_states, probs):
-        """(host tokens_per_expert, FC1 + activation output, FC2 weight) of the dispatched
+        """(tokens_per_expert, FC1 + activation output, FC2 weight) of the dispatched
         tokens: Megatron's postprocess where TE permutes, else one sync (`single_sync_postprocess`)
         or, where the row count is known or (in inference) bounded without the counts,
-        none before FC1 is queued (`deferred_postprocess`)."""
+        none before FC1 is queued (`deferred_postprocess`). The counts are on the host,
+        or on the device where the op takes them so (`_counts_stay_on_device`)."""
         disp, topk = self.token_dispatcher, self.config.moe_router_topk
         pad = in_inference(self, chain((hidden_states, probs), self.experts.parameters()))
         on_device = self._counts_stay_on_device(hidden_states)
