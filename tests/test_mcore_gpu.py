@@ -179,26 +179,14 @@ def _one_gpu_inference(rank, world):
 
 
 def _host_syncs(fn):
-    """(fn(), how many synchronizing CUDA calls torch saw during it: its sync debug mode,
-    plus the counts' `Deferred.tokens_per_expert` waits, an event synchronize it does not
-    see)."""
-    import warnings
+    """(fn(), the host syncs during it), as `tools/profile_prefill.py` counts them."""
+    import os
+    import sys
 
-    from megatron_overlap.mcore import dispatch
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
+    from profile_prefill import host_syncs
 
-    real, waits = dispatch.Deferred.tokens_per_expert, []
-    dispatch.Deferred.tokens_per_expert = lambda self: waits.append(1) or real(self)
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                out = fn()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-    finally:
-        dispatch.Deferred.tokens_per_expert = real
-    return out, sum("synchroniz" in str(w.message) for w in caught) + len(waits)
+    return host_syncs(fn)
 
 
 def _one_gpu_training(spec, config, x):

@@ -288,6 +288,18 @@ def test_device_counts_that_miss_the_rows_raise_at_the_check_and_the_buffer_stay
     assert all(torch.equal(a, b) for a, b in zip(offsets, host[1]))
 
 
+def test_counts_off_the_host_must_be_int32_or_int64():
+    """Counts the kernel reads in place (any tensor off the host; "meta" stands in for a
+    GPU here) must be one of the two integer types it loads."""
+    from megatron_overlap.ops.validation import host_counts
+
+    with pytest.raises(ValueError, match="int32 or int64"):
+        host_counts(torch.zeros(3, dtype=torch.int16, device="meta"), 6, 3)
+    for dtype in (torch.int32, torch.int64):
+        counts, on_device = host_counts(torch.zeros(3, dtype=dtype, device="meta"), 6, 3)
+        assert counts is None and on_device.dtype == dtype
+
+
 def test_bad_sizes_and_backends_raise_clear_errors():
     p = routed_problem(0, 1, tokens=30, experts=3, topk=2, ffn=16, hidden=32)
     with pytest.raises(ValueError, match="topk is 1"):

@@ -113,17 +113,36 @@ def profile_forward(model, tokens, positions, cprofile: bool = False) -> dict:
             return attribute(json.load(f)) | clocks
 
 
-def host_timing(forward) -> dict:
-    """One unprofiled forward (no_grad): when the host returned from it (`host_ms`: the
-    launches queued, every host sync inside waited out) and when the GPU finished
-    (`total_ms`); and a second one's host syncs (`host_syncs`: the synchronizing CUDA
-    calls torch's sync debug mode reports, plus the MoE layers' waits for their expert
-    counts, an event synchronize it does not see). host_ms close to total_ms: the host
-    or its syncs bound the forward; far below: the GPU does."""
-    import time
+def host_syncs(fn):
+    """(fn(), how many times the host synchronized with the GPU during it): the
+    synchronizing CUDA calls torch's sync debug mode reports, plus the MoE layers' waits
+    for their expert counts (`Deferred.tokens_per_expert`, an event synchronize it does
+    not see)."""
     import warnings
 
     from megatron_overlap.mcore import dispatch
+
+    real, waits = dispatch.Deferred.tokens_per_expert, []
+    dispatch.Deferred.tokens_per_expert = lambda self: waits.append(1) or real(self)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                out = fn()
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+    finally:
+        dispatch.Deferred.tokens_per_expert = real
+    return out, sum("synchroniz" in str(w.message) for w in caught) + len(waits)
+
+
+def host_timing(forward) -> dict:
+    """One unprofiled forward (no_grad): when the host returned from it (`host_ms`: the
+    launches queued, every host sync inside waited out) and when the GPU finished
+    (`total_ms`); and a second one's host syncs (`host_syncs`). host_ms close to
+    total_ms: the host or its syncs bound the forward; far below: the GPU does."""
+    import time
 
     torch.cuda.synchronize()
     with torch.no_grad():
@@ -132,22 +151,9 @@ def host_timing(forward) -> dict:
         t1 = time.perf_counter()
         torch.cuda.synchronize()
         t2 = time.perf_counter()
-    real, waits = dispatch.Deferred.tokens_per_expert, []
-    dispatch.Deferred.tokens_per_expert = lambda self: waits.append(1) or real(self)
-    try:
-        with warnings.catch_warnings(record=True) as caught, torch.no_grad():
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                forward()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-    finally:
-        dispatch.Deferred.tokens_per_expert = real
+        _, syncs = host_syncs(forward)
     torch.cuda.synchronize()
-    syncs = sum("synchroniz" in str(w.message) for w in caught)
-    return dict(host_ms=(t1 - t0) * 1e3, total_ms=(t2 - t0) * 1e3,
-                host_syncs=syncs + len(waits))
+    return dict(host_ms=(t1 - t0) * 1e3, total_ms=(t2 - t0) * 1e3, host_syncs=syncs)
 
 
 def cprofile_forward(forward, top: int = 30) -> dict:

@@ -158,16 +158,23 @@ class OverlapMoELayer(MoELayer):
         tokens: Megatron's postprocess where TE permutes, else one sync (`single_sync_postprocess`)
         or, where the row count is known or (in inference) bounded without the counts,
         none before FC1 is queued (`deferred_postprocess`). The counts are on the host,
-        or on the device where the op takes them so (`_counts_stay_on_device`)."""
+        or on the device: where every expert is on this rank (the rows are M x top-k,
+        known without the counts; `deferred_postprocess` checks that no capacity factor
+        drops any), FC1 runs on device offsets and the config does not ask for host
+        counts (`OverlapConfig.host_counts`), the op takes them there and the host never
+        waits for them."""
         disp, topk = self.token_dispatcher, self.config.moe_router_topk
         pad = in_inference(self, chain((hidden_states, probs), self.experts.parameters()))
-        on_device = self._counts_stay_on_device(hidden_states)
+        # (the permuted rows have hidden_states' dtype and device, and rows iff it has)
+        fc1_first = not needs_host_counts(self.experts, hidden_states)
+        on_device = (fc1_first and not self.overlap_config.host_counts
+                     and self.num_local_experts == self.config.num_moe_experts)
         deferred = None if self.config.moe_permute_fusion else deferred_postprocess(
             disp, hidden_states, probs, topk, pad=pad, host_copy=not on_device)
         if deferred is not None:
             x, permuted_probs = deferred.permuted, deferred.probs
             h = weight = None
-            if not needs_host_counts(self.experts, x):  # FC1 queued before the wait
+            if fc1_first:  # FC1 queued before the wait
                 h, weight = fc1_and_fc2_weight(self.experts, x, None, permuted_probs,
                                                deferred.counts_dev, deferred.valid_rows)
                 if on_device:  # the rows are M x top-k: the op takes the device counts
@@ -191,16 +198,6 @@ class OverlapMoELayer(MoELayer):
                                                                            probs)
         h, weight = fc1_and_fc2_weight(self.experts, x, tokens_per_expert, permuted_probs)
         return tokens_per_expert, h, weight
-
-    def _counts_stay_on_device(self, hidden_states) -> bool:
-        """Hand the op this call's expert counts on the device, the host never waiting for
-        them? Where every expert is on this rank (the rows are M x top-k, known without
-        the counts; `deferred_postprocess` checks that no capacity factor drops any), FC1
-        runs on device offsets (grouped experts on CUDA) and the config does not ask for
-        host counts (`OverlapConfig.host_counts`)."""
-        return (not self.overlap_config.host_counts
-                and self.num_local_experts == self.config.num_moe_experts
-                and not needs_host_counts(self.experts, hidden_states))
 
     def _fuses_shared_gate(self, hidden_states) -> bool:
         """Join a gated shared expert to the routed output in one pass (`add_gated_shared_`)?

@@ -38,15 +38,15 @@ class Preset:
 
     def combine_threshold(self, world: int) -> int:
         """min_combine_elements for a group of `world` ranks."""
-        if world == 1 and self.min_combine_elements_one_rank is not None:
-            return self.min_combine_elements_one_rank
-        return self.min_combine_elements
+        return self._for_group("min_combine_elements", world)
 
     def gemm2_threshold(self, world: int) -> int:
         """min_gemm2_macs for a group of `world` ranks."""
-        if world == 1 and self.min_gemm2_macs_one_rank is not None:
-            return self.min_gemm2_macs_one_rank
-        return self.min_gemm2_macs
+        return self._for_group("min_gemm2_macs", world)
+
+    def _for_group(self, name: str, world: int) -> int:
+        one_rank = getattr(self, name + "_one_rank")
+        return one_rank if world == 1 and one_rank is not None else getattr(self, name)
 
     def thresholds(self) -> dict:
         """The four stock-path threshold fields by name (measured by prefill sweeps, not by
