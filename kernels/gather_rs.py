@@ -45,8 +45,9 @@ The flag protocol, in full (the only subtle part of the operator):
   * bounded waits: every spin stops after `max_spins` polls and records
     `kind << 24 | value` in `error` (kind 1: split `value` never became ready; kind 2:
     rank `value` never reached the barrier); the host raises. A hang is a bug.
-  * CUDA graphs: nothing allocates and the epoch is a kernel argument, so a captured
-    graph must be re-captured per epoch; the op does not capture.
+  * CUDA graphs: nothing allocates and the flags reset themselves, but the epoch is a
+    kernel argument, so a replay would wait for the capture's; only world 1 (no
+    barrier) is captured (the op refuses larger groups).
 """
 
 from __future__ import annotations

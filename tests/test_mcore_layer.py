@@ -111,6 +111,7 @@ def _layer_scenarios(rank, world):
                     results[(name, "redo")] = _redo_equal(layer, x)
                     results[(name, "fc1 first")] = _fc1_before_the_counts(layer, stock, x)
                     results[(name, "device counts")] = _counts_on_device(layer, x)
+                    results[(name, "captured")] = _captured(layer, stock, x)
                 results[(name, experts, backend)] = dict(
                     same_init=same_init, out=_rel_diff(out, ref[0]), dx=_rel_diff(dx, ref[1]),
                     dw=max(_rel_diff(grads[k], ref[2][k]) for k in ref[2]),
@@ -231,6 +232,35 @@ def _counts_on_device(layer, x):
         layer.overlap_config = config
     return dict(equal=torch.equal(kept, host), waits=kept_waits,
                 host_waits=len(waits) - kept_waits, rows=int(sum(kept_rows)))
+
+
+def _captured(layer, stock, x):
+    """An inference forward captured into a CUDA graph (faked: CPU; the op itself runs
+    eagerly): where the TP x EP group has one rank the layer fuses at any size (its
+    thresholds, set above the call here, are for host time, which a replay does not
+    have), with the bits of the eager fused call; elsewhere the stock path's bits."""
+    import dataclasses
+
+    import megatron_overlap.mcore.layer as layer_module
+
+    config, real = layer.overlap_config, layer_module.capturing
+    noted = layer.last_plan, layer.last_rows, layer._last_key  # (what later checks read)
+    with torch.no_grad():
+        fused, want_stock = layer(x)[0], stock(x)[0]
+        layer.overlap_config = dataclasses.replace(config, min_gemm2_macs=1 << 62)
+        layer._thresholds = None
+        below = layer(x)[0], layer._routed_by_op  # eager: below the threshold, stock
+        layer_module.capturing = lambda t: True
+        try:
+            got = layer(x)[0]
+        finally:
+            layer_module.capturing = real
+            layer.overlap_config, layer._thresholds = config, None
+    fused_now = layer._routed_by_op
+    layer.last_plan, layer.last_rows, layer._last_key = noted
+    return dict(fused=fused_now, eager_below_fused=below[1],
+                equal=torch.equal(got, fused if fused_now else want_stock),
+                warned=sorted(k for k in layer_module._warned if k.startswith("capture")))
 
 
 def _fc1_before_the_counts(layer, stock, x):
@@ -452,7 +482,7 @@ def test_interpret_backend_plans_every_launch_and_reference_does_not(layer_runs)
         for key, r in res.items():
             if not isinstance(key, tuple) or key[1] in ("postprocess", "redo", "gated",
                                                         "fc1 first", "gemm2 macs",
-                                                        "device counts"):
+                                                        "device counts", "captured"):
                 continue
             layout, experts, backend = key
             assert r["plan"] == ("model" if backend == "interpret" else None), (layout, experts, r)
@@ -512,6 +542,17 @@ def test_layer_never_waits_for_the_counts_where_every_expert_is_local(layer_runs
         assert r["waits"] == (0 if ep == 1 else 1), (rank, r)
         if ep == 1:  # every token's top-2 rows: 24 gathered tokens x 2
             assert r["rows"] == 48, (rank, r)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_captured_forward_fuses_at_any_size_where_the_group_has_one_rank(layer_runs, layout):
+    tp, ep = LAYOUTS[layout]
+    for rank, res in enumerate(layer_runs):
+        r = res[(layout, "captured")]
+        assert r["equal"] and not r["eager_below_fused"], (rank, r)
+        assert r["fused"] == (tp * ep == 1), (rank, r)
+        if tp * ep > 1:  # stock, after a warning naming why
+            assert any(f"group of {tp * ep} ranks" in k for k in r["warned"]), (rank, r)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

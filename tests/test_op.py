@@ -323,16 +323,50 @@ def test_bad_sizes_and_backends_raise_clear_errors():
         call(p, 30, 2, dataclasses.replace(INTERP, tiles=gluon))
 
 
-def test_capture_into_a_cuda_graph_raises_a_clear_error(monkeypatch):
-    """(Faked on CPU; the GPU test captures for real.) A replay would reuse the pinned
-    counts slot and the barrier epoch of the capture: the op refuses before anything."""
-    from megatron_overlap.ops import op
+def test_captures_that_could_not_replay_raise_a_clear_error(monkeypatch):
+    """(Faked on CPU; the GPU tests capture for real.) A replay reruns the recorded kernels
+    with the capture's arguments: host counts (a pinned slot the host rewrites), the
+    barrier epoch of a group of several ranks, a backward that splits rows on the host
+    and the reference backend would replay stale state, so the op refuses first."""
+    from megatron_overlap.ops.validation import capture_refusal
 
     p = routed_problem(0, 1, tokens=30, experts=3, topk=2, ffn=16, hidden=32)
-    monkeypatch.setattr(op, "capturing", lambda t: True)
-    for backend in ("interpret", "reference"):
-        with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph"):
+    monkeypatch.setattr(op_module, "capturing", lambda t: True)
+    for backend, why in (("interpret", "counts come from the host"),
+                         ("reference", "reference backend")):
+        with pytest.raises(RuntimeError, match=f"cannot be captured in a CUDA graph here: .*{why}"):
             call(p, 30, 2, OverlapConfig(backend=backend))
+    x = p["x"].clone().requires_grad_(True)
+    with pytest.raises(RuntimeError, match="with gradients"):
+        gemm2_gather_rs(x, p["weight"], p["counts"], p["token_index"], 30, 2, config=INTERP)
+    # device counts (None on the host) on one rank replay; on two the barrier's epoch would not
+    assert capture_refusal("triton", None, 1) is None
+    assert "epoch" in capture_refusal("triton", None, 2)
+    assert "from the host" in capture_refusal("triton", [10, 20], 1)
+
+
+def test_a_replays_errors_reach_the_host_at_note_replays_and_the_buffer_stays_usable():
+    """A captured call queues nothing for the host (`note_launch(captured=True)`); the
+    error word its kernels set in a replay is sticky, and `note_replays` raises it as the
+    op's next call would (here: device counts that miss the rows, ERR_COUNTS)."""
+    from megatron_overlap.ops import OverlapBuffer
+
+    p = routed_problem(0, 1, tokens=30, experts=3, topk=2, ffn=16, hidden=32)
+    buf = OverlapBuffer.get(None, torch.device("cpu"), "interpret")
+    buf.check()
+    try:
+        buf.route(p["token_index"], p["counts"] + 1, 16, 30, 2)  # the kernels of a "replay"
+        buf.note_launch(None, sync=False, captured=True)
+        assert buf.captured and buf._pending is None
+        with pytest.raises(ValueError, match="does not sum to x's rows"):
+            OverlapBuffer.note_replays(torch.device("cpu"))
+        assert buf.broken is None and int(buf.error) == 0
+        buf.route(p["token_index"], p["counts"], 16, 30, 2)
+        OverlapBuffer.note_replays("cpu")  # a clean replay raises nothing
+        out = call(p, 30, 2, INTERP)  # and eager calls go on
+        assert rel_err(out, fp64_rank_partial(p, 30)) < 1e-2
+    finally:
+        buf.captured = False
 
 
 def test_auto_gemm_kernel_is_the_triton_one_off_cuda():

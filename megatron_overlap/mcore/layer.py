@@ -15,9 +15,12 @@ inference (eval mode, no gradient) the weighted SwiGLU is one Triton pass, and a
 shared expert's gate and add into the routed output are one more
 (`kernels/gated_add.py`). Router, dispatch and the shared experts' GEMMs are Megatron's.
 
-Anything else (another dispatcher, TE experts, fp8, expert biases, latent MoE, the
-inference dispatcher, a call captured into a CUDA graph) runs the stock path after one
-warning.
+Where the host never waits (one rank, inference, device counts: `_capture_refusal`),
+a forward captured into a CUDA graph (`torch.cuda.graph`) captures the fused path, at
+any size, and replays it on whatever tokens the graph's input then holds; the stock
+dropless layer syncs the host and cannot be captured. Anything else (another
+dispatcher, TE experts, fp8, expert biases, latent MoE, the inference dispatcher, a
+capture the op could not replay) runs the stock path after one warning.
 """
 
 from __future__ import annotations
@@ -118,10 +121,15 @@ class OverlapMoELayer(MoELayer):
             _warn_once(self._unsupported, f"{self._unsupported} is not supported; those MoE "
                        "layers run the stock Megatron path")
             return False
-        if capturing(hidden_states):  # (the op refuses: its routing comes from the host)
-            _warn_once("capture", "MoE layers captured in a CUDA graph run the stock "
-                       "Megatron path (the overlapped op cannot be replayed)")
-            return False
+        if capturing(hidden_states):
+            why = self._capture_refusal(hidden_states)
+            if why is not None:
+                _warn_once(f"capture: {why}", "MoE layers captured in a CUDA graph run the "
+                           f"stock Megatron path here: {why}")
+                return False
+            # no size thresholds: the stock path (it syncs the host) cannot be captured, and
+            # a replay has no host work to save
+            return True
         if self._thresholds is None:
             group = self.token_dispatcher.tp_ep_group
             self._thresholds = stock_thresholds(self.overlap_config, hidden_states.device,
@@ -133,6 +141,24 @@ class OverlapMoELayer(MoELayer):
             self._note_stock(numel, macs)
             return False
         return True
+
+    def _capture_refusal(self, hidden_states) -> str | None:
+        """Why this call, captured into a CUDA graph, could not replay the routing of each
+        replay (None: it can). It can where nothing reaches the host: one rank in the
+        TP x EP group (the op's condition), inference, and the counts kept on the device
+        (`_postprocess`: grouped experts, no fused permute, no capacity factor)."""
+        group, c = self.token_dispatcher.tp_ep_group, self.config
+        if not in_inference(self, chain((hidden_states,), self.parameters())):
+            return "gradients (capture the forward in eval mode under torch.no_grad)"
+        if group is not None and group.size() > 1:
+            return f"a TP x EP group of {group.size()} ranks (the fused op replays on one)"
+        if c.moe_permute_fusion or c.moe_expert_capacity_factor:
+            return "TE's fused permute or a capacity factor (the rows are split on the host)"
+        if needs_host_counts(self.experts, hidden_states):
+            return f"{type(self.experts).__name__} experts (they split the rows on the host)"
+        if self.overlap_config.host_counts:
+            return "OverlapConfig.host_counts"
+        return None
 
     def _gemm2_macs(self, tokens: int) -> int:
         """Multiply-adds of this rank's expert down-projection for `tokens` gathered tokens
@@ -215,7 +241,6 @@ class OverlapMoELayer(MoELayer):
                 and {"route", "expert_compute", "postprocess"} <= set(steps)):
             return False
         return (in_inference(self, chain((hidden_states,), self.shared_experts.parameters()))
-                and not capturing(hidden_states)
                 and (hidden_states.is_cuda or interpreting()))
 
     def shared_experts_compute(self, hidden_states):

@@ -5,7 +5,10 @@
 
 Without `--moe-overlap` the stock model runs; with it every MoE layer is an
 OverlapMoELayer; `--abba` builds the overlapped model once and times both policies
-ABBA-interleaved on the same weights (toggling the layers' overlap). Latency is the
+ABBA-interleaved on the same weights (toggling the layers' overlap); `--cuda-graph`
+adds a third, "graph": the overlapped forward captured into one CUDA graph per S and
+replayed (one rank per TP x EP group; the stock dropless layers sync the host and
+cannot be captured, so stock stays eager). Latency is the
 median over iterations of the slowest rank's time, with a 95% bootstrap interval.
 The B sequences are split over the attention data-parallel ranks (world / TP), so the
 TP x EP group of every MoE layer sees M = B * S tokens in every layout.
@@ -58,6 +61,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "on CUDA)")
     p.add_argument("--abba", action="store_true",
                    help="time stock and overlapped ABBA-interleaved on the same weights")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="also time the overlapped forward captured into a CUDA graph "
+                        "(policy 'graph'; CUDA, TP = EP = 1; Megatron's inference RNG "
+                        "tracker, whose fork a capture allows, for every policy)")
     p.add_argument("--json", default=None, metavar="FILE", help="write the results here (rank 0)")
     p.add_argument("--preload", default=None, metavar="FILE.py|MODULE",
                    help="imported (its install() called) before Megatron builds anything")
@@ -75,8 +82,11 @@ def parse_args(argv=None) -> argparse.Namespace:
             raise ValueError(f"--{name} must be >= 1")
     if args.warmup < 0:
         raise ValueError("--warmup must be >= 0")
-    if args.abba:
+    if args.abba or args.cuda_graph:
         args.moe_overlap = True
+    if args.cuda_graph and args.tp * args.ep > 1:
+        raise ValueError("--cuda-graph needs TP = EP = 1: the fused op replays only on a "
+                         "one-rank TP x EP group")
     return args
 
 
@@ -139,13 +149,13 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time_once(model, tokens, positions, device) -> float:
-    """Seconds of one forward on the slowest rank."""
+def _time_once(forward, device) -> float:
+    """Seconds of one `forward()` on the slowest rank."""
     dist.barrier()
     _sync(device)
     t0 = time.perf_counter()
     with torch.no_grad():
-        model(tokens, positions, None)
+        forward()
     _sync(device)
     elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
@@ -153,11 +163,12 @@ def _time_once(model, tokens, positions, device) -> float:
 
 
 def _schedule(policies: list[str], iters: int) -> list[str]:
-    """ABBA order: A B B A A B B A ... (iters samples of each)."""
-    if len(policies) == 1:
-        return policies * iters
-    a, b = policies
-    return [(a, b, b, a)[i % 4] for i in range(2 * iters)]
+    """ABBA order, A B B A A B B A ... (A B C C B A ... for three; iters samples of each):
+    every policy runs as often first as last, so a drift of the machine favours none."""
+    order = []
+    for i in range(iters):
+        order += policies if i % 2 == 0 else policies[::-1]
+    return order
 
 
 def decisions(model) -> list[dict]:
@@ -193,6 +204,14 @@ def run_all(args) -> list[dict]:
     fusion = {"bias_activation_fusion": False} if args.no_bias_swiglu_fusion else {}
     model = build_model(args.model, args.tp, args.ep, args.layers, experts=args.experts,
                         overlap=overlap, tiny=args.tiny, **fusion).to(device).eval()
+    if args.cuda_graph:
+        if device.type != "cuda":
+            raise ValueError("--cuda-graph needs CUDA")
+        from megatron.core.tensor_parallel.random import initialize_rng_tracker
+
+        # Megatron's inference tracker: its fork (the attention's dropout context) leaves
+        # the generator alone, where the training one's would reseed it inside a capture
+        initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     results = []
     for seq in args.seq_list:
         try:
@@ -207,21 +226,30 @@ def run_all(args) -> list[dict]:
 def _header(args, seq: int, device) -> dict:
     return dict(model=args.model, tp=args.tp, ep=args.ep, world=dist.get_world_size(),
                 batch=args.batch, seq=seq, tokens=args.batch * seq, experts=args.experts,
-                tiny=args.tiny, device=str(device),
+                tiny=args.tiny, device=str(device), cuda_graph=args.cuda_graph,
                 swiglu_fusion=device.type == "cuda" and not args.no_bias_swiglu_fusion)
 
 
 def _run_seq(args, model, seq: int, overlap, device) -> dict:
     tokens, positions = _inputs(args, seq, model.vocab_size, device)
     policies = ["stock", "overlap"] if args.abba else ["overlap" if overlap else "stock"]
+    forwards = {p: (lambda: model(tokens, positions, None)) for p in policies}
     for policy in policies:  # warm-up: compilation, buffers, plan caches
         set_overlap_enabled(model, policy == "overlap")
         for _ in range(args.warmup):
-            _time_once(model, tokens, positions, device)
+            _time_once(forwards[policy], device)
+    graph = None
+    if args.cuda_graph:
+        graph = _CapturedForward(model, tokens, positions, device)
+        if graph.error is None:
+            policies.append("graph")
+            forwards["graph"] = graph.replay
+            for _ in range(args.warmup):
+                _time_once(graph.replay, device)
     samples = {p: [] for p in policies}
     for policy in _schedule(policies, args.iters):
-        set_overlap_enabled(model, policy == "overlap")
-        samples[policy].append(_time_once(model, tokens, positions, device))
+        set_overlap_enabled(model, policy != "stock")
+        samples[policy].append(_time_once(forwards[policy], device))
     result = _header(args, seq, device) | dict(policies={})
     for policy, values in samples.items():
         med = statistics.median(values)
@@ -229,11 +257,61 @@ def _run_seq(args, model, seq: int, overlap, device) -> dict:
         result["policies"][policy] = dict(median_ms=med * 1e3, ci95_ms=(lo * 1e3, hi * 1e3),
                                           tokens_per_s=args.batch * seq / med,
                                           samples_ms=[v * 1e3 for v in values])
-    if len(policies) == 2:
-        result["speedup"] = (result["policies"]["stock"]["median_ms"]
-                             / result["policies"]["overlap"]["median_ms"])
+    stock = result["policies"].get("stock")
+    if stock and "overlap" in samples:
+        result["speedup"] = stock["median_ms"] / result["policies"]["overlap"]["median_ms"]
+    if graph is not None:
+        result["graph"] = graph.summary()
+        if stock and "graph" in samples:
+            result["speedup_graph"] = stock["median_ms"] / result["policies"]["graph"]["median_ms"]
+        graph.release()
     result["decisions_rank0"] = decisions(model) if overlap else []
     return result
+
+
+class _CapturedForward:
+    """The overlapped model's forward on fixed tokens, captured into one CUDA graph after
+    the eager warm-up. `error`: why the capture failed (the sweep goes on without it)."""
+
+    def __init__(self, model, tokens, positions, device):
+        from ..ops import OverlapBuffer
+
+        self.device, self.graph, self.out, self.error = device, None, None, None
+        self._note_replays = OverlapBuffer.note_replays
+        set_overlap_enabled(model, True)
+        with torch.no_grad():
+            self.eager = model(tokens, positions, None)  # every layer fused, as captured
+            torch.cuda.synchronize(device)
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph):
+                    self.out = model(tokens, positions, None)
+            except (RuntimeError, torch.OutOfMemoryError) as err:
+                self.error = f"{type(err).__name__}: {err}"[:400]
+                self.out = None
+                torch.cuda.synchronize(device)
+                return
+        self.graph = graph
+
+    def replay(self) -> None:
+        self.graph.replay()
+        self._note_replays(self.device)  # a replay's kernel errors, raised as an eager call's
+
+    def summary(self) -> dict:
+        """The capture's outcome: the replayed logits against the eager forward's (the
+        same kernels and plans, so the same bits unless a library picked another
+        algorithm inside the capture)."""
+        if self.error is not None:
+            return dict(captured=False, error=self.error)
+        self.replay()
+        torch.cuda.synchronize(self.device)
+        got, want = self.out.float(), self.eager.float()
+        return dict(captured=True, equal=bool(torch.equal(got, want)),
+                    max_rel_diff=float((got - want).abs().max() / want.abs().max()))
+
+    def release(self) -> None:
+        self.graph = self.out = self.eager = None
+        torch.cuda.empty_cache()
 
 
 def report(result: dict) -> str:
@@ -247,6 +325,13 @@ def report(result: dict) -> str:
                      f"  {r['tokens_per_s']:12.0f} tok/s")
     if "speedup" in result:
         lines.append(f"  speedup stock/overlap: {result['speedup']:.3f}x")
+    if "speedup_graph" in result:
+        lines.append(f"  speedup stock/graph: {result['speedup_graph']:.3f}x (stock eager)")
+    graph = result.get("graph")
+    if graph:
+        lines.append(f"  graph: replay equals the eager forward: {graph['equal']} (max rel. "
+                     f"diff {graph['max_rel_diff']:.1e})" if graph["captured"]
+                     else f"  graph: not captured ({graph['error']})")
     for row in result["decisions_rank0"]:
         load = (f", max_e {row['max_e']} of {row['rows']} rows ({row['max_over_mean']}x the "
                 f"mean)" if row.get("max_over_mean") else "")

@@ -63,6 +63,7 @@ class OverlapBuffer:
         self.done = torch.zeros(1, dtype=torch.int32, device=device)
         self.error = torch.zeros(1, dtype=torch.int32, device=device)
         self.epoch = 0
+        self.captured = False  # some launch of it went into a CUDA graph
         self.broken: str | None = None
         self._memory: PeerMemory | None = None
         self._layout: tuple | None = None  # (cap rows, hidden, partial dtype)
@@ -100,6 +101,8 @@ class OverlapBuffer:
         collective memory per call); a new slot geometry inside it first waits until no
         rank is inside a call, since double buffering assumes a fixed geometry.
         """
+        if self.world == 1:  # no peers: the output is the only slot (`launch_comm`)
+            return
         if self._layout is not None:
             cap, n, dt = self._layout
             if n == hidden and dt == dtype and cap >= rows:
@@ -275,7 +278,13 @@ class OverlapBuffer:
             self.error.zero_()
             raise OverlapTimeoutError(self.broken)
 
-    def note_launch(self, expected: int, sync: bool) -> None:
+    def note_launch(self, expected: int | None, sync: bool, captured: bool = False) -> None:
+        """Queue the error word's copy to the host behind this call, for `check`
+        (`captured`: the call went into a CUDA graph, where nothing is queued for the
+        host; `note_replays` queues it behind a replay)."""
+        if captured:
+            self.captured = True
+            return
         if self.device.type == "cuda":
             self.stream_ops.copy_to_host(self._pinned, self.error)
             # one event, re-recorded: only the latest launch is pending (the error word
@@ -286,6 +295,17 @@ class OverlapBuffer:
             self._pending = (None, self.error.clone(), expected)
         if sync or self.device.type != "cuda":
             self.check(sync=True)
+
+    @classmethod
+    def note_replays(cls, device: torch.device | None = None) -> None:
+        """After replaying a CUDA graph that holds `gemm2_gather_rs` calls: raise what an
+        earlier replay's kernels recorded and has reached the host (as the op's next call
+        would), then queue the error word's copy behind this replay, for the next check.
+        `device`: the buffers of that device only (None: every captured buffer)."""
+        for buf in list(cls._instances.values()):
+            if buf.captured and (device is None or buf.device == torch.device(device)):
+                buf.check(sync=False)
+                buf.note_launch(None, sync=False)
 
     def reset(self) -> None:
         """Forget a failed state; collective: rebuilds peer memory on every rank."""
@@ -429,3 +449,4 @@ class OverlapBuffer:
         if self.world > 1:
             grs.launch_sum_partials(self._recv_views[parity], out, self.world)
         return y
+

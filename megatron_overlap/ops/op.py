@@ -32,7 +32,7 @@ from ..planner import Workload, expert_row_tiles, reservation
 from .buffer import OverlapBuffer
 from .config import OverlapConfig, TileConfig, default_splits, resolve_backend, with_register_caps
 from .reference import all_gather, grouped_mm, reference_forward
-from .validation import aligned, capturing, host_counts, to_device, validate
+from .validation import aligned, capture_refusal, capturing, host_counts, to_device, validate
 
 log = logging.getLogger("megatron_overlap")
 
@@ -165,18 +165,31 @@ def gemm2_gather_rs(
         comm_ctas, splits: explicit C and L (override the planner / default).
         config: OverlapConfig (backend, planner switch, sm_margin, preset, ...).
         return_plan: also return the planner's decision (None on the reference path).
+
+    CUDA graphs: a call captured under torch.no_grad on a one-rank group, with
+    tokens_per_expert a CUDA tensor and a Triton backend, replays correctly for whatever
+    the captured x, counts and token_index hold at replay time (the planner's decision
+    is the capture's: it read only the shapes). Run one call of the same shapes before
+    capturing (it compiles the kernels). A replay's errors (bad counts, a time-out) stay
+    in the buffer's error word: `OverlapBuffer.note_replays()` after a replay reads them at the next
+    call, as an eager call's. Other calls raise RuntimeError when captured.
     """
+    grads = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                         or (probs is not None and probs.requires_grad))
+    if grads and capturing(x):
+        raise RuntimeError("gemm2_gather_rs cannot be captured in a CUDA graph with "
+                           "gradients: its backward splits the rows by expert on the host "
+                           "(capture the forward under torch.no_grad)")
     launch = prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs,
                      group, comm_ctas=comm_ctas, splits=splits, config=config)
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
-                                    or (probs is not None and probs.requires_grad)):
+    if grads:
         out = _Gemm2GatherRS.apply(x, weight, probs, launch.counts_dev, token_index,
                                    launch.table, launch)
     else:  # inference and prefill: no autograd node to build
         out = _forward(x, weight, probs, launch.counts_dev, launch.table, launch)[0]
     if launch.buffer is not None:
         launch.buffer.note_launch(launch.plan.w_comp if launch.counts is not None else None,
-                                  sync=launch.config.sync_errors)
+                                  sync=launch.config.sync_errors, captured=launch.captured)
     return (out, launch.plan) if return_plan else out
 
 
@@ -198,6 +211,7 @@ class Launch:
     # the event GatherRS's stream forks from (`OverlapBuffer.route`'s), for this call's
     # launch only: a tool that relaunches `kwargs` later leaves it out
     routed: object = None
+    captured: bool = False  # queued into a CUDA graph being captured (`note_launch`)
 
 
 @functools.lru_cache(maxsize=64)
@@ -217,17 +231,15 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
             group=None, *, comm_ctas=None, splits=None, config=None) -> Launch:
     """Validate, choose the backend, plan C and L, and size the workspace (no launch)."""
     config = config or OverlapConfig()
-    if capturing(x):
-        raise RuntimeError("gemm2_gather_rs cannot be captured in a CUDA graph: the expert "
-                           "counts reach the GPU through host memory rewritten every call, "
-                           "so a replay would combine with a stale routing (OverlapMoELayer "
-                           "runs the stock path while a graph is captured)")
     world, rank = _group_size_rank(group)
     experts = weight.shape[0] if weight.dim() == 3 else -1
     counts, counts_dev = host_counts(tokens_per_expert, x.shape[0], experts)
     validate(x, weight, counts, token_index, num_tokens, topk, probs, world)
     token_index = token_index.contiguous()  # the kernels index it as a flat array
     backend = resolve_backend(config.backend, x.device)
+    captured = capturing(x)
+    if captured and (why := capture_refusal(backend, counts, world)) is not None:
+        raise RuntimeError(f"gemm2_gather_rs cannot be captured in a CUDA graph here: {why}")
     if backend != "reference" and not _peer_capable(group, world):
         global _fallback_warned
         if not _fallback_warned:
@@ -250,7 +262,8 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
                          f"descriptors: K * itemsize = {x.shape[1]} * {x.element_size()} "
                          f"is not a multiple of 16 (K % 8 == 0 for bf16)")
     buf = OverlapBuffer.get(group, x.device, backend)
-    buf.check(sync=False)
+    if not captured:  # (a capture may not query events; the warm-up call checked)
+        buf.check(sync=False)
     tiles = config.tiles or buf.default_tiles(config.placement)
     if tiles.gemm_impl not in ("triton", "auto") and (backend != "triton"
                                                       or x.dtype != torch.bfloat16):
@@ -274,7 +287,7 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
         token_index, counts if counts is not None else to_device(counts_dev, x.device),
         tiles.block_m, num_tokens, topk, dest)
     launch = Launch(config, backend, group, world, rank, counts, counts_dev, table, buf, None, {},
-                    routed)
+                    routed, captured)
     # W_comp reads only row_tiles = sum_e ceil(M_e / TM) (with host counts it came with
     # the offsets); with counts only on the device: section III-E, the T rows spread evenly.
     if counts is None:

@@ -98,7 +98,20 @@ def aligned(t: torch.Tensor) -> torch.Tensor:
 
 
 def capturing(t: torch.Tensor) -> bool:
-    """Whether t's device stream is being captured into a CUDA graph. The op cannot be:
-    its host counts reach the GPU through pinned slots the host rewrites, and its
-    barrier epoch grows every call, so a replay would run a stale routing."""
+    """Whether t's device stream is being captured into a CUDA graph."""
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def capture_refusal(backend: str, counts, world: int) -> str | None:
+    """Why a call captured into a CUDA graph would replay wrongly (None: it replays the
+    routing of each replay's own tensors). A replay re-runs the recorded kernels with
+    their recorded arguments, so nothing the host prepares per call may reach them."""
+    if backend == "reference":
+        return "the reference backend splits the rows by expert on the host"
+    if counts is not None:
+        return ("the expert counts come from the host (a replay would combine with the "
+                "routing of the capture); pass tokens_per_expert as a CUDA tensor")
+    if world > 1:
+        return ("the cross-rank barrier waits for an epoch that is a kernel argument (a "
+                "replay would reuse the capture's); only a one-rank group replays")
+    return None
