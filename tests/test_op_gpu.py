@@ -241,6 +241,50 @@ def test_capturing_the_op_in_a_cuda_graph_raises_before_queuing_anything():
     assert rel_err(out, _fp32_partial(p, 512).double().cpu()) < 1e-2
 
 
+def test_op_captured_on_device_counts_replays_the_routing_each_replay_finds():
+    """Captured once (one rank, CUDA counts, no grad): each replay combines the rows, counts
+    and tokens its input tensors then hold (a hot expert, a spread routing), with the bits
+    of an eager call on them, every element rewritten (poisoned before); counts that miss
+    the rows in a replay raise at `note_replays` and the graph goes on replaying."""
+    from megatron_overlap.ops import OverlapBuffer
+
+    shape = dict(tokens=512, experts=4, topk=2, ffn=128, hidden=256)
+    runs = {"spread": routed_problem(0, 1, device="cuda", **shape),
+            "hot": routed_problem(0, 1, device="cuda", hot=True, seed=3, **shape)}
+    assert runs["spread"]["x"].shape == runs["hot"]["x"].shape  # T = M k: static shapes
+    for r in runs.values():
+        r["counts"] = r["counts"].cuda()
+    with torch.no_grad():
+        want = {n: gemm2_gather_rs(r["x"], r["weight"], r["counts"], r["token_index"], 512, 2,
+                                   config=TRITON) for n, r in runs.items()}
+        static = {k: v.clone() for k, v in runs["spread"].items()}
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = gemm2_gather_rs(static["x"], static["weight"], static["counts"],
+                                  static["token_index"], 512, 2, config=TRITON)
+
+        def replay(run):
+            for k in ("x", "weight", "counts", "token_index"):
+                static[k].copy_(run[k])
+            out.fill_(float("nan"))
+            graph.replay()
+            OverlapBuffer.note_replays()
+            torch.cuda.synchronize()
+            return out.clone()
+
+        for name in ("hot", "spread", "hot"):
+            assert torch.equal(replay(runs[name]), want[name]), name
+        assert not torch.equal(want["hot"], want["spread"])
+        bad = dict(runs["hot"], counts=runs["hot"]["counts"] + 1)
+        replay(bad)
+        with pytest.raises(ValueError, match="does not sum to x's rows"):
+            OverlapBuffer.note_replays()
+        assert torch.equal(replay(runs["spread"]), want["spread"])
+        OverlapBuffer.note_replays()
+        torch.cuda.synchronize()
+        OverlapBuffer.note_replays()  # nothing left to raise
+
+
 def test_single_gpu_hot_expert_and_planner_choice():
     p = routed_problem(0, 1, device="cuda", hot=True, **SHAPE)
     out, plan = gemm2_gather_rs(p["x"], p["weight"], p["counts"], p["token_index"],

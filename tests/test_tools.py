@@ -29,6 +29,32 @@ def test_calibration_fit_recovers_wave_time_intercept_and_saturation():
     assert calibrate.fit_saturation(no_floor, w, splits)[2] is None
 
 
+def test_report_prefill_section_adds_the_captured_forward_where_a_run_timed_it(tmp_path):
+    rows = [_result("qwen", 1024, 0.95), _result("qwen", 4096, 1.1),
+            _result("qwen", 8192, 0, oom=True)]
+    for r, graph_speedup in zip(rows[:2], (2.5, 1.1)):
+        r.update(cuda_graph=True, speedup_graph=graph_speedup,
+                 graph=dict(captured=True, equal=True, max_rel_diff=0.0))
+        r["policies"]["graph"] = dict(median_ms=4.0, ci95_ms=[3.9, 4.1])
+    rows[1]["graph"] = dict(captured=False, error="RuntimeError: capture failed")
+    del rows[1]["policies"]["graph"], rows[1]["speedup_graph"]
+    text = report.prefill_section("t", rows, str(tmp_path))
+    assert "--cuda-graph" in text and "| stock / graph | replay = eager |" in text
+    assert "| 4.00 [3.90, 4.10] | 2.500x | yes |" in text
+    assert "| RuntimeError: capture failed | - | - |" in text
+    assert "| OOM | OOM | - | - | - | OOM | - | - |" in text
+    assert "| 2.500x | 2.500x |" in text  # the graph's geomean and min over captured S
+    plain = report.prefill_section("t", [_result("qwen", 1024, 0.95)], str(tmp_path))
+    assert "graph" not in plain
+
+
+def test_prefill_report_of_an_s_that_ran_out_of_memory():
+    text = prefill.report(dict(model="qwen", tp=1, ep=1, world=1, device="cuda:0", batch=4,
+                               seq=16384, tokens=65536, experts="grouped", oom=True,
+                               policies={}))
+    assert text.endswith(": OOM")
+
+
 def test_calibration_fit_refuses_times_that_do_not_fall_with_c():
     with pytest.raises(RuntimeError, match="do not fall"):
         calibrate.fit_saturation({1: 1.0, 2: 1.1, 4: 1.2}, 64, 1)
@@ -75,6 +101,29 @@ def test_prefill_sweep_records_an_out_of_memory_length_and_goes_on(monkeypatch):
     results = prefill.run_all(args)
     assert [r["seq"] for r in results] == [16, 64, 32]
     assert results[1]["oom"] and not results[2].get("oom")
+
+
+def test_prefill_schedule_runs_every_policy_as_often_first_as_last():
+    assert prefill._schedule(["a", "b"], 3) == list("abbaab")
+    order = prefill._schedule(["a", "b", "c"], 4)
+    assert order == list("abccbaabccba")
+    assert prefill._schedule(["a"], 2) == ["a", "a"]
+
+
+def test_prefill_cuda_graph_needs_one_rank_groups_and_cuda(monkeypatch):
+    args = prefill.parse_args(["--cuda-graph"])
+    assert args.moe_overlap and args.cuda_graph
+    for layout in (["--tp", "2"], ["--ep", "2"]):
+        with pytest.raises(ValueError, match="TP = EP = 1"):
+            prefill.parse_args(["--cuda-graph"] + layout)
+
+    class Model(torch.nn.Module):
+        vocab_size = 8
+
+    monkeypatch.setattr(prefill, "_setup", lambda args: torch.device("cpu"))
+    monkeypatch.setattr(prefill, "build_model", lambda *a, **k: Model())
+    with pytest.raises(ValueError, match="needs CUDA"):
+        prefill.run_all(args)
 
 
 @pytest.mark.parametrize("bad", ["16,x", "0,16"])

@@ -280,36 +280,54 @@ def profile_section(tag, data) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _graph_cells(r) -> str:
+    """The `--cuda-graph` policy's cells: its median [CI], stock over it, and whether the
+    replay gave the eager fused forward's bits."""
+    g, check = r["policies"].get("graph"), r.get("graph", {})
+    if g is None:
+        return f" {check.get('error', 'not captured')[:60]} | - | - |"
+    return (f" {g['median_ms']:.2f} [{g['ci95_ms'][0]:.2f}, {g['ci95_ms'][1]:.2f}] | "
+            f"{r['speedup_graph']:.3f}x | {'yes' if check.get('equal') else 'no'} |")
+
+
 def prefill_section(tag, prefill, out_dir) -> str:
-    """Table, geomeans and a speedup-vs-S plot of complete-model prefill runs."""
+    """Table, geomeans and a speedup-vs-S plot of complete-model prefill runs (with the
+    captured forward's columns where the run timed it, `--cuda-graph`)."""
+    graphs = any(r.get("cuda_graph") for r in prefill)
     lines = [f"### Complete-model prefill, {tag} (python -m megatron_overlap.mcore.prefill "
-             "--abba)\n",
+             "--abba" + (" --cuda-graph" if graphs else "") + ")\n",
              "| model | layout | B x S | stock ms [95% CI] | overlap ms [95% CI] | speedup | "
-             "layers overlapped | max_e/mean over layers |",
-             "|---|---|---|---|---|---|---|---|"]
+             "layers overlapped | max_e/mean over layers |"
+             + (" graph ms [95% CI] | stock / graph | replay = eager |" if graphs else ""),
+             "|---|---|---|---|---|---|---|---|" + ("---|---|---|" if graphs else "")]
     for r in sorted(prefill, key=lambda r: (r["model"], r["tp"], r["ep"], r["seq"])):
         head = (f"| {r['model']} | TP{r['tp']}EP{r['ep']} | {r['batch']}x{r['seq']}"
                 + ("*" if "source" in r else "") + " | ")
         if r.get("oom"):
-            lines.append(head + "OOM | OOM | - | - | - |")
+            lines.append(head + "OOM | OOM | - | - | - |" + (" OOM | - | - |" if graphs else ""))
             continue
         st, ov = r["policies"]["stock"], r["policies"]["overlap"]
         lines.append(head + f"{st['median_ms']:.2f} [{st['ci95_ms'][0]:.2f}, {st['ci95_ms'][1]:.2f}]"
                      f" | {ov['median_ms']:.2f} [{ov['ci95_ms'][0]:.2f}, "
                      f"{ov['ci95_ms'][1]:.2f}] | {r['speedup']:.3f}x | {_overlapped(r)} | "
-                     f"{_layer_loads(r)} |")
+                     f"{_layer_loads(r)} |" + (_graph_cells(r) if graphs else ""))
     if any("source" in r for r in prefill):
         lines.append("\n\\* parsed from the run's printed report (its JSON did not come back "
                      "from the device machine; see the file's `source`)")
     done = [r for r in prefill if not r.get("oom")]
     groups = sorted({(r["model"], r["tp"], r["ep"]) for r in done})
-    lines.append("\n| model | layout | geomean speedup (all S) | (S >= 4096) | min |")
-    lines.append("|---|---|---|---|---|")
+    lines.append("\n| model | layout | geomean speedup (all S) | (S >= 4096) | min |"
+                 + (" graph: geomean (all S) | min |" if graphs else ""))
+    lines.append("|---|---|---|---|---|" + ("---|---|" if graphs else ""))
     for m, tp, ep in groups:
         rs = [r for r in done if (r["model"], r["tp"], r["ep"]) == (m, tp, ep)]
         big = [r["speedup"] for r in rs if r["seq"] >= 4096]
-        lines.append(f"| {m} | TP{tp}EP{ep} | {geomean([r['speedup'] for r in rs]):.3f}x | "
-                     f"{geomean(big):.3f}x | {min(r['speedup'] for r in rs):.3f}x |")
+        row = (f"| {m} | TP{tp}EP{ep} | {geomean([r['speedup'] for r in rs]):.3f}x | "
+               f"{geomean(big):.3f}x | {min(r['speedup'] for r in rs):.3f}x |")
+        graphed = [r["speedup_graph"] for r in rs if "speedup_graph" in r]
+        if graphs:
+            row += (f" {geomean(graphed):.3f}x | {min(graphed):.3f}x |" if graphed else " - | - |")
+        lines.append(row)
     try:
         import matplotlib
 
@@ -324,7 +342,12 @@ def prefill_section(tag, prefill, out_dir) -> str:
         label = f"{m} TP{tp}EP{ep}"
         axes[0].plot([r["seq"] for r in rs], [r["policies"]["overlap"]["median_ms"] for r in rs],
                      "o-", label=label)
-        axes[1].plot([r["seq"] for r in rs], [r["speedup"] for r in rs], "o-", label=label)
+        line, = axes[1].plot([r["seq"] for r in rs], [r["speedup"] for r in rs], "o-",
+                             label=label)
+        graphed = [r for r in rs if "speedup_graph" in r]
+        if graphed:
+            axes[1].plot([r["seq"] for r in graphed], [r["speedup_graph"] for r in graphed],
+                         "s--", color=line.get_color(), label=label + ", CUDA graph")
     for ax, ylabel in zip(axes, ("overlap latency (ms)", "speedup over stock")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("S (B = 4)")

@@ -279,14 +279,21 @@ class _CapturedForward:
         self.device, self.graph, self.out, self.error = device, None, None, None
         self._note_replays = OverlapBuffer.note_replays
         set_overlap_enabled(model, True)
+        layers = [m for m in model.modules() if isinstance(m, OverlapMoELayer)]
         with torch.no_grad():
-            self.eager = model(tokens, positions, None)  # every layer fused, as captured
+            for layer in layers:  # every layer fused, as a capture fuses them (no thresholds)
+                layer._thresholds = (0, 0)
+            try:
+                self.eager = model(tokens, positions, None)
+            finally:
+                for layer in layers:
+                    layer._thresholds = None  # (resolved again from the config)
             torch.cuda.synchronize(device)
             graph = torch.cuda.CUDAGraph()
             try:
                 with torch.cuda.graph(graph):
                     self.out = model(tokens, positions, None)
-            except (RuntimeError, torch.OutOfMemoryError) as err:
+            except Exception as err:  # (a CUDA error of the capture, OOM: a result)
                 self.error = f"{type(err).__name__}: {err}"[:400]
                 self.out = None
                 torch.cuda.synchronize(device)
@@ -332,7 +339,7 @@ def report(result: dict) -> str:
         lines.append(f"  graph: replay equals the eager forward: {graph['equal']} (max rel. "
                      f"diff {graph['max_rel_diff']:.1e})" if graph["captured"]
                      else f"  graph: not captured ({graph['error']})")
-    for row in result["decisions_rank0"]:
+    for row in result.get("decisions_rank0", []):  # (none for an S that ran out of memory)
         load = (f", max_e {row['max_e']} of {row['rows']} rows ({row['max_over_mean']}x the "
                 f"mean)" if row.get("max_over_mean") else "")
         if "C" in row:
