@@ -7,7 +7,8 @@
 2. The overlapped MoE layer against the stock Megatron-Core layer:
    * with 2+ GPUs: a torchrun complete-model prefill of Qwen1.5-MoE-A2.7B, TP2EP1,
      B=4, S=4096, stock and --moe-overlap ABBA-interleaved on the same weights
-     (latency, speedup, each layer's decision);
+     (latency, speedup, each layer's decision); on one GPU TP1EP1, with the overlapped
+     forward also captured into a CUDA graph and replayed (`--cuda-graph`);
    * without GPUs: 2 CPU processes (gloo, the Triton interpreter), a tiny Qwen-shaped
      MoE layer at TP1EP2, stock vs OverlapMoELayer (decision, max difference, time).
 """
@@ -130,7 +131,9 @@ def run_demo(nproc: int = 2, planner_only: bool = False) -> int:
               "(ABBA):", flush=True)
         return _torchrun(tp, ["-m", "megatron_overlap.mcore.prefill", "--model", "qwen",
                               "--tp", str(tp), "--ep", "1", "--batch", "4", "--seq", "4096",
-                              "--iters", "5", "--warmup", "2", "--abba"], env)
+                              "--iters", "5", "--warmup", "2", "--abba"]
+                          # one GPU: the overlapped forward captured into a CUDA graph too
+                          + (["--cuda-graph"] if tp == 1 else []), env)
     shims, bench = REPO / "tests" / "mcore_shims.py", REPO / "tools" / "bench_layer.py"
     if not (shims.exists() and bench.exists()):
         print("the CPU layer comparison runs from a source checkout (tests/, tools/)")
