@@ -45,12 +45,15 @@ The flag protocol, in full (the only subtle part of the operator):
   * bounded waits: every spin stops after `max_spins` polls and records
     `kind << 24 | value` in `error` (kind 1: split `value` never became ready; kind 2:
     rank `value` never reached the barrier); the host raises. A hang is a bug.
-  * CUDA graphs: nothing allocates and the flags reset themselves, but the epoch is a
-    kernel argument, so a replay would wait for the capture's; only world 1 (no
-    barrier) is captured (the op refuses larger groups).
+  * CUDA graphs: nothing allocates, the flags reset themselves, and the epoch is a
+    device word (`epoch_ptr`: the last program stores the call's epoch after the barrier;
+    the next call's programs read it + 1), as is the parity that picks this call's slots
+    (GatherRS's and the final sum's), so a replay of captured calls goes on counting.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -84,14 +87,14 @@ def _wait_at_least(ptr, target, max_spins, SCOPE: tl.constexpr):
 
 @triton.jit(do_not_specialize=["tokens_per_rank", "num_splits", "rank", "world", "topk",
                                "num_experts", "gemm_col_tiles", "gemm_last_col_tiles",
-                               "epoch", "max_spins", "pid_base", "comm_programs", "helpers"])
+                               "max_spins", "pid_base", "comm_programs", "helpers"])
 def gather_rs_kernel(
     # pointers
     y_ptr, table_ptr, prob_ptr, dst_ptrs, signal_ptrs, ready_ptr, done_ptr, error_ptr,
-    tile_start_ptr, partial_like_ptr,
+    tile_start_ptr, partial_like_ptr, epoch_ptr,
     # sizes and protocol values
     tokens_per_rank, N, split_width, num_splits, rank, world, topk, num_experts,
-    gemm_col_tiles, gemm_last_col_tiles, epoch, max_spins,
+    gemm_col_tiles, gemm_last_col_tiles, max_spins,
     # programs: [0, comm_programs) launched before GEMM2; [comm_programs, + helpers) by a
     # second launch after it (pid_base = comm_programs), for the last split only
     pid_base, comm_programs, helpers,
@@ -112,6 +115,12 @@ def gather_rs_kernel(
     row_tiles = tl.load(tile_start_ptr + num_experts)
     slots = tl.arange(0, TOPK_POW2)
     alive = pid * 0 + 1  # int32 0/1: after a time-out later splits are not waited for
+    # this call's epoch: one more than the last call's, which its last program stored
+    # (read on the device, so a CUDA graph's replays go on counting)
+    epoch = pid * 0
+    if world > 1:
+        epoch = tl.load(epoch_ptr) + 1
+    parity = epoch % 2
     for split in range(num_splits):
         last = split == num_splits - 1
         expected = row_tiles * tl.where(last, gemm_last_col_tiles, gemm_col_tiles)
@@ -188,7 +197,9 @@ def gather_rs_kernel(
             else:
                 # peers' buffers arrive as int64 addresses; typed like `partial_like_ptr`
                 # (symmetric-memory buffers and our slot offsets are 16-byte aligned)
-                base = tl.multiple_of(tl.load(dst_ptrs + dst).to(partial_like_ptr.dtype), 16)
+                # (both parities' tables, [2, world]: this call's receive slots)
+                base = tl.multiple_of(tl.load(dst_ptrs + parity * world + dst)
+                                      .to(partial_like_ptr.dtype), 16)
             out = base + rank * dst_slot_stride + local[:, None].to(tl.int64) * dst_row_stride \
                 + cols[None, :]
             tl.store(out, acc.to(partial_like_ptr.dtype.element_ty),
@@ -205,15 +216,19 @@ def gather_rs_kernel(
                 ok = _wait_at_least(mine + src, epoch, max_spins, "sys")
                 if ok == 0:
                     tl.atomic_cas(error_ptr, 0, (2 << 24) | src)
+            # every program of the call has read the epoch (each added to `done` after)
+            tl.store(epoch_ptr, epoch)
         tl.store(done_ptr, 0)
         for split in range(num_splits):
             tl.store(ready_ptr + split, 0)
 
 
 @triton.jit(do_not_specialize=["numel"])
-def sum_partials_kernel(recv_ptr, out_ptr, numel, slot_stride, WORLD: tl.constexpr,
-                        BLOCK: tl.constexpr):
-    """out[i] = sum over src of recv[src, i], in fp32 (recv slots are contiguous).
+def sum_partials_kernel(recv_ptr, out_ptr, epoch_ptr, numel, slot_stride, parity_stride,
+                        WORLD: tl.constexpr, BLOCK: tl.constexpr):
+    """out[i] = sum over src of recv[src, i], in fp32 (recv slots are contiguous), where
+    recv is the receive slots of the parity of the epoch at `epoch_ptr` (the call whose
+    GatherRS has just stored it): recv_ptr + (epoch % 2) * parity_stride.
 
     The rank loop is unrolled (WORLD is a constexpr: one binary per group size) so the
     WORLD loads of a thread are in flight together; a runtime loop issued them one after
@@ -221,6 +236,7 @@ def sum_partials_kernel(recv_ptr, out_ptr, numel, slot_stride, WORLD: tl.constex
     runs in rank order either way."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < numel
+    recv_ptr += (tl.load(epoch_ptr) % 2).to(tl.int64) * parity_stride
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for src in tl.static_range(WORLD):
         acc += tl.load(recv_ptr + src * slot_stride + offs, mask=ok, other=0.0).to(tl.float32)
@@ -249,7 +265,7 @@ def launch_gather_rs(
     y: torch.Tensor, table: torch.Tensor, probs: torch.Tensor | None, dst_ptrs: torch.Tensor,
     signal_ptrs: torch.Tensor, ready: torch.Tensor, done: torch.Tensor, error: torch.Tensor,
     tile_start: torch.Tensor, *, tokens_per_rank: int, splits: int, rank: int, world: int,
-    gemm_col_tiles: int, epoch: int, max_spins: int, partial_like: torch.Tensor,
+    gemm_col_tiles: int, epoch: torch.Tensor, max_spins: int, partial_like: torch.Tensor,
     dst_slot_stride: int, dst_row_stride: int, programs: int, block_tm: int, block_tn: int,
     num_warps: int = 16, kernel=gather_rs_kernel, warmup: bool = False, item_stages: int = 1,
     slot_loop: bool = True, helpers: int = 0, launch_helpers: bool = False, stream=None,
@@ -266,17 +282,19 @@ def launch_gather_rs(
     stream) instead of the `programs` communication CTAs; `maxnreg` caps the registers
     per thread (None: the compiler's choice); `width`: the split width sw (default
     ceil(N/L)) and `gemm_last_col_tiles` GEMM2's column tiles in the last split, which
-    holds the N - (L-1) sw columns left (default `gemm_col_tiles`)."""
+    holds the N - (L-1) sw columns left (default `gemm_col_tiles`); `epoch`: the group's
+    int32 call counter on this device (read and advanced by the call where world > 1;
+    `dst_ptrs` then holds both parities' tables, [2, world])."""
     if token_major and not slot_loop:
         raise ValueError("a token-major y is gathered one slot at a time (slot_loop=True)")
     hidden = y.shape[1]
     slots = next_pow2(table.shape[1])
     stages = fit_item_stages(item_stages, block_tm * slots * block_tn * y.element_size())
     args = (y, table, probs if probs is not None else y, dst_ptrs, signal_ptrs, ready, done,
-            error, tile_start, partial_like, tokens_per_rank, hidden,
+            error, tile_start, partial_like, epoch, tokens_per_rank, hidden,
             width or split_width(hidden, splits), splits, rank, world, table.shape[1],
             tile_start.numel() - 1, gemm_col_tiles,
-            gemm_col_tiles if gemm_last_col_tiles is None else gemm_last_col_tiles, epoch,
+            gemm_col_tiles if gemm_last_col_tiles is None else gemm_last_col_tiles,
             max_spins, programs if launch_helpers else 0, programs, helpers,
             y.stride(0), y.stride(1), dst_slot_stride, dst_row_stride)
     meta = dict(BLOCK_TM=block_tm, BLOCK_TN=block_tn, TOPK_POW2=slots,
@@ -294,15 +312,23 @@ def launch_gather_rs(
 
 
 def launch_sum_partials(recv: torch.Tensor, out: torch.Tensor, world: int,
-                        block: int = 2048, num_warps: int = 4, kernel=sum_partials_kernel):
-    """recv [world, >=Md, N] contiguous slots -> out [Md, N] contiguous. Block and warps:
-    the fastest in tools/try_sum_partials.py at Md = 8192 and 32768, N = 2048."""
-    args = (recv, out, out.numel(), recv.stride(0))
+                        block: int = 2048, num_warps: int = 4, kernel=sum_partials_kernel,
+                        epoch: torch.Tensor | None = None, parity_stride: int = 0):
+    """recv [world, >=Md, N] contiguous slots -> out [Md, N] contiguous; with `epoch`, the
+    slots `(epoch % 2) * parity_stride` elements past recv (the op's two parities). Block
+    and warps: the fastest in tools/try_sum_partials.py at Md = 8192 and 32768, N = 2048."""
+    epoch = epoch if epoch is not None else _zero_word(out.device)
+    args = (recv, out, epoch, out.numel(), recv.stride(0), parity_stride)
     meta = dict(WORLD=world, BLOCK=block, num_warps=num_warps)
     grid = (triton.cdiv(out.numel(), block),)
     if kernel is sum_partials_kernel:
         return _SUM_PARTIALS.launch(grid, args, meta)
     return kernel[grid](*args, **meta)
+
+
+@functools.lru_cache(maxsize=None)
+def _zero_word(device: torch.device) -> torch.Tensor:
+    return torch.zeros(1, dtype=torch.int32, device=device)
 
 
 def gather_rs_reference(y: torch.Tensor, token_index: torch.Tensor, num_tokens: int,

@@ -87,7 +87,7 @@ def gather_single_rank(p, y, tile_start, splits, programs, max_spins=100000, pro
                         y.shape[1], splits, gemm2.split_width(y.shape[1], splits), 16)[0],
                     gemm_last_col_tiles=gemm2.split_col_tiles(
                         y.shape[1], splits, gemm2.split_width(y.shape[1], splits), 16)[1],
-                    epoch=1,
+                    epoch=done,  # (world 1: no barrier, not read)
                     max_spins=max_spins, partial_like=out, dst_slot_stride=0,
                     dst_row_stride=out.stride(0), programs=programs, block_tm=8, block_tn=16,
                     num_warps=4))
@@ -373,23 +373,24 @@ def test_launch_cache_reuses_a_binary_only_for_the_same_specialization(monkeypat
                                               do_not_specialize=["numel"]))
     cache = LaunchCache(triton_side)
     recv, out = torch.zeros(2, 64, 32), torch.zeros(64, 32)
+    ep = torch.zeros(1, dtype=torch.int32)  # the epoch word (parity 0)
     meta = dict(WORLD=2, BLOCK=4096, num_warps=8)
-    cache.launch((4,), (recv, out, 2048, 2048), meta)
-    cache.launch((4,), (recv, out, 4096, 2048), meta)  # numel: same binary
+    cache.launch((4,), (recv, out, ep, 2048, 2048, 0), meta)
+    cache.launch((4,), (recv, out, ep, 4096, 2048, 0), meta)  # numel: same binary
     assert len(triton_side.compiles) == 1 and not triton_side.jit_launches
     grid, full = triton_side.binary_launches[1]
-    assert grid == (4, 1, 1) and full[2:] == (4096, 2048, 2, 4096)  # constexprs last
+    assert grid == (4, 1, 1) and full[3:] == (4096, 2048, 0, 2, 4096)  # constexprs last
     assert full[0] is recv and full[1] is out
-    cache.launch((4,), (recv, out, 2048, 1024), meta)  # slot_stride is specialized
-    cache.launch((4,), (recv, out, 2048, 1024), dict(meta, num_warps=4))
-    cache.launch((4,), (recv.view(-1)[1:], out, 2048, 1024), meta)  # not 16-byte aligned
-    cache.launch((4,), (recv, out, 1 << 40, 1024), meta)  # numel past int32
-    cache.launch((4,), (recv, out, 1 << 40, 1024), dict(meta, WORLD=4))  # a constexpr
+    cache.launch((4,), (recv, out, ep, 2048, 1024, 0), meta)  # slot_stride is specialized
+    cache.launch((4,), (recv, out, ep, 2048, 1024, 0), dict(meta, num_warps=4))
+    cache.launch((4,), (recv.view(-1)[1:], out, ep, 2048, 1024, 0), meta)  # not 16-byte aligned
+    cache.launch((4,), (recv, out, ep, 1 << 40, 1024, 0), meta)  # numel past int32
+    cache.launch((4,), (recv, out, ep, 1 << 40, 1024, 0), dict(meta, WORLD=4))  # a constexpr
     assert len(triton_side.compiles) == 6
     monkeypatch.setenv("MEGATRON_OVERLAP_FAST_LAUNCH", "0")
-    cache.launch((4,), (recv, out, 2048, 2048), meta)
-    assert triton_side.jit_launches == [((4,), (recv, out, 2048, 2048), meta)]
-    with pytest.raises(TypeError, match="expected the 4 non-constexpr"):
+    cache.launch((4,), (recv, out, ep, 2048, 2048, 0), meta)
+    assert triton_side.jit_launches == [((4,), (recv, out, ep, 2048, 2048, 0), meta)]
+    with pytest.raises(TypeError, match="expected the 6 non-constexpr"):
         cache.launch((4,), (recv, out, 2048), meta)
 
 
@@ -480,15 +481,16 @@ def test_launch_cache_key_separates_everything_triton_specializes_on(draws):
 
     from megatron_overlap.kernels.launch_cache import LaunchCache
 
-    # sum_partials' runtime arguments: two pointers, numel unspecialized, slot_stride
-    # specialized
+    # sum_partials' runtime arguments: three pointers, numel unspecialized, slot_stride
+    # and parity_stride specialized
     cache = LaunchCache(JITFunction(grs.sum_partials_kernel.fn, do_not_specialize=["numel"]))
     base = torch.zeros(64, dtype=torch.float32)
+    word = torch.zeros(1, dtype=torch.int32)
     seen = {}
     for dtype, offset, small, power, stride in draws:
         recv = torch.zeros(80, dtype=dtype)[offset:]  # offsets 1-3 break 16-byte alignment
         numel = small + (1 << power)  # crosses the int32 range for large powers
-        args = (recv, base, numel, stride)
+        args = (recv, base, word, numel, stride, stride)
         key = cache._key(args, {"WORLD": 2, "BLOCK": 4096})
         spec = _triton_specialization(cache, args)
         assert seen.setdefault(key, spec) == spec, (key, spec, seen[key])
@@ -561,24 +563,35 @@ def test_raw_launch_passes_what_triton_36_runner_passes_and_only_there(
     class Stream:
         cuda_stream = 1234
 
-    LaunchCache(kernel).launch((4,), (recv, out, 2048, 2048),
+    ep = torch.zeros(1, dtype=torch.int32)
+    LaunchCache(kernel).launch((4,), (recv, out, ep, 2048, 2048, 0),
                                dict(WORLD=2, BLOCK=4096, num_warps=8), stream=Stream())
     if raw:  # Triton 3.6's runner -> CudaLauncher.__call__ -> launch, hooks absent
         assert binary.raw_calls == [(4, 1, 1, 1234, "function-handle", False, True, None, None,
                                      "packed-metadata", None, None, None,
-                                     recv, out, 2048, 2048, 2, 4096)]
+                                     recv, out, ep, 2048, 2048, 0, 2, 4096)]
         assert not binary.indexed
     else:
         assert not binary.raw_calls
-        assert binary.indexed == [((4, 1, 1), (recv, out, 2048, 2048, 2, 4096), 1234)]
+        assert binary.indexed == [((4, 1, 1), (recv, out, ep, 2048, 2048, 0, 2, 4096), 1234)]
 
 
 @pytest.mark.parametrize("world", [1, 2, 3])
-def test_sum_partials_adds_the_slots_in_rank_order_into_every_element(world):
-    recv = torch.randn(world, 40, 24, generator=torch.Generator().manual_seed(world))
-    recv = recv.to(torch.bfloat16)
+@pytest.mark.parametrize("epoch", [None, 6, 7])
+def test_sum_partials_adds_the_slots_in_rank_order_into_every_element(world, epoch):
+    """... of the slots of the epoch's parity where one is given (the op's receive slots
+    alternate by call; the epoch word is the device's, so replays alternate too)."""
+    both = torch.randn(2, world, 40, 24, generator=torch.Generator().manual_seed(world))
+    both = both.to(torch.bfloat16)
     out = torch.full((37, 24), float("nan"), dtype=torch.bfloat16)  # fewer rows than slots
-    grs.launch_sum_partials(recv, out, world, block=256, num_warps=4)
+    if epoch is None:
+        recv = both[0]
+        grs.launch_sum_partials(recv, out, world, block=256, num_warps=4)
+    else:
+        recv = both[epoch % 2]
+        grs.launch_sum_partials(both[0], out, world, block=256, num_warps=4,
+                                epoch=torch.tensor([epoch], dtype=torch.int32),
+                                parity_stride=both[0].numel())
     want = recv[0, :37].float()
     for src in range(1, world):
         want = want + recv[src, :37].float()

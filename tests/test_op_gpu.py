@@ -353,6 +353,66 @@ def _ranks_run(rank, world, one_gpu=False):
     return res
 
 
+def _ranks_graph(rank, world, one_gpu=False):
+    """Every rank captures its op call once (TP: every expert local, CUDA counts) and
+    replays it on two routings in turn, an eager call between replays: each replay and
+    call gives the bits of an eager call on its inputs. The barrier's epoch and the
+    receive slots' parity are device words, so an odd and an even number of replays both
+    leave the next call its slots (poisoned outputs, all rewritten)."""
+    import torch.distributed as dist
+
+    from megatron_overlap.ops import OverlapBuffer
+
+    torch.cuda.set_device(0 if one_gpu else rank)
+    group = dist.group.WORLD
+    shape = dict(tokens=1024, experts=8, topk=2, ffn=256, hidden=512)
+    runs = [routed_problem(rank, world, device="cuda", seed=s, **shape) for s in (21, 22)]
+    for r in runs:
+        r["counts"] = r["counts"].cuda()
+
+    def eager(r):
+        return gemm2_gather_rs(r["x"], r["weight"], r["counts"], r["token_index"], 1024, 2,
+                               None, group, config=TRITON)
+
+    with torch.no_grad():
+        want = [eager(r) for r in runs]
+        static = {k: v.clone() for k, v in runs[0].items()}
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = gemm2_gather_rs(static["x"], static["weight"], static["counts"],
+                                  static["token_index"], 1024, 2, None, group, config=TRITON)
+        equal = []
+        for i in (1, 0, 1, "eager", 1, 1, 0, "eager"):
+            if i == "eager":
+                equal.append(torch.equal(eager(runs[0]), want[0]))
+                continue
+            for k in ("x", "weight", "counts", "token_index"):
+                static[k].copy_(runs[i][k])
+            out.fill_(float("nan"))
+            graph.replay()
+            OverlapBuffer.note_replays()
+            torch.cuda.synchronize()
+            equal.append(torch.equal(out, want[i]))
+        OverlapBuffer.note_replays()
+        torch.cuda.synchronize()
+    return dict(equal=equal, differ=not torch.equal(want[0], want[1]))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_ranks_sharing_one_gpu_replay_their_captured_calls_bit_for_bit():
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    for rank, res in enumerate(run_ranks(2, _ranks_graph, True, backend="gloo")):
+        assert all(res["equal"]) and res["differ"], (rank, res)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_two_gpus_replay_their_captured_calls_bit_for_bit():
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    for rank, res in enumerate(run_ranks(2, _ranks_graph, backend="nccl")):
+        assert all(res["equal"]) and res["differ"], (rank, res)
+
+
 def _all_reduce(t, on_host):
     """The sum over ranks (through host memory where the group is gloo's)."""
     import torch.distributed as dist

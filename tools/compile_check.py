@@ -42,10 +42,10 @@ def kernels():
     flags = {n: "*i32" for n in ("ready_ptr", "done_ptr", "error_ptr", "tile_start_ptr")}
     comm_ptrs = {"y_ptr": "*bf16", "table_ptr": "*i32", "prob_ptr": "*bf16",
                  "dst_ptrs": "*i64", "signal_ptrs": "*i64", **flags,
-                 "partial_like_ptr": "*bf16"}
+                 "partial_like_ptr": "*bf16", "epoch_ptr": "*i32"}
     comm_ints = {n: "i32" for n in ("tokens_per_rank", "N", "split_width", "num_splits", "rank",
                                     "world", "topk", "num_experts", "gemm_col_tiles",
-                                    "gemm_last_col_tiles", "epoch",
+                                    "gemm_last_col_tiles",
                                     "max_spins", "pid_base", "comm_programs", "helpers",
                                     "stride_ym", "stride_yn")}
     comm_ints.update(dst_slot_stride="i64", dst_row_stride="i32")
@@ -74,8 +74,9 @@ def kernels():
            _signature(comm_ptrs, comm_ints, meta), meta,
            dict(num_warps=4, maxnreg=SHARED_COMM_MAXNREG), attrs)
     yield ("sum_partials", grs.sum_partials_kernel,
-           _signature({"recv_ptr": "*bf16", "out_ptr": "*bf16"},
-                      {"numel": "i32", "slot_stride": "i32"}, {"WORLD": 0, "BLOCK": 0}),
+           _signature({"recv_ptr": "*bf16", "out_ptr": "*bf16", "epoch_ptr": "*i32"},
+                      {"numel": "i32", "slot_stride": "i32", "parity_stride": "i32"},
+                      {"WORLD": 0, "BLOCK": 0}),
            dict(WORLD=2, BLOCK=2048), dict(num_warps=4), None)
     for scatter in (False, True):
         meta = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, EXPERTS_POW2=64, UPCAST=False,

@@ -15,8 +15,8 @@ inference (eval mode, no gradient) the weighted SwiGLU is one Triton pass, and a
 shared expert's gate and add into the routed output are one more
 (`kernels/gated_add.py`). Router, dispatch and the shared experts' GEMMs are Megatron's.
 
-Where the host never waits (one rank, inference, device counts: `_capture_refusal`),
-a forward captured into a CUDA graph (`torch.cuda.graph`) captures the fused path, at
+Where the host never waits (inference, every expert local, device counts:
+`_capture_refusal`), a forward captured into a CUDA graph (`torch.cuda.graph`) captures the fused path, at
 any size, and replays it on whatever tokens the graph's input then holds; the stock
 dropless layer syncs the host and cannot be captured. Anything else (another
 dispatcher, TE experts, fp8, expert biases, latent MoE, the inference dispatcher, a
@@ -144,14 +144,16 @@ class OverlapMoELayer(MoELayer):
 
     def _capture_refusal(self, hidden_states) -> str | None:
         """Why this call, captured into a CUDA graph, could not replay the routing of each
-        replay (None: it can). It can where nothing reaches the host: one rank in the
-        TP x EP group (the op's condition), inference, and the counts kept on the device
-        (`_postprocess`: grouped experts, no fused permute, no capacity factor)."""
-        group, c = self.token_dispatcher.tp_ep_group, self.config
+        replay (None: it can). It can where nothing reaches the host: inference, and the
+        counts kept on the device
+        (`_postprocess`: every expert local, grouped experts, no fused permute, no
+        capacity factor)."""
+        c = self.config
         if not in_inference(self, chain((hidden_states,), self.parameters())):
             return "gradients (capture the forward in eval mode under torch.no_grad)"
-        if group is not None and group.size() > 1:
-            return f"a TP x EP group of {group.size()} ranks (the fused op replays on one)"
+        if self.num_local_experts != c.num_moe_experts:
+            return ("expert parallelism (the rows of this rank's experts are counted on "
+                    "the host)")
         if c.moe_permute_fusion or c.moe_expert_capacity_factor:
             return "TE's fused permute or a capacity factor (the rows are split on the host)"
         if needs_host_counts(self.experts, hidden_states):

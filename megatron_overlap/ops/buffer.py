@@ -51,6 +51,10 @@ class OverlapBuffer:
             buf = cls._instances[key] = cls(group, device, backend)
         return buf
 
+    @classmethod
+    def exists(cls, group, device: torch.device, backend: str) -> bool:
+        return (id(group), str(device), backend) in cls._instances
+
     def __init__(self, group, device: torch.device, backend: str):
         self.group = group
         self.device = device
@@ -62,12 +66,14 @@ class OverlapBuffer:
         self._no_peers = torch.zeros(1, dtype=torch.int64, device=device)  # world 1's tables
         self.done = torch.zeros(1, dtype=torch.int32, device=device)
         self.error = torch.zeros(1, dtype=torch.int32, device=device)
-        self.epoch = 0
+        # the calls of this group so far (the barrier's epoch), on the device: GatherRS
+        # reads and advances it, so replays of captured calls go on counting
+        self.epoch = torch.zeros(1, dtype=torch.int32, device=device)
         self.captured = False  # some launch of it went into a CUDA graph
         self.broken: str | None = None
         self._memory: PeerMemory | None = None
         self._layout: tuple | None = None  # (cap rows, hidden, partial dtype)
-        self._ptr_tables: list[torch.Tensor] = []
+        self._ptr_table: torch.Tensor | None = None  # [2, world]: each parity's slots
         self._recv_views: list[torch.Tensor] = []  # recv(0), recv(1)
         self._slots_at = (0, 0)  # (byte offset of the slots, bytes per parity)
         self._signal_ptrs: torch.Tensor | None = None
@@ -93,7 +99,7 @@ class OverlapBuffer:
             self._join = torch.cuda.Event()  # side -> main after it
 
     # ---------------------------------------------------------------- memory
-    def ensure(self, rows: int, hidden: int, dtype: torch.dtype) -> None:
+    def ensure(self, rows: int, hidden: int, dtype: torch.dtype, captured: bool = False) -> None:
         """Receive slots for `rows` tokens per rank x `hidden` columns of `dtype`.
 
         Memory: [barrier words, 128-byte padded][parity 0 slots][parity 1 slots]. The
@@ -108,6 +114,10 @@ class OverlapBuffer:
             if n == hidden and dt == dtype and cap >= rows:
                 return
             rows = max(rows, cap) if (n == hidden and dt == dtype) else rows
+        if captured:  # (it would synchronize, or allocate collectively)
+            raise RuntimeError("gemm2_gather_rs cannot be captured in a CUDA graph here: its "
+                               "receive slots must grow to this call's rows or hidden size; "
+                               "make one eager call of the largest shapes before capturing")
         esize = torch.finfo(dtype).bits // 8
         half = -(-self.world * rows * hidden * esize // 128) * 128
         signal_bytes = -(-4 * self.world // 128) * 128
@@ -116,16 +126,14 @@ class OverlapBuffer:
                                                self.group, self.rank, self.world)
             self._signal_ptrs = torch.tensor(self._memory.peer_ptrs, dtype=torch.int64,
                                              device=self.device)
-            self.epoch = 0  # fresh barrier words are zero on every rank
+            self.epoch.zero_()  # fresh barrier words are zero on every rank
         else:
             self._quiesce()
         self._layout = (rows, hidden, dtype)
         self._slots_at = (signal_bytes, half)
-        self._ptr_tables = [
-            torch.tensor([p + signal_bytes + parity * half for p in self._memory.peer_ptrs],
-                         dtype=torch.int64, device=self.device)
-            for parity in (0, 1)
-        ]
+        self._ptr_table = torch.tensor(
+            [p + signal_bytes + parity * half for parity in (0, 1) for p in self._memory.peer_ptrs],
+            dtype=torch.int64, device=self.device)
         self._recv_views = [self.recv(parity) for parity in (0, 1)]
 
     def _quiesce(self) -> None:
@@ -373,8 +381,6 @@ class OverlapBuffer:
         if "gemm2" not in phases:
             self.ready[:splits].fill_(1 << 30)
             helpers = 0
-        self.epoch += 1
-        parity = self.epoch % 2
 
         def launch_comm(**kw):
             if self.world == 1:  # no peers: the one "slot" is the output itself (the
@@ -382,9 +388,10 @@ class OverlapBuffer:
                 dst = signals = self._no_peers
                 slot_stride, row_stride, partial_like = 0, out.stride(0), out
             else:
-                dst, signals = self._ptr_tables[parity], self._signal_ptrs
+                # (both parities' slots: the kernel picks this call's by its epoch)
+                dst, signals = self._ptr_table, self._signal_ptrs
                 slot_stride, row_stride = self._layout[0] * hidden, hidden
-                partial_like = self._recv_views[parity]
+                partial_like = self._recv_views[0]
             grs.launch_gather_rs(
                 y, table, probs, dst, signals, self.ready, self.done, self.error, tile_start,
                 tokens_per_rank=tokens_per_rank, splits=splits, rank=self.rank,
@@ -446,7 +453,9 @@ class OverlapBuffer:
                     launch_comm(launch_helpers=True)
             ops.record(self._join, side)
             ops.wait(self._join)  # the caller's stream waits for GatherRS
-        if self.world > 1:
-            grs.launch_sum_partials(self._recv_views[parity], out, self.world)
+        if self.world > 1:  # the slots of this call's parity (GatherRS stored its epoch)
+            recv = self._recv_views[0]
+            grs.launch_sum_partials(recv, out, self.world, epoch=self.epoch,
+                                    parity_stride=self._slots_at[1] // recv.element_size())
         return y
 

@@ -166,11 +166,12 @@ def gemm2_gather_rs(
         config: OverlapConfig (backend, planner switch, sm_margin, preset, ...).
         return_plan: also return the planner's decision (None on the reference path).
 
-    CUDA graphs: a call captured under torch.no_grad on a one-rank group, with
-    tokens_per_expert a CUDA tensor and a Triton backend, replays correctly for whatever
-    the captured x, counts and token_index hold at replay time (the planner's decision
-    is the capture's: it read only the shapes). Run one call of the same shapes before
-    capturing (it compiles the kernels). A replay's errors (bad counts, a time-out) stay
+    CUDA graphs: a call captured under torch.no_grad with tokens_per_expert a CUDA
+    tensor and a Triton backend replays correctly for whatever the captured x, counts
+    and token_index hold at replay time (the planner's decision is the capture's: it
+    read only the shapes); on a group of several ranks every rank replays its graph as
+    it would call the op. Run one call of the same shapes before capturing (it compiles
+    the kernels and sets up the group's peer memory). A replay's errors (bad counts, a time-out) stay
     in the buffer's error word: `OverlapBuffer.note_replays()` after a replay reads them at the next
     call, as an eager call's. Other calls raise RuntimeError when captured.
     """
@@ -191,6 +192,17 @@ def gemm2_gather_rs(
         launch.buffer.note_launch(launch.plan.w_comp if launch.counts is not None else None,
                                   sync=launch.config.sync_errors, captured=launch.captured)
     return (out, launch.plan) if return_plan else out
+
+
+def _unprepared(group, world: int, device: torch.device, backend: str) -> str | None:
+    """What a capture would have to set up on the host (None: an eager call of this group
+    did it): the ranks' hosts, gathered by a collective, and the buffer (its peer memory
+    is a collective allocation)."""
+    if (world > 1 and id(group) not in _peer_capable_cache) or not OverlapBuffer.exists(
+            group, device, backend):
+        return ("this group's first call sets up peer memory with collectives; make one "
+                "eager call (of the largest shapes) before capturing")
+    return None
 
 
 @dataclass
@@ -238,8 +250,10 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
     token_index = token_index.contiguous()  # the kernels index it as a flat array
     backend = resolve_backend(config.backend, x.device)
     captured = capturing(x)
-    if captured and (why := capture_refusal(backend, counts, world)) is not None:
-        raise RuntimeError(f"gemm2_gather_rs cannot be captured in a CUDA graph here: {why}")
+    if captured:
+        why = capture_refusal(backend, counts) or _unprepared(group, world, x.device, backend)
+        if why is not None:
+            raise RuntimeError(f"gemm2_gather_rs cannot be captured in a CUDA graph here: {why}")
     if backend != "reference" and not _peer_capable(group, world):
         global _fallback_warned
         if not _fallback_warned:
@@ -281,7 +295,7 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
     # row order (with host counts it also brings the offsets to the device)
     # (the receive slots first: growing them queues copies that GatherRS depends on, which
     # must come before the event it forks from, `route`'s)
-    buf.ensure(num_tokens // world, hidden, config.partial_dtype or x.dtype)
+    buf.ensure(num_tokens // world, hidden, config.partial_dtype or x.dtype, captured)
     # (device counts the same way, read in place: no host sync, no torch ops)
     table, offsets, counts_dev, row_tiles, routed = buf.route(
         token_index, counts if counts is not None else to_device(counts_dev, x.device),

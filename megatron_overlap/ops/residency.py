@@ -38,7 +38,7 @@ def compiled_occupancies(device: torch.device, flags: tuple, t: TileConfig, comm
     ptrs = torch.zeros(1, dtype=torch.int64, device=device)
     ck = grs.launch_gather_rs(
         y, table, None, ptrs, ptrs, ready, done, error, idx,
-        tokens_per_rank=1, splits=1, rank=0, world=1, gemm_col_tiles=1, epoch=1,
+        tokens_per_rank=1, splits=1, rank=0, world=1, gemm_col_tiles=1, epoch=done,
         max_spins=1, partial_like=y, dst_slot_stride=0, dst_row_stride=1, programs=1,
         block_tm=comm_tm, block_tn=comm_tn, num_warps=t.comm_warps,
         item_stages=t.comm_stages, slot_loop=t.comm_slot_loop, warmup=True,

@@ -102,16 +102,14 @@ def capturing(t: torch.Tensor) -> bool:
     return t.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-def capture_refusal(backend: str, counts, world: int) -> str | None:
+def capture_refusal(backend: str, counts) -> str | None:
     """Why a call captured into a CUDA graph would replay wrongly (None: it replays the
     routing of each replay's own tensors). A replay re-runs the recorded kernels with
-    their recorded arguments, so nothing the host prepares per call may reach them."""
+    their recorded arguments, so nothing the host prepares per call may reach them (the
+    barrier's epoch and the receive slots' parity are device words: `gather_rs`)."""
     if backend == "reference":
         return "the reference backend splits the rows by expert on the host"
     if counts is not None:
         return ("the expert counts come from the host (a replay would combine with the "
                 "routing of the capture); pass tokens_per_expert as a CUDA tensor")
-    if world > 1:
-        return ("the cross-rank barrier waits for an epoch that is a kernel argument (a "
-                "replay would reuse the capture's); only a one-rank group replays")
     return None
