@@ -24,7 +24,8 @@ slice of the rows (token_index[j] < token_index[j+1] inside every segment) and
 records ERR_UNSORTED in the error word on a violation (ERR_TOPK for a token with more
 than k rows, whose extra rows no slot would hold; ERR_COUNTS for expert counts that do
 not sum to the rows), which the host raises as a ValueError at its next check: a wrong
-order cannot pass silently.
+order cannot pass silently. Rows past the counts' sum may be padding (`padded`: the
+layer's bound of the rows under EP), which no segment holds and nothing checks.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ def routing_table_kernel(
     BLOCK_T: tl.constexpr, EXPERTS_POW2: tl.constexpr, SEARCH_STEPS: tl.constexpr,
     TOPK_POW2: tl.constexpr, CHECK_ROWS: tl.constexpr, CHECK_CHUNK: tl.constexpr,
     WINDOW_STEPS: tl.constexpr, WRITE_DEST: tl.constexpr, FROM_COUNTS: tl.constexpr,
+    PADDED: tl.constexpr,
 ):
     pid = tl.program_id(0)
     tokens = pid * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -69,8 +71,14 @@ def routing_table_kernel(
         end = tl.minimum(total, num_rows)
         begin = tl.minimum(total - count, num_rows)
         count = end - begin
+        # PADDED: the rows past the counts' sum are padding (no segment holds them)
+        counted = tl.max(end, axis=0)
+        if PADDED:
+            missed = tl.max(total, axis=0) > num_rows
+        else:
+            missed = tl.max(total, axis=0) != num_rows
         if pid == 0:
-            if (tl.max(total, axis=0) != num_rows) | (tl.min(raw, axis=0) < 0):
+            if missed | (tl.min(raw, axis=0) < 0):
                 tl.atomic_cas(error_ptr, 0, 5 << 24)  # ERR_COUNTS
             tile_end = tl.cumsum((count + block_m - 1) // block_m, axis=0)
             tl.store(packed_ptr + experts * 0, 0, mask=experts == 0)
@@ -81,6 +89,7 @@ def routing_table_kernel(
     else:
         begin = tl.load(offsets_ptr + experts, mask=known, other=0)
         end = tl.load(offsets_ptr + experts + 1, mask=known, other=0)
+        counted = num_rows
     # This program's tokens [t0, t0 + BLOCK_T) occupy a window [lb, ub) of each expert's
     # segment (at most one row per token and expert, so ub - lb <= BLOCK_T): two
     # searches per expert, then every [T, E] search runs inside its window, in
@@ -130,8 +139,8 @@ def routing_table_kernel(
     any_bad = pid * 0
     for c0 in tl.static_range(0, CHECK_ROWS, CHECK_CHUNK):
         rows = pid * CHECK_ROWS + c0 + tl.arange(0, CHECK_CHUNK)
-        real = rows < num_rows
-        pair = rows + 1 < num_rows
+        real = rows < counted
+        pair = rows + 1 < counted
         a = tl.load(token_index_ptr + rows, mask=real, other=0)
         b = tl.load(token_index_ptr + rows + 1, mask=pair, other=num_tokens)
         hit = (rows[:, None] + 1 == begin[None, :]) & known[None, :]
@@ -147,7 +156,8 @@ _ROUTING_TABLE = LaunchCache(routing_table_kernel)
 
 def launch_routing_table(token_index: torch.Tensor, row_start: torch.Tensor, num_tokens: int,
                          topk: int, error: torch.Tensor, dest: torch.Tensor | None = None,
-                         from_counts: tuple[torch.Tensor, int] | None = None) -> torch.Tensor:
+                         from_counts: tuple[torch.Tensor, int] | None = None,
+                         padded: bool = False) -> torch.Tensor:
     """[M, topk] int32 table from rows grouped by expert, ascending token inside each.
 
     token_index [T] (int32/int64), row_start [E+1] int32 on the same device; `error` is
@@ -162,8 +172,12 @@ def launch_routing_table(token_index: torch.Tensor, row_start: torch.Tensor, num
     [row_start | tile_start | counts]: the offsets reach the device without a copy or
     any summing on the host's critical path. Counts that do not sum to the T rows, or
     a negative one, are clamped into [0, T] there (no kernel reads or writes past x or
-    y) and recorded as ERR_COUNTS << 24 in `error`.
+    y) and recorded as ERR_COUNTS << 24 in `error`. `padded` (with `from_counts`): the
+    counts may sum to fewer than the T rows; the rows past their sum are padding, in no
+    expert's segment, neither in the table nor checked (only a sum past T is an error).
     """
+    if padded and from_counts is None:
+        raise ValueError("padded rows need from_counts (the offsets then come from the counts)")
     table = torch.empty(num_tokens, topk, dtype=torch.int32, device=token_index.device)
     rows = token_index.numel()
     experts = row_start.numel() - (from_counts is None)
@@ -180,7 +194,7 @@ def launch_routing_table(token_index: torch.Tensor, row_start: torch.Tensor, num
             packed.copy_(torch.cat(expert_offsets(counts, from_counts[1]) + (counts,)))
         return table if num_tokens == 0 else table.fill_(-1)
     grid, meta = _routing_grid_meta(rows, num_tokens, topk, experts, dest is not None,
-                                    from_counts is not None)
+                                    from_counts is not None, padded)
     _ROUTING_TABLE.launch(grid, (token_index, row_start, table, table if dest is None else dest,
                                  error, packed, rows, num_tokens, topk, experts,
                                  from_counts[1] if from_counts else 1), meta)
@@ -189,7 +203,7 @@ def launch_routing_table(token_index: torch.Tensor, row_start: torch.Tensor, num
 
 @functools.lru_cache(maxsize=256)  # on the launch path of every call: computed once
 def _routing_grid_meta(rows: int, num_tokens: int, topk: int, experts: int, write_dest: bool,
-                       from_counts: bool) -> tuple[tuple, dict]:
+                       from_counts: bool, padded: bool = False) -> tuple[tuple, dict]:
     experts_pow2 = next_pow2(experts)
     block_t = max(1, min(128, 4096 // experts_pow2))
     programs = triton.cdiv(num_tokens, block_t)
@@ -199,7 +213,7 @@ def _routing_grid_meta(rows: int, num_tokens: int, topk: int, experts: int, writ
         TOPK_POW2=next_pow2(topk), CHECK_ROWS=check_rows,
         CHECK_CHUNK=min(check_rows, max(1, 4096 // experts_pow2)),
         WINDOW_STEPS=block_t.bit_length(), WRITE_DEST=write_dest, FROM_COUNTS=from_counts,
-        num_warps=4)
+        PADDED=padded, num_warps=4)
 
 
 def combine_table(token_index: torch.Tensor, num_tokens: int, topk: int) -> torch.Tensor:

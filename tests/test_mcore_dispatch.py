@@ -106,3 +106,12 @@ def test_deferred_postprocess_declines_a_router_that_drops_tokens():
     disp = _dispatcher(torch.ones(4, 2, dtype=torch.bool), [0, 1])
     disp.config.moe_expert_capacity_factor = 1.0
     assert deferred_postprocess(disp, torch.randn(4, 4), torch.rand(4, 2), 2) is None
+
+
+def test_rows_bound_is_top_k_rows_per_token_capped_by_the_local_experts_unless_too_loose():
+    from megatron_overlap.mcore.dispatch import MAX_PADDING, rows_bound
+
+    assert rows_bound(100, 2, 4, 4) == 200  # every expert local: the rows exactly
+    assert rows_bound(100, 2, 1, 4) == 100  # one local expert: a row per token at most
+    assert rows_bound(100, 8, 8, 64) is None  # 8x a uniform routing's rows > MAX_PADDING
+    assert rows_bound(100, 8, 8, 8 * MAX_PADDING) == 800

@@ -288,6 +288,36 @@ def test_device_counts_that_miss_the_rows_raise_at_the_check_and_the_buffer_stay
     assert all(torch.equal(a, b) for a, b in zip(offsets, host[1]))
 
 
+@pytest.mark.parametrize("config", [INTERP, REF], ids=["interpret", "reference"])
+def test_padding_rows_past_the_counts_change_no_bit_of_the_output(config):
+    """x, token_index a bound of the rows (Megatron's padded permutation under EP): the
+    rows past the counts' sum hold garbage and token 0, and the output is the unpadded
+    call's, bit for bit; device-like counts (a tensor handed to `route`) give the same
+    table without an error; expected_rows is checked, and refused with gradients."""
+    from megatron_overlap.ops import OverlapBuffer
+
+    p = routed_problem(0, 2, tokens=30, experts=4, topk=2, ffn=16, hidden=32, ep=2)
+    rows = p["x"].shape[0]
+    want = call(p, 30, 2, config)
+    pad = dict(p, x=torch.cat([p["x"], torch.randn(7, 16).to(p["x"].dtype) * 1e3]),
+               token_index=torch.cat([p["token_index"], torch.zeros(7, dtype=torch.int64)]))
+    got = call(pad, 30, 2, config, expected_rows=rows)
+    assert torch.equal(got, want)
+    buf = OverlapBuffer.get(None, torch.device("cpu"), "interpret")
+    table = buf.route(pad["token_index"], p["counts"], 16, 30, 2, padded=True)[0]
+    buf.note_launch(None, sync=True)  # (raises if the kernel flagged anything)
+    assert torch.equal(table, buf.route(p["token_index"], p["counts"].tolist(), 16, 30, 2)[0])
+    for bad in (-1, rows + 8):
+        with pytest.raises(ValueError, match="expected_rows must lie in"):
+            call(pad, 30, 2, config, expected_rows=bad)
+    with pytest.raises(ValueError, match="sums to"):  # without it the padding is an error
+        call(pad, 30, 2, config)
+    x = pad["x"].clone().requires_grad_(True)
+    with pytest.raises(ValueError, match="for inference"):
+        gemm2_gather_rs(x, pad["weight"], p["counts"], pad["token_index"], 30, 2,
+                        config=config, expected_rows=rows)
+
+
 def test_counts_off_the_host_must_be_int32_or_int64():
     """Counts the kernel reads in place (any tensor off the host; "meta" stands in for a
     GPU here) must be one of the two integer types it loads."""

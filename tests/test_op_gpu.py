@@ -285,6 +285,48 @@ def test_op_captured_on_device_counts_replays_the_routing_each_replay_finds():
         OverlapBuffer.note_replays()  # nothing left to raise
 
 
+def test_padding_rows_on_device_counts_change_no_bit_and_replay_in_a_graph():
+    """EP rank 0's rows padded to a bound (garbage rows, token 0, as the layer's padded
+    permutation leaves them) with the counts on the device and `expected_rows`: the
+    unpadded call's bits, eagerly and in replays of a captured call on two routings."""
+    from megatron_overlap.ops import OverlapBuffer
+
+    shape = dict(tokens=1024, experts=8, topk=2, ffn=256, hidden=512, ep=2)
+    bound = 1024 * 2
+    runs = []
+    for seed in (31, 32):
+        p = routed_problem(0, 2, device="cuda", seed=seed, **shape)
+        rows = p["x"].shape[0]
+        want = gemm2_gather_rs(p["x"], p["weight"], p["counts"].cuda(), p["token_index"],
+                               1024, 2, config=TRITON)
+        pad = dict(p, counts=p["counts"].cuda(),
+                   x=torch.cat([p["x"], torch.randn(bound - rows, 256, device="cuda")
+                                .bfloat16() * 1e3]),
+                   token_index=torch.cat([p["token_index"], torch.zeros(
+                       bound - rows, dtype=p["token_index"].dtype, device="cuda")]))
+        runs.append((pad, want))
+    with torch.no_grad():
+        for pad, want in runs:
+            got = gemm2_gather_rs(pad["x"], pad["weight"], pad["counts"], pad["token_index"],
+                                  1024, 2, config=TRITON, expected_rows=1024)
+            assert torch.equal(got, want)
+        static = {k: v.clone() for k, v in runs[0][0].items()}
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = gemm2_gather_rs(static["x"], static["weight"], static["counts"],
+                                  static["token_index"], 1024, 2, config=TRITON,
+                                  expected_rows=1024)
+        for i in (1, 0, 1):
+            for k in ("x", "weight", "counts", "token_index"):
+                static[k].copy_(runs[i][0][k])
+            out.fill_(float("nan"))
+            graph.replay()
+            OverlapBuffer.note_replays()
+            torch.cuda.synchronize()
+            assert torch.equal(out, runs[i][1]), i
+        OverlapBuffer.note_replays()
+
+
 def test_single_gpu_hot_expert_and_planner_choice():
     p = routed_problem(0, 1, device="cuda", hot=True, **SHAPE)
     out, plan = gemm2_gather_rs(p["x"], p["weight"], p["counts"], p["token_index"],

@@ -124,10 +124,13 @@ def kernels():
             yield (f"{name} H={h}", getattr(module, f"{name}_kernel"),
                    _signature(pointers, {"rows": "i32"}, meta), meta, dict(num_warps=4),
                    {(i,): [["tt.divisibility", 16]] for i in aligned})
-    for dest, from_counts in ((False, False), (True, True)):
+    for dest, from_counts, padded in ((False, False, False), (True, True, False),
+                                      (False, True, True)):
         meta = dict(BLOCK_T=64, EXPERTS_POW2=64, SEARCH_STEPS=17, TOPK_POW2=4, CHECK_ROWS=256,
-                    CHECK_CHUNK=64, WINDOW_STEPS=7, WRITE_DEST=dest, FROM_COUNTS=from_counts)
-        yield (f"routing_table dest={dest} from_counts={from_counts}", rt.routing_table_kernel,
+                    CHECK_CHUNK=64, WINDOW_STEPS=7, WRITE_DEST=dest, FROM_COUNTS=from_counts,
+                    PADDED=padded)
+        yield (f"routing_table dest={dest} from_counts={from_counts}" + " padded" * padded,
+               rt.routing_table_kernel,
                _signature({"token_index_ptr": "*i64", "offsets_ptr": "*i32",
                            "table_ptr": "*i32", "dest_ptr": "*i32", "error_ptr": "*i32",
                            "packed_ptr": "*i32"},

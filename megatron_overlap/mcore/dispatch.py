@@ -40,6 +40,15 @@ from ..ops.config import interpreting
 MAX_PADDING = 4
 
 
+def rows_bound(num_tokens: int, topk: int, local: int, experts: int) -> int | None:
+    """The rows `deferred_postprocess` pads the permutation to under EP (M x min(top-k,
+    local experts)), or None where that exceeds MAX_PADDING x a uniform routing's."""
+    bound = num_tokens * min(topk, local)
+    if bound > MAX_PADDING * math.ceil(num_tokens * topk * local / experts):
+        return None
+    return bound
+
+
 def single_sync_postprocess(disp, hidden_states: torch.Tensor, probs: torch.Tensor):
     """`dispatch_postprocess` of an allgather dispatcher (non-fused permute) with one host
     sync: (permuted hidden [T, H], tokens_per_expert (CPU int64 [E]), permuted probs [T]),
@@ -135,8 +144,8 @@ def deferred_postprocess(disp, hidden_states: torch.Tensor, probs: torch.Tensor,
     if disp.config.moe_expert_capacity_factor or not (local == experts or pad):
         return None
     num_tokens = disp.routing_map.shape[0]
-    bound = num_tokens * min(topk, local)
-    if bound > MAX_PADDING * math.ceil(num_tokens * topk * local / experts):
+    bound = rows_bound(num_tokens, topk, local, experts)
+    if bound is None:
         return None
     disp.hidden_shape_before_permute = hidden_states.shape
     routing_map = disp.routing_map

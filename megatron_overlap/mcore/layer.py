@@ -8,16 +8,16 @@ This subclass overrides exactly those two steps: FC1 + activation stay the exper
 reduce-scatter become one `gemm2_gather_rs` call whose output is what `token_combine`
 returns. Where the fused op runs, the layer also leaves the GPU idle less often
 (`dispatch.py`): the dispatcher's postprocess syncs the host once instead of three
-times (same rows, same bits), or, (in inference) under EP with the rows padded to a
-bound, only once FC1 and the activation are queued, or, where every expert is local,
-never: the op takes the expert counts on the device (`OverlapConfig.host_counts`). In
+times (same rows, same bits), or never where every expert is local or, in inference
+under EP, the rows are padded to a bound: the op takes the expert counts on the device
+and skips the padding (`OverlapConfig.host_counts` waits for them instead). In
 inference (eval mode, no gradient) the weighted SwiGLU is one Triton pass, and a gated
 shared expert's gate and add into the routed output are one more
 (`kernels/gated_add.py`). Router, dispatch and the shared experts' GEMMs are Megatron's.
 
-Where the host never waits (inference, every expert local, device counts:
-`_capture_refusal`), a forward captured into a CUDA graph (`torch.cuda.graph`) captures the fused path, at
-any size, and replays it on whatever tokens the graph's input then holds; the stock
+Where the host never waits (inference, device counts: `_capture_refusal`), a forward
+captured into a CUDA graph (`torch.cuda.graph`) captures the fused path, at any size,
+and replays it on whatever tokens the graph's input then holds; the stock
 dropless layer syncs the host and cannot be captured. Anything else (another
 dispatcher, TE experts, fp8, expert biases, latent MoE, the inference dispatcher, a
 capture the op could not replay) runs the stock path after one warning.
@@ -38,7 +38,7 @@ from ..kernels.gated_add import add_gated_shared_
 from ..ops import OverlapConfig, gemm2_gather_rs
 from ..ops.config import interpreting, stock_thresholds
 from ..ops.validation import capturing
-from .dispatch import deferred_postprocess, single_sync_postprocess
+from .dispatch import deferred_postprocess, rows_bound, single_sync_postprocess
 from .experts import (GroupedGemmExperts, fc1_and_fc2_weight, host_counts, in_inference,
                       needs_host_counts)
 
@@ -151,9 +151,11 @@ class OverlapMoELayer(MoELayer):
         c = self.config
         if not in_inference(self, chain((hidden_states,), self.parameters())):
             return "gradients (capture the forward in eval mode under torch.no_grad)"
-        if self.num_local_experts != c.num_moe_experts:
-            return ("expert parallelism (the rows of this rank's experts are counted on "
-                    "the host)")
+        if self.num_local_experts != c.num_moe_experts and rows_bound(
+                hidden_states.shape[0], c.moe_router_topk, self.num_local_experts,
+                c.num_moe_experts) is None:
+            return ("expert parallelism with a loose bound of the rows (top-k x EP > "
+                    "MAX_PADDING x top-k: the rows are counted on the host)")
         if c.moe_permute_fusion or c.moe_expert_capacity_factor:
             return "TE's fused permute or a capacity factor (the rows are split on the host)"
         if needs_host_counts(self.experts, hidden_states):
@@ -182,21 +184,24 @@ class OverlapMoELayer(MoELayer):
                  numel, macs, self._thresholds)
 
     def _postprocess(self, hidden_states, probs):
-        """(tokens_per_expert, FC1 + activation output, FC2 weight) of the dispatched
-        tokens: Megatron's postprocess where TE permutes, else one sync (`single_sync_postprocess`)
-        or, where the row count is known or (in inference) bounded without the counts,
-        none before FC1 is queued (`deferred_postprocess`). The counts are on the host,
-        or on the device: where every expert is on this rank (the rows are M x top-k,
-        known without the counts; `deferred_postprocess` checks that no capacity factor
-        drops any), FC1 runs on device offsets and the config does not ask for host
-        counts (`OverlapConfig.host_counts`), the op takes them there and the host never
-        waits for them."""
-        disp, topk = self.token_dispatcher, self.config.moe_router_topk
+        """(tokens_per_expert, FC1 + activation output, FC2 weight, expected rows) of the
+        dispatched tokens: Megatron's postprocess where TE permutes, else one sync
+        (`single_sync_postprocess`) or, where the row count is known or (in inference)
+        bounded without the counts, none before FC1 is queued (`deferred_postprocess`).
+        The counts are on the host, or on the device: where FC1 runs on device offsets,
+        the config does not ask for host counts (`OverlapConfig.host_counts`), and either
+        every expert is on this rank (the rows are M x top-k, known without the counts;
+        `deferred_postprocess` checks that no capacity factor drops any) or, in inference
+        under EP, the rows are padded to their bound (the op's `expected_rows`: a uniform
+        routing's rows, for its plan). The op then takes them there and the host never
+        waits for them. Expected rows is None unless the rows are padded."""
+        disp, c = self.token_dispatcher, self.config
+        topk, local = c.moe_router_topk, self.num_local_experts
         pad = in_inference(self, chain((hidden_states, probs), self.experts.parameters()))
         # (the permuted rows have hidden_states' dtype and device, and rows iff it has)
         fc1_first = not needs_host_counts(self.experts, hidden_states)
         on_device = (fc1_first and not self.overlap_config.host_counts
-                     and self.num_local_experts == self.config.num_moe_experts)
+                     and (local == c.num_moe_experts or pad))
         deferred = None if self.config.moe_permute_fusion else deferred_postprocess(
             disp, hidden_states, probs, topk, pad=pad, host_copy=not on_device)
         if deferred is not None:
@@ -205,8 +210,12 @@ class OverlapMoELayer(MoELayer):
             if fc1_first:  # FC1 queued before the wait
                 h, weight = fc1_and_fc2_weight(self.experts, x, None, permuted_probs,
                                                deferred.counts_dev, deferred.valid_rows)
-                if on_device:  # the rows are M x top-k: the op takes the device counts
-                    return deferred.counts_dev, h, weight
+                if on_device:  # the rows are M x top-k, or padded: the device counts
+                    expected = None
+                    if local != c.num_moe_experts:  # (uniform routing's rows, for the plan)
+                        expected = min(x.shape[0], hidden_states.shape[0] * topk * local
+                                       // c.num_moe_experts)
+                    return deferred.counts_dev, h, weight, expected
             tokens_per_expert = deferred.tokens_per_expert()
             rows = int(tokens_per_expert.sum())
             if rows == x.shape[0] or (deferred.padded and rows < x.shape[0]):
@@ -214,7 +223,7 @@ class OverlapMoELayer(MoELayer):
                 if h is None:
                     h, weight = fc1_and_fc2_weight(self.experts, deferred.permuted,
                                                    tokens_per_expert, deferred.probs)
-                return tokens_per_expert, h[:rows], weight
+                return tokens_per_expert, h[:rows], weight, None
             # a router that gave some token fewer than top-k experts, where rows may not
             # be padded (a gradient flows): redo with the counts
             disp.routing_map = deferred.routing_map
@@ -225,7 +234,7 @@ class OverlapMoELayer(MoELayer):
             x, tokens_per_expert, permuted_probs = single_sync_postprocess(disp, hidden_states,
                                                                            probs)
         h, weight = fc1_and_fc2_weight(self.experts, x, tokens_per_expert, permuted_probs)
-        return tokens_per_expert, h, weight
+        return tokens_per_expert, h, weight, None
 
     def _fuses_shared_gate(self, hidden_states) -> bool:
         """Join a gated shared expert to the routed output in one pass (`add_gated_shared_`)?
@@ -281,7 +290,7 @@ class OverlapMoELayer(MoELayer):
             self._fused_pending = False
             return super().routed_experts_compute(hidden_states, probs)
         disp = self.token_dispatcher
-        tokens_per_expert, h, weight = self._postprocess(hidden_states, probs)
+        tokens_per_expert, h, weight, expected_rows = self._postprocess(hidden_states, probs)
         if self.config.moe_permute_fusion:
             # TE's fused permute keeps a row-id map, not the token of each row: rebuild the
             # expert-major, token-ascending order it permuted in.
@@ -293,7 +302,7 @@ class OverlapMoELayer(MoELayer):
         out, plan = gemm2_gather_rs(h, weight.to(h.dtype), tokens_per_expert, token_index,
                                     num_tokens, self.config.moe_router_topk, None,
                                     disp.tp_ep_group, config=self.overlap_config,
-                                    return_plan=True)
+                                    return_plan=True, expected_rows=expected_rows)
         self._note_decision(plan, tokens_per_expert, num_tokens, weight, disp.tp_ep_group)
         self._fused_pending = True
         return out, None

@@ -152,7 +152,7 @@ class OverlapBuffer:
 
     # ---------------------------------------------------------------- offsets, table
     def route(self, token_index, counts, block_m: int, num_tokens: int, topk: int,
-              dest=None) -> tuple:
+              dest=None, padded: bool = False) -> tuple:
         """(table, (row_start, tile_start), counts_dev, row_tiles, event) from host
         counts: the expert offsets (`gemm2.packed_offsets_host`'s layout) on the device, the
         routing table, the row tiles of all experts (what the planner's W_comp reads),
@@ -163,7 +163,8 @@ class OverlapBuffer:
 
         `counts` may instead be an int tensor on this device (counts the host never
         saw): the kernel reads it in place the same way; row_tiles and the event are
-        then None (the caller estimates the former).
+        then None (the caller estimates the former); with `padded` they may sum to fewer
+        than the rows, the rest being padding (`launch_routing_table`).
 
         The counts go into the next pinned slot of a ring (`counts_ring`), which the
         routing-table kernel reads in place (mapped): it sums them and writes the offsets
@@ -182,7 +183,8 @@ class OverlapBuffer:
             dev = torch.empty(3 * experts + 2, dtype=torch.int32, device=self.device)
             try:
                 table = launch_routing_table(token_index, src, num_tokens, topk, self.error,
-                                             dest, from_counts=(dev, block_m))
+                                             dest, from_counts=(dev, block_m),
+                                             padded=padded and on_device)
             except ValueError as err:  # raised by the launcher before anything is queued
                 if on_device or "cannot be accessed" not in str(err):
                     raise

@@ -54,8 +54,9 @@ def _group_size_rank(group) -> tuple[int, int]:
 def _forward(x, weight, probs, counts_dev, table, launch):
     """(out, y) of a prepared launch: the overlapped kernels or the reference path."""
     counts, group, world = launch.counts, launch.group, launch.world
-    if launch.buffer is None:
-        return reference_forward(x, weight, counts_dev, counts, table, probs, group, world)
+    if launch.buffer is None:  # (the rows past the counts' sum are padding)
+        return reference_forward(x[:sum(counts)], weight, counts_dev, counts, table, probs,
+                                 group, world)
     out = torch.empty(table.shape[0] // world, weight.shape[1], dtype=x.dtype, device=x.device)
     y = launch.buffer.launch(aligned(x), aligned(weight), counts_dev, table, probs, out,
                              plan=launch.plan, fork=launch.routed, **launch.kwargs)
@@ -141,6 +142,7 @@ def gemm2_gather_rs(
     splits: int | None = None,
     config: OverlapConfig | None = None,
     return_plan: bool = False,
+    expected_rows: int | None = None,
 ):
     """Overlapped GEMM2 + top-k combine + reduce-scatter; returns this rank's [M/D, N].
 
@@ -165,6 +167,11 @@ def gemm2_gather_rs(
         comm_ctas, splits: explicit C and L (override the planner / default).
         config: OverlapConfig (backend, planner switch, sm_margin, preset, ...).
         return_plan: also return the planner's decision (None on the reference path).
+        expected_rows: x's rows are a bound: the counts may sum to fewer, and the rows
+            past their sum are padding, computed and combined by nobody (the layer's
+            padded permutation under EP in inference). The value is the rows the
+            planner expects where the counts stay on the device (e.g. M x top-k x local
+            / all experts under uniform routing). Not with gradients.
 
     CUDA graphs: a call captured under torch.no_grad with tokens_per_expert a CUDA
     tensor and a Triton backend replays correctly for whatever the captured x, counts
@@ -177,12 +184,16 @@ def gemm2_gather_rs(
     """
     grads = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                          or (probs is not None and probs.requires_grad))
+    if grads and expected_rows is not None:
+        raise ValueError("expected_rows (padded rows) is for inference: the backward needs "
+                         "x's rows to be the counts'")
     if grads and capturing(x):
         raise RuntimeError("gemm2_gather_rs cannot be captured in a CUDA graph with "
                            "gradients: its backward splits the rows by expert on the host "
                            "(capture the forward under torch.no_grad)")
     launch = prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs,
-                     group, comm_ctas=comm_ctas, splits=splits, config=config)
+                     group, comm_ctas=comm_ctas, splits=splits, config=config,
+                     expected_rows=expected_rows)
     if grads:
         out = _Gemm2GatherRS.apply(x, weight, probs, launch.counts_dev, token_index,
                                    launch.table, launch)
@@ -240,15 +251,23 @@ def _resolved(tiles: TileConfig, device: torch.device, dtype: torch.dtype) -> Ti
 
 
 def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=None,
-            group=None, *, comm_ctas=None, splits=None, config=None) -> Launch:
+            group=None, *, comm_ctas=None, splits=None, config=None,
+            expected_rows=None) -> Launch:
     """Validate, choose the backend, plan C and L, and size the workspace (no launch)."""
     config = config or OverlapConfig()
     world, rank = _group_size_rank(group)
     experts = weight.shape[0] if weight.dim() == 3 else -1
     counts, counts_dev = host_counts(tokens_per_expert, x.shape[0], experts)
-    validate(x, weight, counts, token_index, num_tokens, topk, probs, world)
-    token_index = token_index.contiguous()  # the kernels index it as a flat array
+    padded = expected_rows is not None
+    if padded and not 0 <= expected_rows <= x.shape[0]:
+        raise ValueError(f"expected_rows must lie in [0, {x.shape[0]}] (x's rows), got "
+                         f"{expected_rows}")
+    validate(x, weight, counts, token_index, num_tokens, topk, probs, world, padded)
     backend = resolve_backend(config.backend, x.device)
+    if padded and counts is not None:  # the host knows where the padding starts
+        token_index = token_index[:sum(counts)]
+        padded = False  # (the rows past the table's are in no expert's: GEMM2 skips them)
+    token_index = token_index.contiguous()  # the kernels index it as a flat array
     captured = capturing(x)
     if captured:
         why = capture_refusal(backend, counts) or _unprepared(group, world, x.device, backend)
@@ -266,6 +285,9 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
     if num_splits is not None and num_splits > hidden:
         raise ValueError(f"splits ({num_splits}) must be <= hidden ({hidden})")
     if backend == "reference":  # the baseline builds its table with torch alone
+        if padded:  # (device counts: it splits the rows on the host anyway)
+            counts = counts_dev.tolist()
+            token_index = token_index[:sum(counts)]
         table = combine_table(token_index.to(torch.int64), num_tokens, topk)
         if counts_dev is None:
             counts_dev = torch.tensor(counts, dtype=torch.int64)
@@ -286,10 +308,12 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
                          f"(gemm_impl='triton' or 'auto' runs everywhere)")
     # token-major y where every token has its k rows here (T = M k: TP; no token has more
     # than k rows) and y's row numbers fit int32; else GEMM2's row order
-    if tiles.token_major and (x.shape[0] != num_tokens * topk or num_tokens * topk >= 1 << 31):
+    rows = token_index.shape[0] if expected_rows is None or counts is not None else expected_rows
+    if tiles.token_major and (expected_rows is not None or token_index.shape[0] != num_tokens * topk
+                              or num_tokens * topk >= 1 << 31):
         tiles = _row_order(tiles)
     tiles = _resolved(tiles, x.device, x.dtype)
-    dest = (torch.empty(x.shape[0], dtype=torch.int32, device=x.device)
+    dest = (torch.empty(token_index.shape[0], dtype=torch.int32, device=x.device)
             if tiles.token_major else None)
     # expert row / tile offsets and the combine table, in one kernel that also checks the
     # row order (with host counts it also brings the offsets to the device)
@@ -299,7 +323,7 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
     # (device counts the same way, read in place: no host sync, no torch ops)
     table, offsets, counts_dev, row_tiles, routed = buf.route(
         token_index, counts if counts is not None else to_device(counts_dev, x.device),
-        tiles.block_m, num_tokens, topk, dest)
+        tiles.block_m, num_tokens, topk, dest, padded)
     launch = Launch(config, backend, group, world, rank, counts, counts_dev, table, buf, None, {},
                     routed, captured)
     # W_comp reads only row_tiles = sum_e ceil(M_e / TM) (with host counts it came with
@@ -307,12 +331,12 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
     if counts is None:
         row_tiles = expert_row_tiles(Workload.from_total(
             tokens=num_tokens, hidden=hidden, ffn=x.shape[1], world=world, splits=1,
-            total_assignments=x.shape[0], local_experts=experts).expert_counts, tiles.block_m)
+            total_assignments=rows, local_experts=experts).expert_counts, tiles.block_m)
     sizes = (num_tokens, hidden, x.shape[1], world)
     # rows per token this rank gathers (k under TP; about k / EP under EP, where a token's
     # other rows live on other ranks): the bytes of a communication tile. Quarters, so
     # the decisions stay cacheable.
-    local_topk = round(4 * x.shape[0] / num_tokens) / 4
+    local_topk = round(4 * rows / num_tokens) / 4
     c = comm_ctas or config.comm_ctas
     # The decision depends on the counts only through row_tiles: remembered per buffer
     # (the host runs this after Megatron's sync, while the GPU waits).

@@ -46,8 +46,9 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device)
 
 
-def validate(x, weight, counts, token_index, num_tokens, topk, probs, world):
-    """Every check that can fail with a clear message before a kernel sees the data."""
+def validate(x, weight, counts, token_index, num_tokens, topk, probs, world, padded=False):
+    """Every check that can fail with a clear message before a kernel sees the data
+    (`padded`: the counts may sum to fewer than x's rows; the rest are padding)."""
     if x.dim() != 2 or weight.dim() != 3:
         raise ValueError(f"x must be [T, K] and weight [E, N, K]; got {tuple(x.shape)} and "
                          f"{tuple(weight.shape)}")
@@ -65,8 +66,9 @@ def validate(x, weight, counts, token_index, num_tokens, topk, probs, world):
     if counts is not None:
         if counts and min(counts) < 0:
             raise ValueError(f"tokens_per_expert must be non-negative, got {counts}")
-        if sum(counts) != x.shape[0]:
-            raise ValueError(f"tokens_per_expert sums to {sum(counts)} but x has {x.shape[0]} rows")
+        if sum(counts) != x.shape[0] and not (padded and sum(counts) <= x.shape[0]):
+            raise ValueError(f"tokens_per_expert sums to {sum(counts)} but x has {x.shape[0]} "
+                             f"rows" + (" (padded: at most)" if padded else ""))
     if num_tokens < 1 or num_tokens % world:
         raise ValueError(f"num_tokens ({num_tokens}) must be a positive multiple of the group "
                          f"size ({world}): each rank owns num_tokens / world rows")
@@ -74,6 +76,8 @@ def validate(x, weight, counts, token_index, num_tokens, topk, probs, world):
         raise ValueError(f"topk must be >= 1, got {topk}")
     if probs is not None and (probs.shape != (x.shape[0],) or probs.device != x.device):
         raise ValueError(f"probs must be [T] = [{x.shape[0]}] on x's device, got {tuple(probs.shape)}")
+    if padded and counts is not None:
+        token_index = token_index[:sum(counts)]  # (the padding's tokens are anything)
     if x.device.type == "cpu" and token_index.numel():
         # Cheap on the host; on CUDA these would cost a sync, and Megatron's routing
         # guarantees them by construction.
