@@ -110,12 +110,10 @@ def test_prefill_schedule_runs_every_policy_as_often_first_as_last():
     assert prefill._schedule(["a"], 2) == ["a", "a"]
 
 
-def test_prefill_cuda_graph_needs_every_expert_local_and_cuda(monkeypatch):
+def test_prefill_cuda_graph_turns_the_overlap_on_and_needs_cuda(monkeypatch):
     args = prefill.parse_args(["--cuda-graph"])
     assert args.moe_overlap and args.cuda_graph
-    assert prefill.parse_args(["--cuda-graph", "--tp", "2"]).tp == 2
-    with pytest.raises(ValueError, match="EP = 1"):
-        prefill.parse_args(["--cuda-graph", "--ep", "2"])
+    assert prefill.parse_args(["--cuda-graph", "--tp", "2", "--ep", "2"]).ep == 2
 
     class Model(torch.nn.Module):
         vocab_size = 8
