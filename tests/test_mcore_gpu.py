@@ -103,16 +103,29 @@ def test_two_gpu_overlap_layer_matches_stock_in_bf16():
             assert i["gathers"] == (3 if key[1] == 2 else 0), (rank, key, i)  # EP: padded
 
 
+def _qwen_like_config(**overrides):
+    """One Qwen1.5-MoE-like layer (widths exact, 16 experts, a gated shared expert)."""
+    import torch.nn.functional as F
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    return TransformerConfig(**dict(dict(
+        num_layers=1, hidden_size=2048, num_attention_heads=16, num_moe_experts=16,
+        moe_router_topk=4, moe_ffn_hidden_size=1408, ffn_hidden_size=1408,
+        moe_shared_expert_intermediate_size=2816, moe_shared_expert_gate=True,
+        moe_token_dispatcher_type="allgather", gated_linear_unit=True,
+        activation_func=F.silu, add_bias_linear=False, params_dtype=torch.bfloat16,
+        bf16=True, moe_router_dtype="fp32", moe_router_pre_softmax=True,
+        moe_router_load_balancing_type="none", transformer_impl="local"), **overrides))
+
+
 def _one_gpu_inference(rank, world):
     """Qwen-like TP1EP1 layer with a gated shared expert, in inference (no_grad): the
     overlapped layer (Triton SwiGLU, the one-pass gated shared add; the deferred
     postprocess with FC1 on device offsets, or the one-sync one) against the stock layer, both SwiGLU settings of Megatron, three
     calls back to back; and one training step's gradients (`_one_gpu_training`)."""
-    import torch.nn.functional as F
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     import megatron_overlap.mcore.layer as layer_module
     from megatron_overlap.mcore.spec import with_grouped_experts, with_overlap_moe
@@ -131,15 +144,7 @@ def _one_gpu_inference(rank, world):
     always = dict(backend="triton", sync_errors=True, min_combine_elements=0, min_gemm2_macs=0)
     for fusion in (True, False):
         gated_adds.clear()
-        config = TransformerConfig(
-            num_layers=1, hidden_size=2048, num_attention_heads=16, num_moe_experts=16,
-            moe_router_topk=4, moe_ffn_hidden_size=1408, ffn_hidden_size=1408,
-            moe_shared_expert_intermediate_size=2816, moe_shared_expert_gate=True,
-            moe_token_dispatcher_type="allgather", gated_linear_unit=True,
-            activation_func=F.silu, add_bias_linear=False, params_dtype=torch.bfloat16,
-            bf16=True, moe_router_dtype="fp32", moe_router_pre_softmax=True,
-            moe_router_load_balancing_type="none", transformer_impl="local",
-            bias_activation_fusion=fusion)
+        config = _qwen_like_config(bias_activation_fusion=fusion)
         spec = with_grouped_experts(get_gpt_layer_local_spec(num_experts=16).submodules.mlp)
         outs, syncs = {}, {}
         for name, overlap in (("stock", None),
@@ -237,11 +242,9 @@ def _one_gpu_graph(rank, world):
     eager fused calls (thresholds 0) on the same tokens; and the stock layer's capture."""
     import dataclasses
 
-    import torch.nn.functional as F
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.transformer_config import TransformerConfig
 
     from megatron_overlap.mcore.spec import with_grouped_experts, with_overlap_moe
     from megatron_overlap.ops import OverlapBuffer, OverlapConfig
@@ -251,14 +254,7 @@ def _one_gpu_graph(rank, world):
     ps.initialize_model_parallel(1, 1, expert_model_parallel_size=1)
     g = torch.Generator(device="cuda").manual_seed(11)
     xs = [torch.randn(1024, 2, 2048, device="cuda", generator=g).bfloat16() for _ in range(2)]
-    config = TransformerConfig(
-        num_layers=1, hidden_size=2048, num_attention_heads=16, num_moe_experts=16,
-        moe_router_topk=4, moe_ffn_hidden_size=1408, ffn_hidden_size=1408,
-        moe_shared_expert_intermediate_size=2816, moe_shared_expert_gate=True,
-        moe_token_dispatcher_type="allgather", gated_linear_unit=True,
-        activation_func=F.silu, add_bias_linear=False, params_dtype=torch.bfloat16,
-        bf16=True, moe_router_dtype="fp32", moe_router_pre_softmax=True,
-        moe_router_load_balancing_type="none", transformer_impl="local")
+    config = _qwen_like_config()
     spec = with_grouped_experts(get_gpt_layer_local_spec(num_experts=16).submodules.mlp)
     shipped = OverlapConfig(backend="triton")
     model_parallel_cuda_manual_seed(7, force_reset_rng=True)
