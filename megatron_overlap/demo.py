@@ -62,7 +62,7 @@ def op_decision(preset: Preset, tokens: int, hidden: int, ffn: int, world: int, 
     from host counts. (The shared placement, the default on Hopper, plans C = G: one
     communication CTA beside GEMM2's on every SM.)"""
     from .ops.config import PARTITION_TILES as GPU_TILES
-    from .ops.op import rank_splits
+    from .ops.planning import rank_splits
 
     local_topk = round(4 * sum(counts) / tokens) / 4
 

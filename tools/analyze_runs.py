@@ -59,7 +59,7 @@ from workloads import OpCase  # noqa: E402
 
 # (these experiments and recorded runs are of the partition placement)
 from megatron_overlap.ops.config import PARTITION_TILES as GPU_TILES  # noqa: E402
-from megatron_overlap.ops.op import rank_splits  # noqa: E402
+from megatron_overlap.ops.planning import rank_splits  # noqa: E402
 from megatron_overlap.planner import (DeviceSpec, KernelSpec, Workload,  # noqa: E402
                                       get_preset, ranking_calibration)
 from megatron_overlap.planner.model import plan, service_ratio, solve  # noqa: E402

@@ -32,7 +32,8 @@ from tune_tiles import tiles_from_json  # noqa: E402
 from workloads import OpCase, rank_inputs  # noqa: E402
 
 from megatron_overlap.ops import OverlapConfig, gemm2_gather_rs  # noqa: E402
-from megatron_overlap.ops.op import plan_cache_of, prepare  # noqa: E402
+from megatron_overlap.ops.op import prepare  # noqa: E402
+from megatron_overlap.ops.planning import plan_cache_of  # noqa: E402
 from megatron_overlap.ops.reference import grouped_mm, reference_forward  # noqa: E402
 from megatron_overlap.planner import compute_slots  # noqa: E402
 

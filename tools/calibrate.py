@@ -49,7 +49,8 @@ from tune_tiles import tiles_from_json  # noqa: E402
 from workloads import OpCase, rank_inputs  # noqa: E402
 
 from megatron_overlap.ops import OverlapConfig  # noqa: E402
-from megatron_overlap.ops.op import plan_cache_of, prepare  # noqa: E402
+from megatron_overlap.ops.op import prepare  # noqa: E402
+from megatron_overlap.ops.planning import plan_cache_of  # noqa: E402
 from megatron_overlap.planner import (Calibration, KernelSpec, Preset,  # noqa: E402
                                       Workload, plan, preset_for_device)
 from megatron_overlap.planner.model import DeviceSpec, makespan  # noqa: E402

@@ -41,7 +41,8 @@ from workloads import OpCase, rank_inputs  # noqa: E402
 
 from megatron_overlap.ops import OverlapConfig, gemm2_gather_rs  # noqa: E402
 from megatron_overlap.ops.config import GPU_TILES, INTERPRET_TILES, PARTITION_TILES  # noqa: E402
-from megatron_overlap.ops.op import plan_cache_of, prepare  # noqa: E402
+from megatron_overlap.ops.op import prepare  # noqa: E402
+from megatron_overlap.ops.planning import plan_cache_of  # noqa: E402
 
 R = dataclasses.replace
 CASES = ["qwen/TP2EP1/16384", "qwen/TP2EP1/4096", "deepseek/TP2EP1/16384",
@@ -132,7 +133,7 @@ def drop_failing(pol: dict, bufs, device, repeats: int = 1, sync: bool = True) -
     """Run every policy `repeats` times (the warm-up), synchronized after each call unless
     not `sync`, and checked: one that times out (or fails) is reported and left out of
     the timing instead of stopping the run."""
-    from megatron_overlap.ops.buffer import OverlapTimeoutError
+    from megatron_overlap.ops import OverlapTimeoutError
 
     failed = {}
     for name in list(pol):

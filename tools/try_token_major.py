@@ -40,7 +40,8 @@ from workloads import OpCase, rank_inputs  # noqa: E402
 from megatron_overlap.ops import OverlapConfig, gemm2_gather_rs  # noqa: E402
 # (these experiments and recorded runs are of the partition placement)
 from megatron_overlap.ops.config import PARTITION_TILES as GPU_TILES  # noqa: E402
-from megatron_overlap.ops.op import plan_cache_of, prepare  # noqa: E402
+from megatron_overlap.ops.op import prepare  # noqa: E402
+from megatron_overlap.ops.planning import plan_cache_of  # noqa: E402
 
 R = dataclasses.replace
 TRITON_TILES = R(GPU_TILES, gemm_impl="triton")  # GEMM2 by the Triton kernel

@@ -27,7 +27,8 @@ from megatron_overlap.ops import OverlapConfig  # noqa: E402
 from megatron_overlap.ops.config import (INTERPRET_TILES, PARTITION_TILES,  # noqa: E402
                                          TileConfig, load_tiles)
 from megatron_overlap.kernels import routing_table as rt  # noqa: E402
-from megatron_overlap.ops.op import plan_cache_of, prepare  # noqa: E402
+from megatron_overlap.ops.op import prepare  # noqa: E402
+from megatron_overlap.ops.planning import plan_cache_of  # noqa: E402
 from megatron_overlap.ops.reference import grouped_mm  # noqa: E402
 
 GEMM_CANDIDATES = [(128, 128, 64, 4, 3, False), (128, 128, 64, 4, 3, True),

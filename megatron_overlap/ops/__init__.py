@@ -1,6 +1,7 @@
 """The overlapped GEMM2 + GatherRS operator (planner + kernels + peer memory)."""
 
-from .buffer import OverlapBuffer, OverlapTimeoutError
+from .buffer import OverlapBuffer
+from .errors import OverlapTimeoutError
 from .config import OverlapConfig
 from .op import gemm2_gather_rs
 

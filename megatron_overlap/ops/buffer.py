@@ -21,12 +21,12 @@ import torch.distributed as dist
 
 from ..kernels import gather_rs as grs
 from ..kernels import gemm2
-from ..kernels.routing_table import ERR_COUNTS, ERR_TOPK, ERR_UNSORTED, launch_routing_table
+from ..kernels.routing_table import launch_routing_table
 from ..planner import PlanCache, expert_row_tiles, ranking_calibration
 from .config import (GPU_TILES, INTERPRET_TILES, PARTITION_TILES, OverlapConfig, TileConfig,
                      calibration_for, device_spec, gpu_tiles, kernel_spec)
 from .counts_ring import CountsRing
-from .errors import OverlapTimeoutError, describe_error
+from .errors import ErrorWord
 from .peer_memory import PeerMemory
 from .residency import compiled_occupancies
 from .stream_ops import StreamOps
@@ -38,7 +38,7 @@ def _mapped_offsets_default() -> bool:
     return os.environ.get("MEGATRON_OVERLAP_MAPPED_OFFSETS", "1") != "0"
 
 
-class OverlapBuffer:
+class OverlapBuffer(ErrorWord):
     """Workspace and launcher for `gemm2_gather_rs` on one group and device."""
 
     _instances: "dict[tuple, OverlapBuffer]" = {}  # one per group and device, for the process
@@ -259,63 +259,6 @@ class OverlapBuffer:
             self.device, (self.ready, self.done, self.error), t, comm_tm, comm_tn, slots)
         self.resources_of[(t, comm_tm, comm_tn, slots)] = self.compiled_resources
         return o_comp, o_comm, misfit
-
-    # ---------------------------------------------------------------- errors
-    def check(self, sync: bool = True) -> None:
-        """Raise OverlapTimeoutError if an earlier launch recorded a time-out."""
-        if self.broken:
-            raise OverlapTimeoutError(self.broken + " (the buffer must be rebuilt: "
-                                      "call OverlapBuffer.reset on every rank)")
-        if self._pending is None:
-            return
-        event, word, expected = self._pending
-        if event is not None:
-            if not event.query():
-                if not sync:
-                    return
-                event.synchronize()
-            code = self._pinned_word.value
-        else:
-            code = int(word[0])
-        self._pending = None
-        if code >> 24 in (ERR_UNSORTED, ERR_TOPK, ERR_COUNTS):  # bad input, not a broken buffer
-            self.error.zero_()
-            raise ValueError(describe_error(code, self.rank))
-        if code:
-            self.broken = describe_error(code, self.rank, expected)
-            self.ready.zero_()
-            self.done.zero_()
-            self.error.zero_()
-            raise OverlapTimeoutError(self.broken)
-
-    def note_launch(self, expected: int | None, sync: bool, captured: bool = False) -> None:
-        """Queue the error word's copy to the host behind this call, for `check`
-        (`captured`: the call went into a CUDA graph, where nothing is queued for the
-        host; `note_replays` queues it behind a replay)."""
-        if captured:
-            self.captured = True
-            return
-        if self.device.type == "cuda":
-            self.stream_ops.copy_to_host(self._pinned, self.error)
-            # one event, re-recorded: only the latest launch is pending (the error word
-            # is sticky, so it also carries any earlier launch's error)
-            self.stream_ops.record(self._event)
-            self._pending = (self._event, self._pinned, expected)
-        else:
-            self._pending = (None, self.error.clone(), expected)
-        if sync or self.device.type != "cuda":
-            self.check(sync=True)
-
-    @classmethod
-    def note_replays(cls, device: torch.device | None = None) -> None:
-        """After replaying a CUDA graph that holds `gemm2_gather_rs` calls: raise what an
-        earlier replay's kernels recorded and has reached the host (as the op's next call
-        would), then queue the error word's copy behind this replay, for the next check.
-        `device`: the buffers of that device only (None: every captured buffer)."""
-        for buf in list(cls._instances.values()):
-            if buf.captured and (device is None or buf.device == torch.device(device)):
-                buf.check(sync=False)
-                buf.note_launch(None, sync=False)
 
     def reset(self) -> None:
         """Forget a failed state; collective: rebuilds peer memory on every rank."""

@@ -7,6 +7,8 @@ into one of these at its next check (`OverlapBuffer.check`).
 
 from __future__ import annotations
 
+import torch
+
 from ..kernels import gather_rs as grs
 from ..kernels.routing_table import ERR_COUNTS, ERR_TOPK, ERR_UNSORTED
 
@@ -30,10 +32,73 @@ def describe_error(code: int, rank: int, expected: int | None = None) -> str:
                 f"wrong (each token has at most one row per expert and topk in all)")
     if kind == ERR_COUNTS:
         return (f"tokens_per_expert on rank {rank} (on the device) does not sum to x's rows "
-                f"or has a negative entry; that call's output is wrong (a router that "
+                f"(with expected_rows: sums past them) or has a negative entry; that call's "
+                f"output is wrong (a router that "
                 f"gives some token fewer than top-k experts needs the host counts: "
                 f"OverlapConfig(host_counts=True))")
     if kind == grs.ERR_BARRIER_TIMEOUT:
         return (f"GatherRS on rank {rank} timed out at the cross-rank barrier waiting for "
                 f"rank {value}")
     return f"GatherRS on rank {rank} reported unknown error code {code:#x}"
+
+
+class ErrorWord:
+    """`OverlapBuffer`'s error word on its way to the host: each launch queues its copy
+    into pinned memory behind it and `check` reads it once it has arrived (the buffer
+    holds `error`, `ready`, `done`, `broken`, `_pending`, the pinned word and its event)."""
+
+    def check(self, sync: bool = True) -> None:
+        """Raise OverlapTimeoutError if an earlier launch recorded a time-out."""
+        if self.broken:
+            raise OverlapTimeoutError(self.broken + " (the buffer must be rebuilt: "
+                                      "call OverlapBuffer.reset on every rank)")
+        if self._pending is None:
+            return
+        event, word, expected = self._pending
+        if event is not None:
+            if not event.query():
+                if not sync:
+                    return
+                event.synchronize()
+            code = self._pinned_word.value
+        else:
+            code = int(word[0])
+        self._pending = None
+        if code >> 24 in (ERR_UNSORTED, ERR_TOPK, ERR_COUNTS):  # bad input, not a broken buffer
+            self.error.zero_()
+            raise ValueError(describe_error(code, self.rank))
+        if code:
+            self.broken = describe_error(code, self.rank, expected)
+            self.ready.zero_()
+            self.done.zero_()
+            self.error.zero_()
+            raise OverlapTimeoutError(self.broken)
+
+    def note_launch(self, expected: int | None, sync: bool, captured: bool = False) -> None:
+        """Queue the error word's copy to the host behind this call, for `check`
+        (`captured`: the call went into a CUDA graph, where nothing is queued for the
+        host; `note_replays` queues it behind a replay)."""
+        if captured:
+            self.captured = True
+            return
+        if self.device.type == "cuda":
+            self.stream_ops.copy_to_host(self._pinned, self.error)
+            # one event, re-recorded: only the latest launch is pending (the error word
+            # is sticky, so it also carries any earlier launch's error)
+            self.stream_ops.record(self._event)
+            self._pending = (self._event, self._pinned, expected)
+        else:
+            self._pending = (None, self.error.clone(), expected)
+        if sync or self.device.type != "cuda":
+            self.check(sync=True)
+
+    @classmethod
+    def note_replays(cls, device: torch.device | None = None) -> None:
+        """After replaying a CUDA graph that holds `gemm2_gather_rs` calls: raise what an
+        earlier replay's kernels recorded and has reached the host (as the op's next call
+        would), then queue the error word's copy behind this replay, for the next check.
+        `device`: the buffers of that device only (None: every captured buffer)."""
+        for buf in list(cls._instances.values()):
+            if buf.captured and (device is None or buf.device == torch.device(device)):
+                buf.check(sync=False)
+                buf.note_launch(None, sync=False)

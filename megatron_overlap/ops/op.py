@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import logging
 import warnings
 from dataclasses import dataclass
 
@@ -28,13 +27,12 @@ import torch.distributed as dist
 
 from ..kernels import gemm2
 from ..kernels.routing_table import combine_table
-from ..planner import Workload, expert_row_tiles, reservation
+from ..planner import Workload, expert_row_tiles
 from .buffer import OverlapBuffer
-from .config import OverlapConfig, TileConfig, default_splits, resolve_backend, with_register_caps
+from .config import OverlapConfig, TileConfig, resolve_backend, with_register_caps
+from .planning import log_decision, plan_splits, rank_splits, row_order
 from .reference import all_gather, grouped_mm, reference_forward
 from .validation import aligned, capture_refusal, capturing, host_counts, to_device, validate
-
-log = logging.getLogger("megatron_overlap")
 
 _group_sizes: dict[int, tuple] = {}
 
@@ -311,7 +309,7 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
     rows = token_index.shape[0] if expected_rows is None or counts is not None else expected_rows
     if tiles.token_major and (expected_rows is not None or token_index.shape[0] != num_tokens * topk
                               or num_tokens * topk >= 1 << 31):
-        tiles = _row_order(tiles)
+        tiles = row_order(tiles)
     tiles = _resolved(tiles, x.device, x.dtype)
     dest = (torch.empty(token_index.shape[0], dtype=torch.int32, device=x.device)
             if tiles.token_major else None)
@@ -349,72 +347,13 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
         # sweeps at a fixed L; ranking L with them picked one split, no overlap, for
         # almost every workload, measured slower (run 18, docs/RESULTS.md). C is then
         # the full model's at that L.
-        chosen = num_splits or rank_splits(hidden, lambda cand: _plan_splits(
+        chosen = num_splits or rank_splits(hidden, lambda cand: plan_splits(
             buf, config, tiles, row_tiles, experts, sizes, topk, local_topk, cand, c,
             ranking=True)[0].predicted)
-        best = _plan_splits(buf, config, tiles, row_tiles, experts, sizes, topk, local_topk,
+        best = plan_splits(buf, config, tiles, row_tiles, experts, sizes, topk, local_topk,
                             chosen, c)
         buf.remember(key, best)
     launch.plan = best[0]
     launch.kwargs = dict(best[1], offsets=offsets, dest=dest)
-    _log_decision(launch, num_tokens, hidden, x.shape[1])
+    log_decision(launch, num_tokens, hidden, x.shape[1])
     return launch
-
-
-@functools.lru_cache(maxsize=16)  # on the launch path of every EP call: built once
-def _row_order(tiles):
-    """The same tiles with y in GEMM2's row order."""
-    return dataclasses.replace(tiles, token_major=False)
-
-
-SPLIT_CANDIDATES = (1, 2, 4)
-
-
-def rank_splits(hidden: int, predicted) -> int:
-    """The L the op runs when none is given: of SPLIT_CANDIDATES up to 2 x the default
-    (and N), the least `predicted(L)` (compute waves, one unit for every L); ties go to
-    fewer splits. `predicted` is the ranking model's T(C*) at that L (see `prepare`)."""
-    chosen, best = None, None
-    for cand in SPLIT_CANDIDATES:
-        if cand > min(2 * default_splits(hidden), hidden):
-            continue
-        t = predicted(cand)
-        if best is None or t < best * (1 - 1e-9):
-            chosen, best = cand, t
-    return chosen
-
-
-def _plan_splits(buf, config, tiles, row_tiles, experts, sizes, topk, local_topk, splits, c,
-                 ranking=False):
-    """The cached plan for L = `splits` and the launch arguments that go with it
-    (`ranking`: under the model that ranks L, see `prepare`)."""
-    num_tokens, hidden, ffn, world = sizes
-    comm_tm, comm_tn = tiles.comm_shape(topk, -(-hidden // splits))
-    cache = buf.plan_cache(config, tiles, comm_tm, comm_tn, topk, ranking)
-    plan = cache.decide_tiles(row_tiles, num_tokens, hidden, ffn, world, splits, experts,
-                              comm_ctas=c, enabled=config.planner, topk=topk,
-                              local_topk=local_topk)
-    # one tail helper per SM that GEMM2 leaves when it ends (the comm CTAs keep theirs)
-    helpers = (cache.device.available_sms - reservation(plan.comm_ctas, cache.kernel)
-               if config.tail_helpers else 0)
-    return plan, dict(splits=splits, tiles=tiles, comm_tm=comm_tm, comm_tn=comm_tn,
-                      tokens_per_rank=num_tokens // world, max_spins=config.max_spins,
-                      helpers=max(0, helpers))
-
-
-def plan_cache_of(launch: Launch):
-    """The PlanCache a prepared launch was planned with (tools read its kernel/device)."""
-    kw = launch.kwargs
-    return launch.buffer.plan_cache(launch.config, kw["tiles"], kw["comm_tm"], kw["comm_tn"],
-                                    launch.table.shape[1])
-
-
-def _log_decision(launch: Launch, m: int, n: int, k: int) -> None:
-    plan, buf = launch.plan, launch.buffer
-    sig = (plan.comm_ctas, plan.splits, m, n, k, launch.world)
-    if getattr(buf, "_last_logged", None) != sig:
-        buf._last_logged = sig
-        log.debug("gemm2_gather_rs: C=%d P=%d L=%d T=%.1f (M=%d N=%d K=%d D=%d, %s)",
-                  plan.comm_ctas, plan.compute_slots, plan.splits, plan.predicted, m, n, k,
-                  launch.world, plan.source)
-

@@ -1,0 +1,73 @@
+"""The op's planning around the planner: which L to run, the plan and launch arguments of
+an L, and the plan cache a prepared launch used (`op.prepare` calls these; tools read
+the cache). The model itself is `planner/`; this module only chooses among its calls."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+
+from ..planner import reservation
+from .config import default_splits
+
+log = logging.getLogger("megatron_overlap")
+
+
+@functools.lru_cache(maxsize=16)  # on the launch path of every EP call: built once
+def row_order(tiles):
+    """The same tiles with y in GEMM2's row order."""
+    return dataclasses.replace(tiles, token_major=False)
+
+
+SPLIT_CANDIDATES = (1, 2, 4)
+
+
+def rank_splits(hidden: int, predicted) -> int:
+    """The L the op runs when none is given: of SPLIT_CANDIDATES up to 2 x the default
+    (and N), the least `predicted(L)` (compute waves, one unit for every L); ties go to
+    fewer splits. `predicted` is the ranking model's T(C*) at that L (see `prepare`)."""
+    chosen, best = None, None
+    for cand in SPLIT_CANDIDATES:
+        if cand > min(2 * default_splits(hidden), hidden):
+            continue
+        t = predicted(cand)
+        if best is None or t < best * (1 - 1e-9):
+            chosen, best = cand, t
+    return chosen
+
+
+def plan_splits(buf, config, tiles, row_tiles, experts, sizes, topk, local_topk, splits, c,
+                 ranking=False):
+    """The cached plan for L = `splits` and the launch arguments that go with it
+    (`ranking`: under the model that ranks L, see `prepare`)."""
+    num_tokens, hidden, ffn, world = sizes
+    comm_tm, comm_tn = tiles.comm_shape(topk, -(-hidden // splits))
+    cache = buf.plan_cache(config, tiles, comm_tm, comm_tn, topk, ranking)
+    plan = cache.decide_tiles(row_tiles, num_tokens, hidden, ffn, world, splits, experts,
+                              comm_ctas=c, enabled=config.planner, topk=topk,
+                              local_topk=local_topk)
+    # one tail helper per SM that GEMM2 leaves when it ends (the comm CTAs keep theirs)
+    helpers = (cache.device.available_sms - reservation(plan.comm_ctas, cache.kernel)
+               if config.tail_helpers else 0)
+    return plan, dict(splits=splits, tiles=tiles, comm_tm=comm_tm, comm_tn=comm_tn,
+                      tokens_per_rank=num_tokens // world, max_spins=config.max_spins,
+                      helpers=max(0, helpers))
+
+
+def plan_cache_of(launch):
+    """The PlanCache a prepared launch was planned with (tools read its kernel/device)."""
+    kw = launch.kwargs
+    return launch.buffer.plan_cache(launch.config, kw["tiles"], kw["comm_tm"], kw["comm_tn"],
+                                    launch.table.shape[1])
+
+
+def log_decision(launch, m: int, n: int, k: int) -> None:
+    plan, buf = launch.plan, launch.buffer
+    sig = (plan.comm_ctas, plan.splits, m, n, k, launch.world)
+    if getattr(buf, "_last_logged", None) != sig:
+        buf._last_logged = sig
+        log.debug("gemm2_gather_rs: C=%d P=%d L=%d T=%.1f (M=%d N=%d K=%d D=%d, %s)",
+                  plan.comm_ctas, plan.compute_slots, plan.splits, plan.predicted, m, n, k,
+                  launch.world, plan.source)
+
