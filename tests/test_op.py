@@ -10,6 +10,7 @@ from dist_harness import run_ranks
 from megatron_overlap.ops import OverlapConfig, OverlapTimeoutError, gemm2_gather_rs
 from megatron_overlap.ops import op as op_module
 from megatron_overlap.ops.config import GPU_TILES, INTERPRET_TILES, PARTITION_TILES
+from megatron_overlap.ops.planning import plan_cache_of
 from routing_cases import fp64_rank_partial, rel_err, routed_problem
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU backends")
@@ -672,7 +673,7 @@ def test_planner_sees_the_tail_helpers_and_the_rows_per_token_this_rank_holds(he
     config = OverlapConfig(backend="interpret", preset="h200", tail_helpers=helpers, splits=2)
     launch = op_module.prepare(p["x"], p["weight"], p["counts"], p["token_index"], 64, 4,
                                config=config)
-    cache = op_module.plan_cache_of(launch)
+    cache = plan_cache_of(launch)
     assert cache.kernel.tail_helpers is helpers
     local = round(4 * p["x"].shape[0] / 64) / 4
     assert 1.5 <= local <= 2.5
@@ -693,7 +694,7 @@ def test_splits_ranked_without_the_helper_terms_and_c_from_the_full_model():
     config = OverlapConfig(backend="interpret", preset="h200")
     launch = op_module.prepare(p["x"], p["weight"], p["counts"], p["token_index"], 128, 4,
                                config=config)
-    full = op_module.plan_cache_of(launch)
+    full = plan_cache_of(launch)
     t = launch.kwargs["tiles"]
 
     def decide(splits, helpers):
