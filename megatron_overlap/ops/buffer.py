@@ -403,4 +403,3 @@ class OverlapBuffer(ErrorWord):
             grs.launch_sum_partials(recv, out, self.world, epoch=self.epoch,
                                     parity_stride=self._slots_at[1] // recv.element_size())
         return y
-

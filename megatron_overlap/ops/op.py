@@ -176,9 +176,10 @@ def gemm2_gather_rs(
     and token_index hold at replay time (the planner's decision is the capture's: it
     read only the shapes); on a group of several ranks every rank replays its graph as
     it would call the op. Run one call of the same shapes before capturing (it compiles
-    the kernels and sets up the group's peer memory). A replay's errors (bad counts, a time-out) stay
-    in the buffer's error word: `OverlapBuffer.note_replays()` after a replay reads them at the next
-    call, as an eager call's. Other calls raise RuntimeError when captured.
+    the kernels and sets up the group's peer memory). A replay's errors (bad counts, a
+    time-out) stay in the buffer's error word: `OverlapBuffer.note_replays()` after a
+    replay reads them at the next call, as an eager call's. Other calls raise
+    RuntimeError when captured.
     """
     grads = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                          or (probs is not None and probs.requires_grad))
@@ -306,8 +307,10 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
                          f"(gemm_impl='triton' or 'auto' runs everywhere)")
     # token-major y where every token has its k rows here (T = M k: TP; no token has more
     # than k rows) and y's row numbers fit int32; else GEMM2's row order
-    rows = token_index.shape[0] if expected_rows is None or counts is not None else expected_rows
-    if tiles.token_major and (expected_rows is not None or token_index.shape[0] != num_tokens * topk
+    # (the rows to plan for: the counted ones, or with the counts on the device and x
+    # padded, the caller's expectation)
+    rows = expected_rows if padded else token_index.shape[0]
+    if tiles.token_major and (expected_rows is not None or rows != num_tokens * topk
                               or num_tokens * topk >= 1 << 31):
         tiles = row_order(tiles)
     tiles = _resolved(tiles, x.device, x.dtype)
@@ -351,7 +354,7 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
             buf, config, tiles, row_tiles, experts, sizes, topk, local_topk, cand, c,
             ranking=True)[0].predicted)
         best = plan_splits(buf, config, tiles, row_tiles, experts, sizes, topk, local_topk,
-                            chosen, c)
+                           chosen, c)
         buf.remember(key, best)
     launch.plan = best[0]
     launch.kwargs = dict(best[1], offsets=offsets, dest=dest)
