@@ -250,6 +250,11 @@ def _captured(layer, stock, x):
         layer.overlap_config = dataclasses.replace(config, min_gemm2_macs=1 << 62)
         layer._thresholds = None
         below = layer(x)[0], layer._routed_by_op  # eager: below the threshold, stock
+        layer.overlap_enabled = False
+        with layer_module.fused_at_every_size(layer):  # a capture's eager reference
+            everywhere = layer(x)[0], layer._routed_by_op
+        restored = layer.overlap_enabled is False and layer._thresholds is None
+        layer.overlap_enabled = True
         layer_module.capturing = lambda t: True
         try:
             got = layer(x)[0]
@@ -258,7 +263,8 @@ def _captured(layer, stock, x):
             layer.overlap_config, layer._thresholds = config, None
     fused_now = layer._routed_by_op
     layer.last_plan, layer.last_rows, layer._last_key = noted
-    return dict(fused=fused_now, eager_below_fused=below[1],
+    return dict(fused=fused_now, eager_below_fused=below[1], restored=restored,
+                everywhere_fused=everywhere[1], everywhere_equal=torch.equal(everywhere[0], fused),
                 equal=torch.equal(got, fused if fused_now else want_stock),
                 warned=sorted(k for k in layer_module._warned if k.startswith("capture")))
 
@@ -552,6 +558,8 @@ def test_captured_inference_forward_fuses_at_any_size_in_every_layout(layer_runs
     for rank, res in enumerate(layer_runs):
         r = res[(layout, "captured")]
         assert r["equal"] and not r["eager_below_fused"] and r["fused"], (rank, r)
+        # what `fused_at_every_size` gives a capture to check against: that same call
+        assert r["everywhere_fused"] and r["everywhere_equal"] and r["restored"], (rank, r)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

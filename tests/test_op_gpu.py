@@ -241,6 +241,34 @@ def test_capturing_the_op_in_a_cuda_graph_raises_before_queuing_anything():
     assert rel_err(out, _fp32_partial(p, 512).double().cpu()) < 1e-2
 
 
+def test_captured_call_replays_the_eager_bits_and_reports_a_refused_capture():
+    """What the benchmarks time as "graph": the op captured on CUDA counts replays the eager
+    call's bits into every element; on host counts the op refuses the capture and the
+    refusal is the result (nothing to replay), not a crash."""
+    from megatron_overlap.ops.capture import CapturedCall
+
+    p = routed_problem(0, 1, device="cuda", tokens=512, experts=4, topk=2, ffn=128, hidden=256)
+    counts = p["counts"].cuda()
+
+    def op(c):
+        return lambda: gemm2_gather_rs(p["x"], p["weight"], c, p["token_index"], 512, 2,
+                                       config=TRITON)
+
+    with torch.no_grad():
+        want = op(counts)()
+        call = CapturedCall(op(counts), torch.device("cuda"))
+        assert call.summary() == dict(captured=True, equal=True, all_written=True,
+                                      max_rel_diff=0.0)
+        call.out.fill_(float("nan"))
+        call.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(call.out, want)
+        call.release()
+        refused = CapturedCall(op(p["counts"]), torch.device("cuda"))
+        assert refused.graph is None and "from the host" in refused.summary()["error"]
+        assert torch.equal(op(counts)(), want)  # and the op works after it
+
+
 def test_op_captured_on_device_counts_replays_the_routing_each_replay_finds():
     """Captured once (one rank, CUDA counts, no grad): each replay combines the rows, counts
     and tokens its input tensors then hold (a hot expert, a spread routing), with the bits

@@ -48,6 +48,38 @@ def test_report_prefill_section_adds_the_captured_forward_where_a_run_timed_it(t
     assert "graph" not in plain
 
 
+def _stat(ms):
+    return dict(median=ms, ci_low=0.9 * ms, ci_high=1.1 * ms)
+
+
+def test_report_layer_section_adds_the_captured_layer_where_a_run_timed_it():
+    env = dict(gpu="H200", torch="2.11", triton="3.6")
+    rows = [dict(model="qwen", tp=1, ep=1, seq=s, decision=None, rel_err=1e-3, _env=env,
+                 stats=dict(stock=_stat(4.0), overlap=_stat(2.0)), speedup=2.0)
+            for s in (1024, 4096)]
+    rows[0]["stats"]["graph"] = _stat(1.0)
+    rows[0].update(speedup_graph=4.0, graph=dict(captured=True, equal=True, max_rel_diff=0.0))
+    rows[1]["graph"] = dict(captured=False, error="RuntimeError: x")
+    text = report.layer_section("t", rows)
+    assert "| stock / graph | replay = eager |" in text
+    assert "| 1.000 [0.900, 1.100] | 4.00x | yes |" in text
+    assert "| not captured | - | - |" in text
+    assert "stock / graph 4.00x (min 4.00x, max 4.00x)" in text
+    del rows[0]["graph"], rows[1]["graph"], rows[0]["speedup_graph"], rows[0]["stats"]["graph"]
+    assert "graph" not in report.layer_section("t", rows)
+
+
+def test_report_graph_table_gives_the_ops_gpu_ratio_to_gemm2_alone():
+    row = dict(case="qwen TP2EP1 S=4096 uniform", seq=4096, ours_graph=1.1, gemm_graph=1.0,
+               ref_graph=2.2, graphs_equal=True)
+    text = report.graph_table([row, dict(row, seq=1024, ours_graph=1.5, ref_graph=None,
+                                         graphs_equal=False)])
+    assert "| qwen TP2EP1 S=4096 uniform | 1.100 | 1.000 | 2.200 | 1.10x | 2.00x | yes |" in text
+    assert "| 1.500 | 1.000 | - | 1.50x | - | no |" in text
+    assert "S >= 4096: ours / GEMM2 alone geomean 1.100x (max 1.100x) over 1 workloads" in text
+    assert report.graph_table([dict(row, ours_graph=None)]) == ""
+
+
 def test_prefill_report_of_an_s_that_ran_out_of_memory():
     text = prefill.report(dict(model="qwen", tp=1, ep=1, world=1, device="cuda:0", batch=4,
                                seq=16384, tokens=65536, experts="grouped", oom=True,

@@ -11,7 +11,9 @@ unpermute and NCCL reduce-scatter; ours = OverlapMoELayer (planner-chosen C, L).
 Inputs are random hidden states [S/TP, B/DP, H] (sequence parallel when TP > 1), which
 route near-uniformly, or with `--input-layer L` the input of layer L's MoE layer in a
 prefill of random tokens, whose routing is as skewed as the prefill's there. Each row
-records the input's expert load (max_e / mean over the TP x EP group).
+records the input's expert load (max_e / mean over the TP x EP group). `--cuda-graph`
+adds "graph": the overlapped layer captured into one CUDA graph and replayed, its replay
+checked against the eager fused layer (stock stays eager: it syncs the host).
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 from benchlib import abba, env_info, summarize, write_json  # noqa: E402
 
 from megatron_overlap.mcore import prefill  # noqa: E402
-from megatron_overlap.mcore.layer import OverlapMoELayer, set_overlap_enabled  # noqa: E402
+from megatron_overlap.mcore.layer import (OverlapMoELayer, fused_at_every_size,  # noqa: E402
+                                           set_overlap_enabled)
+from megatron_overlap.ops.capture import CapturedCall  # noqa: E402
 from megatron_overlap.mcore.models import build_model, model_config  # noqa: E402
 from megatron_overlap.ops import OverlapConfig  # noqa: E402
 
@@ -146,10 +150,19 @@ def layer_case(model_name, tp, ep, seq, batch, args, device):
     err = float((out - ref).norm() / ref.norm())
     skew = routing_skew(layer, hidden)
     max_diff = float((out - ref).abs().max())
-    per = abba({"stock": run(False), "overlap": run(True)}, args.samples, args.warmup,
-               progress=f"layer {model_name}")
+    policies = {"stock": run(False), "overlap": run(True)}
+    graph = _captured_layer(layer, hidden, device) if args.cuda_graph else None
+    if graph is not None and graph.error is None:
+        policies["graph"] = graph.replay
+    per = abba(policies, args.samples, args.warmup, progress=f"layer {model_name}")
     stats = summarize(per)
     plan = layer.last_plan
+    extra = {}
+    if graph is not None:
+        extra["graph"] = graph.summary()
+        if "graph" in stats:
+            extra["speedup_graph"] = stats["stock"]["median"] / stats["graph"]["median"]
+        graph.release()
     return dict(model=model_name, tp=tp, ep=ep, seq=seq, batch=batch, rel_err=err,
                 max_abs_diff=max_diff, input_layer=args.input_layer, routing=skew,
                 decision=None if plan is None else dict(C=plan.comm_ctas, L=plan.splits,
@@ -157,7 +170,16 @@ def layer_case(model_name, tp, ep, seq, batch, args, device):
                 stats={k: {a: b for a, b in v.items() if a != "samples"}
                        for k, v in stats.items()},
                 samples={k: v["samples"] for k, v in stats.items()},
-                speedup=stats["stock"]["median"] / stats["overlap"]["median"])
+                speedup=stats["stock"]["median"] / stats["overlap"]["median"], **extra)
+
+
+def _captured_layer(layer, hidden, device) -> CapturedCall:
+    """The overlapped layer on `hidden` captured into one CUDA graph (stock Megatron's
+    dropless layer syncs the host inside its forward and cannot be captured), checked
+    against the eager layer with the fused op at every size, as the capture runs it."""
+    with torch.no_grad(), fused_at_every_size(layer):
+        eager = layer(hidden)[0]
+    return CapturedCall(lambda: layer(hidden)[0], device, reference=eager)
 
 
 def main() -> int:
@@ -175,6 +197,9 @@ def main() -> int:
     add_input_layer_arg(ap)
     ap.add_argument("--no-bias-swiglu-fusion", action="store_true",
                     help="eager SwiGLU (Megatron's flag of that name; fused by default on CUDA)")
+    ap.add_argument("--cuda-graph", action="store_true",
+                    help="also time the overlapped layer captured into a CUDA graph and "
+                         "replayed ('graph'; needs CUDA, inference, every expert local)")
     ap.add_argument("--preload", default=None)
     ap.add_argument("--json", default="")
     args = ap.parse_args()
@@ -182,6 +207,8 @@ def main() -> int:
         prefill._preload(args.preload)
     setup_args = argparse.Namespace(tp=args.tp, ep=args.ep, seed=0, preload=args.preload)
     device = prefill._setup(setup_args)
+    if args.cuda_graph and device.type != "cuda":
+        ap.error("--cuda-graph needs CUDA")
     results = []
     for name in args.models.split(","):
         for seq in map(int, args.seqs.split(",")):
@@ -194,7 +221,11 @@ def main() -> int:
                       f"{st['stock']['median']:.3f} ms, overlap {st['overlap']['median']:.3f} ms,"
                       f" speedup {r['speedup']:.2f}x, rel. err {r['rel_err']:.1e}, max |diff| "
                       f"{r['max_abs_diff']:.2e}, decision {r['decision']}, max_e/mean "
-                      f"{r['routing']['max_over_mean']:.2f}",
+                      f"{r['routing']['max_over_mean']:.2f}"
+                      + (f", graph {st['graph']['median']:.3f} ms ({r['speedup_graph']:.2f}x,"
+                         f" replay = eager: {r['graph']['equal']})" if "graph" in st else "")
+                      + (f", capture failed: {r['graph']['error']}"
+                         if r.get("graph", {}).get("error") else ""),
                       flush=True)
     if dist.get_rank() == 0:
         write_json(args.json, dict(env=env_info(), command=" ".join(sys.argv), results=results))

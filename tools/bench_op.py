@@ -8,6 +8,10 @@ Every policy is checked against the reference before timing. Samples are ABBA
 interleaved over all policies of a workload; latency is the median over samples of the
 maximum over ranks, with a 95% bootstrap CI.
 
+`--cuda-graph` adds the op, torch's GEMM2 alone and the prepared reference, each
+captured into a CUDA graph and replayed (checked against its eager output first): with
+the host's work gone from all three, op / GEMM2 alone is the GPU's ratio.
+
 `--confirm N`: the sweep's fastest C is the minimum of many noisy medians, so the
 regret it gives is biased up (the winner's curse: run 22's largest, 28.6%, had a 95% CI
 of 0.39-0.70 ms). With N > 0 a second, independent ABBA phase times the planner against
@@ -32,6 +36,7 @@ from tune_tiles import tiles_from_json  # noqa: E402
 from workloads import OpCase, rank_inputs  # noqa: E402
 
 from megatron_overlap.ops import OverlapConfig, gemm2_gather_rs  # noqa: E402
+from megatron_overlap.ops.capture import CapturedCall  # noqa: E402
 from megatron_overlap.ops.op import prepare  # noqa: E402
 from megatron_overlap.ops.planning import plan_cache_of  # noqa: E402
 from megatron_overlap.ops.reference import grouped_mm, reference_forward  # noqa: E402
@@ -41,8 +46,9 @@ REFERENCE = OverlapConfig(backend="reference")
 
 
 def policies_for(inp: dict, group, c_values, preset: str | None,
-                 backend: str, tiles=None) -> tuple[dict, dict]:
-    """The timed callables of one workload, and facts about them."""
+                 backend: str, tiles=None, graphs: bool = False) -> tuple[dict, dict]:
+    """The timed callables of one workload, and facts about them (`graphs`: with the
+    captured policies of `captured_policies`)."""
     cfg = OverlapConfig(backend=backend, preset=preset, tiles=tiles)
     args = (inp["x"], inp["weight"], inp["counts_list"], inp["token_index"], inp["tokens"],
             inp["topk"], None, group)
@@ -88,11 +94,44 @@ def policies_for(inp: dict, group, c_values, preset: str | None,
             pol[f"C={c}"] = op(cfg, c)
     for c in c_values:
         pol[f"sweep C={c}"] = op(cfg, c)
+    graph_checks = {}
+    if graphs:
+        pol_graph, graph_checks = captured_policies(inp, group, cfg, launch)
+        pol.update(pol_graph)
     facts = dict(world=launch.world, comm_ctas=plan.comm_ctas, compute_slots=plan.compute_slots,
                  splits=plan.splits, predicted=plan.curve, w_comp=plan.w_comp,
                  w_comm=plan.w_comm, rho=plan.rho,
                  resources=getattr(buf, "compiled_resources", None))
+    if graphs:
+        facts["graphs"] = graph_checks
     return pol, facts
+
+
+def captured_policies(inp: dict, group, cfg, launch) -> tuple[dict, dict]:
+    """The op, torch's GEMM2 alone and the prepared reference, each captured into a CUDA
+    graph and replayed: the three without any host work, so their ratios are the GPU's.
+    The op gets its counts as a CUDA tensor (what a capture needs; Megatron's
+    tokens_per_expert); the reference its routing table prepared. {name: replay}, and
+    each capture's check against its eager output (or why it failed)."""
+    counts = torch.tensor(inp["counts_list"], device=inp["x"].device)
+    w_t = inp["weight"].transpose(1, 2)
+    calls = {
+        "planner(graph)": lambda: gemm2_gather_rs(
+            inp["x"], inp["weight"], counts, inp["token_index"], inp["tokens"], inp["topk"],
+            None, group, config=cfg),
+        "gemm2_alone(torch,graph)": lambda: grouped_mm(inp["x"], w_t, counts, None),
+        "reference(prepared,graph)": lambda: reference_forward(
+            inp["x"], inp["weight"], counts, None, launch.table, None, group, launch.world)[0],
+    }
+    pol, checks = {}, {}
+    for name, fn in calls.items():
+        captured = CapturedCall(fn, inp["x"].device)
+        checks[name] = captured.summary()
+        if captured.error is None:
+            pol[name] = captured.replay
+        elif dist.get_rank() == 0:
+            print(f"{name}: not captured ({captured.error})", flush=True)
+    return pol, checks
 
 
 def confirm(pol: dict, oracle_c: int, planner_c: int, samples: int, warmup: int, group,
@@ -135,9 +174,14 @@ def main() -> int:
     ap.add_argument("--preset", default=None, help="calibration preset name or JSON path")
     ap.add_argument("--confirm", type=int, default=0, metavar="N",
                     help="time the planner against the sweep's fastest C again, N samples")
+    ap.add_argument("--cuda-graph", action="store_true",
+                    help="also time the op, torch's GEMM2 alone and the prepared reference "
+                         "captured into CUDA graphs (no host work in any of them; CUDA only)")
     add_run_args(ap)
     args = ap.parse_args()
     backend, device = smoke_setup(args)
+    if args.cuda_graph and device != "cuda":
+        ap.error("--cuda-graph needs CUDA")
     rank = dist.get_rank()
     group = dist.group.WORLD
     c_values = ([int(c) for c in args.cset.split(",")] if args.cset
@@ -149,7 +193,8 @@ def main() -> int:
         case = OpCase(model, args.layout, seq, routing)
         inp = rank_inputs(case, rank, device)
         err = check_against_reference(inp, group, c_values, backend, tiles)
-        pol, facts = policies_for(inp, group, c_values, args.preset, backend, tiles)
+        pol, facts = policies_for(inp, group, c_values, args.preset, backend, tiles,
+                                  graphs=args.cuda_graph)
         per = abba(pol, args.samples, args.warmup, group, progress=case.label())
         stats = summarize(per)
         gemm_flops = 2 * inp["x"].shape[0] * inp["hidden"] * inp["ffn"]
@@ -171,7 +216,9 @@ def main() -> int:
                   f"oracle C={oracle_c:>2} | ref {med['reference']:.3f} planner "
                   f"{med['planner']:.3f} C3 {med['C=3']:.3f} C28 {med.get('C=28', float('nan')):.3f} "
                   f"oracle {sweep[oracle_c]:.3f} gemm(torch) {med['gemm2_alone(torch)']:.3f}"
-                  f" gemm(ours) {med['gemm2_alone(ours,P=all)']:.3f} ms", flush=True)
+                  f" gemm(ours) {med['gemm2_alone(ours,P=all)']:.3f} ms"
+                  + "".join(f" | {n} {med[n]:.3f}" for n in med if n.endswith("graph)")),
+                  flush=True)
     if rank == 0:
         write_json(args.json, dict(env=env_info(), command=" ".join(sys.argv), results=results))
     dist.destroy_process_group()

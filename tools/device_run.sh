@@ -75,7 +75,7 @@ for s in "$@"; do
           --model granite,qwen,deepseek --layout $lay --seqs 1024,4096,16384 \
           --routing ${ROUTING:-uniform,p90} --cset ${BENCH_CSET:-1,2,3,4,6,8,12,16,20,24,28,32,40,48} \
           --samples 10 --warmup 2 --confirm ${CONFIRM:-20} --preset "${PRESET:-$OUT/h200.json}" \
-          --json "$OUT/op_all_${TAG:-}$lay.json"; done ;;
+          ${BENCH_ARGS:-} --json "$OUT/op_all_${TAG:-}$lay.json"; done ;;
     gluon_tiles)  # later stages run GEMM2 by the Gluon kernel (TileConfig.gemm_impl)
       python3 -c "import json; json.dump({'best': {'gemm': [128, 128, 64, 4, 3, False, '${GEMM_IMPL:-gluon}'],
           'comm': [256, 1024, 32, True, 1, True]}}, open('$OUT/tiles_gluon.json', 'w'))"
@@ -99,7 +99,7 @@ for s in "$@"; do
         --json "$OUT/exp_layer_kernels${TAG:-}.json" ;;
     layers_1gpu) stage layer_TP1EP1 ${LAYER_SECS:-120} torchrun --nproc-per-node 1 \
         "$REPO/tools/bench_layer.py" --models granite,qwen,deepseek --tp 1 --ep 1 \
-        --seqs 4096,16384 --samples 12 ${INPUT_LAYER:+--input-layer $INPUT_LAYER} ${LAYER_ARGS:-} \
+        --seqs ${LAYER_SEQS:-4096,16384} --samples 12 ${INPUT_LAYER:+--input-layer $INPUT_LAYER} ${LAYER_ARGS:-} \
         --json "$OUT/layer_${TAG:-}TP1EP1.json" ;;
     profile_layer_1gpu) stage profile_layer_TP1EP1 ${PROFILE_SECS:-200} torchrun --nproc-per-node 1 \
         "$REPO/tools/profile_layer.py" --models ${PROFILE_MODELS:-granite,qwen,deepseek} \

@@ -59,6 +59,9 @@ def op_rows(rows):
             tflops=r["gemm_flops"] / st["planner"] / 1e9, sweep=sweep,
             ours_prep=st.get("planner(prepared)"), ref_prep=st.get("reference(prepared)"),
             no_helpers=st.get("planner(no tail helpers)"),
+            ours_graph=st.get("planner(graph)"), gemm_graph=st.get("gemm2_alone(torch,graph)"),
+            ref_graph=st.get("reference(prepared,graph)"),
+            graphs_equal=all(c.get("equal") for c in r.get("graphs", {}).values()),
             confirmed=confirmed_regret(r), retimed=retiming_spread(r),
             predicted=dict((c, t) for c, t in r["predicted"]), file=r["_file"]))
     return out
@@ -126,6 +129,34 @@ def summary(rows) -> str:
             f"{100 * max(r['regret'] for r in sel):.1f}% | "
             f"{ratio(big, 'no_helpers', 'ours')} | {confirmed(sel)} | {spread(sel)} |")
     return "\n".join(lines)
+
+
+def graph_table(rows) -> str:
+    """bench_op `--cuda-graph`: the op, torch's GEMM2 alone and the prepared reference,
+    each replayed from a CUDA graph, so no host work is in any of them ('' where no row
+    of the run timed them)."""
+    rows = [r for r in rows if r.get("ours_graph") and r.get("gemm_graph")]
+    if not rows:
+        return ""
+    lines = ["CUDA graphs (`--cuda-graph`: no host work in any column; replays checked "
+             "against their eager outputs)\n",
+             "| workload | ours graph ms | GEMM2 alone (torch) graph ms | reference "
+             "(prepared) graph ms | ours / GEMM2 alone | reference / ours | replay = eager |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        ref = r.get("ref_graph")
+        ref_ms, ref_ratio = ("-", "-") if ref is None else (f"{ref:.3f}", f"{ref / r['ours_graph']:.2f}x")
+        lines.append(
+            f"| {r['case']} | {r['ours_graph']:.3f} | {r['gemm_graph']:.3f} | "
+            f"{ref_ms} | {r['ours_graph'] / r['gemm_graph']:.2f}x | {ref_ratio} | "
+            f"{'yes' if r['graphs_equal'] else 'no'} |")
+    big = [r for r in rows if r["seq"] >= 4096]
+    if big:
+        lines.append(f"\nS >= 4096: ours / GEMM2 alone geomean "
+                     f"{geomean([r['ours_graph'] / r['gemm_graph'] for r in big]):.3f}x "
+                     f"(max {max(r['ours_graph'] / r['gemm_graph'] for r in big):.3f}x) over "
+                     f"{len(big)} workloads")
+    return "\n".join(lines) + "\n"
 
 
 def confirmed(sel) -> str:
@@ -214,17 +245,31 @@ def plots(rows, out_dir, tag):
 
 
 def layer_section(tag, layer) -> str:
+    graphs = any("graph" in r for r in layer)
     lines = [f"### MoE layer, {tag} (tools/bench_layer.py)\n", "| model | layout | S | stock ms "
-             "[95% CI] | overlap ms [95% CI] | speedup | C, L, P | rel. err | input: max_e/mean |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "[95% CI] | overlap ms [95% CI] | speedup | C, L, P | rel. err | input: max_e/mean |"
+             + (" graph ms [95% CI] | stock / graph | replay = eager |" if graphs else ""),
+             "|---|---|---|---|---|---|---|---|---|" + ("---|---|---|" if graphs else "")]
     for r in layer:
         st = r["stats"]
+        cells = ""
+        if graphs:
+            g = st.get("graph")
+            cells = (f" {g['median']:.3f} [{g['ci_low']:.3f}, {g['ci_high']:.3f}] | "
+                     f"{r['speedup_graph']:.2f}x | "
+                     f"{'yes' if r['graph'].get('equal') else 'no'} |" if g
+                     else " not captured | - | - |")
         lines.append(
             f"| {r['model']} | TP{r['tp']}EP{r['ep']} | {r['seq']} | "
             f"{st['stock']['median']:.3f} [{st['stock']['ci_low']:.3f}, "
             f"{st['stock']['ci_high']:.3f}] | {st['overlap']['median']:.3f} "
             f"[{st['overlap']['ci_low']:.3f}, {st['overlap']['ci_high']:.3f}] | "
-            f"{r['speedup']:.2f}x | {r['decision']} | {r['rel_err']:.1e} | {_layer_input(r)} |")
+            f"{r['speedup']:.2f}x | {r['decision']} | {r['rel_err']:.1e} | {_layer_input(r)} |"
+            + cells)
+    graphed = [r["speedup_graph"] for r in layer if "speedup_graph" in r]
+    if graphed:
+        lines.append(f"\ngraph: geomean stock / graph {geomean(graphed):.2f}x (min "
+                     f"{min(graphed):.2f}x, max {max(graphed):.2f}x)")
     lines.append(f"\ngeomean speedup: {geomean([r['speedup'] for r in layer]):.2f}x over "
                  f"{len(layer)} workloads (min {min(r['speedup'] for r in layer):.2f}x); "
                  f"{layer[0]['_env'].get('gpu')}, torch {layer[0]['_env'].get('torch')}, "
@@ -373,11 +418,12 @@ def main() -> int:
         if not rows:
             continue
         plots(rows, args.out, tag)
+        graphed = graph_table(rows) and graph_table(rows) + "\n"
         env = rows and load(os.path.join(args.data, f"{tag}_*.json"))[0]["_env"]
         parts.append(f"### {tag}\n\n{env.get('gpus')}x {env.get('gpu')}, torch "
                      f"{env.get('torch')}, triton {env.get('triton')}, CUDA {env.get('cuda')}, "
                      f"NCCL {env.get('nccl')}, {env.get('time')}\n\n"
-                     f"{summary(rows)}\n\n{op_table(rows)}\n\n"
+                     f"{summary(rows)}\n\n{op_table(rows)}\n\n{graphed}"
                      f"![latency]({tag}_latency.png)\n![curves]({tag}_curves.png)\n"
                      f"![speedup and regret]({tag}_speedup_regret.png)\n")
     for tag in sorted({os.path.basename(p).rsplit("_", 1)[0]

@@ -25,6 +25,7 @@ capture the op could not replay) runs the stock path after one warning.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
 from itertools import chain
@@ -349,3 +350,18 @@ def set_overlap_enabled(model, enabled: bool) -> int:
     for layer in layers:
         layer.overlap_enabled = enabled
     return len(layers)
+
+
+@contextlib.contextmanager
+def fused_at_every_size(model):
+    """Every OverlapMoELayer in `model` overlapped and runs the fused op whatever its size,
+    as a CUDA-graph capture runs them: the eager forward a replay is checked against."""
+    layers = [m for m in model.modules() if isinstance(m, OverlapMoELayer)]
+    enabled = [layer.overlap_enabled for layer in layers]
+    for layer in layers:
+        layer.overlap_enabled, layer._thresholds = True, (0, 0)
+    try:
+        yield
+    finally:
+        for layer, on in zip(layers, enabled):
+            layer.overlap_enabled, layer._thresholds = on, None  # (resolved again from the config)

@@ -35,7 +35,8 @@ import torch.distributed as dist
 
 from ..stats import bootstrap_ci
 from .args import add_moe_overlap_args, overlap_config_from_args
-from .layer import OverlapMoELayer, set_overlap_enabled
+from ..ops.capture import CapturedCall
+from .layer import OverlapMoELayer, fused_at_every_size, set_overlap_enabled
 from .models import CONFIGS, build_model
 
 
@@ -237,7 +238,7 @@ def _run_seq(args, model, seq: int, overlap, device) -> dict:
             _time_once(forwards[policy], device)
     graph = None
     if args.cuda_graph:
-        graph = _CapturedForward(model, tokens, positions, device)
+        graph = _captured_forward(model, tokens, positions, device)
         if graph.error is None:
             policies.append("graph")
             forwards["graph"] = graph.replay
@@ -266,68 +267,13 @@ def _run_seq(args, model, seq: int, overlap, device) -> dict:
     return result
 
 
-class _CapturedForward:
-    """The overlapped model's forward on fixed tokens, captured into one CUDA graph after
-    the eager warm-up. `error`: why the capture failed (the sweep goes on without it).
-    The replay is checked against the eager fused forward right after the capture, and
-    the eager logits freed before anything is timed (they are as large as the graph's)."""
-
-    def __init__(self, model, tokens, positions, device):
-        from ..ops import OverlapBuffer
-
-        self.device, self.graph, self.out, self.error = device, None, None, None
-        self._note_replays = OverlapBuffer.note_replays
-        set_overlap_enabled(model, True)
-        layers = [m for m in model.modules() if isinstance(m, OverlapMoELayer)]
-        with torch.no_grad():
-            for layer in layers:  # every layer fused, as a capture fuses them (no thresholds)
-                layer._thresholds = (0, 0)
-            try:
-                self.eager = model(tokens, positions, None)
-            finally:
-                for layer in layers:
-                    layer._thresholds = None  # (resolved again from the config)
-            torch.cuda.synchronize(device)
-            graph = torch.cuda.CUDAGraph()
-            try:
-                with torch.cuda.graph(graph):
-                    self.out = model(tokens, positions, None)
-            except Exception as err:  # (a CUDA error of the capture, OOM: a result)
-                self.error = f"{type(err).__name__}: {err}"[:400]
-                self.out = self.eager = None
-                torch.cuda.synchronize(device)
-                return
-        self.graph = graph
-        self.check = self._check()
-        self.eager = None
-
-    def replay(self) -> None:
-        self.graph.replay()
-        self._note_replays(self.device)  # a replay's kernel errors, raised as an eager call's
-
-    def _check(self) -> dict:
-        """The replayed logits against the eager forward's (the same kernels and plans,
-        so the same bits unless a library picked another algorithm inside the capture);
-        the difference a sequence at a time, in fp32."""
-        self.out.fill_(float("nan"))
-        self.replay()
-        torch.cuda.synchronize(self.device)
-        diff = scale = 0.0
-        unwritten = False
-        for got, want in zip(self.out, self.eager):
-            unwritten = unwritten or bool(got.isnan().any())
-            diff = max(diff, float((got.float() - want.float()).abs().max()))
-            scale = max(scale, float(want.float().abs().max()))
-        return dict(captured=True, equal=bool(torch.equal(self.out, self.eager)),
-                    all_written=not unwritten, max_rel_diff=diff / scale if scale else diff)
-
-    def summary(self) -> dict:
-        """The capture's outcome (`_check`), or why it failed."""
-        return dict(captured=False, error=self.error) if self.error is not None else self.check
-
-    def release(self) -> None:
-        self.graph = self.out = self.eager = None
-        torch.cuda.empty_cache()
+def _captured_forward(model, tokens, positions, device) -> CapturedCall:
+    """The overlapped forward on fixed tokens captured into one CUDA graph, checked
+    against the eager forward with every layer fused (as the capture fuses them)."""
+    set_overlap_enabled(model, True)
+    with torch.no_grad(), fused_at_every_size(model):
+        eager = model(tokens, positions, None)
+    return CapturedCall(lambda: model(tokens, positions, None), device, reference=eager)
 
 
 def report(result: dict) -> str:

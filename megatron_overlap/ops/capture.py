@@ -1,0 +1,74 @@
+"""One call captured into a CUDA graph and checked against its eager output: what the
+benchmarks and the prefill time where the host is taken out of a forward.
+
+A capture records the kernels of one call with the arguments they had; a replay re-runs
+them on the same tensors. The op replays correctly only where nothing the host prepares
+per call reaches its kernels (`validation.capture_refusal`), and it needs one eager call
+first (its buffer and peer memory are set up outside any capture).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from .buffer import OverlapBuffer
+
+
+class CapturedCall:
+    """`fn` (returning one floating tensor) captured into one CUDA graph on `device`.
+
+    `reference`: the eager output the replay must reproduce (default: `fn()` called once
+    eagerly here, which is also the eager call the op needs before a capture). `error`:
+    why the capture failed (a CUDA error of the capture, OOM, a refusal of the op), in
+    which case there is nothing to replay. The replay is checked right after the capture:
+    the output poisoned with NaN first, then compared with the reference in chunks (a
+    prefill's logits are as large as the graph's own); the reference is then freed.
+    """
+
+    def __init__(self, fn: Callable[[], torch.Tensor], device, reference=None):
+        self.device, self.graph, self.out, self.error, self.check = device, None, None, None, {}
+        with torch.no_grad():
+            eager = fn() if reference is None else reference
+            torch.cuda.synchronize(device)
+            graph = torch.cuda.CUDAGraph()
+            try:
+                with torch.cuda.graph(graph):
+                    self.out = fn()
+            except Exception as err:  # a result to report, not a crash of the benchmark
+                self.error = f"{type(err).__name__}: {err}"[:400]
+                self.out = None
+                torch.cuda.synchronize(device)
+                return
+            self.graph = graph
+            self.check = self._compare(eager)
+
+    def replay(self) -> None:
+        self.graph.replay()
+        OverlapBuffer.note_replays(self.device)  # a replay's kernel errors, raised as an eager call's
+
+    def _compare(self, eager: torch.Tensor) -> dict:
+        """The same kernels with the same plans give the same bits, unless a library chose
+        another algorithm inside the capture: `equal`, and the largest difference relative
+        to the reference's largest magnitude, in fp32."""
+        self.out.fill_(float("nan"))
+        self.replay()
+        torch.cuda.synchronize(self.device)
+        diff = scale = 0.0
+        unwritten = False
+        chunks = min(64, max(1, self.out.shape[0])) if self.out.dim() else 1
+        for got, want in zip(self.out.reshape(-1).chunk(chunks), eager.reshape(-1).chunk(chunks)):
+            unwritten = unwritten or bool(got.isnan().any())
+            diff = max(diff, float((got.float() - want.float()).abs().max()))
+            scale = max(scale, float(want.float().abs().max()))
+        return dict(captured=True, equal=bool(torch.equal(self.out, eager)),
+                    all_written=not unwritten, max_rel_diff=diff / scale if scale else diff)
+
+    def summary(self) -> dict:
+        """The replay's check, or why the capture failed."""
+        return dict(captured=False, error=self.error) if self.error is not None else self.check
+
+    def release(self) -> None:
+        self.graph = self.out = None
+        torch.cuda.empty_cache()
