@@ -114,6 +114,10 @@ def captured_policies(inp: dict, group, cfg, launch) -> tuple[dict, dict]:
     tokens_per_expert); the reference its routing table prepared. {name: replay}, and
     each capture's check against its eager output (or why it failed)."""
     counts = torch.tensor(inp["counts_list"], device=inp["x"].device)
+    if sum(inp["counts_list"]) != inp["x"].shape[0]:
+        raise ValueError(f"the counts sum to {sum(inp['counts_list'])}, x has "
+                         f"{inp['x'].shape[0]} rows")
+    expected = counts.clone()
     w_t = inp["weight"].transpose(1, 2)
     calls = {
         "planner(graph)": lambda: gemm2_gather_rs(
@@ -127,6 +131,9 @@ def captured_policies(inp: dict, group, cfg, launch) -> tuple[dict, dict]:
     for name, fn in calls.items():
         captured = CapturedCall(fn, inp["x"].device)
         checks[name] = captured.summary()
+        if not torch.equal(counts, expected):  # (a later replay would read them)
+            raise RuntimeError(f"{name}: its capture or replay changed the expert counts "
+                               f"{expected.tolist()} to {counts.tolist()}")
         if captured.error is None:
             pol[name] = captured.replay
         elif dist.get_rank() == 0:

@@ -80,6 +80,14 @@ for s in "$@"; do
       python3 -c "import json; json.dump({'best': {'gemm': [128, 128, 64, 4, 3, False, '${GEMM_IMPL:-gluon}'],
           'comm': [256, 1024, 32, True, 1, True]}}, open('$OUT/tiles_gluon.json', 'w'))"
       export MEGATRON_OVERLAP_TILES=$OUT/tiles_gluon.json TAG=${GEMM_IMPL:-gluon}_ ;;
+    graph_diag)  # the captured op policies on small cases, every launch synchronous: a
+      # device-side assert names the call that raised it
+      CUDA_LAUNCH_BLOCKING=1 stage graph_diag_${DIAG_LAYOUT:-TP2EP1} ${DIAG_SECS:-120} $TR \
+        "$REPO/tools/bench_op.py" --model ${DIAG_MODELS:-granite,qwen,deepseek} \
+        --layout ${DIAG_LAYOUT:-TP2EP1} --seqs ${DIAG_SEQS:-1024,4096} --routing uniform \
+        --cset 4,16,48 --samples 3 --warmup 1 --preset "${PRESET:-h200}" --cuda-graph \
+        --json "$OUT/op_diag_${TAG:-}${DIAG_LAYOUT:-TP2EP1}.json" ;;
+    diag_graphs) CUDA_LAUNCH_BLOCKING=1 stage diag_graphs 120 $TR "$REPO/tools/diag_graphs.py" ${DIAG_MODELS:-granite,qwen} ;;
     demo) stage demo 240 bash -c "cd '$REPO' && make demo" ;;  # the README's main job, fresh venv
     ncu_gather)  # hardware counters of GatherRS alone (Firecracker machines only)
       stage ncu_gather 200 ncu --clock-control none --target-processes all \
