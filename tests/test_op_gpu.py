@@ -269,6 +269,28 @@ def test_captured_call_replays_the_eager_bits_and_reports_a_refused_capture():
         assert torch.equal(op(counts)(), want)  # and the op works after it
 
 
+def test_captured_call_keeps_the_tensors_its_graph_reads_alive():
+    """A callable whose inputs exist only in its closure (bench_op's captured counts): the
+    graph replays on those addresses, so CapturedCall must own them. Freed, the caching
+    allocator hands their block to the next tensor of that size, and a replay reads it."""
+    from megatron_overlap.ops.capture import CapturedCall
+
+    def call_on_private_input():
+        src = torch.randn(1 << 20, device="cuda")
+        return lambda: src * 3.0, (src * 3.0).clone()
+
+    fn, want = call_on_private_input()
+    captured = CapturedCall(fn, torch.device("cuda"))
+    del fn
+    assert captured.summary()["equal"]
+    squatters = [torch.full((1 << 20,), -7.0, device="cuda") for _ in range(4)]
+    captured.out.fill_(float("nan"))
+    captured.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured.out, want)
+    del squatters
+
+
 def test_op_captured_on_device_counts_replays_the_routing_each_replay_finds():
     """Captured once (one rank, CUDA counts, no grad): each replay combines the rows, counts
     and tokens its input tensors then hold (a hot expert, a spread routing), with the bits

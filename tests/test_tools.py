@@ -80,6 +80,19 @@ def test_report_graph_table_gives_the_ops_gpu_ratio_to_gemm2_alone():
     assert report.graph_table([dict(row, ours_graph=None)]) == ""
 
 
+def test_report_graph_regret_is_the_planners_replay_against_the_fastest_captured_c_or_l():
+    row = dict(case="qwen S=4096", seq=4096, ours_graph=1.1, gemm_graph=1.0, ref_graph=2.2,
+               graphs_equal=True, graph_sweep={"C=16": 1.2, "L=2": 1.0, "L=8": 1.3})
+    assert report.graph_regret(row) == pytest.approx(0.10)
+    assert report.graph_regret(dict(row, ours_graph=0.9)) == 0.0  # the planner is fastest
+    assert report.graph_regret(dict(row, graph_sweep={})) is None
+    text = report.graph_table([row, dict(row, case="unswept", graph_sweep={})])
+    assert "| fastest swept (C or L) | graph regret |" in text
+    assert "| yes | L=2 1.000 | 10.0% |" in text and "| yes | - | - |" in text
+    assert "graph regret over 1 workloads: mean 10.0%, max 10.0%" in text
+    assert "graph regret" not in report.graph_table([dict(row, graph_sweep={})])
+
+
 def test_prefill_report_of_an_s_that_ran_out_of_memory():
     text = prefill.report(dict(model="qwen", tp=1, ep=1, world=1, device="cuda:0", batch=4,
                                seq=16384, tokens=65536, experts="grouped", oom=True,

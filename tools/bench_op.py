@@ -11,6 +11,8 @@ maximum over ranks, with a 95% bootstrap CI.
 `--cuda-graph` adds the op, torch's GEMM2 alone and the prepared reference, each
 captured into a CUDA graph and replayed (checked against its eager output first): with
 the host's work gone from all three, op / GEMM2 alone is the GPU's ratio.
+`--lset 1,2,4,8` times the op at each L (C planned for it); with `--graph-sweep` the
+C and L sweeps are captured too, and the regret they give carries no host noise.
 
 `--confirm N`: the sweep's fastest C is the minimum of many noisy medians, so the
 regret it gives is biased up (the winner's curse: run 22's largest, 28.6%, had a 95% CI
@@ -46,9 +48,11 @@ REFERENCE = OverlapConfig(backend="reference")
 
 
 def policies_for(inp: dict, group, c_values, preset: str | None,
-                 backend: str, tiles=None, graphs: bool = False) -> tuple[dict, dict]:
+                 backend: str, tiles=None, graphs: bool = False, l_values=(),
+                 graph_sweep: bool = False) -> tuple[dict, dict]:
     """The timed callables of one workload, and facts about them (`graphs`: with the
-    captured policies of `captured_policies`)."""
+    captured policies of `captured_policies`; `l_values`: the op at each L, the planner
+    choosing C for it; `graph_sweep`: the C and L sweeps captured too)."""
     cfg = OverlapConfig(backend=backend, preset=preset, tiles=tiles)
     args = (inp["x"], inp["weight"], inp["counts_list"], inp["token_index"], inp["tokens"],
             inp["topk"], None, group)
@@ -76,6 +80,10 @@ def policies_for(inp: dict, group, c_values, preset: str | None,
         "gemm2_alone(ours,P=all)": lambda: buf.launch(
             inp["x"], inp["weight"], counts_dev, launch.table, None, out,
             plan=all_sms, phases=("gemm2",), **launch.kwargs),
+        # one split: x is read once instead of once per split (what L costs GEMM2)
+        "gemm2_alone(ours,P=all,L=1)": lambda: buf.launch(
+            inp["x"], inp["weight"], counts_dev, launch.table, None, out,
+            plan=all_sms, phases=("gemm2",), **dict(launch.kwargs, splits=1, width=None)),
         # The same work with the host's part done once, outside the timed region:
         # what the GPU spends (the whole-op rows above also pay planning, routing table,
         # copies and launches on the host, which a forward pays after every sync).
@@ -94,9 +102,13 @@ def policies_for(inp: dict, group, c_values, preset: str | None,
             pol[f"C={c}"] = op(cfg, c)
     for c in c_values:
         pol[f"sweep C={c}"] = op(cfg, c)
+    for l in l_values:
+        pol[f"L={l}"] = lambda l=l: gemm2_gather_rs(*args, splits=l, config=cfg)
     graph_checks = {}
     if graphs:
-        pol_graph, graph_checks = captured_policies(inp, group, cfg, launch)
+        pol_graph, graph_checks = captured_policies(inp, group, cfg, launch,
+                                                    c_values if graph_sweep else (),
+                                                    l_values if graph_sweep else ())
         pol.update(pol_graph)
     facts = dict(world=launch.world, comm_ctas=plan.comm_ctas, compute_slots=plan.compute_slots,
                  splits=plan.splits, predicted=plan.curve, w_comp=plan.w_comp,
@@ -107,26 +119,34 @@ def policies_for(inp: dict, group, c_values, preset: str | None,
     return pol, facts
 
 
-def captured_policies(inp: dict, group, cfg, launch) -> tuple[dict, dict]:
+def captured_policies(inp: dict, group, cfg, launch, c_values=(), l_values=()
+                      ) -> tuple[dict, dict]:
     """The op, torch's GEMM2 alone and the prepared reference, each captured into a CUDA
     graph and replayed: the three without any host work, so their ratios are the GPU's.
     The op gets its counts as a CUDA tensor (what a capture needs; Megatron's
-    tokens_per_expert); the reference its routing table prepared. {name: replay}, and
-    each capture's check against its eager output (or why it failed)."""
+    tokens_per_expert); the reference its routing table prepared. `c_values` and
+    `l_values` add the op captured at each C ("graph C=c") and each L ("graph L=l"):
+    the planner's regret without the host's noise. {name: replay}, and each capture's
+    check against its eager output (or why it failed)."""
     counts = torch.tensor(inp["counts_list"], device=inp["x"].device)
     if sum(inp["counts_list"]) != inp["x"].shape[0]:
         raise ValueError(f"the counts sum to {sum(inp['counts_list'])}, x has "
                          f"{inp['x'].shape[0]} rows")
     expected = counts.clone()
     w_t = inp["weight"].transpose(1, 2)
+
+    def op(**choice):
+        return lambda: gemm2_gather_rs(inp["x"], inp["weight"], counts, inp["token_index"],
+                                       inp["tokens"], inp["topk"], None, group, config=cfg,
+                                       **choice)
     calls = {
-        "planner(graph)": lambda: gemm2_gather_rs(
-            inp["x"], inp["weight"], counts, inp["token_index"], inp["tokens"], inp["topk"],
-            None, group, config=cfg),
+        "planner(graph)": op(),
         "gemm2_alone(torch,graph)": lambda: grouped_mm(inp["x"], w_t, counts, None),
         "reference(prepared,graph)": lambda: reference_forward(
             inp["x"], inp["weight"], counts, None, launch.table, None, group, launch.world)[0],
     }
+    calls.update({f"graph C={c}": op(comm_ctas=c) for c in c_values})
+    calls.update({f"graph L={l}": op(splits=l) for l in l_values})
     pol, checks = {}, {}
     for name, fn in calls.items():
         captured = CapturedCall(fn, inp["x"].device)
@@ -156,14 +176,18 @@ def confirm(pol: dict, oracle_c: int, planner_c: int, samples: int, warmup: int,
                 same_config=same, spread=spread, regret=0.0 if same else spread)
 
 
-def check_against_reference(inp, group, c_values, backend: str, tiles=None) -> float:
+def check_against_reference(inp, group, c_values, backend: str, tiles=None,
+                            l_values=()) -> float:
+    """The largest relative error against the reference path over C* (and the planned
+    L), C = 3, the largest swept C and each L of `l_values`."""
     args = (inp["x"], inp["weight"], inp["counts_list"], inp["token_index"], inp["tokens"],
             inp["topk"], None, group)
     ref = gemm2_gather_rs(*args, config=REFERENCE).float()
+    cfg = OverlapConfig(backend=backend, sync_errors=True, tiles=tiles)
     worst = 0.0
-    for c in (None, 3, max(c_values)):
-        out = gemm2_gather_rs(*args, comm_ctas=c, config=OverlapConfig(
-            backend=backend, sync_errors=True, tiles=tiles))
+    choices = [dict(comm_ctas=c) for c in (None, 3, max(c_values))]
+    for choice in choices + [dict(splits=l) for l in l_values]:
+        out = gemm2_gather_rs(*args, config=cfg, **choice)
         worst = max(worst, float((out.float() - ref).norm() / ref.norm()))
     return worst
 
@@ -181,27 +205,35 @@ def main() -> int:
     ap.add_argument("--preset", default=None, help="calibration preset name or JSON path")
     ap.add_argument("--confirm", type=int, default=0, metavar="N",
                     help="time the planner against the sweep's fastest C again, N samples")
+    ap.add_argument("--lset", default="", help="comma list of L: the op at each (C planned)")
     ap.add_argument("--cuda-graph", action="store_true",
                     help="also time the op, torch's GEMM2 alone and the prepared reference "
                          "captured into CUDA graphs (no host work in any of them; CUDA only)")
+    ap.add_argument("--graph-sweep", action="store_true",
+                    help="with --cuda-graph: the C and L sweeps captured too (the regret "
+                         "without the host's noise)")
     add_run_args(ap)
     args = ap.parse_args()
     backend, device = smoke_setup(args)
     if args.cuda_graph and device != "cuda":
         ap.error("--cuda-graph needs CUDA")
+    if args.graph_sweep and not args.cuda_graph:
+        ap.error("--graph-sweep needs --cuda-graph")
     rank = dist.get_rank()
     group = dist.group.WORLD
     c_values = ([int(c) for c in args.cset.split(",")] if args.cset
                 else list(range(1, args.cmax + 1)))
+    l_values = [int(v) for v in args.lset.split(",")] if args.lset else []
     tiles = tiles_from_json(args.tiles)
     results = []
     for model, seq, routing in [(m, int(s), r) for m in args.model.split(",")
                                 for s in args.seqs.split(",") for r in args.routing.split(",")]:
         case = OpCase(model, args.layout, seq, routing)
         inp = rank_inputs(case, rank, device)
-        err = check_against_reference(inp, group, c_values, backend, tiles)
+        err = check_against_reference(inp, group, c_values, backend, tiles, l_values)
         pol, facts = policies_for(inp, group, c_values, args.preset, backend, tiles,
-                                  graphs=args.cuda_graph)
+                                  graphs=args.cuda_graph, l_values=l_values,
+                                  graph_sweep=args.graph_sweep)
         per = abba(pol, args.samples, args.warmup, group, progress=case.label())
         stats = summarize(per)
         gemm_flops = 2 * inp["x"].shape[0] * inp["hidden"] * inp["ffn"]

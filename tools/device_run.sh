@@ -87,7 +87,14 @@ for s in "$@"; do
         --layout ${DIAG_LAYOUT:-TP2EP1} --seqs ${DIAG_SEQS:-1024,4096} --routing uniform \
         --cset 4,16,48 --samples 3 --warmup 1 --preset "${PRESET:-h200}" --cuda-graph \
         --json "$OUT/op_diag_${TAG:-}${DIAG_LAYOUT:-TP2EP1}.json" ;;
-    diag_graphs) CUDA_LAUNCH_BLOCKING=1 stage diag_graphs 120 $TR "$REPO/tools/diag_graphs.py" ${DIAG_MODELS:-granite,qwen} ;;
+    op_graph)  # the op, GEMM2 alone and the reference replayed from CUDA graphs, with the C
+      # and L sweeps captured too: GPU ratios and the regret without the host's noise
+      for lay in ${LAYOUTS:-TP2EP1 TP1EP2}; do
+        stage op_graph_$lay ${BENCH_SECS:-200} $TR "$REPO/tools/bench_op.py" \
+          --model ${OP_MODELS:-granite,qwen,deepseek} --layout $lay --seqs ${OP_SEQS:-4096,16384} \
+          --routing ${ROUTING:-uniform} --cset ${BENCH_CSET:-33,66,132} --lset ${LSET:-1,2,4,8} \
+          --samples ${OP_SAMPLES:-10} --warmup 2 --preset "${PRESET:-h200}" --cuda-graph \
+          --graph-sweep --json "$OUT/op_graph_${TAG:-}$lay.json"; done ;;
     demo) stage demo 240 bash -c "cd '$REPO' && make demo" ;;  # the README's main job, fresh venv
     ncu_gather)  # hardware counters of GatherRS alone (Firecracker machines only)
       stage ncu_gather 200 ncu --clock-control none --target-processes all \

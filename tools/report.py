@@ -61,6 +61,7 @@ def op_rows(rows):
             no_helpers=st.get("planner(no tail helpers)"),
             ours_graph=st.get("planner(graph)"), gemm_graph=st.get("gemm2_alone(torch,graph)"),
             ref_graph=st.get("reference(prepared,graph)"),
+            graph_sweep={k[len("graph "):]: v for k, v in st.items() if k.startswith("graph ")},
             graphs_equal=all(c.get("equal") for c in r.get("graphs", {}).values()),
             confirmed=confirmed_regret(r), retimed=retiming_spread(r),
             predicted=dict((c, t) for c, t in r["predicted"]), file=r["_file"]))
@@ -138,18 +139,24 @@ def graph_table(rows) -> str:
     rows = [r for r in rows if r.get("ours_graph") and r.get("gemm_graph")]
     if not rows:
         return ""
+    swept = any(r.get("graph_sweep") for r in rows)
     lines = ["CUDA graphs (`--cuda-graph`: no host work in any column; replays checked "
              "against their eager outputs)\n",
              "| workload | ours graph ms | GEMM2 alone (torch) graph ms | reference "
-             "(prepared) graph ms | ours / GEMM2 alone | reference / ours | replay = eager |",
-             "|---|---|---|---|---|---|---|"]
+             "(prepared) graph ms | ours / GEMM2 alone | reference / ours | replay = eager |"
+             + (" fastest swept (C or L) | graph regret |" if swept else ""),
+             "|---|---|---|---|---|---|---|" + ("---|---|" if swept else "")]
     for r in rows:
         ref = r.get("ref_graph")
         ref_ms, ref_ratio = ("-", "-") if ref is None else (f"{ref:.3f}", f"{ref / r['ours_graph']:.2f}x")
         lines.append(
             f"| {r['case']} | {r['ours_graph']:.3f} | {r['gemm_graph']:.3f} | "
             f"{ref_ms} | {r['ours_graph'] / r['gemm_graph']:.2f}x | {ref_ratio} | "
-            f"{'yes' if r['graphs_equal'] else 'no'} |")
+            f"{'yes' if r['graphs_equal'] else 'no'} |" + (_graph_sweep_cells(r) if swept else ""))
+    regrets = [v for v in map(graph_regret, rows) if v is not None]
+    if regrets:
+        lines.append(f"\ngraph regret over {len(regrets)} workloads: mean "
+                     f"{100 * sum(regrets) / len(regrets):.1f}%, max {100 * max(regrets):.1f}%")
     big = [r for r in rows if r["seq"] >= 4096]
     if big:
         lines.append(f"\nS >= 4096: ours / GEMM2 alone geomean "
@@ -157,6 +164,24 @@ def graph_table(rows) -> str:
                      f"(max {max(r['ours_graph'] / r['gemm_graph'] for r in big):.3f}x) over "
                      f"{len(big)} workloads")
     return "\n".join(lines) + "\n"
+
+
+def graph_regret(r) -> float | None:
+    """(T(planner) - T(fastest)) / T(fastest) over the captured sweep of C and L
+    (`--graph-sweep`), the planner's own replay among the candidates; None unswept."""
+    sweep = r.get("graph_sweep")
+    if not sweep:
+        return None
+    best = min(min(sweep.values()), r["ours_graph"])
+    return (r["ours_graph"] - best) / best
+
+
+def _graph_sweep_cells(r) -> str:
+    sweep = r.get("graph_sweep")
+    if not sweep:
+        return " - | - |"
+    name = min(sweep, key=sweep.get)
+    return f" {name} {sweep[name]:.3f} | {100 * graph_regret(r):.1f}% |"
 
 
 def confirmed(sel) -> str:

@@ -25,10 +25,18 @@ class CapturedCall:
     which case there is nothing to replay. The replay is checked right after the capture:
     the output poisoned with NaN first, then compared with the reference in chunks (a
     prefill's logits are as large as the graph's own); the reference is then freed.
+
+    The graph's kernels read and write the addresses `fn`'s tensors had at capture, so
+    `fn` (and with it every tensor its closure holds) lives as long as the graph: a
+    tensor made only for the call and freed after it would go back to the caching
+    allocator, and a replay would read whatever reused its memory. (Session 18's
+    `bench_op --cuda-graph` did: its expert counts were freed, an eager policy took their
+    block, and the replayed grouped GEMM failed torch's offsets assert.)
     """
 
     def __init__(self, fn: Callable[[], torch.Tensor], device, reference=None):
         self.device, self.graph, self.out, self.error, self.check = device, None, None, None, {}
+        self._fn = fn  # owns the inputs the graph reads (see above)
         with torch.no_grad():
             eager = fn() if reference is None else reference
             torch.cuda.synchronize(device)
@@ -70,5 +78,5 @@ class CapturedCall:
         return dict(captured=False, error=self.error) if self.error is not None else self.check
 
     def release(self) -> None:
-        self.graph = self.out = None
+        self.graph = self.out = self._fn = None
         torch.cuda.empty_cache()
