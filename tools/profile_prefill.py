@@ -179,17 +179,46 @@ def cprofile_forward(forward, top: int = 30) -> dict:
     return dict(by_own=rows(lambda kv: -kv[1][2]), by_cum=rows(lambda kv: -kv[1][3]))
 
 
+#: NVML's clock event reasons (nvmlClocksEventReason*): why the SM clock is below its
+#: maximum at a sample (several at once; GPU idle among them).
+CLOCK_REASONS = ("GpuIdle", "ApplicationsClocksSetting", "SwPowerCap", "HwSlowdown",
+                 "SyncBoost", "SwThermalSlowdown", "HwThermalSlowdown", "HwPowerBrakeSlowdown",
+                 "DisplayClockSetting")
+
+
+def _reason_reader():
+    """A callable giving (clock event reasons bitmask, GPU temperature in C) of the current
+    device through NVML (nvidia-ml-py), or None where NVML cannot tell."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        index = torch.cuda._get_nvml_device_index(torch.cuda.current_device())
+        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        read = getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons",
+                       getattr(pynvml, "nvmlDeviceGetCurrentClocksThrottleReasons", None))
+        read(handle)
+        return lambda: (read(handle), pynvml.nvmlDeviceGetTemperature(
+            handle, pynvml.NVML_TEMPERATURE_GPU))
+    except Exception:  # noqa: BLE001 - no NVML or an old driver: clocks and power only
+        return None
+
+
 def _sampled(fn, period_s: float = 0.01) -> dict:
     """fn() under no_grad with the SM clock and power sampled every `period_s` by a thread
-    (NVML): their mean and minimum over the call."""
+    (NVML): their mean and minimum over the call, the share of samples at which each
+    clock event reason was set (why the clock was below its maximum), the temperature."""
     import threading
 
-    samples, done = [], threading.Event()
+    samples, reasons, done = [], [], threading.Event()
+    read_reasons = _reason_reader()
 
     def sample():
         while not done.is_set():
             try:
                 samples.append((torch.cuda.clock_rate(), torch.cuda.power_draw()))
+                if read_reasons is not None:
+                    reasons.append(read_reasons())
             except Exception:  # noqa: BLE001 - no NVML: nothing sampled
                 return
             done.wait(period_s)
@@ -205,8 +234,18 @@ def _sampled(fn, period_s: float = 0.01) -> dict:
     if not samples:
         return {}
     clock, power = zip(*samples)
-    return dict(samples=len(samples), sm_clock_mhz_mean=sum(clock) / len(clock),
-                sm_clock_mhz_min=min(clock), power_mw_mean=sum(power) / len(power))
+    out = dict(samples=len(samples), sm_clock_mhz_mean=sum(clock) / len(clock),
+               sm_clock_mhz_min=min(clock), power_mw_mean=sum(power) / len(power))
+    if reasons:
+        import pynvml
+
+        masks, temps = zip(*reasons)
+        out["clock_reasons"] = {
+            name: sum(bool(m & bit) for m in masks) / len(masks) for name in CLOCK_REASONS
+            if (bit := getattr(pynvml, f"nvmlClocksEventReason{name}",
+                               getattr(pynvml, f"nvmlClocksThrottleReason{name}", 0)))}
+        out["temperature_c_max"] = max(temps)
+    return out
 
 
 def _clocks() -> dict:
@@ -282,6 +321,11 @@ def _print(row: dict) -> None:
             print(f"  {arm}: during a forward SM clock mean {d['sm_clock_mhz_mean']:.0f} MHz "
                   f"(min {d['sm_clock_mhz_min']}), power mean {d['power_mw_mean'] / 1e3:.0f} W, "
                   f"{d['samples']} samples")
+            if "clock_reasons" in d:
+                set_ = {k: v for k, v in d["clock_reasons"].items() if v}
+                print(f"  {arm}: clock event reasons (share of samples) "
+                      + (", ".join(f"{k} {v:.0%}" for k, v in set_.items()) or "none")
+                      + f", temperature max {d['temperature_c_max']} C")
     for kind, ms in st["rest_kinds"].items():
         print(f"    rest {kind:<34} {ms:8.2f} -> {ov['rest_kinds'].get(kind, 0.0):8.2f} ms")
     for name, ms in st["rest_top"].items():
