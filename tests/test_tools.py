@@ -758,3 +758,26 @@ def test_prefill_profile_gives_each_kernel_to_the_moe_layer_that_launched_it():
     assert sum(r["rest_kinds"].values()) == pytest.approx(0.032)
     with pytest.raises(ValueError, match="marked MoE layers"):
         profile_prefill.attribute(dict(traceEvents=[ev("kernel", "k", 0, 1)]))
+
+
+def test_prefill_profile_samples_clock_reasons_and_energy_per_forward(monkeypatch):
+    """The sampled window's NVML readings, faked: the share of samples with each clock
+    event reason set, and the energy counter's difference split over the forwards."""
+    import pynvml
+
+    import profile_prefill
+
+    monkeypatch.setattr(torch.cuda, "clock_rate", lambda: 1800)
+    monkeypatch.setattr(torch.cuda, "power_draw", lambda: 600_000)
+    monkeypatch.setattr(profile_prefill, "_nvml_handle", lambda: "gpu0")
+    monkeypatch.setattr(profile_prefill, "_reason_reader",
+                        lambda handle: lambda: (pynvml.nvmlClocksEventReasonSwPowerCap, 61))
+    energy = iter([1_000, 7_000])  # mJ before and after the window
+    monkeypatch.setattr(profile_prefill, "_energy_mj", lambda handle: next(energy))
+    got = profile_prefill._sampled(lambda: None, period_s=0.001, forwards=3)
+    assert got["energy_j_per_forward"] == pytest.approx(2.0)
+    assert got["power_w_from_energy"] == pytest.approx(6.0 / (got["ms_per_forward"] * 3e-3))
+    assert got["clock_reasons"]["SwPowerCap"] == 1.0 and got["clock_reasons"]["GpuIdle"] == 0.0
+    assert got["temperature_c_max"] == 61 and got["sm_clock_mhz_mean"] == 1800
+    monkeypatch.setattr(profile_prefill, "_nvml_handle", lambda: None)  # no NVML: no energy
+    assert "energy_j_per_forward" not in profile_prefill._sampled(lambda: None, period_s=0.001)

@@ -101,8 +101,12 @@ def profile_forward(model, tokens, positions, cprofile: bool = False) -> dict:
             model(tokens, positions, None)
         torch.cuda.synchronize()
     clocks = _clocks()  # right after the forward, while the GPU still runs at its load
-    clocks["during_unprofiled_forward"] = _sampled(
-        lambda: (model(tokens, positions, None), torch.cuda.synchronize()))
+
+    def forwards():
+        for _ in range(SAMPLED_FORWARDS):
+            model(tokens, positions, None)
+        torch.cuda.synchronize()
+    clocks["during_unprofiled_forward"] = _sampled(forwards, forwards=SAMPLED_FORWARDS)
     clocks["host"] = host_timing(lambda: model(tokens, positions, None))
     if cprofile:
         clocks["cprofile"] = cprofile_forward(lambda: model(tokens, positions, None))
@@ -186,56 +190,94 @@ CLOCK_REASONS = ("GpuIdle", "ApplicationsClocksSetting", "SwPowerCap", "HwSlowdo
                  "DisplayClockSetting")
 
 
-def _reason_reader():
-    """A callable giving (clock event reasons bitmask, GPU temperature in C) of the current
-    device through NVML (nvidia-ml-py), or None where NVML cannot tell."""
+#: Forwards in the sampled window: NVML's energy counter advances in steps, so the
+#: window is made several forwards long.
+SAMPLED_FORWARDS = 3
+
+
+def _nvml_handle():
+    """The current device's NVML handle (nvidia-ml-py), or None without NVML."""
     try:
         import pynvml
 
         pynvml.nvmlInit()
         index = torch.cuda._get_nvml_device_index(torch.cuda.current_device())
-        handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        return pynvml.nvmlDeviceGetHandleByIndex(index)
+    except Exception:  # noqa: BLE001 - no NVML: the profile stands without it
+        return None
+
+
+def _reason_reader(handle):
+    """A callable giving (clock event reasons bitmask, GPU temperature in C), or None
+    where NVML cannot tell."""
+    try:
+        import pynvml
+
         read = getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons",
                        getattr(pynvml, "nvmlDeviceGetCurrentClocksThrottleReasons", None))
         read(handle)
         return lambda: (read(handle), pynvml.nvmlDeviceGetTemperature(
             handle, pynvml.NVML_TEMPERATURE_GPU))
-    except Exception:  # noqa: BLE001 - no NVML or an old driver: clocks and power only
+    except Exception:  # noqa: BLE001 - an old driver: clocks and power only
         return None
 
 
-def _sampled(fn, period_s: float = 0.01) -> dict:
-    """fn() under no_grad with the SM clock and power sampled every `period_s` by a thread
-    (NVML): their mean and minimum over the call, the share of samples at which each
-    clock event reason was set (why the clock was below its maximum), the temperature."""
+def _energy_mj(handle) -> int | None:
+    """The GPU's energy counter (mJ since the driver loaded), or None."""
+    try:
+        import pynvml
+
+        return pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)
+    except Exception:  # noqa: BLE001 - not every GPU or driver has it
+        return None
+
+
+def _sampled(fn, period_s: float = 0.01, forwards: int = 1) -> dict:
+    """fn() (`forwards` forwards, synchronized) under no_grad with the SM clock and power
+    sampled every `period_s` by a thread (NVML): their mean and minimum over the call,
+    the share of samples at which each clock event reason was set (why the clock was
+    below its maximum), the temperature, and from the energy counter the energy of one
+    forward and the mean power over the call (exact, where the power reading averages
+    over about a second)."""
     import threading
+    import time
 
     samples, reasons, done = [], [], threading.Event()
-    read_reasons = _reason_reader()
+    handle = _nvml_handle()
+    read_reasons = None if handle is None else _reason_reader(handle)
 
-    def sample():
-        while not done.is_set():
+    def sample():  # at least one sample, however short the call
+        while True:
             try:
                 samples.append((torch.cuda.clock_rate(), torch.cuda.power_draw()))
                 if read_reasons is not None:
                     reasons.append(read_reasons())
             except Exception:  # noqa: BLE001 - no NVML: nothing sampled
                 return
-            done.wait(period_s)
+            if done.wait(period_s):
+                return
 
     thread = threading.Thread(target=sample, daemon=True)
+    energy0 = None if handle is None else _energy_mj(handle)
+    t0 = time.perf_counter()
     thread.start()
     try:
         with torch.no_grad():
             fn()
     finally:
+        seconds = time.perf_counter() - t0
+        energy1 = None if handle is None else _energy_mj(handle)
         done.set()
         thread.join()
     if not samples:
         return {}
     clock, power = zip(*samples)
     out = dict(samples=len(samples), sm_clock_mhz_mean=sum(clock) / len(clock),
-               sm_clock_mhz_min=min(clock), power_mw_mean=sum(power) / len(power))
+               sm_clock_mhz_min=min(clock), power_mw_mean=sum(power) / len(power),
+               forwards=forwards, ms_per_forward=1e3 * seconds / forwards)
+    if energy0 is not None and energy1 is not None:
+        out.update(energy_j_per_forward=(energy1 - energy0) / 1e3 / forwards,
+                   power_w_from_energy=(energy1 - energy0) / 1e3 / seconds)
     if reasons:
         import pynvml
 
@@ -321,6 +363,10 @@ def _print(row: dict) -> None:
             print(f"  {arm}: during a forward SM clock mean {d['sm_clock_mhz_mean']:.0f} MHz "
                   f"(min {d['sm_clock_mhz_min']}), power mean {d['power_mw_mean'] / 1e3:.0f} W, "
                   f"{d['samples']} samples")
+            if "energy_j_per_forward" in d:
+                print(f"  {arm}: {d['ms_per_forward']:.1f} ms and "
+                      f"{d['energy_j_per_forward']:.1f} J a forward ({d['forwards']} "
+                      f"forwards), {d['power_w_from_energy']:.0f} W from the energy counter")
             if "clock_reasons" in d:
                 set_ = {k: v for k, v in d["clock_reasons"].items() if v}
                 print(f"  {arm}: clock event reasons (share of samples) "
