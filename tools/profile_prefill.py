@@ -93,7 +93,8 @@ def _mark_moe_layers(model) -> None:
         layer.forward = marked
 
 
-def profile_forward(model, tokens, positions, cprofile: bool = False) -> dict:
+def profile_forward(model, tokens, positions, cprofile: bool = False,
+                    sampled_forwards: int = 3) -> dict:
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=activities) as prof:
@@ -103,10 +104,10 @@ def profile_forward(model, tokens, positions, cprofile: bool = False) -> dict:
     clocks = _clocks()  # right after the forward, while the GPU still runs at its load
 
     def forwards():
-        for _ in range(SAMPLED_FORWARDS):
+        for _ in range(sampled_forwards):
             model(tokens, positions, None)
         torch.cuda.synchronize()
-    clocks["during_unprofiled_forward"] = _sampled(forwards, forwards=SAMPLED_FORWARDS)
+    clocks["during_unprofiled_forward"] = _sampled(forwards, forwards=sampled_forwards)
     clocks["host"] = host_timing(lambda: model(tokens, positions, None))
     if cprofile:
         clocks["cprofile"] = cprofile_forward(lambda: model(tokens, positions, None))
@@ -188,11 +189,6 @@ def cprofile_forward(forward, top: int = 30) -> dict:
 CLOCK_REASONS = ("GpuIdle", "ApplicationsClocksSetting", "SwPowerCap", "HwSlowdown",
                  "SyncBoost", "SwThermalSlowdown", "HwThermalSlowdown", "HwPowerBrakeSlowdown",
                  "DisplayClockSetting")
-
-
-#: Forwards in the sampled window: NVML's energy counter advances in steps, so the
-#: window is made several forwards long.
-SAMPLED_FORWARDS = 3
 
 
 def _nvml_handle():
@@ -309,8 +305,14 @@ def main() -> int:
                     help="OverlapConfig(host_counts=True): the layers wait for their counts")
     ap.add_argument("--cprofile", action="store_true",
                     help="also one forward per arm under cProfile (the host's functions)")
+    ap.add_argument("--sampled-forwards", type=int, default=3,
+                    help="unprofiled forwards in the window whose clock, clock reasons and "
+                         "energy are sampled (NVML's energy counter does not resolve windows "
+                         "under about a second: make it that long)")
     ap.add_argument("--json", default="")
     args = ap.parse_args()
+    if args.sampled_forwards < 1:
+        ap.error(f"--sampled-forwards must be >= 1, got {args.sampled_forwards}")
     setup = argparse.Namespace(tp=1, ep=1, seed=0, preload=None, batch=args.batch)
     device = prefill._setup(setup)
     model = build_model(args.model, 1, 1, overlap=OverlapConfig(
@@ -326,7 +328,8 @@ def main() -> int:
             with torch.no_grad():
                 for _ in range(args.warmup):
                     model(tokens, positions, None)
-            row[arm] = profile_forward(model, tokens, positions, args.cprofile)
+            row[arm] = profile_forward(model, tokens, positions, args.cprofile,
+                                       args.sampled_forwards)
         results.append(row)
         if dist.get_rank() == 0:
             _print(row)
