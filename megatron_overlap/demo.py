@@ -2,8 +2,8 @@
 
 1. The planner's decisions for the paper's three models over the evaluated layouts,
    sequence lengths and routings: the paper's model with its A100 preset, then what
-   `gemm2_gather_rs` decides on an H200 with the shipped calibration (tail helpers,
-   L ranked as the op ranks it).
+   `gemm2_gather_rs` decides with the shipped calibration of this machine's GPU (H100,
+   H200; H200's without a GPU), tail helpers on, L ranked as the op ranks it.
 2. The overlapped MoE layer against the stock Megatron-Core layer:
    * with 2+ GPUs: a torchrun complete-model prefill of Qwen1.5-MoE-A2.7B, TP2EP1,
      B=4, S=4096, stock and --moe-overlap ABBA-interleaved on the same weights
@@ -21,7 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .planner import Preset, get_preset, ranking_calibration
+from .planner import Preset, get_preset, preset_for_device, ranking_calibration
 from .planner.cache import PlanCache
 from .routing import SKEW_TARGETS, expert_counts, route
 from .shapes import BATCH, LAYOUTS, MODELS, SEQUENCE_LENGTHS
@@ -113,9 +113,24 @@ def _torchrun(nproc: int, args: list[str], env: dict) -> int:
     return subprocess.call(cmd, env=env, cwd=REPO)
 
 
+def _gpu_name() -> str | None:
+    try:
+        import torch
+
+        return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    except ImportError:
+        return None
+
+
+def demo_preset(gpu_name: str | None) -> Preset:
+    """The calibration the op plans with on this machine's GPU (h100 on an H100, ...);
+    h200's without a GPU or for a GPU nothing was calibrated on."""
+    return (preset_for_device(gpu_name) if gpu_name else None) or get_preset("h200")
+
+
 def run_demo(nproc: int = 2, planner_only: bool = False) -> int:
     print_decision_table(get_preset("a100-paper"))
-    print_decision_table(get_preset("h200"), layouts=("TP2EP1", "TP1EP2"), as_op=True)
+    print_decision_table(demo_preset(_gpu_name()), layouts=("TP2EP1", "TP1EP2"), as_op=True)
     if planner_only:
         return 0
     # PYTHONWARNINGS: Megatron-Core warns about every optional package it misses (TE,

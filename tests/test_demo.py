@@ -28,3 +28,13 @@ def test_planner_only_demo_prints_both_tables(capsys):
     out = capsys.readouterr().out
     assert "(the paper's model), preset a100-paper" in out
     assert "(the op's decisions, partition placement; the shared placement, the default on Hopper, takes C = G), preset h200" in out
+
+
+def test_demo_table_plans_with_the_calibration_of_the_machines_gpu():
+    from megatron_overlap.demo import demo_preset
+
+    assert demo_preset("NVIDIA H100 80GB HBM3").name == "h100"
+    assert demo_preset("NVIDIA H200").name == "h200"
+    # no GPU, or one nothing was calibrated on: the H200 table, as the docs measure it
+    assert demo_preset(None).name == "h200"
+    assert demo_preset("NVIDIA A10").name == "h200"

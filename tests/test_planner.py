@@ -383,3 +383,21 @@ def test_two_gemm2_ctas_and_one_small_gather_cta_share_an_sm_exactly():
     for bad in ((0, 128, 0, 1), (96, 2048, 0, 1), (96, 128, -1, 1), (96, 128, 0, -1)):
         with pytest.raises(ValueError, match="co_resident: each part"):
             co_resident([gluon, bad])
+
+
+def test_each_shipped_calibration_is_found_by_its_own_device_name():
+    from megatron_overlap.planner import get_preset, preset_for_device, preset_names
+
+    shipped = [get_preset(n) for n in preset_names() if n != "a100-paper"]
+    assert {p.name for p in shipped} >= {"h100", "h200"}
+    names = [p.device.name for p in shipped]
+    assert len(set(names)) == len(names)  # a device name picks one file, not the first
+    for preset in shipped:
+        assert preset_for_device(preset.device.name) == preset
+        assert preset.calibration.rho_ref > 0 and preset.device.sms == 132
+    assert preset_for_device("NVIDIA H100 80GB HBM3").name == "h100"
+    # H100's was made on one GPU (two were not lent): its D_ref is 1, H200's 2, and rho
+    # scales with D / D_ref, so the two agree on what one rank's waves cost
+    assert get_preset("h100").calibration.d_ref == 1
+    assert get_preset("h200").calibration.d_ref == 2
+    assert preset_for_device("NVIDIA A10") is None

@@ -289,6 +289,27 @@ def test_the_one_gpu_gemm2_threshold_is_the_fit_of_the_prefill_runs(monkeypatch,
                                          speedup=0.9)], "elements", 0.98)
 
 
+def test_the_h100_one_gpu_threshold_is_the_fit_of_its_own_prefill_runs(monkeypatch, capsys):
+    """Session 20's two one-GPU H100 prefill runs with both thresholds off (S = 1024-4096,
+    where the host decides): the lowest bound keeping every workload above it at a median
+    >= 0.98x brackets the shipped h100 value, H200's 8e10, so H100 keeps it measured, not
+    borrowed. Below it: Granite S <= 4096 (S = 4096 gained 1.21x on H100, the one workload
+    the single bound gives away) and Qwen and DeepSeek at S = 1024."""
+    import analyze_runs
+
+    from megatron_overlap.planner import get_preset
+
+    shipped = get_preset("h100").min_gemm2_macs_one_rank
+    monkeypatch.setattr(sys, "argv", ["analyze_runs.py", "threshold", "--prefill",
+                                      "s20h100nothr,s20h100nothr2", "--overlapped-only",
+                                      "--macs", str(shipped)])
+    assert analyze_runs.main() == 0
+    out = capsys.readouterr().out
+    lo, hi = (int(x) for x in out.splitlines()[-1].split("(")[1].split("]")[0].split(", "))
+    assert lo < shipped <= hi and shipped == 8 * 10**10
+    assert "12 of 15 workloads" in out  # three on the wrong side of any single bound
+
+
 def _trace(*events):
     return {"traceEvents": [dict(ph="X", **e) for e in events]}
 

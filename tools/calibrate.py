@@ -1,6 +1,10 @@
 """One-time calibration of the planner for a device and kernel family (paper III-C).
 
-    torchrun --nproc-per-node 2 tools/calibrate.py --json out/h200.json
+    torchrun --nproc-per-node 2 tools/calibrate.py --name h200 --json out/h200.json
+
+(`tools/device_run.sh calibrate` names the file after the GPU: h100, h200.) Thresholds of
+the stock path are not measured here: they are carried from the device's shipped file, and
+a new device's come from prefill sweeps (`tools/analyze_runs.py threshold`).
 
 At a fixed large C on one reference workload it times
   * GEMM2 alone on P(C) programs: t_comp, the time of one cumulative compute wave;
@@ -260,6 +264,16 @@ def main() -> int:
               f"C_max={c_max}, o_comp={kernel.o_comp}, o_comm={kernel.o_comm}, "
               f"resources={payload['measured']['resources']}")
         print("comm alone vs C (ms):", {c: round(t, 4) for c, t in times.items()})
+        if f_fit <= 1.0:
+            # (H100, session 20: the one-case curve sits below the model's even at f = 1;
+            # the shared placement, the default, ranks only L with it: docs/RESULTS.md)
+            print("calibrate: the overlap factor is at its grid's floor, f = 1: the measured "
+                  "overlapped curve is below the model's at every f; check the planner's "
+                  "regret with tools/bench_op.py --cuda-graph --graph-sweep before trusting "
+                  "C* of the partition placement")
+        if launch.world == 1:
+            print("calibrate: one rank (D_ref = 1): the pushes to peers were not timed; "
+                  "run it on two GPUs where they are lent")
         write_json(args.json, payload)
     dist.destroy_process_group()
     return 0

@@ -12,7 +12,13 @@ LOG=$OUT/log.txt
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site "$REPO"/.whl/*.whl >>"$LOG" 2>&1 || { echo "wheel install failed"; tail "$LOG"; exit 1; }
 export PYTHONPATH=/tmp/site
+# the checkout's calibrations win over the wheel's: one made in an earlier call travels
+# in the working tree without a rebuilt wheel
+cp "$REPO"/megatron_overlap/planner/calibrations/*.json /tmp/site/megatron_overlap/planner/calibrations/
 NGPU=$(nvidia-smi -L | wc -l)
+# the preset this device's calibration is named and shipped as (h100, h200, ...)
+GPU_NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
+case $GPU_NAME in *H100*) CAL_NAME=${CAL_NAME:-h100} ;; *) CAL_NAME=${CAL_NAME:-h200} ;; esac
 TR="torchrun --nproc-per-node $NGPU"
 # The repository root must not shadow the installed package (its kernels/ is mapped).
 cd /tmp
@@ -32,7 +38,7 @@ for s in "$@"; do
     gpu_tests) stage gpu_tests ${GPU_TEST_SECS:-240} python3 -m pytest -q -m gpu -p no:cacheprovider \
         --rootdir "$REPO" -c "$REPO/pyproject.toml" ${GPU_TEST_K:+-k "$GPU_TEST_K"} \
         "$REPO/tests/test_kernels_gpu.py" "$REPO/tests/test_op_gpu.py" \
-        "$REPO/tests/test_mcore_gpu.py" || {
+        "$REPO/tests/test_mcore_gpu.py" || [ "${GPU_TESTS_DEGRADE:-1}" = 0 ] || {
         # later stages measure through Triton's own launch path rather than not at all
         echo "gpu_tests failed: MEGATRON_OVERLAP_FAST_LAUNCH=0 TAIL_HELPERS=0 from here on" | tee -a "$LOG"
         export MEGATRON_OVERLAP_FAST_LAUNCH=0 MEGATRON_OVERLAP_TAIL_HELPERS=0; } ;;
@@ -58,23 +64,26 @@ for s in "$@"; do
         stage timeline_${b}_$s 90 $TR "$REPO/tools/host_timeline.py" --model qwen --seq $s \
           --backend $b --json "$OUT/timeline_${b}_$s.json"; done; done ;;
     ship_cal)  # later stages plan with the calibration just made, as if it were shipped
-      cp "$OUT/h200.json" /tmp/site/megatron_overlap/planner/calibrations/h200.json ;;
+      # (not over a shipped one unless SHIP_OVER=1: h200's was made on two GPUs, d_ref = 2)
+      if [ -f "$REPO/megatron_overlap/planner/calibrations/$CAL_NAME.json" ] && [ "${SHIP_OVER:-0}" != 1 ]; then
+        echo "ship_cal: $CAL_NAME is shipped; kept (SHIP_OVER=1 replaces it)" | tee -a "$LOG"
+      else cp "$OUT/$CAL_NAME.json" /tmp/site/megatron_overlap/planner/calibrations/; fi ;;
     calibrate_rows)  # the same calibration for GEMM2's row-order y (the pre-session-6 layout)
       python3 -c "import json; json.dump({'best': {'gemm': [128, 128, 64, 4, 3, False],
           'comm': [256, 1024, 32, True, 1, False]}}, open('$OUT/tiles_rows.json', 'w'))"
       stage calibrate_rows 200 $TR "$REPO/tools/calibrate.py" --tiles "$OUT/tiles_rows.json" \
         --json "$OUT/h200_rows.json" ;;
     calibrate) stage calibrate 200 $TR "$REPO/tools/calibrate.py" ${TILES:+--tiles $TILES} \
-        --json "$OUT/h200.json" ;;
+        --name $CAL_NAME --json "$OUT/$CAL_NAME.json" ;;
     bench_op) for lay in ${LAYOUTS:-TP2EP1 TP1EP2}; do
         stage bench_op_$lay ${BENCH_SECS:-110} $TR "$REPO/tools/bench_op.py" --model qwen --layout $lay \
           --seqs 1024,4096,16384 --routing uniform,p90 --samples 15 --warmup 3 \
-          ${TILES:+--tiles $TILES} --preset "$OUT/h200.json" --json "$OUT/op_qwen_$lay.json"; done ;;
+          ${TILES:+--tiles $TILES} --preset "$OUT/$CAL_NAME.json" --json "$OUT/op_qwen_$lay.json"; done ;;
     bench_all) for lay in ${LAYOUTS:-TP2EP1 TP1EP2}; do
         stage bench_all_$lay ${BENCH_SECS:-170} $TR "$REPO/tools/bench_op.py" \
           --model granite,qwen,deepseek --layout $lay --seqs 1024,4096,16384 \
           --routing ${ROUTING:-uniform,p90} --cset ${BENCH_CSET:-1,2,3,4,6,8,12,16,20,24,28,32,40,48} \
-          --samples 10 --warmup 2 --confirm ${CONFIRM:-20} --preset "${PRESET:-$OUT/h200.json}" \
+          --samples 10 --warmup 2 --confirm ${CONFIRM:-20} --preset "${PRESET:-$OUT/$CAL_NAME.json}" \
           ${BENCH_ARGS:-} --json "$OUT/op_all_${TAG:-}$lay.json"; done ;;
     gluon_tiles)  # later stages run GEMM2 by the Gluon kernel (TileConfig.gemm_impl)
       python3 -c "import json; json.dump({'best': {'gemm': [128, 128, 64, 4, 3, False, '${GEMM_IMPL:-gluon}'],
@@ -85,7 +94,7 @@ for s in "$@"; do
       CUDA_LAUNCH_BLOCKING=1 stage graph_diag_${DIAG_LAYOUT:-TP2EP1} ${DIAG_SECS:-120} $TR \
         "$REPO/tools/bench_op.py" --model ${DIAG_MODELS:-granite,qwen,deepseek} \
         --layout ${DIAG_LAYOUT:-TP2EP1} --seqs ${DIAG_SEQS:-1024,4096} --routing uniform \
-        --cset 4,16,48 --samples 3 --warmup 1 --preset "${PRESET:-h200}" --cuda-graph \
+        --cset 4,16,48 --samples 3 --warmup 1 --preset "${PRESET:-$CAL_NAME}" --cuda-graph \
         --json "$OUT/op_diag_${TAG:-}${DIAG_LAYOUT:-TP2EP1}.json" ;;
     op_graph)  # the op, GEMM2 alone and the reference replayed from CUDA graphs, with the C
       # and L sweeps captured too: GPU ratios and the regret without the host's noise
@@ -93,7 +102,7 @@ for s in "$@"; do
         stage op_graph_$lay ${BENCH_SECS:-200} $TR "$REPO/tools/bench_op.py" \
           --model ${OP_MODELS:-granite,qwen,deepseek} --layout $lay --seqs ${OP_SEQS:-4096,16384} \
           --routing ${ROUTING:-uniform} --cset ${BENCH_CSET:-33,66,132} --lset ${LSET:-1,2,4,8} \
-          --samples ${OP_SAMPLES:-10} --warmup 2 --preset "${PRESET:-h200}" --cuda-graph \
+          --samples ${OP_SAMPLES:-10} --warmup 2 --preset "${PRESET:-$CAL_NAME}" --cuda-graph \
           --graph-sweep --json "$OUT/op_graph_${TAG:-}$lay.json"; done ;;
     demo) stage demo 240 bash -c "cd '$REPO' && make demo" ;;  # the README's main job, fresh venv
     ncu_gather)  # hardware counters of GatherRS alone (Firecracker machines only)
@@ -159,7 +168,7 @@ for s in "$@"; do
         stage x4_op_$lay ${X4_OP_SECS:-150} torchrun --nproc-per-node 4 "$REPO/tools/bench_op.py" \
           --model granite,qwen,deepseek --layout $lay \
           --seqs ${X4_SEQS:-1024,2048,4096,8192,16384} --routing ${ROUTING:-p90} \
-          --cset 2,4,8,12,16,20,24,32,40,48 --samples 10 --warmup 2 --preset "${PRESET:-h200}" \
+          --cset 2,4,8,12,16,20,24,32,40,48 --samples 10 --warmup 2 --preset "${PRESET:-$CAL_NAME}" \
           --json "$OUT/op_x4_$lay.json"; done ;;
     x4_layer) for lay in "4 1" "2 2" "1 4"; do set -- $lay
         stage x4_layer_TP$1EP$2 100 torchrun --nproc-per-node 4 "$REPO/tools/bench_layer.py" \
