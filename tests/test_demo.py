@@ -38,3 +38,17 @@ def test_demo_table_plans_with_the_calibration_of_the_machines_gpu():
     # no GPU, or one nothing was calibrated on: the H200 table, as the docs measure it
     assert demo_preset(None).name == "h200"
     assert demo_preset("NVIDIA A10").name == "h200"
+
+
+def test_h100_table_ranks_l_as_the_op_did_on_the_h100():
+    # session 20, op40h100graph: the op on one H100 with the shipped h100 file (shared
+    # placement, so C = G there; the table's C is the partition's), rank 0's workload of
+    # each layout alone; within 0.2% of the fastest captured C or L in 11 of 12 workloads
+    recorded = {}
+    for layout in ("TP2EP1", "TP1EP2"):
+        for r in json.loads((DATA / f"op40h100graph_{layout}.json").read_text())["results"]:
+            recorded[(r["model"], layout, r["seq"], r["routing"])] = r["splits"]
+    shown = {(row["model"], row["layout"], row["S"], row["routing"]): row["plan"].splits
+             for row in decision_rows(get_preset("h100"), ("TP2EP1", "TP1EP2"), as_op=True)}
+    assert len(recorded) == 12 and set(recorded.values()) == {2, 4}
+    assert {k: shown[k] for k in recorded} == recorded
