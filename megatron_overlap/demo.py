@@ -156,7 +156,7 @@ def run_demo(nproc: int = 2, planner_only: bool = False) -> int:
     print(f"No GPU: {nproc} CPU processes (gloo, Triton interpreter), a tiny Qwen-shaped MoE "
           "layer at TP1EP2, stock Megatron-Core MoELayer vs OverlapMoELayer. It checks the "
           "outputs agree and shows the decision; interpreter times say nothing about GPU "
-          "speed (docs/RESULTS.md has the H200 numbers):", flush=True)
+          "speed (docs/RESULTS.md has the H200 and H100 numbers):", flush=True)
     env["TRITON_INTERPRET"] = "1"
     return _torchrun(nproc, [str(bench), "--models", "qwen", "--tp", "1", "--ep", str(nproc),
                              "--seqs", "32", "--batch", str(nproc), "--tiny", "--samples", "3",
