@@ -116,8 +116,11 @@ def fit_saturation(times: dict[int, float], w_comm: int, splits: int):
     return t0, slope, (slope * splits * w_comm / t0 if t0 > 1e-6 * my else None)
 
 
+F_GRID = tuple(1 + i / 50 for i in range(151))  # the overlap factors fitted over: 1 to 4
+
+
 def fit_overlap_factor(times: dict[int, float], t_comp: float, curve_for,
-                       grid=tuple(1 + i / 50 for i in range(151))) -> tuple[float, float, float]:
+                       grid=F_GRID) -> tuple[float, float, float]:
     """(f, t0, rms relative error): the f on `grid` whose model curve, t0 + t_comp *
     T(C; f), fits the measured overlapped times best; `curve_for(f)` gives {C: T(C)} in
     compute waves. t0 (>= 0) is the part no C changes (host launch work, barrier, sum)."""
@@ -264,13 +267,13 @@ def main() -> int:
               f"C_max={c_max}, o_comp={kernel.o_comp}, o_comm={kernel.o_comm}, "
               f"resources={payload['measured']['resources']}")
         print("comm alone vs C (ms):", {c: round(t, 4) for c, t in times.items()})
-        if f_fit <= 1.0:
+        if f_fit <= F_GRID[0]:
             # (H100, session 20: the one-case curve sits below the model's even at f = 1;
             # the shared placement, the default, ranks only L with it: docs/RESULTS.md)
-            print("calibrate: the overlap factor is at its grid's floor, f = 1: the measured "
-                  "overlapped curve is below the model's at every f; check the planner's "
-                  "regret with tools/bench_op.py --cuda-graph --graph-sweep before trusting "
-                  "C* of the partition placement")
+            print(f"calibrate: the overlap factor is at its grid's floor, f = {F_GRID[0]}: "
+                  "the measured overlapped curve is below the model's at every f; check the "
+                  "planner's regret with tools/bench_op.py --cuda-graph --graph-sweep before "
+                  "trusting C* of the partition placement")
         if launch.world == 1:
             print("calibrate: one rank (D_ref = 1): the pushes to peers were not timed; "
                   "run it on two GPUs where they are lent")

@@ -16,9 +16,12 @@ export PYTHONPATH=/tmp/site
 # in the working tree without a rebuilt wheel
 cp "$REPO"/megatron_overlap/planner/calibrations/*.json /tmp/site/megatron_overlap/planner/calibrations/
 NGPU=$(nvidia-smi -L | wc -l)
-# the preset this device's calibration is named and shipped as (h100, h200, ...)
-GPU_NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)
-case $GPU_NAME in *H100*) CAL_NAME=${CAL_NAME:-h100} ;; *) CAL_NAME=${CAL_NAME:-h200} ;; esac
+# the preset this device's calibration is named and shipped as: the shipped one found by
+# the GPU's name (h100, h200), else a new name from it ("NVIDIA A100-SXM4-80GB": a100-sxm4-80gb)
+CAL_NAME=${CAL_NAME:-$(python3 -c "import sys; from megatron_overlap.planner import preset_for_device
+name = sys.argv[1].strip(); found = preset_for_device(name)
+print(found.name if found else name.lower().removeprefix('nvidia').strip().replace(' ', '-'))" \
+    "$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)")}
 TR="torchrun --nproc-per-node $NGPU"
 # The repository root must not shadow the installed package (its kernels/ is mapped).
 cd /tmp
