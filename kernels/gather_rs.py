@@ -290,7 +290,10 @@ def launch_gather_rs(
     hidden = y.shape[1]
     slots = next_pow2(table.shape[1])
     stages = fit_item_stages(item_stages, block_tm * slots * block_tn * y.element_size())
-    args = (y, table, probs if probs is not None else y, dst_ptrs, signal_ptrs, ready, done,
+    # (the kernel reads probs[row] at prob_ptr + row: a strided view must be copied)
+    has_probs = probs is not None
+    probs = probs.contiguous() if has_probs else y
+    args = (y, table, probs, dst_ptrs, signal_ptrs, ready, done,
             error, tile_start, partial_like, epoch, tokens_per_rank, hidden,
             width or split_width(hidden, splits), splits, rank, world, table.shape[1],
             tile_start.numel() - 1, gemm_col_tiles,
@@ -298,7 +301,7 @@ def launch_gather_rs(
             max_spins, programs if launch_helpers else 0, programs, helpers,
             y.stride(0), y.stride(1), dst_slot_stride, dst_row_stride)
     meta = dict(BLOCK_TM=block_tm, BLOCK_TN=block_tn, TOPK_POW2=slots,
-                HAS_PROBS=probs is not None, COL_ALIGN=column_alignment(hidden, splits, width),
+                HAS_PROBS=has_probs, COL_ALIGN=column_alignment(hidden, splits, width),
                 SLOT_LOOP=slot_loop, ITEM_STAGES=stages, TOKEN_MAJOR=token_major,
                 num_warps=num_warps, num_stages=1)
     if maxnreg is not None:
