@@ -20,12 +20,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 
 import torch
 import triton
 from triton import knobs
 from triton.tools.tensor_descriptor import TensorDescriptor
+
+from ..env import env_bool
 
 try:  # Gluon's descriptor also carries its shared-memory layout, part of the key
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
@@ -35,7 +36,7 @@ except ImportError:  # a Triton without Gluon
 
 def _fast_launch_enabled() -> bool:
     # (under TRITON_INTERPRET=1 the kernels have no params and no cache is active)
-    return os.environ.get("MEGATRON_OVERLAP_FAST_LAUNCH", "1") != "0"
+    return env_bool("MEGATRON_OVERLAP_FAST_LAUNCH", True)
 
 
 def _int_class(v: int) -> str:

@@ -13,17 +13,18 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
-import os
 import warnings
 
 import torch
 import torch.distributed as dist
 
 from ..kernels import gather_rs as grs
+from ..env import env_bool
 from ..kernels import gemm2
 from ..kernels.routing_table import launch_routing_table
 from ..planner import PlanCache, expert_row_tiles, ranking_calibration
-from .config import (GPU_TILES, INTERPRET_TILES, PARTITION_TILES, OverlapConfig, TileConfig,
+from .config import (GPU_TILES, INTERPRET_TILES, MAX_SPLITS, PARTITION_TILES, OverlapConfig,
+                     TileConfig,
                      calibration_for, device_spec, gpu_tiles, kernel_spec)
 from .counts_ring import CountsRing
 from .errors import ErrorWord
@@ -31,11 +32,11 @@ from .peer_memory import PeerMemory
 from .residency import compiled_occupancies
 from .stream_ops import StreamOps
 
-L_MAX = 64
+L_MAX = MAX_SPLITS  # readiness words: one per split
 
 
 def _mapped_offsets_default() -> bool:
-    return os.environ.get("MEGATRON_OVERLAP_MAPPED_OFFSETS", "1") != "0"
+    return env_bool("MEGATRON_OVERLAP_MAPPED_OFFSETS", True)
 
 
 class OverlapBuffer(ErrorWord):

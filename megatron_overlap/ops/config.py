@@ -11,11 +11,30 @@ from dataclasses import dataclass
 import torch
 
 from ..planner import A100_PAPER, Calibration, DeviceSpec, KernelSpec, get_preset, preset_for_device
+from ..planner.presets import MAX_SPLITS  # (the readiness flags: one word per split)
+from ..env import env_bool, env_choice, env_int
 
 log = logging.getLogger("megatron_overlap")
 
 BACKENDS = ("auto", "triton", "interpret", "reference")
 PLACEMENTS = ("partition", "shared")  # TileConfig.placement
+
+
+#: dtypes the pushed partial sums may have (OverlapConfig.partial_dtype)
+PARTIAL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+#: the largest spin bound: GatherRS's poll counter is an int32
+MAX_SPINS = (1 << 31) - 1
+#: SMs of the largest device the planner is asked about (sm_margin, the interpreter's)
+MAX_SMS = 1024
+
+
+def _check_int(name: str, value, lo: int, hi: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise ValueError(f"OverlapConfig.{name} must be an int in [{lo}, {hi}], got {value!r}")
+
+
+def _env_max_spins() -> int:
+    return env_int("MEGATRON_OVERLAP_MAX_SPINS", 1 << 24, 1, MAX_SPINS)
 
 
 @dataclass(frozen=True)
@@ -74,14 +93,17 @@ class OverlapConfig:
     planner: bool = True
     sm_margin: int = 0
     preset: str | None = None
-    max_spins: int = int(os.environ.get("MEGATRON_OVERLAP_MAX_SPINS", 1 << 24))
+    # (the environment is read when a config is made, not at import: `_env_*`)
+    max_spins: int = dataclasses.field(default_factory=lambda: _env_max_spins())
     partial_dtype: torch.dtype | None = None
     sync_errors: bool = False
     tiles: "TileConfig | None" = None
     min_combine_elements: int | None = None
     min_gemm2_macs: int | None = None
-    tail_helpers: bool = os.environ.get("MEGATRON_OVERLAP_TAIL_HELPERS", "1") != "0"
-    placement: str | None = os.environ.get("MEGATRON_OVERLAP_PLACEMENT") or None
+    tail_helpers: bool = dataclasses.field(
+        default_factory=lambda: env_bool("MEGATRON_OVERLAP_TAIL_HELPERS", True))
+    placement: str | None = dataclasses.field(
+        default_factory=lambda: env_choice("MEGATRON_OVERLAP_PLACEMENT", PLACEMENTS))
     host_counts: bool = False
 
     def __post_init__(self) -> None:
@@ -90,13 +112,18 @@ class OverlapConfig:
                              f"got {self.placement!r}")
         if self.backend not in BACKENDS:
             raise ValueError(f"OverlapConfig.backend must be one of {BACKENDS}, got {self.backend!r}")
-        for name in ("comm_ctas", "splits"):
+        for name, most in (("comm_ctas", MAX_SMS), ("splits", MAX_SPLITS)):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                      or value < 1):
-                raise ValueError(f"OverlapConfig.{name} must be a positive int or None, got {value!r}")
-        if self.sm_margin < 0 or self.max_spins < 1:
-            raise ValueError("OverlapConfig.sm_margin must be >= 0 and max_spins >= 1")
+                                      or not 1 <= value <= most):
+                raise ValueError(f"OverlapConfig.{name} must be an int in [1, {most}] or None, "
+                                 f"got {value!r}")
+        _check_int("sm_margin", self.sm_margin, 0, MAX_SMS - 1)
+        # (GatherRS counts its polls in int32: a larger bound would never be reached)
+        _check_int("max_spins", self.max_spins, 1, MAX_SPINS)
+        if self.partial_dtype not in (None,) + PARTIAL_DTYPES:
+            raise ValueError(f"OverlapConfig.partial_dtype must be None or one of "
+                             f"{PARTIAL_DTYPES}, got {self.partial_dtype!r}")
         for name in ("tail_helpers", "host_counts"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"OverlapConfig.{name} must be a bool, got "
@@ -167,6 +194,7 @@ class TileConfig:
     def __post_init__(self) -> None:
         from ..kernels.gemm2 import IMPLS
 
+        self._check_shapes()
         if self.gemm_impl not in ("auto",) + IMPLS:
             raise ValueError(f"TileConfig.gemm_impl must be one of {('auto',) + IMPLS}, "
                              f"got {self.gemm_impl!r}")
@@ -187,6 +215,24 @@ class TileConfig:
         if self.token_major and not self.comm_slot_loop:
             raise ValueError("a token-major y is gathered one slot at a time: "
                              "comm_slot_loop must be True (or token_major False)")
+
+    def _check_shapes(self) -> None:
+        """Tile sizes the kernels can compile: powers of two (tl.arange's shapes) in
+        ranges Triton and the TMA descriptors take (a box side is at most 256)."""
+        for name, lo, hi, pow2 in (
+                ("block_m", 16, 256, True), ("block_n", 16, 256, True),
+                ("block_k", 16, 256, True), ("gemm_warps", 1, 32, True),
+                ("gemm_stages", 1, 8, False), ("comm_rows", 1, 4096, True),
+                ("comm_tn", 1, 4096, True), ("comm_warps", 1, 32, True),
+                ("comm_stages", 1, 8, False)):
+            v = getattr(self, name)
+            if (isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi
+                    or (pow2 and v & (v - 1))):
+                kind = "a power of two" if pow2 else "an int"
+                raise ValueError(f"TileConfig.{name} must be {kind} in [{lo}, {hi}], got {v!r}")
+        for name in ("gemm_flatten", "comm_slot_loop", "token_major"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"TileConfig.{name} must be a bool, got {getattr(self, name)!r}")
 
     def comm_shape(self, topk: int, split_width: int) -> tuple[int, int]:
         """(TMc, TNc) of the communication tile for this top-k and split width."""
@@ -222,17 +268,25 @@ def load_tiles(path: str) -> TileConfig:
             best = json.load(f)["best"]
         m, n, k, w, s, flat, *impl = best["gemm"]  # [..., flatten, implementation]
         rows, tn, cw, *mode = best["comm"]  # [rows, tn, warps, slot loop, stages, token-major]
-        slot_loop = bool(mode[0]) if mode else GPU_TILES.comm_slot_loop
+        slot_loop = _flag(mode[0]) if mode else GPU_TILES.comm_slot_loop
         # files from before the layout choice: token-major where the gather allows it
-        token_major = bool(mode[2]) if len(mode) > 2 else slot_loop and GPU_TILES.token_major
-        return TileConfig(m, n, k, w, s, rows, tn, cw, bool(flat),
-                          comm_stages=int(mode[1]) if len(mode) > 1 else 1,
+        token_major = _flag(mode[2]) if len(mode) > 2 else slot_loop and GPU_TILES.token_major
+        # (TileConfig checks the sizes' types and ranges)
+        return TileConfig(m, n, k, w, s, rows, tn, cw, _flag(flat),
+                          comm_stages=mode[1] if len(mode) > 1 else 1,
                           comm_slot_loop=slot_loop, token_major=token_major,
                           gemm_impl=str(impl[0]) if impl else GPU_TILES.gemm_impl,
                           # files from before the placement: 32-warp CTAs, partitioned
                           placement=str(best.get("placement", "partition")))
-    except (OSError, KeyError, ValueError, TypeError) as err:
-        raise ValueError(f"{path}: not a tune_tiles result ({err})") from err
+    except (OSError, KeyError, ValueError, TypeError, AttributeError) as err:
+        raise ValueError(f"{path}: not a tune_tiles result ({type(err).__name__}: {err})") from err
+
+
+def _flag(value) -> bool:
+    """A tiles file's switch: true/false (or 1/0, as older files wrote)."""
+    if isinstance(value, bool) or (isinstance(value, int) and value in (0, 1)):
+        return bool(value)
+    raise ValueError(f"a switch must be true, false, 0 or 1, got {value!r}")
 
 
 def gpu_tiles() -> TileConfig:
@@ -243,8 +297,17 @@ def gpu_tiles() -> TileConfig:
 
 #: The interpreter: small tiles so tiny test shapes still span many tiles and splits.
 INTERPRET_TILES = TileConfig(16, 16, 16, 4, 1, 16, 16, 4, gemm_impl="triton")
-#: SMs of the virtual device the interpreter plans for (small, so P stays small).
-INTERPRET_SMS = int(os.environ.get("MEGATRON_OVERLAP_INTERPRET_SMS", 20))
+def interpret_sms() -> int:
+    """SMs of the virtual device the interpreter plans for (small, so P stays small);
+    MEGATRON_OVERLAP_INTERPRET_SMS, read per call (never at import)."""
+    return env_int("MEGATRON_OVERLAP_INTERPRET_SMS", 20, 1, MAX_SMS)
+
+
+def __getattr__(name: str):
+    # INTERPRET_SMS, the module constant of earlier versions: read when asked for
+    if name == "INTERPRET_SMS":
+        return interpret_sms()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def interpreting() -> bool:
@@ -276,7 +339,7 @@ def device_spec(device: torch.device, sm_margin: int) -> DeviceSpec:
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         return DeviceSpec(props.name, props.multi_processor_count, sm_margin)
-    return DeviceSpec("triton-interpreter", INTERPRET_SMS, sm_margin)
+    return DeviceSpec("triton-interpreter", interpret_sms(), sm_margin)
 
 
 _warned: set[str] = set()

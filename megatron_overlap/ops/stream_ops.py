@@ -15,15 +15,15 @@ with MEGATRON_OVERLAP_DRIVER_EVENTS=0 (or `StreamOps.raw = False`).
 from __future__ import annotations
 
 import ctypes
-import os
 
 import torch
 
 from ..kernels.launch_cache import libcuda
+from ..env import env_bool
 
 
 def _driver_events_default() -> bool:
-    return os.environ.get("MEGATRON_OVERLAP_DRIVER_EVENTS", "1") != "0"
+    return env_bool("MEGATRON_OVERLAP_DRIVER_EVENTS", True)
 
 
 class StreamOps:
