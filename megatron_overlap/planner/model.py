@@ -72,12 +72,15 @@ model', run 21).
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from dataclasses import dataclass
 from typing import NamedTuple
 
 #: The fixed communication-CTA count of the public COMET A100 path; what "disabled" returns.
 DEFAULT_COMM_CTAS = 3
+#: The largest C_max a calibration may name (C never exceeds the SMs of a device).
+MAX_C = 4096
 _TIE_RTOL = 1e-9
 
 
@@ -93,15 +96,19 @@ def _require_int(obj: object, name: str, minimum: int) -> None:
         raise ValueError(f"{type(obj).__name__}.{name} must be >= {minimum}, got {value}")
 
 
-def _require_real(obj: object, name: str, minimum: float, strict: bool = False) -> None:
-    """An optional number (None passes) >= minimum, or > minimum when `strict`."""
+def _require_real(obj: object, name: str, minimum: float, strict: bool = False,
+                  optional: bool = True) -> None:
+    """An optional finite number (None passes) >= minimum, or > minimum when `strict`
+    (inf and NaN, which JSON's Infinity and 1e400 give, would make T(C) meaningless)."""
     value = getattr(obj, name)
-    if value is None:
+    if value is None and optional:
         return
     if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not math.isfinite(value)
             or not (value > minimum if strict else value >= minimum)):
-        raise ValueError(f"{type(obj).__name__}.{name} must be {'>' if strict else '>='} "
-                         f"{minimum:g} or None, got {value!r}")
+        raise ValueError(f"{type(obj).__name__}.{name} must be a finite number "
+                         f"{'>' if strict else '>='} {minimum:g}"
+                         f"{' or None' if optional else ''}, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -196,6 +203,8 @@ class DeviceSpec:
 
     def __post_init__(self) -> None:
         _require_int(self, "sms", 1)
+        if self.sms > MAX_C:  # (the planner's curve has one point per C up to G)
+            raise ValueError(f"DeviceSpec.sms must be <= {MAX_C}, got {self.sms}")
         _require_int(self, "sm_margin", 0)
         if self.sm_margin >= self.sms:
             raise ValueError(
@@ -238,10 +247,11 @@ class Calibration:
         _require_real(self, "c_sat", 0, strict=True)
         _require_real(self, "overlap_factor", 0, strict=True)
         _require_real(self, "k_epi", 0)
-        if not isinstance(self.rho_ref, (int, float)) or not self.rho_ref > 0:
-            raise ValueError(f"Calibration.rho_ref must be > 0, got {self.rho_ref!r}")
+        _require_real(self, "rho_ref", 0, strict=True, optional=False)
         for name in ("k_ref", "tm_ref", "tn_ref", "d_ref", "c_max"):
             _require_int(self, name, 1)
+        if self.c_max > MAX_C:
+            raise ValueError(f"Calibration.c_max must be <= {MAX_C}, got {self.c_max}")
         for name in ("tmc_ref", "tnc_ref", "topk_ref"):
             if getattr(self, name) is not None:
                 _require_int(self, name, 1)
@@ -400,6 +410,16 @@ def _curve(w_comp: int, w_comm: int, rho: float, splits: int,
     return ts
 
 
+def _finite_min(ts: list[float], rho: float) -> float:
+    """min T(C); a ValueError where it is not finite (a calibration whose rho overflows:
+    no C could be compared with another)."""
+    t_min = min(ts)
+    if not math.isfinite(t_min):
+        raise ValueError(f"the model's T(C) is not finite (rho = {rho!r}): the calibration's "
+                         f"rho_ref, k_epi, c_sat or overlap_factor is out of range")
+    return t_min
+
+
 def solve(
     w_comp: int, w_comm: int, rho: float, splits: int,
     kernel: KernelSpec, device: DeviceSpec, c_max: int, c_sat: float | None = None,
@@ -411,7 +431,7 @@ def solve(
         ts = [makespan(w_comp, w_comm, o_comp * g, c, splits, rho, c_sat,
                        tail_ctas(c, kernel, device, max(c_max, g)), overlap)
               for c in range(1, g + 1)]
-        t_min = min(ts)
+        t_min = _finite_min(ts, rho)
         best = max(c for c, t in enumerate(ts, 1) if t - t_min <= _TIE_RTOL * t_min)
         return best, tuple(zip(range(1, g + 1), ts))
     c_top = min(c_max, o_comm * (g - 1))  # the largest C with P(C) > 0
@@ -427,7 +447,7 @@ def solve(
     else:  # f scales every split alike: the closed form at rho f
         ts = _curve(w_comp, w_comm, rho * (overlap or 1.0), splits, g, o_comp, o_comm, c_top,
                     c_sat)
-    t_min = min(ts)
+    t_min = _finite_min(ts, rho)
     tol = _TIE_RTOL * t_min
     best = None  # (Delta_comp, C) over the tied candidates
     for c, t in enumerate(ts, 1):

@@ -14,6 +14,8 @@ from pathlib import Path
 from .model import Calibration, DeviceSpec, KernelSpec
 
 CALIBRATION_DIR = Path(__file__).with_name("calibrations")
+#: the most splits the op runs (its readiness flags: one word per split)
+MAX_SPLITS = 64
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,10 @@ class Preset:
         }
 
     def __post_init__(self) -> None:
+        d = self.default_splits
+        if isinstance(d, bool) or not isinstance(d, int) or not 1 <= d <= MAX_SPLITS:
+            raise ValueError(f"Preset.default_splits must be an int in [1, {MAX_SPLITS}], "
+                             f"got {d!r}")
         for name in _THRESHOLDS:
             m = getattr(self, name)
             if m is None and name.endswith("one_rank"):
@@ -87,8 +93,8 @@ class Preset:
                 **{name: data.get(name, None if name.endswith("_one_rank") else 0)
                    for name in _THRESHOLDS},
             )
-        except (KeyError, TypeError) as err:
-            raise ValueError(f"malformed calibration preset: {err}") from err
+        except (KeyError, TypeError, AttributeError) as err:
+            raise ValueError(f"malformed calibration preset: {type(err).__name__}: {err}") from err
 
 
 _THRESHOLDS = ("min_combine_elements", "min_combine_elements_one_rank", "min_gemm2_macs",
@@ -106,10 +112,19 @@ A100_PAPER = Preset(
 
 
 def load_preset_file(path: str | Path) -> Preset:
-    """A preset from a calibration JSON file (the format `tools/calibrate.py` writes)."""
-    with open(path) as f:
-        data = json.load(f)
-    return Preset.from_json(data.get("preset", data))
+    """A preset from a calibration JSON file (the format `tools/calibrate.py` writes);
+    any problem with the file is a ValueError that names it."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+        if not isinstance(data, dict):
+            raise ValueError(f"the top level is a JSON {type(data).__name__}, not an object")
+        preset = data.get("preset", data)
+        if not isinstance(preset, dict):
+            raise ValueError(f"'preset' is a JSON {type(preset).__name__}, not an object")
+        return Preset.from_json(preset)
+    except (OSError, ValueError) as err:  # (json.JSONDecodeError is a ValueError)
+        raise ValueError(f"calibration file {str(path)!r}: {err}") from err
 
 
 def _shipped() -> dict[str, Preset]:
