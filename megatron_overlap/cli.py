@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "plan":
             return _run_plan(args)
         return _run_demo(args)
-    except ValueError as err:
+    except (ValueError, OSError) as err:  # bad input, or a file that cannot be read/written
         print(f"megatron-overlap: error: {err}", file=sys.stderr)
         return 2
 

@@ -32,7 +32,8 @@ from .buffer import OverlapBuffer
 from .config import OverlapConfig, TileConfig, resolve_backend, with_register_caps
 from .planning import log_decision, plan_splits, rank_splits, row_order
 from .reference import all_gather, grouped_mm, reference_forward
-from .validation import aligned, capture_refusal, capturing, host_counts, to_device, validate
+from .validation import (aligned, capture_refusal, capturing, check_int, check_options,
+                         expert_count, host_counts, to_device, validate)
 
 _group_sizes: dict[int, tuple] = {}
 
@@ -253,12 +254,12 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
             group=None, *, comm_ctas=None, splits=None, config=None,
             expected_rows=None) -> Launch:
     """Validate, choose the backend, plan C and L, and size the workspace (no launch)."""
-    config = config or OverlapConfig()
+    config = check_options(config, comm_ctas, splits)
     world, rank = _group_size_rank(group)
-    experts = weight.shape[0] if weight.dim() == 3 else -1
+    experts = expert_count(x, weight)
     counts, counts_dev = host_counts(tokens_per_expert, x.shape[0], experts)
     padded = expected_rows is not None
-    if padded and not 0 <= expected_rows <= x.shape[0]:
+    if padded and not 0 <= check_int("expected_rows", expected_rows, None) <= x.shape[0]:
         raise ValueError(f"expected_rows must lie in [0, {x.shape[0]}] (x's rows), got "
                          f"{expected_rows}")
     validate(x, weight, counts, token_index, num_tokens, topk, probs, world, padded)
@@ -280,7 +281,7 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
                           "cannot reach every rank, using the reference path")
         backend = "reference"
     hidden = weight.shape[1]
-    num_splits = splits or config.splits
+    num_splits = splits if splits is not None else config.splits
     if num_splits is not None and num_splits > hidden:
         raise ValueError(f"splits ({num_splits}) must be <= hidden ({hidden})")
     if backend == "reference":  # the baseline builds its table with torch alone
@@ -338,7 +339,7 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
     # other rows live on other ranks): the bytes of a communication tile. Quarters, so
     # the decisions stay cacheable.
     local_topk = round(4 * rows / num_tokens) / 4
-    c = comm_ctas or config.comm_ctas
+    c = comm_ctas if comm_ctas is not None else config.comm_ctas
     # The decision depends on the counts only through row_tiles: remembered per buffer
     # (the host runs this after Megatron's sync, while the GPU waits).
     key = (config, tiles, row_tiles, sizes, topk, local_topk, num_splits, c, experts)

@@ -8,10 +8,59 @@ the device (`kernels/routing_table.py`), raised at the next call.
 
 from __future__ import annotations
 
+import numbers
+
 import torch
+
+from .config import MAX_SPLITS, OverlapConfig
 
 #: dtypes the kernels take for x and the weights
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+#: the largest top-k: GatherRS unrolls one gather per slot (rounded up to a power of
+#: two) and the routing table holds k slots per token, so compile time and memory grow
+#: with it; routers pick at most a few dozen experts per token
+MAX_TOPK = 256
+#: the largest M: token numbers are int32 in the routing table's kernels
+MAX_TOKENS = (1 << 31) - 1
+
+
+def check_int(name: str, value, lo: int | None, hi: int | None = None) -> int:
+    """value as an int in [lo, hi] (None: unbounded), else a TypeError / ValueError
+    naming `name` (Python and numpy ints pass; bools, floats and tensors do not)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    value = int(value)
+    if lo is None:
+        return value
+    if value < lo or (hi is not None and value > hi):
+        bound = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
+        raise ValueError(f"{name} must be an int {bound}, got {value}")
+    return value
+
+
+def check_options(config, comm_ctas, splits):
+    """The op's keyword options: the config (None = the defaults), and an explicit C
+    and L, which override the config's where given (0 is an error, not "unset")."""
+    if config is None:
+        config = OverlapConfig()
+    elif not isinstance(config, OverlapConfig):
+        raise TypeError(f"config must be an OverlapConfig or None, got {type(config).__name__}")
+    if comm_ctas is not None:
+        check_int("comm_ctas", comm_ctas, 1)
+    if splits is not None:
+        check_int("splits", splits, 1, MAX_SPLITS)
+    return config
+
+
+def expert_count(x, weight) -> int:
+    """E, from weight [E, N, K] (checked first: the counts are checked against it)."""
+    for name, t in (("x", x), ("weight", weight)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if x.dim() != 2 or weight.dim() != 3:
+        raise ValueError(f"x must be [T, K] and weight [E, N, K]; got {tuple(x.shape)} and "
+                         f"{tuple(weight.shape)}")
+    return weight.shape[0]
 
 
 def host_counts(tokens_per_expert, rows: int, experts: int):
@@ -20,8 +69,10 @@ def host_counts(tokens_per_expert, rows: int, experts: int):
         if tokens_per_expert.dim() != 1 or tokens_per_expert.numel() != experts:
             raise ValueError(f"tokens_per_expert must have {experts} entries (one per local "
                              f"expert), got shape {tuple(tokens_per_expert.shape)}")
-        if tokens_per_expert.dtype.is_floating_point:
-            raise ValueError("tokens_per_expert must hold integers")
+        if tokens_per_expert.dtype.is_floating_point or tokens_per_expert.dtype in (
+                torch.bool, torch.complex64, torch.complex128):
+            raise ValueError(f"tokens_per_expert must hold integers, got "
+                             f"{tokens_per_expert.dtype}")
         if tokens_per_expert.device.type == "cpu":
             return tokens_per_expert.tolist(), tokens_per_expert
         if tokens_per_expert.dtype not in (torch.int32, torch.int64):
@@ -29,7 +80,12 @@ def host_counts(tokens_per_expert, rows: int, experts: int):
                              f"{tokens_per_expert.dtype}")
         # (the kernels read it in place: their sum is checked there, ERR_COUNTS)
         return None, tokens_per_expert.contiguous()
-    counts = list(tokens_per_expert)
+    try:
+        counts = list(tokens_per_expert)
+    except TypeError:
+        raise TypeError(f"tokens_per_expert must be a list or tensor of ints, got "
+                        f"{type(tokens_per_expert).__name__}") from None
+    counts = [check_int(f"tokens_per_expert[{e}]", c, 0) for e, c in enumerate(counts)]
     if len(counts) != experts:
         raise ValueError(f"tokens_per_expert must have {experts} entries (one per local "
                          f"expert), got {len(counts)}")
@@ -49,9 +105,12 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 def validate(x, weight, counts, token_index, num_tokens, topk, probs, world, padded=False):
     """Every check that can fail with a clear message before a kernel sees the data
     (`padded`: the counts may sum to fewer than x's rows; the rest are padding)."""
-    if x.dim() != 2 or weight.dim() != 3:
-        raise ValueError(f"x must be [T, K] and weight [E, N, K]; got {tuple(x.shape)} and "
-                         f"{tuple(weight.shape)}")
+    expert_count(x, weight)
+    num_tokens = check_int("num_tokens", num_tokens, 1, MAX_TOKENS)
+    topk = check_int("topk", topk, 1, MAX_TOPK)
+    for name, t in (("token_index", token_index), ("probs", probs)):
+        if t is not None and not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if x.dtype not in DTYPES or weight.dtype != x.dtype:
         raise ValueError(f"x and weight must share a dtype in {DTYPES}; got {x.dtype}, "
                          f"{weight.dtype}")
@@ -72,10 +131,10 @@ def validate(x, weight, counts, token_index, num_tokens, topk, probs, world, pad
     if num_tokens < 1 or num_tokens % world:
         raise ValueError(f"num_tokens ({num_tokens}) must be a positive multiple of the group "
                          f"size ({world}): each rank owns num_tokens / world rows")
-    if topk < 1:
-        raise ValueError(f"topk must be >= 1, got {topk}")
     if probs is not None and (probs.shape != (x.shape[0],) or probs.device != x.device):
         raise ValueError(f"probs must be [T] = [{x.shape[0]}] on x's device, got {tuple(probs.shape)}")
+    if probs is not None and probs.dtype not in DTYPES:
+        raise ValueError(f"probs must have a dtype in {DTYPES}, got {probs.dtype}")
     if padded and counts is not None:
         token_index = token_index[:sum(counts)]  # (the padding's tokens are anything)
     if x.device.type == "cpu" and token_index.numel():
