@@ -42,7 +42,8 @@ The flag protocol, in full (the only subtle part of the operator):
   * double buffering: receive slots alternate by epoch parity, so a rank that runs ahead
     into call n+1 never overwrites slots a slower peer is still summing for call n; it
     cannot reach call n+2 before that peer has passed the barrier of call n+1.
-  * bounded waits: every spin stops after `max_spins` polls and records
+  * bounded waits: every spin stops after `timeout_us` microseconds of the GPU's global
+    timer (the host's monotonic clock under the interpreter) or `max_spins` polls, and records
     `kind << 24 | value` in `error` (kind 1: split `value` never became ready; kind 2:
     rank `value` never reached the barrier); the host raises. A hang is a bug.
   * CUDA graphs: nothing allocates, the flags reset themselves, and the epoch is a
@@ -54,10 +55,12 @@ The flag protocol, in full (the only subtle part of the operator):
 from __future__ import annotations
 
 import functools
+import time
 
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.jit import JITFunction
 
 from .gemm2 import column_alignment, next_pow2, split_width
 from .launch_cache import LaunchCache
@@ -66,9 +69,27 @@ ERR_READY_TIMEOUT = 1
 ERR_BARRIER_TIMEOUT = 2
 
 
+#: the default bound of a wait, in seconds (OverlapConfig.wait_timeout_s)
+WAIT_TIMEOUT_S = 60.0
+
+
 @triton.jit
-def _wait_at_least(ptr, target, max_spins, SCOPE: tl.constexpr):
-    """Poll `*ptr` until it reaches `target` or `max_spins` polls pass; 1 if it did.
+def _now():
+    """The GPU's global timer, in ns."""
+    return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
+                                     is_pure=False, pack=1)
+
+
+if not isinstance(_now, JITFunction):  # the interpreter runs no PTX: the host's clock
+    def _now():
+        return tl.full((), time.monotonic_ns(), tl.int64)
+
+
+@triton.jit
+def _wait_at_least(ptr, target, max_spins, timeout_ns, SCOPE: tl.constexpr):
+    """Poll `*ptr` until it reaches `target`, `timeout_ns` ns pass or `max_spins` polls
+    do; 1 if it reached it. (Bounded by time: a poll's cost differs between the GPU and
+    the interpreter by orders of magnitude.)
 
     Polls are plain volatile loads, so dozens of waiting CTAs do not queue atomics on
     the L2 line the producers increment; one acquire read after success orders
@@ -76,9 +97,10 @@ def _wait_at_least(ptr, target, max_spins, SCOPE: tl.constexpr):
     measured no faster: 400 ns in session 2, the partition placement; 200 ns in session
     14, the shared one, at the power limit, where it saved no power: docs/RESULTS.md.)
     """
+    start = _now()
     seen = tl.load(ptr, volatile=True)
     spins = 0
-    while (seen < target) & (spins < max_spins):
+    while (seen < target) & (spins < max_spins) & (_now() - start < timeout_ns):
         seen = tl.load(ptr, volatile=True)
         spins += 1
     seen = tl.atomic_add(ptr, 0, sem="acquire", scope=SCOPE)
@@ -87,14 +109,15 @@ def _wait_at_least(ptr, target, max_spins, SCOPE: tl.constexpr):
 
 @triton.jit(do_not_specialize=["tokens_per_rank", "num_splits", "rank", "world", "topk",
                                "num_experts", "gemm_col_tiles", "gemm_last_col_tiles",
-                               "max_spins", "pid_base", "comm_programs", "helpers"])
+                               "max_spins", "timeout_us", "pid_base", "comm_programs",
+                               "helpers"])
 def gather_rs_kernel(
     # pointers
     y_ptr, table_ptr, prob_ptr, dst_ptrs, signal_ptrs, ready_ptr, done_ptr, error_ptr,
     tile_start_ptr, partial_like_ptr, epoch_ptr,
     # sizes and protocol values
     tokens_per_rank, N, split_width, num_splits, rank, world, topk, num_experts,
-    gemm_col_tiles, gemm_last_col_tiles, max_spins,
+    gemm_col_tiles, gemm_last_col_tiles, max_spins, timeout_us,
     # programs: [0, comm_programs) launched before GEMM2; [comm_programs, + helpers) by a
     # second launch after it (pid_base = comm_programs), for the last split only
     pid_base, comm_programs, helpers,
@@ -113,6 +136,8 @@ def gather_rs_kernel(
     # GEMM2 tiles per split, from the row tiles on the device: exact even when the host
     # planned from an estimate of the routed counts. The last split may be narrower.
     row_tiles = tl.load(tile_start_ptr + num_experts)
+    # (passed in us, so the argument is an int32 whatever the bound: one binary)
+    timeout_ns = timeout_us.to(tl.int64) * 1000
     slots = tl.arange(0, TOPK_POW2)
     alive = pid * 0 + 1  # int32 0/1: after a time-out later splits are not waited for
     # this call's epoch: one more than the last call's, which its last program stored
@@ -132,7 +157,7 @@ def gather_rs_kernel(
         stride = tl.where(last, all_programs, comm_programs)
         first = tl.where(pid < stride, pid, items)  # helpers skip the earlier splits
         if (first < items) & (alive == 1):
-            ok = _wait_at_least(ready_ptr + split, expected, max_spins, "gpu")
+            ok = _wait_at_least(ready_ptr + split, expected, max_spins, timeout_ns, "gpu")
             if ok == 0:
                 tl.atomic_cas(error_ptr, 0, (1 << 24) | split)
                 alive = alive * 0
@@ -213,7 +238,7 @@ def gather_rs_kernel(
                 tl.atomic_xchg(sig + rank, epoch, sem="release", scope="sys")
             mine = tl.load(signal_ptrs + rank).to(ready_ptr.dtype)
             for src in range(world):
-                ok = _wait_at_least(mine + src, epoch, max_spins, "sys")
+                ok = _wait_at_least(mine + src, epoch, max_spins, timeout_ns, "sys")
                 if ok == 0:
                     tl.atomic_cas(error_ptr, 0, (2 << 24) | src)
             # every program of the call has read the epoch (each added to `done` after)
@@ -261,6 +286,17 @@ def fit_item_stages(requested: int, item_bytes: int, budget: int = ITEM_PIPELINE
     return max(1, min(requested, 1 + budget // max(1, item_bytes)))
 
 
+#: the longest wait bound: microseconds in an int32
+MAX_WAIT_TIMEOUT_S = ((1 << 31) - 1) / 1e6
+
+
+def _timeout_us(seconds: float) -> int:
+    """A wait bound in whole microseconds (at least 1)."""
+    if not 0 < seconds <= MAX_WAIT_TIMEOUT_S:
+        raise ValueError(f"wait_timeout_s must be in (0, {MAX_WAIT_TIMEOUT_S:g}], got {seconds!r}")
+    return max(1, int(seconds * 1e6))
+
+
 def launch_gather_rs(
     y: torch.Tensor, table: torch.Tensor, probs: torch.Tensor | None, dst_ptrs: torch.Tensor,
     signal_ptrs: torch.Tensor, ready: torch.Tensor, done: torch.Tensor, error: torch.Tensor,
@@ -271,6 +307,7 @@ def launch_gather_rs(
     slot_loop: bool = True, helpers: int = 0, launch_helpers: bool = False, stream=None,
     token_major: bool = False, maxnreg: int | None = None,
     width: int | None = None, gemm_last_col_tiles: int | None = None,
+    wait_timeout_s: float = WAIT_TIMEOUT_S,
 ):
     """Launch exactly `programs` communication CTAs. y [T, N] in GEMM2's row order, or
     with `token_major` [M * k, N] with slot j of token t at row t * k + j, which needs
@@ -282,7 +319,8 @@ def launch_gather_rs(
     stream) instead of the `programs` communication CTAs; `maxnreg` caps the registers
     per thread (None: the compiler's choice); `width`: the split width sw (default
     ceil(N/L)) and `gemm_last_col_tiles` GEMM2's column tiles in the last split, which
-    holds the N - (L-1) sw columns left (default `gemm_col_tiles`); `epoch`: the group's
+    holds the N - (L-1) sw columns left (default `gemm_col_tiles`); `wait_timeout_s`: the
+    bound of every wait in seconds (with `max_spins` polls); `epoch`: the group's
     int32 call counter on this device (read and advanced by the call where world > 1;
     `dst_ptrs` then holds both parities' tables, [2, world])."""
     if token_major and not slot_loop:
@@ -298,7 +336,8 @@ def launch_gather_rs(
             width or split_width(hidden, splits), splits, rank, world, table.shape[1],
             tile_start.numel() - 1, gemm_col_tiles,
             gemm_col_tiles if gemm_last_col_tiles is None else gemm_last_col_tiles,
-            max_spins, programs if launch_helpers else 0, programs, helpers,
+            max_spins, _timeout_us(wait_timeout_s), programs if launch_helpers else 0, programs,
+            helpers,
             y.stride(0), y.stride(1), dst_slot_stride, dst_row_stride)
     meta = dict(BLOCK_TM=block_tm, BLOCK_TN=block_tn, TOPK_POW2=slots,
                 HAS_PROBS=has_probs, COL_ALIGN=column_alignment(hidden, splits, width),

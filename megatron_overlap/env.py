@@ -47,3 +47,18 @@ def env_choice(name: str, choices: tuple) -> str | None:
     if raw not in choices:
         raise ValueError(f"environment variable {name}={raw!r} must be one of {choices}")
     return raw
+
+
+def env_float(name: str, default: float, hi: float) -> float:
+    """A finite number in (0, hi]; unset or empty = `default`."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    try:
+        value = float(raw)
+    except ValueError:
+        value = None
+    if value is None or not 0 < value <= hi:  # (NaN fails the comparison)
+        raise ValueError(f"environment variable {name}={os.environ[name]!r} must be a "
+                         f"number in (0, {hi:g}]")
+    return value

@@ -318,3 +318,32 @@ def test_fuzzed_public_arguments_give_a_clear_error_or_the_reference_result():
     assert hypothesis  # (imported for the skip)
     check()
     assert outcomes["result"] >= 20, outcomes  # (the kernels ran, not only the checks)
+
+
+# ----------------------------------------------------------------- 10: waits by time
+def test_waits_are_bounded_by_time_and_the_error_says_how_long(monkeypatch):
+    """A producer that never publishes (GEMM2 skipped): with no poll bound the wait ends
+    after wait_timeout_s of the clock, and the error names that time; the bound and its
+    environment variable are checked."""
+    from megatron_overlap.kernels import gemm2
+    from megatron_overlap.ops import OverlapTimeoutError
+    from megatron_overlap.ops.buffer import OverlapBuffer
+
+    monkeypatch.setattr(gemm2, "launch_grouped_gemm2", lambda *a, **k: None)
+    config = OverlapConfig(backend="interpret", wait_timeout_s=0.25, sm_margin=1)
+    assert config.max_spins == (1 << 31) - 1  # (no poll bound: time alone ends the wait)
+    import time
+
+    start = time.monotonic()
+    with pytest.raises(OverlapTimeoutError, match=r"split 0 .*after waiting 0.25 s"):
+        call(problem(), config=config, comm_ctas=1, splits=1)
+    assert time.monotonic() - start < 20
+    OverlapBuffer.get(None, torch.device("cpu"), "interpret").reset()
+    for bad in (0, -1.0, float("nan"), 1e9, True):
+        with pytest.raises(ValueError, match="wait_timeout_s"):
+            OverlapConfig(wait_timeout_s=bad)
+    monkeypatch.setenv("MEGATRON_OVERLAP_WAIT_TIMEOUT_S", "soon")
+    with pytest.raises(ValueError, match="MEGATRON_OVERLAP_WAIT_TIMEOUT_S"):
+        OverlapConfig()
+    monkeypatch.setenv("MEGATRON_OVERLAP_WAIT_TIMEOUT_S", "2.5")
+    assert OverlapConfig().wait_timeout_s == 2.5

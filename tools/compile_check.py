@@ -46,7 +46,7 @@ def kernels():
     comm_ints = {n: "i32" for n in ("tokens_per_rank", "N", "split_width", "num_splits", "rank",
                                     "world", "topk", "num_experts", "gemm_col_tiles",
                                     "gemm_last_col_tiles",
-                                    "max_spins", "pid_base", "comm_programs", "helpers",
+                                    "max_spins", "timeout_us", "pid_base", "comm_programs", "helpers",
                                     "stride_ym", "stride_yn")}
     comm_ints.update(dst_slot_stride="i64", dst_row_stride="i32")
     comm_ints.pop("stride_yn")  # y is row-major: Triton specializes a stride of 1

@@ -72,6 +72,7 @@ class OverlapBuffer(ErrorWord):
         self.epoch = torch.zeros(1, dtype=torch.int32, device=device)
         self.captured = False  # some launch of it went into a CUDA graph
         self.broken: str | None = None
+        self.wait_bounds: tuple | None = None  # (seconds, polls) of the latest launch's waits
         self._memory: PeerMemory | None = None
         self._layout: tuple | None = None  # (cap rows, hidden, partial dtype)
         self._ptr_table: torch.Tensor | None = None  # [2, world]: each parity's slots
@@ -287,7 +288,8 @@ class OverlapBuffer(ErrorWord):
             raise
 
     def launch(self, x, weight, counts_dev, table, probs, out, *, plan, splits, tiles,
-               comm_tm, comm_tn, tokens_per_rank, max_spins, phases=("gemm2", "comm"),
+               comm_tm, comm_tn, tokens_per_rank, max_spins, wait_timeout_s=grs.WAIT_TIMEOUT_S,
+               phases=("gemm2", "comm"),
                y=None, offsets=None, helpers=0, dest=None, comm_first=None, fork=None,
                width=None):
         """GEMM2 (P programs) and GatherRS (C programs), then the local sum over ranks.
@@ -307,6 +309,7 @@ class OverlapBuffer(ErrorWord):
         to the N - (L-1) sw columns left (`gemm2.split_col_tiles`).
         """
         t = tiles
+        self.wait_bounds = (wait_timeout_s, max_spins)  # (for a time-out's message)
         hidden = weight.shape[1]
         width = width or gemm2.split_width(hidden, splits)
         col_tiles, last_col_tiles = gemm2.split_col_tiles(hidden, splits, width, t.block_n)
@@ -343,7 +346,8 @@ class OverlapBuffer(ErrorWord):
                 tokens_per_rank=tokens_per_rank, splits=splits, rank=self.rank,
                 world=self.world,
                 gemm_col_tiles=col_tiles, gemm_last_col_tiles=last_col_tiles,
-                width=width, epoch=self.epoch, max_spins=max_spins, partial_like=partial_like,
+                width=width, epoch=self.epoch, max_spins=max_spins,
+                wait_timeout_s=wait_timeout_s, partial_like=partial_like,
                 dst_slot_stride=slot_stride, dst_row_stride=row_stride,
                 programs=plan.comm_ctas, block_tm=comm_tm, block_tn=comm_tn,
                 num_warps=t.comm_warps, item_stages=t.comm_stages,

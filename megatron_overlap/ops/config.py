@@ -12,7 +12,8 @@ import torch
 
 from ..planner import A100_PAPER, Calibration, DeviceSpec, KernelSpec, get_preset, preset_for_device
 from ..planner.presets import MAX_SPLITS  # (the readiness flags: one word per split)
-from ..env import env_bool, env_choice, env_int
+from ..env import env_bool, env_choice, env_float, env_int
+from ..kernels.gather_rs import MAX_WAIT_TIMEOUT_S, WAIT_TIMEOUT_S
 
 log = logging.getLogger("megatron_overlap")
 
@@ -34,7 +35,12 @@ def _check_int(name: str, value, lo: int, hi: int) -> None:
 
 
 def _env_max_spins() -> int:
-    return env_int("MEGATRON_OVERLAP_MAX_SPINS", 1 << 24, 1, MAX_SPINS)
+    # (no bound of its own by default: the waits are bounded by time, wait_timeout_s)
+    return env_int("MEGATRON_OVERLAP_MAX_SPINS", MAX_SPINS, 1, MAX_SPINS)
+
+
+def _env_wait_timeout_s() -> float:
+    return env_float("MEGATRON_OVERLAP_WAIT_TIMEOUT_S", WAIT_TIMEOUT_S, MAX_WAIT_TIMEOUT_S)
 
 
 @dataclass(frozen=True)
@@ -52,7 +58,10 @@ class OverlapConfig:
     sm_margin: SMs left to other concurrent kernels.
     preset: calibration preset name or JSON path; None finds the shipped calibration
         for this device name (falling back to the paper's A100 rho_ref with a warning).
-    max_spins: bound of every spin-wait; a time-out raises OverlapTimeoutError.
+    max_spins: a bound on the polls of every spin-wait (default: none but int32's; env
+        MEGATRON_OVERLAP_MAX_SPINS); a time-out raises OverlapTimeoutError.
+    wait_timeout_s: the time bound of every spin-wait, in seconds of the GPU's global
+        timer (the host's clock under the interpreter); env MEGATRON_OVERLAP_WAIT_TIMEOUT_S.
     partial_dtype: dtype of the pushed partial sums; None = the output dtype.
     sync_errors: check the kernels' error word right after every call (a host sync);
         otherwise it is checked at the next call or at `OverlapBuffer.check()`.
@@ -95,6 +104,7 @@ class OverlapConfig:
     preset: str | None = None
     # (the environment is read when a config is made, not at import: `_env_*`)
     max_spins: int = dataclasses.field(default_factory=lambda: _env_max_spins())
+    wait_timeout_s: float = dataclasses.field(default_factory=lambda: _env_wait_timeout_s())
     partial_dtype: torch.dtype | None = None
     sync_errors: bool = False
     tiles: "TileConfig | None" = None
@@ -121,6 +131,11 @@ class OverlapConfig:
         _check_int("sm_margin", self.sm_margin, 0, MAX_SMS - 1)
         # (GatherRS counts its polls in int32: a larger bound would never be reached)
         _check_int("max_spins", self.max_spins, 1, MAX_SPINS)
+        t = self.wait_timeout_s
+        if (isinstance(t, bool) or not isinstance(t, (int, float))
+                or not 0 < t <= MAX_WAIT_TIMEOUT_S):
+            raise ValueError(f"OverlapConfig.wait_timeout_s must be a number of seconds in "
+                             f"(0, {MAX_WAIT_TIMEOUT_S:g}], got {t!r}")
         if self.partial_dtype not in (None,) + PARTIAL_DTYPES:
             raise ValueError(f"OverlapConfig.partial_dtype must be None or one of "
                              f"{PARTIAL_DTYPES}, got {self.partial_dtype!r}")
@@ -222,9 +237,9 @@ class TileConfig:
         for name, lo, hi, pow2 in (
                 ("block_m", 16, 256, True), ("block_n", 16, 256, True),
                 ("block_k", 16, 256, True), ("gemm_warps", 1, 32, True),
-                ("gemm_stages", 1, 8, False), ("comm_rows", 1, 4096, True),
+                ("gemm_stages", 1, 64, False), ("comm_rows", 1, 4096, True),
                 ("comm_tn", 1, 4096, True), ("comm_warps", 1, 32, True),
-                ("comm_stages", 1, 8, False)):
+                ("comm_stages", 1, 64, False)):
             v = getattr(self, name)
             if (isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi
                     or (pow2 and v & (v - 1))):

@@ -17,12 +17,21 @@ class OverlapTimeoutError(RuntimeError):
     """A bounded wait inside GEMM2+GatherRS ran out: a producer or a peer never arrived."""
 
 
-def describe_error(code: int, rank: int, expected: int | None = None) -> str:
+def _waited(bounds) -> str:
+    """How long a timed-out wait waited: the bound that ran out (time or polls)."""
+    if bounds is None:
+        return ""
+    seconds, polls = bounds
+    return f" after waiting {seconds:g} s (OverlapConfig.wait_timeout_s) or {polls} polls"
+
+
+def describe_error(code: int, rank: int, expected: int | None = None,
+                   bounds: tuple | None = None) -> str:
     kind, value = code >> 24, code & 0xFFFFFF
     if kind == grs.ERR_READY_TIMEOUT:
         more = f" (expected {expected} GEMM2 tiles)" if expected is not None else ""
         return (f"GatherRS on rank {rank} timed out waiting for split {value} to become "
-                f"ready{more}: a GEMM2 producer never published it")
+                f"ready{more}{_waited(bounds)}: a GEMM2 producer never published it")
     if kind == ERR_UNSORTED:
         return (f"token_index on rank {rank} is not in Megatron-Core's permutation order "
                 f"(rows grouped by local expert, tokens strictly ascending inside each, all "
@@ -38,7 +47,7 @@ def describe_error(code: int, rank: int, expected: int | None = None) -> str:
                 f"OverlapConfig(host_counts=True))")
     if kind == grs.ERR_BARRIER_TIMEOUT:
         return (f"GatherRS on rank {rank} timed out at the cross-rank barrier waiting for "
-                f"rank {value}")
+                f"rank {value}{_waited(bounds)}")
     return f"GatherRS on rank {rank} reported unknown error code {code:#x}"
 
 
@@ -68,7 +77,7 @@ class ErrorWord:
             self.error.zero_()
             raise ValueError(describe_error(code, self.rank))
         if code:
-            self.broken = describe_error(code, self.rank, expected)
+            self.broken = describe_error(code, self.rank, expected, self.wait_bounds)
             self.ready.zero_()
             self.done.zero_()
             self.error.zero_()

@@ -52,6 +52,7 @@ def plan_splits(buf, config, tiles, row_tiles, experts, sizes, topk, local_topk,
                if config.tail_helpers else 0)
     return plan, dict(splits=splits, tiles=tiles, comm_tm=comm_tm, comm_tn=comm_tn,
                       tokens_per_rank=num_tokens // world, max_spins=config.max_spins,
+                      wait_timeout_s=config.wait_timeout_s,
                       helpers=max(0, helpers))
 
 
