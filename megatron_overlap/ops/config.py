@@ -104,7 +104,6 @@ class OverlapConfig:
     preset: str | None = None
     # (the environment is read when a config is made, not at import: `_env_*`)
     max_spins: int = dataclasses.field(default_factory=lambda: _env_max_spins())
-    wait_timeout_s: float = dataclasses.field(default_factory=lambda: _env_wait_timeout_s())
     partial_dtype: torch.dtype | None = None
     sync_errors: bool = False
     tiles: "TileConfig | None" = None
@@ -115,6 +114,8 @@ class OverlapConfig:
     placement: str | None = dataclasses.field(
         default_factory=lambda: env_choice("MEGATRON_OVERLAP_PLACEMENT", PLACEMENTS))
     host_counts: bool = False
+    # (last: a field added after the others keeps positional construction working)
+    wait_timeout_s: float = dataclasses.field(default_factory=lambda: _env_wait_timeout_s())
 
     def __post_init__(self) -> None:
         if self.placement is not None and self.placement not in PLACEMENTS:
