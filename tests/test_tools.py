@@ -703,7 +703,7 @@ def test_layer_benchmark_input_layer_is_what_that_layer_gets_in_a_prefill():
 def test_each_profile_arm_switches_off_its_part_and_restores_it():
     import profile_layer
 
-    from megatron_overlap.mcore import experts as experts_module
+    from megatron_overlap.mcore import fc2_operands as experts_module
     from megatron_overlap.mcore import layer as layer_module
 
     class Layer:
@@ -713,21 +713,21 @@ def test_each_profile_arm_switches_off_its_part_and_restores_it():
             return True
 
     layer = Layer()
-    saved = (experts_module._routed_activation, layer_module.deferred_postprocess,
+    saved = (experts_module.routed_activation, layer_module.deferred_postprocess,
              layer_module.single_sync_postprocess)
     seen = {}
     for arm in profile_layer.ARMS:
         with profile_layer._arm(layer, arm):
             # the replacements take the arguments the layer passes
-            inspect.signature(experts_module._routed_activation).bind(*[None] * 5)
+            inspect.signature(experts_module.routed_activation).bind(*[None] * 5)
             inspect.signature(layer_module.deferred_postprocess).bind(*[None] * 4, pad=True)
             seen[arm] = dict(
                 overlap=layer.overlap_enabled, gate=layer._fuses_shared_gate(None),
-                swiglu=experts_module._routed_activation is saved[0],
+                swiglu=experts_module.routed_activation is saved[0],
                 deferred=layer_module.deferred_postprocess is saved[1],
                 single=layer_module.single_sync_postprocess is saved[2])
         assert layer.overlap_enabled and layer._fuses_shared_gate(None)
-        assert (experts_module._routed_activation, layer_module.deferred_postprocess,
+        assert (experts_module.routed_activation, layer_module.deferred_postprocess,
                 layer_module.single_sync_postprocess) == saved
     everything = dict(overlap=True, gate=True, swiglu=True, deferred=True, single=True)
     assert seen["stock"] == everything | dict(overlap=False)

@@ -107,17 +107,18 @@ def _arm(layer, name: str):
     """A context manager that sets `layer` up as arm `name` (`ARMS`) and undoes it after."""
     import contextlib
 
-    from megatron_overlap.mcore import experts as experts_module
+    from megatron_overlap.mcore import fc2_operands as experts_module
+    from megatron_overlap.mcore.experts import mlp_activation
     from megatron_overlap.mcore import layer as layer_module
 
     @contextlib.contextmanager
     def arm():
         enabled = layer.overlap_enabled
-        saved = (experts_module._routed_activation, layer_module.deferred_postprocess,
+        saved = (experts_module.routed_activation, layer_module.deferred_postprocess,
                  layer_module.single_sync_postprocess)
         layer.overlap_enabled = name != "stock"
         if name == "overlap-megatron-swiglu":
-            experts_module._routed_activation = experts_module.mlp_activation
+            experts_module.routed_activation = mlp_activation
         if name in ("overlap-single-sync", "overlap-megatron-postprocess"):
             layer_module.deferred_postprocess = lambda *args, **kwargs: None
         if name == "overlap-megatron-postprocess":
@@ -130,7 +131,7 @@ def _arm(layer, name: str):
         finally:
             layer.__dict__.pop("_fuses_shared_gate", None)
             layer.overlap_enabled = enabled
-            (experts_module._routed_activation, layer_module.deferred_postprocess,
+            (experts_module.routed_activation, layer_module.deferred_postprocess,
              layer_module.single_sync_postprocess) = saved
     return arm()
 

@@ -14,8 +14,8 @@ elsewhere), applies the routing probabilities in the activation exactly like Meg
 `MLP` (SequentialMLP's expert), and initializes its weights like SequentialMLP's linears
 so the same seed gives the same weights.
 
-`fc1_and_fc2_weight(experts, ...)` is what `OverlapMoELayer` calls: FC1 + activation output
-[T, K] and the FC2 weight as [E, H, K], for GroupedGemmExperts and for stock SequentialMLP.
+`fc2_operands.py` gives `OverlapMoELayer` FC1 + activation output and the FC2 weight of
+these experts, of Megatron's SequentialMLP and of its TEGroupedMLP.
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ def in_inference(module, tensors) -> bool:
         torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
 
 
-def _routed_activation(mlp, intermediate: torch.Tensor, bias: torch.Tensor | None,
+def routed_activation(mlp, intermediate: torch.Tensor, bias: torch.Tensor | None,
                        probs: torch.Tensor, valid_rows: torch.Tensor | None = None
                        ) -> torch.Tensor:
     """The overlapped layer's activation: the one-pass Triton kernel where it computes the
@@ -148,7 +148,7 @@ def _routed_activation(mlp, intermediate: torch.Tensor, bias: torch.Tensor | Non
     return mlp_activation(mlp, intermediate, bias, probs)
 
 
-def _apply_probs_on_input(config, x: torch.Tensor, probs: torch.Tensor):
+def apply_probs_on_input(config, x: torch.Tensor, probs: torch.Tensor):
     """`moe_apply_probs_on_input`: scale the input rows and reset probs to 1, as 0.19 does."""
     if not config.moe_apply_probs_on_input:
         return x, probs
@@ -165,15 +165,15 @@ class GroupedGemmExperts(MegatronModule):
             expert, Megatron's stride-2 layout), else 1; params_dtype.
         fc2_weight: [E, H, F/tp]; FC2 returns a partial sum over expert-TP ranks, reduced
             by the dispatcher's combine (as Megatron's expert linears do).
+        fc1_bias, fc2_bias (with `add_bias_linear`): [E, G*F/tp] and [E, H], zero at
+            init as Megatron's. FC1's is added before the activation, FC2's as
+            `bias[e] * prob[row]` after FC2, where TEGroupedMLP adds them.
     Same builder signature as Megatron's experts: (num_local_experts, config, *,
-    pg_collection=None, name=None). No expert biases, no fp8 (ValueError).
+    pg_collection=None, name=None). No fp8 (ValueError).
     """
 
     def __init__(self, num_local_experts: int, config, pg_collection=None, name: str | None = None):
         super().__init__(config=config)
-        if config.add_bias_linear:
-            raise ValueError("GroupedGemmExperts has no expert biases (add_bias_linear=True); "
-                             "use SequentialMLP experts")
         if config.fp8 or config.fp4:
             raise ValueError("GroupedGemmExperts runs bf16/fp16/fp32 only; fp8/fp4 need TE experts")
         if config.moe_latent_size:
@@ -195,6 +195,14 @@ class GroupedGemmExperts(MegatronModule):
             num_local_experts, glu * k, hidden, dtype=config.params_dtype, device=device))
         self.fc2_weight = torch.nn.Parameter(torch.empty(
             num_local_experts, hidden, k, dtype=config.params_dtype, device=device))
+        self.fc1_bias = self.fc2_bias = None
+        if config.add_bias_linear:  # (zeros, as Megatron initializes biases)
+            self.fc1_bias = torch.nn.Parameter(torch.zeros(
+                num_local_experts, glu * k, dtype=config.params_dtype, device=device))
+            self.fc2_bias = torch.nn.Parameter(torch.zeros(
+                num_local_experts, hidden, dtype=config.params_dtype, device=device))
+            set_tensor_model_parallel_attributes(self.fc1_bias, True, 1, glu)
+            self.fc1_bias.allreduce = self.fc2_bias.allreduce = False
         if config.perform_initialization:
             self._initialize(glu, ffn, hidden, tp, rank)
         # Megatron's conventions: tensor-parallel along F, expert params (not all-reduced
@@ -235,16 +243,24 @@ class GroupedGemmExperts(MegatronModule):
         (`mlp_activation`). tokens_per_expert None: FC1 by `device_counts` (see
         `grouped_linear`), whose sum may be below T (`valid_rows`, on the device: the rows
         past it are padding, their output unspecified)."""
-        x, probs = _apply_probs_on_input(self.config, x, probs)
+        x, probs = apply_probs_on_input(self.config, x, probs)
         counts = None if tokens_per_expert is None else host_counts(tokens_per_expert)
         inter = grouped_linear(x, self.fc1_weight, counts, device_counts)
+        if self.fc1_bias is not None:  # in FC1, as TE's grouped linear adds it
+            inter = inter + self.fc1_bias[expert_of_rows(counts, device_counts, x.shape[0], x.device)]
         return (activation or mlp_activation)(self, inter, None, probs, valid_rows)
 
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert,
                 permuted_probs: torch.Tensor):
         """[T, H] expert-sorted rows -> ([T, H] FC2 partial sums, None)."""
         h = self.fc1_activation(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
-        return grouped_linear(h, self.fc2_weight, host_counts(tokens_per_expert)), None
+        counts = host_counts(tokens_per_expert)
+        out = grouped_linear(h, self.fc2_weight, counts)
+        if self.fc2_bias is None:
+            return out, None
+        rows = self.fc2_bias[expert_of_rows(counts, None, h.shape[0], h.device)]
+        scale = bias_scale(self.config, permuted_probs)
+        return (out + rows * scale.unsqueeze(-1)).to(out.dtype), None  # TEGroupedMLP's order
 
     def backward_dw(self) -> None:
         """Weight gradients are computed in the backward pass itself (no delayed wgrad)."""
@@ -253,6 +269,23 @@ class GroupedGemmExperts(MegatronModule):
         raise NotImplementedError(
             "GroupedGemmExperts has no distributed-checkpoint mapping yet; build the model "
             "with SequentialMLP experts (--moe-overlap works with both) to save checkpoints")
+
+
+def bias_scale(config, probs: torch.Tensor) -> torch.Tensor:
+    """What FC2's bias is multiplied by per row: the routing probability, or 1 where
+    `moe_apply_probs_on_input` already applied it (Megatron resets probs to 1 there)."""
+    return torch.ones_like(probs) if config.moe_apply_probs_on_input else probs
+
+
+def expert_of_rows(counts: list[int] | None, device_counts: torch.Tensor | None,
+                   rows: int, device: torch.device) -> torch.Tensor:
+    """[rows] int64: the local expert of each expert-sorted row, from host or device
+    counts without a host sync (rows past the counts' sum, padding, get the last expert)."""
+    if counts is not None:
+        device_counts = torch.tensor(counts).to(device, non_blocking=True)
+    ends = torch.cumsum(device_counts, 0)
+    index = torch.arange(rows, device=ends.device)
+    return torch.searchsorted(ends, index, right=True).clamp_(max=ends.numel() - 1)
 
 
 def needs_host_counts(experts, x: torch.Tensor) -> bool:
@@ -267,33 +300,3 @@ def host_counts(tokens_per_expert) -> list[int]:
     if isinstance(tokens_per_expert, torch.Tensor):
         return tokens_per_expert.tolist()
     return list(tokens_per_expert)
-
-
-def fc1_and_fc2_weight(experts, x: torch.Tensor, tokens_per_expert, probs: torch.Tensor,
-                       device_counts: torch.Tensor | None = None,
-                       valid_rows: torch.Tensor | None = None):
-    """(h [T, K], w [E, H, K]): FC1 + activation output and the FC2 weight of `experts`.
-    tokens_per_expert may be None where `device_counts` is given and `experts` can run FC1
-    without the host counts (`needs_host_counts` is False); x's rows past their sum
-    (`valid_rows`, on the device) are then padding, h's rows there unspecified.
-
-    Supports GroupedGemmExperts (its stacked weight, no copy) and Megatron's SequentialMLP
-    (the per-expert FC2 weights stacked with torch.stack, so gradients reach each expert's
-    own parameter). Raises TypeError for other experts modules. A plain weighted SwiGLU
-    runs as one Triton pass (`kernels/swiglu.py`: the same function, fp32 inside, rounded
-    once, as Megatron's compiled fusion; its eager path rounds twice more).
-    """
-    if isinstance(experts, GroupedGemmExperts):
-        return (experts.fc1_activation(x, tokens_per_expert, probs, _routed_activation,
-                                       device_counts, valid_rows), experts.fc2_weight)
-    if isinstance(experts, SequentialMLP):
-        x, probs = _apply_probs_on_input(experts.config, x, probs)
-        counts = host_counts(tokens_per_expert)
-        hs = []
-        for expert, xe, pe in zip(experts.local_experts, torch.split(x, counts),
-                                  torch.split(probs, counts)):
-            intermediate, bias = expert.linear_fc1(xe)
-            hs.append(_routed_activation(expert, intermediate, bias, pe))
-        weight = torch.stack([expert.linear_fc2.weight for expert in experts.local_experts])
-        return torch.cat(hs), weight
-    raise TypeError(f"no FC1/FC2 view for experts of type {type(experts).__name__}")

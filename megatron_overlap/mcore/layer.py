@@ -31,17 +31,16 @@ import warnings
 from itertools import chain
 
 import torch
-from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
 
 from ..kernels.gated_add import add_gated_shared_
-from ..ops import OverlapConfig, gemm2_gather_rs
+from ..ops import ExpertWeightStack, OverlapConfig, gemm2_gather_rs
 from ..ops.config import interpreting, stock_thresholds
 from ..ops.validation import capturing
 from .dispatch import deferred_postprocess, rows_bound, single_sync_postprocess
-from .experts import (GroupedGemmExperts, fc1_and_fc2_weight, host_counts, in_inference,
-                      needs_host_counts)
+from .experts import host_counts, in_inference, needs_host_counts
+from .fc2_operands import fc2_operands, pack_fc2_weights, unsupported_experts
 
 log = logging.getLogger("megatron_overlap.mcore")
 _warned: set[str] = set()
@@ -87,6 +86,9 @@ class OverlapMoELayer(MoELayer):
         self.last_rows = None
         self.decisions = 0
         self._unsupported = self._why_unsupported()
+        self._fc2 = ExpertWeightStack()  # the op's FC2 weight, stacked once per change
+        if self._unsupported is None:
+            pack_fc2_weights(self.experts)  # (then the stack is a view: no copy at all)
         self._fused_pending = False  # routed_experts_compute already did the combine
         self._routed_by_op = False  # this call's routed output came from the fused op
         self._gated_shared = None  # (shared output before its gate, gate logits) to add
@@ -101,12 +103,10 @@ class OverlapMoELayer(MoELayer):
             return f"the {name} dispatcher (only allgather is fused)"
         if hasattr(self, "_inference_token_dispatcher"):
             return "transformer_impl='inference_optimized' (its own dispatcher)"
-        if not isinstance(self.experts, (GroupedGemmExperts, SequentialMLP)):
-            return f"{type(self.experts).__name__} experts (GroupedGemmExperts or SequentialMLP)"
-        if c.fp8 or c.fp4:
-            return "fp8/fp4 experts"
-        if c.add_bias_linear:
-            return "expert biases (add_bias_linear)"
+        if c.fp8 or c.fp4:  # (TE's quantized GEMMs: the op's GEMM2 is bf16/fp16/fp32)
+            return "fp8/fp4 experts (the fused GEMM2 runs bf16, fp16 or fp32)"
+        if (why := unsupported_experts(self.experts)) is not None:
+            return why
         if c.moe_latent_size:
             return "latent MoE projections"
         if c.overlap_dispatch_backward_with_experts_wgrad:
@@ -209,8 +209,8 @@ class OverlapMoELayer(MoELayer):
             x, permuted_probs = deferred.permuted, deferred.probs
             h = weight = None
             if fc1_first:  # FC1 queued before the wait
-                h, weight = fc1_and_fc2_weight(self.experts, x, None, permuted_probs,
-                                               deferred.counts_dev, deferred.valid_rows)
+                h, weight = fc2_operands(self.experts, self._fc2, x, None, permuted_probs,
+                                         deferred.counts_dev, deferred.valid_rows)
                 if on_device:  # the rows are M x top-k, or padded: the device counts
                     expected = None
                     if local != c.num_moe_experts:  # (uniform routing's rows, for the plan)
@@ -222,8 +222,8 @@ class OverlapMoELayer(MoELayer):
             if rows == x.shape[0] or (deferred.padded and rows < x.shape[0]):
                 deferred.trim(disp, rows)  # the padding's rows (FC1 skipped them) go
                 if h is None:
-                    h, weight = fc1_and_fc2_weight(self.experts, deferred.permuted,
-                                                   tokens_per_expert, deferred.probs)
+                    h, weight = fc2_operands(self.experts, self._fc2, deferred.permuted,
+                                             tokens_per_expert, deferred.probs)
                 return tokens_per_expert, h[:rows], weight, None
             # a router that gave some token fewer than top-k experts, where rows may not
             # be padded (a gradient flows): redo with the counts
@@ -234,7 +234,7 @@ class OverlapMoELayer(MoELayer):
         else:
             x, tokens_per_expert, permuted_probs = single_sync_postprocess(disp, hidden_states,
                                                                            probs)
-        h, weight = fc1_and_fc2_weight(self.experts, x, tokens_per_expert, permuted_probs)
+        h, weight = fc2_operands(self.experts, self._fc2, x, tokens_per_expert, permuted_probs)
         return tokens_per_expert, h, weight, None
 
     def _fuses_shared_gate(self, hidden_states) -> bool:

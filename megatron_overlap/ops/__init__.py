@@ -3,6 +3,8 @@
 from .buffer import OverlapBuffer
 from .errors import OverlapTimeoutError
 from .config import OverlapConfig
+from .expert_weights import BIAS_COLUMNS, ExpertWeightStack, with_bias_columns
 from .op import gemm2_gather_rs
 
-__all__ = ["OverlapBuffer", "OverlapConfig", "OverlapTimeoutError", "gemm2_gather_rs"]
+__all__ = ["BIAS_COLUMNS", "ExpertWeightStack", "OverlapBuffer", "OverlapConfig", "OverlapTimeoutError",
+           "gemm2_gather_rs", "with_bias_columns"]
