@@ -24,19 +24,24 @@ def env_bool(name: str, default: bool) -> bool:
                      f"(use one of {', '.join(_FALSE + _TRUE)})")
 
 
-def env_int(name: str, default: int, lo: int, hi: int) -> int:
-    """An integer variable in [lo, hi]; unset or empty = `default`."""
+def _number(name: str, default, convert, ok, what: str):
+    """`convert` of the variable where `ok` accepts it; unset or empty = `default`."""
     raw = os.environ.get(name, "").strip()
     if not raw:
         return default
     try:
-        value = int(raw)
+        value = convert(raw)
     except ValueError:
         value = None
-    if value is None or not lo <= value <= hi:
-        raise ValueError(f"environment variable {name}={os.environ[name]!r} must be an "
-                         f"integer in [{lo}, {hi}]")
+    if value is None or not ok(value):  # (NaN fails every comparison)
+        raise ValueError(f"environment variable {name}={os.environ[name]!r} must be {what}")
     return value
+
+
+def env_int(name: str, default: int, lo: int, hi: int) -> int:
+    """An integer variable in [lo, hi]; unset or empty = `default`."""
+    return _number(name, default, int, lambda v: lo <= v <= hi,
+                   f"an integer in [{lo}, {hi}]")
 
 
 def env_choice(name: str, choices: tuple) -> str | None:
@@ -51,14 +56,4 @@ def env_choice(name: str, choices: tuple) -> str | None:
 
 def env_float(name: str, default: float, hi: float) -> float:
     """A finite number in (0, hi]; unset or empty = `default`."""
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        value = None
-    if value is None or not 0 < value <= hi:  # (NaN fails the comparison)
-        raise ValueError(f"environment variable {name}={os.environ[name]!r} must be a "
-                         f"number in (0, {hi:g}]")
-    return value
+    return _number(name, default, float, lambda v: 0 < v <= hi, f"a number in (0, {hi:g}]")

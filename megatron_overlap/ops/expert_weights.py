@@ -86,8 +86,12 @@ class ExpertWeightStack:
         bs = [] if biases is None else _as_list(biases)
         if not ws or any(w.dim() != (2 if stacked_w else 3) for w in ws):
             raise ValueError("weights must be an [E, N, K] tensor or E >= 1 [N, K] tensors")
-        if bs and any(b.dim() != (1 if stacked_b else 2) for b in bs):
-            raise ValueError("biases must be an [E, N] tensor or E [N] tensors")
+        if len({w.shape for w in ws}) != 1:
+            raise ValueError(f"the E expert weights must share one shape, got "
+                             f"{sorted({tuple(w.shape) for w in ws})}")
+        if bs and (any(b.dim() != (1 if stacked_b else 2) for b in bs)
+                   or len({b.shape for b in bs}) != 1):
+            raise ValueError("biases must be an [E, N] tensor or E [N] tensors of one shape")
         key = _key(ws + bs)
         if key != self._key:
             self._value = self._build(ws, bs, stacked_w, stacked_b)
