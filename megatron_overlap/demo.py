@@ -21,6 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from .optional import te_available
 from .planner import Preset, get_preset, preset_for_device, ranking_calibration
 from .planner.cache import PlanCache
 from .routing import SKEW_TARGETS, expert_counts, route
@@ -142,11 +143,15 @@ def run_demo(nproc: int = 2, planner_only: bool = False) -> int:
         # two GPUs: the layers' reduce-scatter runs over NVLink; one GPU: TP1EP1, the
         # overlap of GEMM2 with the combine alone (no peer to push to)
         tp = 2 if gpus >= 2 else 1
+        te_missing = te_available()  # core-TE is the stock a Megatron-LM user runs
         print(f"Complete-model prefill on {tp} GPU{'s' * (tp > 1)}, stock vs --moe-overlap "
-              "(ABBA):", flush=True)
+              f"(ABBA), " + ("Transformer Engine spec (stock = core-TE):" if te_missing is None
+                             else f"local spec (no Transformer Engine: {te_missing}):"),
+              flush=True)
+        impl = "local" if te_missing else "te"
         return _torchrun(tp, ["-m", "megatron_overlap.mcore.prefill", "--model", "qwen",
                               "--tp", str(tp), "--ep", "1", "--batch", "4", "--seq", "4096",
-                              "--iters", "5", "--warmup", "2", "--abba"]
+                              "--iters", "5", "--warmup", "2", "--abba", "--impl", impl]
                           # one GPU: the overlapped forward captured into a CUDA graph too
                           + (["--cuda-graph"] if tp == 1 else []), env)
     shims, bench = REPO / "tests" / "mcore_shims.py", REPO / "tools" / "bench_layer.py"

@@ -133,3 +133,25 @@ def test_te_experts_with_recomputed_activations_run_stock_after_one_warning(te_r
     for res in te_runs:
         assert len(res["fallback"]) == 1 and "recomputed activations" in res["fallback"][0]
         assert not res["fallback_fuses"]
+
+
+def test_te_spec_without_transformer_engine_is_a_clear_error_naming_the_extra():
+    from megatron_overlap.mcore.models import model_config, model_spec
+    from megatron_overlap.optional import te_available
+
+    if te_available() is None:
+        pytest.skip("Transformer Engine is importable here")
+    config, _ = model_config("qwen", tiny=True, impl="te")
+    assert config.transformer_impl == "transformer_engine" and config.moe_grouped_gemm
+    with pytest.raises(RuntimeError, match=r"impl='te' needs Transformer Engine.*\[te\]"):
+        model_spec(config)
+
+
+def test_te_spec_refuses_experts_that_contradict_the_config():
+    from megatron_overlap.mcore.models import model_config, model_spec
+
+    config, _ = model_config("qwen", tiny=True, impl="te")
+    with pytest.raises(ValueError, match="moe_grouped_gemm=False"):
+        model_spec(config, experts="sequential")
+    with pytest.raises(ValueError, match="impl must be one of"):
+        model_config("qwen", tiny=True, impl="apex")

@@ -32,7 +32,7 @@ from megatron_overlap.mcore import prefill  # noqa: E402
 from megatron_overlap.mcore.layer import (OverlapMoELayer, fused_at_every_size,  # noqa: E402
                                            set_overlap_enabled)
 from megatron_overlap.ops.capture import CapturedCall  # noqa: E402
-from megatron_overlap.mcore.models import build_model, model_config  # noqa: E402
+from megatron_overlap.mcore.models import IMPLS, build_model, model_config  # noqa: E402
 from megatron_overlap.ops import OverlapConfig  # noqa: E402
 
 
@@ -44,7 +44,7 @@ def _first_moe_layer(model_name: str) -> int:
     return 2 if model_name == "deepseek" else 1  # DeepSeek's first layer is dense
 
 
-def build_case(model_name, tp, ep, seq, batch, args, device):
+def build_case(model_name, tp, ep, seq, batch, args, device, impl: str = "local"):
     """(an OverlapMoELayer of `model_name`, the hidden states it is timed on), eval mode.
 
     `args.input_layer` 0: the model's first MoE layer on random hidden states [S/TP, B/DP,
@@ -58,12 +58,13 @@ def build_case(model_name, tp, ep, seq, batch, args, device):
     if input_layer and input_layer < _first_moe_layer(model_name):
         raise ValueError(f"--input-layer {input_layer}: layer {input_layer} of {model_name} "
                          f"is dense (its first MoE layer is {_first_moe_layer(model_name)})")
-    if input_layer > (depth := model_config(model_name, tp, ep, tiny=args.tiny)[0].num_layers):
+    if input_layer > (depth := model_config(model_name, tp, ep, tiny=args.tiny,
+                                            impl=impl)[0].num_layers):
         raise ValueError(f"--input-layer {input_layer}: {model_name} has {depth} layers")
     depth = input_layer or _first_moe_layer(model_name)
     config = OverlapConfig(backend=args.backend, **threshold_kwargs(args))
     fusion = {"bias_activation_fusion": False} if args.no_bias_swiglu_fusion else {}
-    model = build_model(model_name, tp, ep, depth, overlap=config, tiny=args.tiny,
+    model = build_model(model_name, tp, ep, depth, overlap=config, tiny=args.tiny, impl=impl,
                         **fusion).to(device).eval()
     layer = [m for m in model.modules() if isinstance(m, OverlapMoELayer)][-1]
     if not input_layer:
@@ -132,45 +133,79 @@ def routing_skew(layer, hidden) -> dict:
     return dict(max_e=int(counts.max()), mean=mean, max_over_mean=float(counts.max()) / mean)
 
 
-def layer_case(model_name, tp, ep, seq, batch, args, device):
-    layer, hidden = build_case(model_name, tp, ep, seq, batch, args, device)
+def _policy(impl: str, primary: str, name: str) -> str:
+    return name if impl == primary else f"{name}-{impl}"
 
-    def run(overlap: bool):
+
+def _build_arms(model_name, tp, ep, seq, batch, args, device) -> dict:
+    """{impl: (layer, hidden)} for every --impls entry; the later ones route as the first
+    (its router weights copied), on the same hidden states."""
+    cases = {}
+    for impl in args.impls:
+        layer, hidden = build_case(model_name, tp, ep, seq, batch, args, device, impl)
+        if cases:
+            first_layer, first_hidden = next(iter(cases.values()))
+            with torch.no_grad():
+                layer.router.weight.copy_(first_layer.router.weight)
+            hidden = first_hidden
+        cases[impl] = (layer, hidden)
+    return cases
+
+
+def _agreement(layer, hidden) -> tuple[float, float]:
+    """(relative error, max |diff|) of the overlapped layer's output against stock's."""
+    with torch.no_grad():  # outputs agree before anything is timed
+        layer.overlap_enabled = False
+        ref = layer(hidden)[0].float()
+        layer.overlap_enabled = True
+        out = layer(hidden)[0].float()
+    return float((out - ref).norm() / ref.norm()), float((out - ref).abs().max())
+
+
+def layer_case(model_name, tp, ep, seq, batch, args, device):
+    """Stock and overlapped layer of every implementation, timed ABBA in one schedule.
+    Policies of the first --impls entry are "stock" / "overlap", the others' carry the
+    implementation's name ("stock-local"); speedups are over the first's stock."""
+    cases = _build_arms(model_name, tp, ep, seq, batch, args, device)
+    primary = args.impls[0]
+
+    def run(layer, hidden, overlap: bool):
         def fn():
             layer.overlap_enabled = overlap
             with torch.no_grad():
                 layer(hidden)
         return fn
 
-    with torch.no_grad():  # outputs agree before anything is timed
-        layer.overlap_enabled = False
-        ref = layer(hidden)[0].float()
-        layer.overlap_enabled = True
-        out = layer(hidden)[0].float()
-    err = float((out - ref).norm() / ref.norm())
+    policies, checks = {}, {}
+    for impl, (layer, hidden) in cases.items():
+        checks[impl] = _agreement(layer, hidden)
+        policies[_policy(impl, primary, "stock")] = run(layer, hidden, False)
+        policies[_policy(impl, primary, "overlap")] = run(layer, hidden, True)
+    layer, hidden = cases[primary]
+    err, max_diff = checks[primary]
     skew = routing_skew(layer, hidden)
-    max_diff = float((out - ref).abs().max())
-    policies = {"stock": run(False), "overlap": run(True)}
     graph = _captured_layer(layer, hidden, device) if args.cuda_graph else None
     if graph is not None and graph.error is None:
         policies["graph"] = graph.replay
     per = abba(policies, args.samples, args.warmup, progress=f"layer {model_name}")
     stats = summarize(per)
     plan = layer.last_plan
-    extra = {}
+    base = stats["stock"]["median"]
+    extra = {"speedups": {k: base / v["median"] for k, v in stats.items() if k != "stock"},
+             "agreement": {impl: dict(rel_err=e, max_abs_diff=d) for impl, (e, d) in checks.items()}}
     if graph is not None:
         extra["graph"] = graph.summary()
         if "graph" in stats:
-            extra["speedup_graph"] = stats["stock"]["median"] / stats["graph"]["median"]
+            extra["speedup_graph"] = base / stats["graph"]["median"]
         graph.release()
-    return dict(model=model_name, tp=tp, ep=ep, seq=seq, batch=batch, rel_err=err,
-                max_abs_diff=max_diff, input_layer=args.input_layer, routing=skew,
+    return dict(model=model_name, tp=tp, ep=ep, seq=seq, batch=batch, impls=args.impls,
+                rel_err=err, max_abs_diff=max_diff, input_layer=args.input_layer, routing=skew,
                 decision=None if plan is None else dict(C=plan.comm_ctas, L=plan.splits,
                                                         P=plan.compute_slots),
                 stats={k: {a: b for a, b in v.items() if a != "samples"}
                        for k, v in stats.items()},
                 samples={k: v["samples"] for k, v in stats.items()},
-                speedup=stats["stock"]["median"] / stats["overlap"]["median"], **extra)
+                speedup=base / stats["overlap"]["median"], **extra)
 
 
 def _captured_layer(layer, hidden, device) -> CapturedCall:
@@ -180,6 +215,20 @@ def _captured_layer(layer, hidden, device) -> CapturedCall:
     with torch.no_grad(), fused_at_every_size(layer):
         eager = layer(hidden)[0]
     return CapturedCall(lambda: layer(hidden)[0], device, reference=eager)
+
+
+def summary_line(r: dict, name: str, args) -> str:
+    st, primary = r["stats"], r["impls"][0]
+    arms = ", ".join(f"{k} {v['median']:.3f} ms" for k, v in st.items())
+    ratios = ", ".join(f"{k} {v:.2f}x" for k, v in r["speedups"].items())
+    line = (f"layer {name} TP{args.tp}EP{args.ep} S={r['seq']}: {arms}; over stock-{primary}: "
+            f"{ratios}; rel. err {r['rel_err']:.1e}, max |diff| {r['max_abs_diff']:.2e}, "
+            f"decision {r['decision']}, max_e/mean {r['routing']['max_over_mean']:.2f}")
+    if "graph" in st:
+        line += f", graph replay = eager: {r['graph']['equal']}"
+    if r.get("graph", {}).get("error"):
+        line += f", capture failed: {r['graph']['error']}"
+    return line
 
 
 def main() -> int:
@@ -192,6 +241,10 @@ def main() -> int:
     ap.add_argument("--samples", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--backend", default="auto")
+    ap.add_argument("--impls", default="local", metavar="te,local",
+                    help="implementations timed side by side, the first the baseline: te "
+                         "(Transformer Engine spec, TEGroupedMLP: stock = core-TE), local "
+                         "(GroupedGemmExperts over torch._grouped_mm)")
     add_threshold_args(ap)
     ap.add_argument("--tiny", action="store_true")
     add_input_layer_arg(ap)
@@ -203,6 +256,9 @@ def main() -> int:
     ap.add_argument("--preload", default=None)
     ap.add_argument("--json", default="")
     args = ap.parse_args()
+    args.impls = args.impls.split(",")
+    if not args.impls or any(i not in IMPLS for i in args.impls) or len(set(args.impls)) < len(args.impls):
+        ap.error(f"--impls: distinct entries of {', '.join(IMPLS)}, got {','.join(args.impls)}")
     if args.preload:
         prefill._preload(args.preload)
     setup_args = argparse.Namespace(tp=args.tp, ep=args.ep, seed=0, preload=args.preload)
@@ -216,17 +272,7 @@ def main() -> int:
             torch.cuda.empty_cache()  # this case's model is gone; hand its memory back
             results.append(r)
             if dist.get_rank() == 0:
-                st = r["stats"]
-                print(f"layer {name} TP{args.tp}EP{args.ep} S={seq}: stock "
-                      f"{st['stock']['median']:.3f} ms, overlap {st['overlap']['median']:.3f} ms,"
-                      f" speedup {r['speedup']:.2f}x, rel. err {r['rel_err']:.1e}, max |diff| "
-                      f"{r['max_abs_diff']:.2e}, decision {r['decision']}, max_e/mean "
-                      f"{r['routing']['max_over_mean']:.2f}"
-                      + (f", graph {st['graph']['median']:.3f} ms ({r['speedup_graph']:.2f}x,"
-                         f" replay = eager: {r['graph']['equal']})" if "graph" in st else "")
-                      + (f", capture failed: {r['graph']['error']}"
-                         if r.get("graph", {}).get("error") else ""),
-                      flush=True)
+                print(summary_line(r, name, args), flush=True)
     if dist.get_rank() == 0:
         write_json(args.json, dict(env=env_info(), command=" ".join(sys.argv), results=results))
     return 0

@@ -2,13 +2,18 @@
 
 Every number is the model's published config.json (cited per builder); the MoE shapes
 (hidden, expert FFN, experts, top-k) come from `megatron_overlap.shapes`, which holds the
-same values. All three use Megatron-Core's allgather dispatcher and its local (non-TE)
-block spec with three substitutions: GroupedGemmExperts (the fair non-TE baseline,
-DESIGN.md; `experts="sequential"` keeps Megatron's SequentialMLP), SDPAttention as core
-attention and SequenceParallelNorm as norm (modules.py says why: the local attention
-cannot run MLA and materializes S x S; the local torch norm refuses sequence
-parallelism). `overlap=OverlapConfig(...)` installs OverlapMoELayer; `overlap=None`
-keeps Megatron's MoELayer (the stock baseline on the same model).
+same values. All three use Megatron-Core's allgather dispatcher and one of two block specs:
+
+- impl="te": Megatron's Transformer Engine GPT spec, as Megatron-LM's default flags build
+  it (TE attention, fused norm + linear, TEGroupedMLP experts): the core-TE baseline.
+- impl="local" (the default; no TE needed): Megatron's local spec with three
+  substitutions: GroupedGemmExperts (grouped GEMMs through torch._grouped_mm;
+  `experts="sequential"` keeps Megatron's SequentialMLP), SDPAttention as core attention
+  and SequenceParallelNorm as norm (modules.py says why: the local attention cannot run
+  MLA and materializes S x S; the local torch norm refuses sequence parallelism).
+
+`overlap=OverlapConfig(...)` installs OverlapMoELayer; `overlap=None` keeps Megatron's
+MoELayer (the stock baseline on the same model).
 
 Megatron parallel state (tp, ep) must be initialized before building, as for any
 Megatron-Core model. `tiny=True` shrinks every width (same architecture features) for CPU
@@ -27,6 +32,7 @@ from megatron.core.transformer.torch_norm import WrappedTorchNorm
 from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from ..ops import OverlapConfig
+from ..optional import te_available
 from ..shapes import MODELS
 from .modules import SDPAttention, SequenceParallelNorm
 from .spec import with_grouped_experts, with_overlap_moe
@@ -58,7 +64,10 @@ TINY = {
 TINY_VOCAB = 256
 
 
-def _common(key: str, tp: int, ep: int, num_layers: int) -> dict:
+IMPLS = ("local", "te")
+
+
+def _common(key: str, tp: int, ep: int, num_layers: int, impl: str = "local") -> dict:
     shape = MODELS[key]
     cuda = torch.cuda.is_available()
     return dict(
@@ -69,7 +78,10 @@ def _common(key: str, tp: int, ep: int, num_layers: int) -> dict:
         moe_token_dispatcher_type="allgather",
         normalization="RMSNorm", gated_linear_unit=True, activation_func=F.silu,
         add_bias_linear=False, hidden_dropout=0.0, attention_dropout=0.0,
-        transformer_impl="local",
+        # "te": Megatron-LM's default (--transformer-impl transformer_engine), whose MoE
+        # experts are TEGroupedMLP only with --moe-grouped-gemm (SequentialMLP without)
+        transformer_impl="transformer_engine" if impl == "te" else "local",
+        moe_grouped_gemm=impl == "te",
         params_dtype=torch.bfloat16 if cuda else torch.float32, bf16=cuda,
         moe_router_dtype="fp32",  # the published routers take their softmax in fp32
         # Megatron-LM's launch default (--bias-swiglu-fusion, off with
@@ -81,7 +93,8 @@ def _common(key: str, tp: int, ep: int, num_layers: int) -> dict:
     )
 
 
-def granite_config(tp: int = 1, ep: int = 1, num_layers: int = 24, **overrides):
+def granite_config(tp: int = 1, ep: int = 1, num_layers: int = 24, impl: str = "local",
+                  **overrides):
     """ibm-granite/granite-3.1-1b-a400m-instruct config.json: hidden 1024, 24 layers, 16
     heads / 8 KV heads, expert FFN 512, 32 experts top-8 (softmax over the top-8 logits),
     RMSNorm eps 1e-6, rope_theta 1.5e6, vocab 49155 (tied), 131072 positions,
@@ -93,7 +106,7 @@ def granite_config(tp: int = 1, ep: int = 1, num_layers: int = 24, **overrides):
     left at 1: element-wise scalings with no effect on shapes or MoE cost.
     attention_multiplier 0.015625 is exact, as softmax_scale.
     """
-    cfg = _common("granite", tp, ep, num_layers)
+    cfg = _common("granite", tp, ep, num_layers, impl)
     cfg.update(num_attention_heads=16, num_query_groups=8, ffn_hidden_size=512,
                layernorm_epsilon=1e-6, softmax_scale=0.015625, moe_router_pre_softmax=False,
                moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0)
@@ -101,14 +114,15 @@ def granite_config(tp: int = 1, ep: int = 1, num_layers: int = 24, **overrides):
     return TransformerConfig(**cfg), ModelCard(49155, 131072, 1.5e6, True)
 
 
-def qwen_config(tp: int = 1, ep: int = 1, num_layers: int = 24, **overrides):
+def qwen_config(tp: int = 1, ep: int = 1, num_layers: int = 24, impl: str = "local",
+                  **overrides):
     """Qwen/Qwen1.5-MoE-A2.7B config.json: hidden 2048, 24 layers, 16 heads (16 KV), QKV
     bias, expert FFN 1408, 60 experts top-4 with softmax before top-k and no
     renormalization (norm_topk_prob false), shared expert 5632 with a sigmoid gate, RMSNorm
     eps 1e-6, rope_theta 1e6, vocab 151936 (untied), router_aux_loss_coef 0.001,
     max_position_embeddings 32768 (the value published with the Chat config; the
     architecture numbers are identical)."""
-    cfg = _common("qwen", tp, ep, num_layers)
+    cfg = _common("qwen", tp, ep, num_layers, impl)
     cfg.update(num_attention_heads=16, num_query_groups=16, ffn_hidden_size=5632,
                add_qkv_bias=True, layernorm_epsilon=1e-6, moe_router_pre_softmax=True,
                moe_shared_expert_intermediate_size=5632, moe_shared_expert_gate=True,
@@ -117,7 +131,8 @@ def qwen_config(tp: int = 1, ep: int = 1, num_layers: int = 24, **overrides):
     return TransformerConfig(**cfg), ModelCard(151936, 32768, 1e6, False)
 
 
-def deepseek_config(tp: int = 1, ep: int = 1, num_layers: int = 27, **overrides):
+def deepseek_config(tp: int = 1, ep: int = 1, num_layers: int = 27, impl: str = "local",
+                    **overrides):
     """deepseek-ai/DeepSeek-V2-Lite config.json: hidden 2048, 27 layers, the first dense
     (first_k_dense_replace 1, intermediate 10944), 16 heads of MLA (q_lora_rank null,
     kv_lora_rank 512, qk_nope 128 + qk_rope 64, v 128), expert FFN 1408, 64 experts top-6
@@ -126,19 +141,19 @@ def deepseek_config(tp: int = 1, ep: int = 1, num_layers: int = 27, **overrides)
     beta_fast 32, beta_slow 1, mscale = mscale_all_dim = 0.707), vocab 102400 (untied),
     163840 positions, sequence aux loss 0.001.
 
-    Not expressible without Transformer Engine in Megatron-Core 0.19: the RMSNorm on the
-    512-wide KV latent (kv_a_layernorm). With q_lora_rank null, Megatron places QK norms
-    only through a fused norm+linear (TE), so `qk_layernorm` stays off here; that norm is
-    element-wise on the latent and changes no shape or MoE work.
+    The RMSNorm on the 512-wide KV latent (kv_a_layernorm) needs Transformer Engine in
+    Megatron-Core 0.19: with q_lora_rank null, Megatron places QK norms only through a
+    fused norm + linear (TE). So `qk_layernorm` is on with impl="te" and off with the
+    local spec; that norm is element-wise on the latent and changes no MoE work.
     """
-    cfg = _common("deepseek", tp, ep, num_layers)
+    cfg = _common("deepseek", tp, ep, num_layers, impl)
     cfg.update(num_attention_heads=16, num_query_groups=16, ffn_hidden_size=10944,
                layernorm_epsilon=1e-6, moe_router_pre_softmax=True,
                moe_shared_expert_intermediate_size=2 * MODELS["deepseek"].expert_ffn,
                moe_layer_freq=[0] + [1] * (num_layers - 1),
                moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=0.001,
                q_lora_rank=None, kv_lora_rank=512, qk_head_dim=128, qk_pos_emb_head_dim=64,
-               v_head_dim=128, qk_layernorm=False, rope_type="yarn", rotary_base=10000,
+               v_head_dim=128, qk_layernorm=impl == "te", rope_type="yarn", rotary_base=10000,
                rotary_scaling_factor=40, original_max_position_embeddings=4096,
                beta_fast=32, beta_slow=1, mscale=0.707, mscale_all_dim=0.707)
     cfg.update(overrides)
@@ -180,21 +195,24 @@ def with_local_modules(block, sdpa: bool):
 
 
 def model_config(name: str, tp: int = 1, ep: int = 1, num_layers: int | None = None, *,
-                 tiny: bool = False, **overrides):
+                 tiny: bool = False, impl: str = "local", **overrides):
     """(TransformerConfig, ModelCard) of `name` for a TP x EP layout (no weights built).
 
     num_layers: None = the published depth (2 when tiny). tiny: CPU-sized widths (TINY).
-    overrides: TransformerConfig fields.
+    impl: "local" (Megatron's local modules) or "te" (Transformer Engine, Megatron-LM's
+    default). overrides: TransformerConfig fields.
     """
     if name not in CONFIGS:
         raise ValueError(f"unknown model {name!r}; known: {', '.join(CONFIGS)}")
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if tp < 1 or ep < 1:
         raise ValueError(f"tp and ep must be >= 1, got tp={tp} ep={ep}")
     depth = num_layers if num_layers is not None else (2 if tiny else None)
     kwargs = {**(TINY[name] if tiny else {}), **overrides}
     if depth is not None:
         kwargs["num_layers"] = depth
-    config, card = CONFIGS[name](tp, ep, **kwargs)
+    config, card = CONFIGS[name](tp, ep, impl=impl, **kwargs)
     if config.num_moe_experts % ep:
         raise ValueError(f"EP={ep} does not divide the {config.num_moe_experts} experts of {name}")
     return config, card
@@ -202,16 +220,30 @@ def model_config(name: str, tp: int = 1, ep: int = 1, num_layers: int | None = N
 
 def model_spec(config, *, experts: str = "grouped", overlap: OverlapConfig | None = None,
                attention: str = "sdpa", pp_rank: int | None = None):
-    """The block spec the builders use: Megatron's local GPT block spec with
-    SequenceParallelNorm, SDPAttention (or "local" DotProductAttention), GroupedGemmExperts
-    (or "sequential" SequentialMLP) and, when `overlap` is given, OverlapMoELayer."""
+    """The block spec the builders use. config.transformer_impl "transformer_engine":
+    Megatron's TE GPT block spec as Megatron-LM builds it (TE attention and norms,
+    TEGroupedMLP experts, or TE SequentialMLP with experts="sequential"). "local": its
+    local spec with SequenceParallelNorm, SDPAttention (or "local" DotProductAttention)
+    and GroupedGemmExperts (or "sequential" SequentialMLP). `overlap` given:
+    OverlapMoELayer in place of MoELayer."""
+    if experts not in ("grouped", "sequential"):
+        raise ValueError(f"experts must be 'grouped' or 'sequential', got {experts!r}")
+    if config.transformer_impl == "transformer_engine":
+        if config.moe_grouped_gemm != (experts == "grouped"):
+            raise ValueError(f"experts={experts!r} with the TE spec needs moe_grouped_gemm="
+                             f"{experts == 'grouped'} in the config (TEGroupedMLP or "
+                             "SequentialMLP is Megatron's choice from it)")
+        if (why := te_available()) is not None:
+            raise RuntimeError(f"impl='te' needs Transformer Engine "
+                               f"(pip install megatron-overlap[te]): {why}")
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=True,
+                                          normalization=config.normalization, pp_rank=pp_rank)
+        return spec if overlap is None else with_overlap_moe(spec, overlap)
     if attention not in ("sdpa", "local"):
         raise ValueError(f"attention must be 'sdpa' or 'local', got {attention!r}")
     if attention == "local" and config.multi_latent_attention:
         raise ValueError("Megatron-Core 0.19's local DotProductAttention cannot run MLA "
                          "(no k_channels / v_channels); use attention='sdpa'")
-    if experts not in ("grouped", "sequential"):
-        raise ValueError(f"experts must be 'grouped' or 'sequential', got {experts!r}")
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
                                       normalization=config.normalization, pp_rank=pp_rank)
     spec = with_local_modules(spec, sdpa=attention == "sdpa")
@@ -223,18 +255,22 @@ def model_spec(config, *, experts: str = "grouped", overlap: OverlapConfig | Non
 def build_model(name: str, tp: int = 1, ep: int = 1, num_layers: int | None = None, *,
                 experts: str = "grouped", overlap: OverlapConfig | None = None,
                 attention: str = "sdpa", tiny: bool = False, vocab_size: int | None = None,
-                **overrides) -> GPTModel:
+                impl: str = "local", **overrides) -> GPTModel:
     """GPTModel of `name` ("granite", "qwen", "deepseek") for a TP x EP layout.
 
-    num_layers: None = the published depth. experts: "grouped" (GroupedGemmExperts) or
-    "sequential" (Megatron's SequentialMLP). overlap: None = stock MoELayer; an
+    num_layers: None = the published depth. impl: "local" (Megatron's local modules) or
+    "te" (Transformer Engine throughout, as Megatron-LM's default builds it: core-TE).
+    experts: "grouped" (GroupedGemmExperts; TEGroupedMLP with impl="te") or "sequential"
+    (Megatron's SequentialMLP). overlap: None = stock MoELayer; an
     OverlapConfig installs OverlapMoELayer with it. attention: "sdpa" (SDPAttention) or
     "local" (Megatron's DotProductAttention; not for MLA, which it cannot run in 0.19).
     tiny: CPU-sized widths (TINY). vocab_size: None = published (256 when tiny), padded
     to a multiple of 128 * TP. overrides: TransformerConfig fields. Parameters are on
     CUDA when available (Megatron's parallel state must be initialized).
     """
-    config, card = model_config(name, tp, ep, num_layers, tiny=tiny, **overrides)
+    if impl == "te":
+        overrides.setdefault("moe_grouped_gemm", experts == "grouped")
+    config, card = model_config(name, tp, ep, num_layers, tiny=tiny, impl=impl, **overrides)
     spec = model_spec(config, experts=experts, overlap=overlap, attention=attention)
     vocab = vocab_size or (TINY_VOCAB if tiny else card.vocab_size)
     return GPTModel(config=config, transformer_layer_spec=spec,

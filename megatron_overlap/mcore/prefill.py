@@ -37,7 +37,7 @@ from ..stats import bootstrap_ci
 from .args import add_moe_overlap_args, overlap_config_from_args
 from ..ops.capture import CapturedCall
 from .layer import OverlapMoELayer, fused_at_every_size, set_overlap_enabled
-from .models import CONFIGS, build_model
+from .models import CONFIGS, IMPLS, build_model
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -55,7 +55,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=10, help="timed iterations per policy")
     p.add_argument("--warmup", type=int, default=2, help="untimed iterations per policy")
     p.add_argument("--seed", type=int, default=0, help="weights and token ids")
-    p.add_argument("--experts", choices=("grouped", "sequential"), default="grouped")
+    p.add_argument("--impl", choices=IMPLS, default="local",
+                   help="te: Transformer Engine throughout, as Megatron-LM's default "
+                        "--transformer-impl transformer_engine builds it (stock = core-TE, "
+                        "experts TEGroupedMLP); local: Megatron's local modules")
+    p.add_argument("--experts", choices=("grouped", "sequential"), default="grouped",
+                   help="grouped: GroupedGemmExperts (TEGroupedMLP with --impl te); "
+                        "sequential: Megatron's SequentialMLP")
     p.add_argument("--tiny", action="store_true", help="CPU-sized widths (models.TINY)")
     p.add_argument("--no-bias-swiglu-fusion", action="store_true",
                    help="eager SwiGLU, as Megatron-LM's flag of that name (fused by default "
@@ -201,7 +207,8 @@ def run_all(args) -> list[dict]:
     overlap = overlap_config_from_args(args)
     fusion = {"bias_activation_fusion": False} if args.no_bias_swiglu_fusion else {}
     model = build_model(args.model, args.tp, args.ep, args.layers, experts=args.experts,
-                        overlap=overlap, tiny=args.tiny, **fusion).to(device).eval()
+                        overlap=overlap, tiny=args.tiny, impl=args.impl,
+                        **fusion).to(device).eval()
     if args.cuda_graph:
         if device.type != "cuda":
             raise ValueError("--cuda-graph needs CUDA")
@@ -223,7 +230,8 @@ def run_all(args) -> list[dict]:
 
 def _header(args, seq: int, device) -> dict:
     return dict(model=args.model, tp=args.tp, ep=args.ep, world=dist.get_world_size(),
-                batch=args.batch, seq=seq, tokens=args.batch * seq, experts=args.experts,
+                batch=args.batch, seq=seq, tokens=args.batch * seq, impl=args.impl,
+                experts=args.experts,
                 tiny=args.tiny, device=str(device), cuda_graph=args.cuda_graph,
                 swiglu_fusion=device.type == "cuda" and not args.no_bias_swiglu_fusion)
 
@@ -279,7 +287,8 @@ def _captured_forward(model, tokens, positions, device) -> CapturedCall:
 def report(result: dict) -> str:
     lines = [f"prefill {result['model']} TP{result['tp']}EP{result['ep']} (world "
              f"{result['world']}, {result['device']}), B*S = {result['batch']}x{result['seq']}"
-             f" = {result['tokens']} tokens, {result['experts']} experts"
+             f" = {result['tokens']} tokens, {result.get('impl', 'local')} impl, "
+             f"{result['experts']} experts"
              + (": OOM" if result.get("oom") else "")]
     for policy, r in result["policies"].items():
         lo, hi = r["ci95_ms"]
