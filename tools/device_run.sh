@@ -37,6 +37,26 @@ stage() {  # stage NAME SECONDS CMD...
 
 for s in "$@"; do
   case $s in
+    te)  # Transformer Engine from the parts staged by earlier calls (tools/te_wheels.sh)
+      stage te_install 180 "$REPO/tools/te_wheels.sh" install \
+        && export PYTHONPATH=/tmp/site:${TE_TARGET:-/tmp/te_site} ;;
+    te_gpu_tests) stage te_gpu_tests ${TE_TEST_SECS:-300} python3 -m pytest -q -m gpu -p no:cacheprovider \
+        --rootdir "$REPO" -c "$REPO/pyproject.toml" -rs "$REPO/tests/test_mcore_te_gpu.py" ;;
+    layers_te) stage layer_te_TP1EP1 ${LAYER_SECS:-240} torchrun --nproc-per-node 1 \
+        "$REPO/tools/bench_layer.py" --models ${LAYER_MODELS:-granite,qwen,deepseek} --tp 1 --ep 1 \
+        --impls te,local --seqs ${LAYER_SEQS:-4096,16384} --samples 12 ${LAYER_ARGS:-} \
+        --json "$OUT/layer_${TAG:-}te_TP1EP1.json" ;;
+    prefill_te) for m in ${PREFILL_MODELS:-granite qwen deepseek}; do
+        stage prefill_te_${m}_TP1EP1 ${PREFILL_SECS:-100} torchrun --nproc-per-node 1 \
+          -m megatron_overlap.mcore.prefill --impl te --model $m --tp 1 --ep 1 --batch 4 \
+          --seqs ${PREFILL_SEQS:-1024,4096,16384} --iters ${PREFILL_ITERS:-8} --warmup 1 --abba \
+          ${PREFILL_ARGS:-} --json "$OUT/prefill_${TAG:-}te_${m}_TP1EP1.json"; done ;;
+    train_te) for m in ${TRAIN_MODELS:-granite qwen deepseek}; do
+        stage train_te_${m}_TP1EP1 ${TRAIN_SECS:-100} torchrun --nproc-per-node 1 \
+          -m megatron_overlap.mcore.prefill --impl te --train --model $m --tp 1 --ep 1 \
+          --batch ${TRAIN_BATCH:-4} --seqs ${TRAIN_SEQS:-4096} ${TRAIN_LAYERS:+--layers $TRAIN_LAYERS} \
+          --iters ${TRAIN_ITERS:-6} --warmup 2 --abba ${TRAIN_ARGS:-} \
+          --json "$OUT/train_${TAG:-}te_${m}_TP1EP1.json"; done ;;
     env) stage env 60 bash -c "nvidia-smi; nvidia-smi topo -m; python3 -c 'import torch,triton; print(torch.__version__, triton.__version__, torch.cuda.device_count())'" ;;
     gpu_tests) stage gpu_tests ${GPU_TEST_SECS:-240} python3 -m pytest -q -m gpu -p no:cacheprovider \
         --rootdir "$REPO" -c "$REPO/pyproject.toml" ${GPU_TEST_K:+-k "$GPU_TEST_K"} \
@@ -192,4 +212,4 @@ if compgen -G "$OUT/*.json" > /dev/null; then
   # one archive per invocation: a later call in the same device run must not replace it
   (cd "$OUT" && tar czf "results_$(date +%H%M%S).tgz" ./*.json && rm -f ./*.json)
 fi
-grep -E "^===|^[a-z]+/TP[0-9]EP[0-9]/[0-9]+: GatherRS|^variant |^(rows|tokens)|rho_ref|^comm alone|^[a-z]+/TP|^chosen|^gemm2 |^comm rows|^torch._grouped|^torch gather|^(qwen|granite|deepseek) |^  (host|api |gpu |prof )|^cProfile|^host |^  step |^torch copy|^layer |^prefill|speedup|^moe-overlap|^    [A-Z][a-zA-Z ]+ +[a-z%/]+ +[0-9]|^  (stock|overlap|speedup)|^  (partition|shared|torch)|passed|failed|Error|error" "$LOG" | grep -v Warning | tail -n 80
+grep -E "^===|^transformer_engine|^train |skipped|SKIP|^[a-z]+/TP[0-9]EP[0-9]/[0-9]+: GatherRS|^variant |^(rows|tokens)|rho_ref|^comm alone|^[a-z]+/TP|^chosen|^gemm2 |^comm rows|^torch._grouped|^torch gather|^(qwen|granite|deepseek) |^  (host|api |gpu |prof )|^cProfile|^host |^  step |^torch copy|^layer |^prefill|speedup|^moe-overlap|^    [A-Z][a-zA-Z ]+ +[a-z%/]+ +[0-9]|^  (stock|overlap|speedup)|^  (partition|shared|torch)|passed|failed|Error|error" "$LOG" | grep -v Warning | tail -n 80

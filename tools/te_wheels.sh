@@ -36,17 +36,19 @@ fetch() {  # fetch [TORCH_EXT_WHEEL]: the wheels, the core one split to fit besi
     cp "$ext" "$DIR/small/"
     find "$DIR/dl" -name '*.whl' ! -name "$CORE" -exec mv {} "$DIR/small/" \;
     (cd "$DIR/dl" && sha256sum "$CORE" > "$DIR/small/core.sha256")
-    # the part size leaves room for the tree that travels with every call
+    # the part size leaves room for the tree that travels with every call, and the last
+    # call's small wheels (.te/small, .whl: up to 8 MiB) within the 64 MiB a call carries
     local tree room size
     tree=$(cd "$REPO" && git ls-files -z | xargs -0 du -cb | tail -n 1 | cut -f1)
-    room=$(( 62 * 1024 * 1024 - tree - $(du -cb "$DIR/small" | tail -n 1 | cut -f1) ))
+    room=$(( 54 * 1024 * 1024 - tree ))
     size=$(stat -c %s "$DIR/dl/$CORE")
     [ "$room" -gt $(( 8 * 1024 * 1024 )) ] || { echo "tree too large to carry parts" >&2; exit 2; }
     local n=$(( (size + room - 1) / room ))
     (cd "$DIR/dl" && split -n "$n" -d -a 2 "$CORE" part)
     for p in "$DIR"/dl/part*; do k=$((10#${p##*part})); mkdir -p "$DIR/part$k"; mv "$p" "$DIR/part$k/"; done
     rm -rf "$DIR/dl"
-    echo "$n parts; carry .te/small with each; one call per part: tools/te_wheels.sh stage K"
+    echo "$n parts: one call per part (carry .te/partK: tools/te_wheels.sh stage K); the last"
+    echo "carries .te/small too and runs tools/te_wheels.sh install (device_run.sh stage te)"
 }
 
 stage() {  # stage K: keep part K (carried as .te/partK) outside the checkout

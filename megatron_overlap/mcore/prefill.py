@@ -8,7 +8,9 @@ OverlapMoELayer; `--abba` builds the overlapped model once and times both polici
 ABBA-interleaved on the same weights (toggling the layers' overlap); `--cuda-graph`
 adds a third, "graph": the overlapped forward captured into one CUDA graph per S and
 replayed (the stock dropless layers sync the host and cannot be captured, so stock
-stays eager). Latency is the
+stays eager). `--impl te` builds the model on Transformer Engine as Megatron-LM's default
+flags do (stock = core-TE); `--train` times a training step (forward with labels and the
+loss's backward, no optimizer) instead of the inference forward. Latency is the
 median over iterations of the slowest rank's time, with a 95% bootstrap interval.
 The B sequences are split over the attention data-parallel ranks (world / TP), so the
 TP x EP group of every MoE layer sees M = B * S tokens in every layout.
@@ -66,6 +68,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-bias-swiglu-fusion", action="store_true",
                    help="eager SwiGLU, as Megatron-LM's flag of that name (fused by default "
                         "on CUDA)")
+    p.add_argument("--train", action="store_true",
+                   help="time a training step instead (forward with labels, the loss's "
+                        "backward; train mode, gradients zeroed between steps, no optimizer)")
     p.add_argument("--abba", action="store_true",
                    help="time stock and overlapped ABBA-interleaved on the same weights")
     p.add_argument("--cuda-graph", action="store_true",
@@ -153,12 +158,12 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time_once(forward, device) -> float:
-    """Seconds of one `forward()` on the slowest rank."""
+def _time_once(forward, device, grad: bool = False) -> float:
+    """Seconds of one `forward()` on the slowest rank (under no_grad unless `grad`)."""
     dist.barrier()
     _sync(device)
     t0 = time.perf_counter()
-    with torch.no_grad():
+    with torch.set_grad_enabled(grad):
         forward()
     _sync(device)
     elapsed = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
@@ -207,9 +212,11 @@ def run_all(args) -> list[dict]:
     overlap = overlap_config_from_args(args)
     fusion = {"bias_activation_fusion": False} if args.no_bias_swiglu_fusion else {}
     model = build_model(args.model, args.tp, args.ep, args.layers, experts=args.experts,
-                        overlap=overlap, tiny=args.tiny, impl=args.impl,
-                        **fusion).to(device).eval()
+                        overlap=overlap, tiny=args.tiny, impl=args.impl, **fusion).to(device)
+    model.train(args.train)
     if args.cuda_graph:
+        if args.train:
+            raise ValueError("--cuda-graph times the inference forward; not with --train")
         if device.type != "cuda":
             raise ValueError("--cuda-graph needs CUDA")
         from megatron.core.tensor_parallel.random import initialize_rng_tracker
@@ -233,17 +240,30 @@ def _header(args, seq: int, device) -> dict:
                 batch=args.batch, seq=seq, tokens=args.batch * seq, impl=args.impl,
                 experts=args.experts,
                 tiny=args.tiny, device=str(device), cuda_graph=args.cuda_graph,
+                mode="train" if args.train else "prefill",
                 swiglu_fusion=device.type == "cuda" and not args.no_bias_swiglu_fusion)
+
+
+def _training_step(model, tokens, positions):
+    """One step without the optimizer: the loss's forward and backward, gradients freed."""
+    def step():
+        model.zero_grad(set_to_none=True)
+        labels = torch.roll(tokens, -1, dims=1)
+        model(tokens, positions, None, labels=labels).float().mean().backward()
+    return step
 
 
 def _run_seq(args, model, seq: int, overlap, device) -> dict:
     tokens, positions = _inputs(args, seq, model.vocab_size, device)
     policies = ["stock", "overlap"] if args.abba else ["overlap" if overlap else "stock"]
-    forwards = {p: (lambda: model(tokens, positions, None)) for p in policies}
+    work = (_training_step(model, tokens, positions) if args.train
+            else lambda: model(tokens, positions, None))
+    forwards = {p: work for p in policies}
+    grad = args.train
     for policy in policies:  # warm-up: compilation, buffers, plan caches
         set_overlap_enabled(model, policy == "overlap")
         for _ in range(args.warmup):
-            _time_once(forwards[policy], device)
+            _time_once(forwards[policy], device, grad)
     graph = None
     if args.cuda_graph:
         graph = _captured_forward(model, tokens, positions, device)
@@ -255,7 +275,7 @@ def _run_seq(args, model, seq: int, overlap, device) -> dict:
     samples = {p: [] for p in policies}
     for policy in _schedule(policies, args.iters):
         set_overlap_enabled(model, policy != "stock")
-        samples[policy].append(_time_once(forwards[policy], device))
+        samples[policy].append(_time_once(forwards[policy], device, grad))
     result = _header(args, seq, device) | dict(policies={})
     for policy, values in samples.items():
         med = statistics.median(values)
@@ -285,7 +305,7 @@ def _captured_forward(model, tokens, positions, device) -> CapturedCall:
 
 
 def report(result: dict) -> str:
-    lines = [f"prefill {result['model']} TP{result['tp']}EP{result['ep']} (world "
+    lines = [f"{result.get('mode', 'prefill')} {result['model']} TP{result['tp']}EP{result['ep']} (world "
              f"{result['world']}, {result['device']}), B*S = {result['batch']}x{result['seq']}"
              f" = {result['tokens']} tokens, {result.get('impl', 'local')} impl, "
              f"{result['experts']} experts"
