@@ -17,6 +17,9 @@ import calibrate  # noqa: E402
 import report  # noqa: E402
 from megatron_overlap.mcore import prefill  # noqa: E402
 
+#: recorded benchmark runs, trimmed to what tools/analyze_runs.py reads (tests/data/README.md)
+GOLDEN = os.path.join(os.path.dirname(__file__), "data")
+
 
 def test_calibration_fit_recovers_wave_time_intercept_and_saturation():
     w, splits, t0, wave = 128, 2, 0.3, 0.02
@@ -231,9 +234,9 @@ def test_planner_replay_reproduces_every_recorded_decision_of_runs_12_13_and_15(
                                 c_max=56, c_sat=None, k_epi=None, topk_ref=None,
                                 overlap_factor=None)
     run13 = dataclasses.replace(run12, k_epi=600, topk_ref=4)
-    for runs, calib in (("op12,op12p50", run12), ("op13,op13p50", run13),
-                        ("op15,op15p50", run13)):
-        rows = analyze_runs._rows(runs, analyze_runs.DATA)
+    for runs, calib in (("h200x2-rhoref,h200x2-rhoref-p50", run12), ("h200x2-kepi600,h200x2-kepi600-p50", run13),
+                        ("h200x2-tailhelpers,h200x2-tailhelpers-p50", run13)):
+        rows = analyze_runs._rows(runs, GOLDEN)
         assert len(rows) == 54
         assert [analyze_runs.replay_c(r, calib) for r in rows] == [r["comm_ctas"] for r in rows]
 
@@ -241,7 +244,7 @@ def test_planner_replay_reproduces_every_recorded_decision_of_runs_12_13_and_15(
 def test_k_epi_four_point_fit_of_run_12_gives_about_600():
     import analyze_runs
 
-    a, b, rms = analyze_runs.k_epi_fit(analyze_runs._rows("op12,op12p50", analyze_runs.DATA))
+    a, b, rms = analyze_runs.k_epi_fit(analyze_runs._rows("h200x2-rhoref,h200x2-rhoref-p50", GOLDEN))
     assert 550 < a / b < 650 and rms < 4.0
 
 
@@ -249,13 +252,12 @@ def test_the_shipped_size_threshold_separates_the_prefill_sweep_it_was_chosen_on
         monkeypatch, capsys):
     import analyze_runs
 
-    monkeypatch.setattr(sys, "argv", ["analyze_runs.py", "threshold", "--prefill", "s3"])
+    monkeypatch.setattr(sys, "argv", ["analyze_runs.py", "--data", GOLDEN, "threshold", "--prefill", "h200x2-nothreshold"])
     assert analyze_runs.main() == 0
     assert "30 of 30 workloads on the side" in capsys.readouterr().out
 
 
-ONE_GPU_FINAL = ("s9g1,s10g1,s11g1,s11g1default,nothreshold_s11g1,s12g1,s12nothr,s13,s13all,"
-                 "s13ga,s13gb,s14nothr,s14abnew1,s14abnew2")  # each session's final code
+ONE_GPU_FINAL = "h200-1gpu-overlap"  # every one-GPU H200 prefill run with the overlap on
 
 
 def test_the_one_gpu_gemm2_threshold_is_the_fit_of_the_prefill_runs(monkeypatch, capsys):
@@ -266,7 +268,7 @@ def test_the_one_gpu_gemm2_threshold_is_the_fit_of_the_prefill_runs(monkeypatch,
     import analyze_runs
 
     def run(*flags):
-        monkeypatch.setattr(sys, "argv", ["analyze_runs.py", "threshold", "--prefill",
+        monkeypatch.setattr(sys, "argv", ["analyze_runs.py", "--data", GOLDEN, "threshold", "--prefill",
                                           ONE_GPU_FINAL, "--overlapped-only", *flags])
         assert analyze_runs.main() == 0
         out = capsys.readouterr().out
@@ -300,8 +302,8 @@ def test_the_h100_one_gpu_threshold_is_the_fit_of_its_own_prefill_runs(monkeypat
     from megatron_overlap.planner import get_preset
 
     shipped = get_preset("h100").min_gemm2_macs_one_rank
-    monkeypatch.setattr(sys, "argv", ["analyze_runs.py", "threshold", "--prefill",
-                                      "s20h100nothr,s20h100nothr2", "--overlapped-only",
+    monkeypatch.setattr(sys, "argv", ["analyze_runs.py", "--data", GOLDEN, "threshold", "--prefill",
+                                      "h100-1gpu-nothreshold", "--overlapped-only",
                                       "--macs", str(shipped)])
     assert analyze_runs.main() == 0
     out = capsys.readouterr().out
@@ -403,11 +405,11 @@ def test_report_profile_section_gives_each_arm_its_ratio_to_stock_and_the_inputs
 def test_helpers_analysis_reads_the_same_decisions_timed_without_helpers(monkeypatch, capsys):
     import analyze_runs
 
-    monkeypatch.setattr(sys, "argv", ["analyze_runs.py", "helpers", "--runs", "op16"])
+    monkeypatch.setattr(sys, "argv", ["analyze_runs.py", "--data", GOLDEN, "helpers", "--runs", "h200x2-tailhelpers-tp2"])
     assert analyze_runs.main() == 0
     out = capsys.readouterr().out
     assert "over 12 workloads" in out and "qwen      TP2EP1  helpers S >= 4096 1.095x" in out
-    monkeypatch.setattr(sys, "argv", ["analyze_runs.py", "helpers", "--runs", "op13"])
+    monkeypatch.setattr(sys, "argv", ["analyze_runs.py", "--data", GOLDEN, "helpers", "--runs", "h200x2-kepi600"])
     with pytest.raises(SystemExit, match="without tail helpers"):
         analyze_runs.main()
 
@@ -420,7 +422,7 @@ def test_replay_with_neutral_overlap_terms_reproduces_run_15_and_the_fitted_ones
 
     # run 15's calibration (before f and the two-point K_epi shipped)
     calib = dataclasses.replace(get_preset("h200").calibration, k_epi=600, overlap_factor=None)
-    rows = analyze_runs._rows("op15,op15p50", analyze_runs.DATA)
+    rows = analyze_runs._rows("h200x2-tailhelpers,h200x2-tailhelpers-p50", GOLDEN)
     neutral = dataclasses.replace(calib, overlap_factor=1.0)
     assert [analyze_runs.replay_c(r, neutral) for r in rows] == [r["comm_ctas"] for r in rows]
     fitted = dataclasses.replace(calib, overlap_factor=1.7)
@@ -435,7 +437,7 @@ def test_replay_choosing_l_as_the_op_keeps_run_15s_splits_and_the_full_model_pic
     from megatron_overlap.planner import get_preset
 
     calib = get_preset("h200").calibration
-    rows = analyze_runs._rows("op15", analyze_runs.DATA)
+    rows = analyze_runs._rows("h200x2-tailhelpers", GOLDEN)
     ranked = [analyze_runs.choose_splits(r, calib, "ranked") for r in rows]
     assert [l for _, l in ranked] == [r["splits"] for r in rows]
     # at the recorded L the rebuilt workload plans as the recorded one does
@@ -443,7 +445,7 @@ def test_replay_choosing_l_as_the_op_keeps_run_15s_splits_and_the_full_model_pic
                                                             local_topk=True) for r in rows]
     full = [analyze_runs.choose_splits(r, calib, "full")[1] for r in rows]
     assert any(l == 1 != r["splits"] for l, r in zip(full, rows) if r["model"] == "granite")
-    monkeypatch.setattr(sys, "argv", ["analyze_runs.py", "replay", "--runs", "op15",
+    monkeypatch.setattr(sys, "argv", ["analyze_runs.py", "--data", GOLDEN, "replay", "--runs", "h200x2-tailhelpers",
                                       "--choose-splits", "full"])
     assert analyze_runs.main() == 0
     out = capsys.readouterr().out
@@ -478,11 +480,11 @@ def test_overlap_factor_fit_recovers_the_f_and_constant_of_a_model_curve():
 def test_host_exposed_reports_each_runs_median_and_ratio(monkeypatch, capsys):
     import analyze_runs
 
-    monkeypatch.setattr(sys, "argv", ["analyze_runs.py", "host-exposed", "--runs", "op15,op17"])
+    monkeypatch.setattr(sys, "argv", ["analyze_runs.py", "--data", GOLDEN, "host-exposed", "--runs", "h200x2-tailhelpers,h200x2-fasthost"])
     assert analyze_runs.main() == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].split()[:3] == ["op15", "ours", "0.320"] and "ratio 0.49" in out[0]
-    assert out[1].split()[:3] == ["op17", "ours", "0.183"] and "ratio 0.41" in out[1]
+    assert out[0].split()[:3] == ["h200x2-tailhelpers", "ours", "0.320"] and "ratio 0.49" in out[0]
+    assert out[1].split()[:3] == ["h200x2-fasthost", "ours", "0.183"] and "ratio 0.41" in out[1]
 
 
 def test_replay_reproduces_every_decision_the_shipped_planner_recorded():
@@ -493,7 +495,7 @@ def test_replay_reproduces_every_decision_the_shipped_planner_recorded():
     # rebuilds each workload as the op plans it (rank 0's T / M, L ranked as the op
     # ranks it), must land on every recorded C* and L
     calib = get_preset("h200").calibration
-    rows = analyze_runs._rows("op19,op19p50,op20,op22", analyze_runs.DATA)
+    rows = analyze_runs._rows("h200x2-shipped,h200x2-shipped-p50,h200x2-shipped-repeat,h200x2-shipped-finalsum", GOLDEN)
     assert len(rows) == 126
     assert [analyze_runs.choose_splits(r, calib, "ranked") for r in rows] == [
         (r["comm_ctas"], r["splits"]) for r in rows]
@@ -543,7 +545,7 @@ def test_replay_reproduces_the_decisions_of_the_one_gpu_runs_at_their_group_size
     from megatron_overlap.planner import get_preset
 
     # runs 24 and 25 ran rank 0's workload of each layout alone (world 1, recorded)
-    rows = analyze_runs._rows("op24g1,op24g1p50,op25g1", analyze_runs.DATA)
+    rows = analyze_runs._rows("h200-rank0,h200-rank0-p50,h200-rank0-repeat", GOLDEN)
     assert len(rows) == 72 and {r["world"] for r in rows} == {1}
     calib = get_preset("h200").calibration
     assert [analyze_runs.choose_splits(r, calib, "ranked") for r in rows] == [
@@ -608,8 +610,8 @@ def test_shared_placement_takes_every_sm_under_every_fitted_model_variant(capsys
 
     import analyze_runs
 
-    analyze_runs.shared_curves(argparse.Namespace(preset="h200", runs="op29g1,op29g1p50",
-                                                  data=analyze_runs.DATA))
+    analyze_runs.shared_curves(argparse.Namespace(preset="h200", runs="h200-shared,h200-shared-p50",
+                                                  data=GOLDEN))
     out = capsys.readouterr().out
     assert out.startswith("36 workloads")
     assert "C* over all 36 variants: [132]" in out

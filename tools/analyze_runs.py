@@ -1,15 +1,20 @@
 """Analyses of recorded benchmark runs that docs/RESULTS.md quotes (CPU only, JSON in, text out).
 
-    python tools/analyze_runs.py replay --runs op12,op12p50 [--k-epi 600 --topk-ref 4]
-        [--tail-helpers] [--overlap-factor F] [--local-topk] [--choose-splits ranked|full]
-    python tools/analyze_runs.py k-epi --runs op12,op12p50
-    python tools/analyze_runs.py bias --runs op11,op11p50
-    python tools/analyze_runs.py amdahl --layer layer_s3 --op op13
-    python tools/analyze_runs.py threshold --prefill s3
-    python tools/analyze_runs.py helpers --runs op15,op15p50
-    python tools/analyze_runs.py host-exposed --runs op15,op17,op19,op20
-    python tools/analyze_runs.py fit-f --runs op15,op15p50,op16
-    python tools/analyze_runs.py shared-curves --runs op29g1,op29g1p50
+The recorded runs are the golden files in tests/data/ (trimmed to what these analyses
+read; tests/data/README.md says what each run measured, on what, with which planner);
+`--data docs/data` reads the current full results instead.
+
+    python tools/analyze_runs.py replay --runs h200x2-rhoref,h200x2-rhoref-p50
+        [--k-epi 600 --topk-ref 4] [--tail-helpers] [--overlap-factor F] [--local-topk]
+        [--choose-splits ranked|full]
+    python tools/analyze_runs.py k-epi --runs h200x2-rhoref,h200x2-rhoref-p50
+    python tools/analyze_runs.py bias --runs h200x2-kepi600,h200x2-kepi600-p50
+    python tools/analyze_runs.py amdahl --data docs/data --layer layer_2xh200 --op op_2xh200
+    python tools/analyze_runs.py threshold --prefill h200x2-nothreshold
+    python tools/analyze_runs.py helpers --runs h200x2-tailhelpers,h200x2-tailhelpers-p50
+    python tools/analyze_runs.py host-exposed --runs h200x2-tailhelpers,h200x2-fasthost
+    python tools/analyze_runs.py fit-f --runs h200x2-tailhelpers,h200x2-tailhelpers-p50
+    python tools/analyze_runs.py shared-curves --runs h200-shared,h200-shared-p50
 
 replay: the planner's C* for each recorded workload under a calibration (the shipped
     one, optionally with K_epi / topk_ref replaced; `none` removes a term), timed by the
@@ -36,8 +41,8 @@ fit-f: the overlap factor f with the least mean replayed regret (grid 1.0-2.5, t
 host-exposed: per run, the host time a whole-op call exposes (whole op minus its
     prepared GPU work), ours and the reference's, median over the workloads.
 helpers: what the tail helpers give, per model and layout: `planner(no tail helpers)` over
-    `planner` (timed in the same rounds; the same C and L up to run 17, since run 18 the
-    op without helpers plans its own C), geomean and range, S >= 4096 and below; and the
+    `planner` (timed in the same rounds; the same C and L in the runs before the shipped
+    planner, which plans the op without helpers its own C), geomean and range, S >= 4096 and below; and the
     whole-op / GPU-only speedups over the reference at S >= 4096.
 """
 
@@ -66,7 +71,7 @@ from megatron_overlap.planner.model import plan, service_ratio, solve  # noqa: E
 from megatron_overlap.routing import route  # noqa: E402
 from megatron_overlap.shapes import BATCH, LAYOUTS, MODELS  # noqa: E402
 
-DATA = os.path.join(os.path.dirname(__file__), "..", "docs", "data")
+DATA = os.path.join(os.path.dirname(__file__), "..", "tests", "data")
 
 
 def _rows(runs: str, data: str) -> list[dict]:
@@ -105,8 +110,8 @@ def _local_topk(r: dict) -> float:
 
 
 def _world(r: dict) -> int:
-    """The run's group size: recorded since session 6 (one GPU runs rank 0's workload of
-    a layout alone), else the layout's TP x EP."""
+    """The run's group size: recorded by the later runs (one-GPU runs time rank 0's
+    workload of a layout alone), else the layout's TP x EP."""
     tp, ep = LAYOUTS[r["layout"]]
     return r.get("world", tp * ep)
 
@@ -416,7 +421,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("what", choices=("replay", "k-epi", "bias", "amdahl", "threshold",
                                      "helpers", "host-exposed", "fit-f", "shared-curves"))
-    ap.add_argument("--runs", default="op13,op13p50", help="run tags (file name prefixes)")
+    ap.add_argument("--runs", default="h200x2-kepi600,h200x2-kepi600-p50", help="run tags (file name prefixes)")
     ap.add_argument("--preset", default="h200")
     ap.add_argument("--k-epi", default=None, help="replace the calibration's (or 'none')")
     ap.add_argument("--tail-helpers", action="store_true",
@@ -430,9 +435,9 @@ def main() -> int:
                     default="recorded", help="replay: L as recorded, ranked as the op "
                     "does, or ranked by the full model (the last two imply --tail-helpers "
                     "--local-topk)")
-    ap.add_argument("--layer", default="layer_s3")
-    ap.add_argument("--op", default="op13")
-    ap.add_argument("--prefill", default="s3",
+    ap.add_argument("--layer", default="layer_2xh200")
+    ap.add_argument("--op", default="op_2xh200")
+    ap.add_argument("--prefill", default="h200x2-nothreshold",
                     help="prefill run tags, comma-separated (file name globs)")
     ap.add_argument("--elements", type=int, default=1 << 25,
                     help="threshold: on gathered tokens x hidden")

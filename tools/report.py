@@ -1,10 +1,11 @@
-"""Regenerate the tables and plots of docs/RESULTS.md from the benchmark JSON files.
+"""Regenerate the tables and plots behind docs/RESULTS.md from the benchmark JSON files.
 
-    python tools/report.py --data docs/data --out docs
+    python tools/report.py --data docs/data --out build/report
 
 Reads op_*.json (tools/bench_op.py), layer_*.json (tools/bench_layer.py),
-profile_layer_*.json (tools/profile_layer.py) and prefill_*.json (megatron_overlap.mcore.prefill --json); writes docs/results_tables.md
-(included by RESULTS.md) and PNG plots. Regret is measured: T(C*) is the planner's own
+profile_layer_*.json (tools/profile_layer.py) and prefill_*.json (megatron_overlap.mcore.prefill --json); writes
+OUT/results_tables.md (every workload's row; RESULTS.md copies the summaries) and PNG
+plots (RESULTS.md keeps a few under docs/figures/). Regret is measured: T(C*) is the planner's own
 timed run, T_oracle the fastest point of the C sweep timed in the same ABBA rounds.
 """
 
@@ -460,8 +461,9 @@ def prefill_section(tag, prefill, out_dir) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--data", default="docs/data")
-    ap.add_argument("--out", default="docs")
+    ap.add_argument("--out", default=os.path.join("build", "report"))
     args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
     parts = []
     for tag in sorted({os.path.basename(p).rsplit("_", 1)[0]
                        for p in glob.glob(os.path.join(args.data, "op*_*.json"))}):
