@@ -552,56 +552,6 @@ def test_replay_reproduces_the_decisions_of_the_one_gpu_runs_at_their_group_size
         (r["comm_ctas"], r["splits"]) for r in rows]
 
 
-def _smoke_result(tmp_path, tool_name: str, *argv) -> dict:
-    """The first case's result of an experiment's CPU smoke run (tiny TP2EP1)."""
-    import json
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    tool = Path(__file__).resolve().parent.parent / "tools" / tool_name
-    out = tmp_path / "exp.json"
-    done = subprocess.run([sys.executable, str(tool), "--smoke", *argv,
-                           "--cases", "tiny/TP2EP1/16", "--json", str(out)],
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return json.loads(out.read_text())["results"][0]
-
-
-def test_token_major_experiment_checks_both_layouts_give_the_shipped_bits(tmp_path):
-    """The experiment's CPU smoke run: its correctness gate (poisoned output, bitwise
-    against the first variant, reference error) passes, and the op stored y token-major
-    for the TP case only."""
-    facts = _smoke_result(tmp_path, "try_token_major.py", "--variants", "rows,tokens")["facts"]
-    assert {n: (f["bitwise_as_shipped"], f["unwritten"], f["token_major"])
-            for n, f in facts.items()} == {"rows": (True, 0, False), "tokens": (True, 0, True)}
-    assert all(f["rel_err"] < 1e-2 for f in facts.values())
-
-
-def test_shared_placement_experiment_gives_the_partitions_bits_on_every_sm(tmp_path):
-    """The shared-placement experiment's CPU smoke run: both arms through the op's own
-    plan, the shared one with a communication CTA on every SM of the virtual device and
-    the partition's bits (poisoned output, reference error)."""
-    from megatron_overlap.ops.config import INTERPRET_SMS
-
-    result = _smoke_result(tmp_path, "try_shared_sms.py", "--comm", "", "--splits", "1",
-                           "--last-cols", "16")
-    facts = result["facts"]
-    assert not result["failed"]
-    first = facts.pop("shared comm first")  # the same plan, GatherRS launched first
-    assert (first["plan_of"], first["bitwise_as_partition"], first["unwritten"]) == (
-        "shared", True, 0)
-    narrow = facts.pop("shared last=16")  # the same plan, splits 48 + 16 columns wide
-    assert (narrow["width"], narrow["bitwise_as_partition"], narrow["unwritten"]) == (
-        48, True, 0)
-    assert {n: (f["shared_sms"], f["splits"], f["bitwise_as_partition"], f["unwritten"])
-            for n, f in facts.items()} == {"partition": (False, 2, True, 0),
-                                            "shared": (True, 2, True, 0),
-                                            "shared L=1": (True, 1, True, 0)}
-    assert facts["shared"]["planner_c"] == INTERPRET_SMS
-    assert all(f["rel_err"] < 1e-2 for f in facts.values())
-
-
 def test_shared_placement_takes_every_sm_under_every_fitted_model_variant(capsys):
     """Run 29 (the shared placement on one H200): whatever rho scale and saturation the
     model is given, it picks C = G for all 36 workloads, so C* does not rest on rho,
@@ -739,18 +689,6 @@ def test_each_profile_arm_switches_off_its_part_and_restores_it():
     assert seen["overlap-megatron-postprocess"] == everything | dict(deferred=False,
                                                                       single=False)
     assert seen["overlap-megatron-shared-gate"] == everything | dict(gate=False)
-
-
-def test_layer_kernel_experiment_checks_each_kernel_against_what_it_replaces():
-    import try_layer_kernels
-
-    arms = try_layer_kernels.cases(8, hidden=64, k=48, topk=4, device="cpu",
-                                   dtype=torch.float32)  # asserts the agreement inside
-    assert {case: len(a) for case, a in arms.items()} == {"gather": 3, "swiglu": 2,
-                                                          "gated add": 2}
-    for case in arms.values():
-        for fn in case.values():
-            fn()
 
 
 def test_prefill_profile_gives_each_kernel_to_the_moe_layer_that_launched_it():

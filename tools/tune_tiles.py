@@ -5,7 +5,8 @@ whole GPU and GatherRS alone at fixed C, for candidate shapes, with compiled res
 
 It tunes the partition placement (32-warp GatherRS CTAs on SMs of their own, whose
 SM-time at C = 32 it compares) and writes `"placement": "partition"`; the shared
-placement's item shape (GPU_TILES) was chosen overlapped, with tools/try_shared_sms.py.
+placement's item shape (GPU_TILES) was chosen overlapped (docs/RESULTS.md, "Kernel
+choices measured").
 """
 
 from __future__ import annotations

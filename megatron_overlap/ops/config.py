@@ -256,14 +256,14 @@ class TileConfig:
         return max(1, self.comm_rows // slots), min(self.comm_tn, 1 << max(0, (split_width - 1).bit_length()))
 
 
-#: The partition placement on Hopper, chosen with `tools/tune_tiles.py`,
-#: `tools/try_overlap.py` and `tools/try_token_major.py` on H200 (docs/RESULTS.md):
+#: The partition placement on Hopper, chosen with `tools/tune_tiles.py` and measured
+#: overlapped on H200 (docs/RESULTS.md, "Kernel choices measured"):
 #: 32-warp GatherRS CTAs (one per SM, so R(C) = C holds), each gathering 256 rows x 1024
 #: columns per item, one top-k slot at a time, from a token-major y.
 PARTITION_TILES = TileConfig(128, 128, 64, 4, 3, 256, 1024, 32)
 #: Hopper defaults: the shared placement, one 4-warp GatherRS CTA per SM beside GEMM2's
-#: two, gathering 32 rows x 512 columns per item (`tools/try_shared_sms.py`: the fastest
-#: of 32 x 512 and 16 x 1024 in four of six cases, within 1% in the others).
+#: two, gathering 32 rows x 512 columns per item (measured overlapped on one H200: the
+#: fastest of 32 x 512 and 16 x 1024 in four of six cases, within 1% in the others).
 GPU_TILES = TileConfig(128, 128, 64, 4, 3, 32, 512, 4, placement="shared")
 #: Register caps of the shared placement, per thread: two GEMM2 CTAs and one 4-warp
 #: GatherRS CTA in one SM's 64K registers (Gluon: 2 x 8 warps x 32 x 104 + 4 x 32 x 96
