@@ -94,8 +94,8 @@ def _wait_at_least(ptr, target, max_spins, timeout_ns, SCOPE: tl.constexpr):
     Polls are plain volatile loads, so dozens of waiting CTAs do not queue atomics on
     the L2 line the producers increment; one acquire read after success orders
     everything the producers released before it. (Sleeping between polls, nanosleep,
-    measured no faster: 400 ns in session 2, the partition placement; 200 ns in session
-    14, the shared one, at the power limit, where it saved no power: docs/RESULTS.md.)
+    measured no faster on H200: 400 ns sleeps with the partition placement; 200 ns with
+    the shared one, in a prefill at the power limit, where they saved no power.)
     """
     start = _now()
     seen = tl.load(ptr, volatile=True)

@@ -299,7 +299,7 @@ def resolve_impl(impl: str, device: torch.device, dtype: torch.dtype, block_m: i
     """`impl`, or for "auto" the Gluon kernel where it runs and measured faster: bf16 on a
     Hopper GPU with its one tile shape, storing a token-major y (`scatter`, the TP
     layouts: 4-12% faster overlapped; in GEMM2's row order, under EP, no gain measured;
-    docs/RESULTS.md, session 7); else Triton's."""
+    docs/RESULTS.md, "Kernel choices measured"); else Triton's."""
     if impl != "auto":
         return impl
     ok = (scatter and device.type == "cuda" and dtype == torch.bfloat16 and block_m == 128

@@ -6,15 +6,15 @@ from pathlib import Path
 from megatron_overlap.demo import decision_rows, run_demo
 from megatron_overlap.planner import get_preset
 
-DATA = Path(__file__).resolve().parent.parent / "docs" / "data"
+DATA = Path(__file__).resolve().parent / "data"  # golden files: tests/data/README.md
 
 
 def test_h200_table_is_every_decision_the_op_recorded_on_the_device():
-    # run 19: the op on 2 H200s with the shipped calibration, rank 0's decision per
-    # workload (benchmark routing seed 0, as the demo's)
+    # the op on 2 H200s with the shipped calibration (tests/data/h200x2-shipped_*), rank
+    # 0's decision per workload (benchmark routing seed 0, as the demo's)
     recorded = {}
     for layout in ("TP2EP1", "TP1EP2"):
-        for r in json.loads((DATA / f"op19_{layout}.json").read_text())["results"]:
+        for r in json.loads((DATA / f"h200x2-shipped_{layout}.json").read_text())["results"]:
             recorded[(r["model"], layout, r["seq"], r["routing"])] = (r["comm_ctas"], r["splits"])
     shown = {(row["model"], row["layout"], row["S"], row["routing"]):
              (row["plan"].comm_ctas, row["plan"].splits)
@@ -41,12 +41,12 @@ def test_demo_table_plans_with_the_calibration_of_the_machines_gpu():
 
 
 def test_h100_table_ranks_l_as_the_op_did_on_the_h100():
-    # session 20, op40h100graph: the op on one H100 with the shipped h100 file (shared
+    # the op on one H100 with the shipped h100 file (shared
     # placement, so C = G there; the table's C is the partition's), rank 0's workload of
     # each layout alone; within 0.2% of the fastest captured C or L in 11 of 12 workloads
     recorded = {}
     for layout in ("TP2EP1", "TP1EP2"):
-        for r in json.loads((DATA / f"op40h100graph_{layout}.json").read_text())["results"]:
+        for r in json.loads((DATA / f"h100-graph_{layout}.json").read_text())["results"]:
             recorded[(r["model"], layout, r["seq"], r["routing"])] = r["splits"]
     shown = {(row["model"], row["layout"], row["S"], row["routing"]): row["plan"].splits
              for row in decision_rows(get_preset("h100"), ("TP2EP1", "TP1EP2"), as_op=True)}

@@ -257,7 +257,7 @@ def _one_gpu_graph(rank, world):
     config = _qwen_like_config()
     spec = with_grouped_experts(get_gpt_layer_local_spec(num_experts=16).submodules.mlp)
     # thresholds of a named calibration, not the GPU's own: the expectation that this size
-    # runs stock eagerly then holds on any GPU (session 20: an H100 had none shipped)
+    # runs stock eagerly then holds on any GPU (an H100 once had none shipped)
     shipped = OverlapConfig(backend="triton", preset="h200")
     model_parallel_cuda_manual_seed(7, force_reset_rng=True)
     torch.manual_seed(7)

@@ -29,8 +29,8 @@ class CapturedCall:
     The graph's kernels read and write the addresses `fn`'s tensors had at capture, so
     `fn` (and with it every tensor its closure holds) lives as long as the graph: a
     tensor made only for the call and freed after it would go back to the caching
-    allocator, and a replay would read whatever reused its memory. (Session 18's
-    `bench_op --cuda-graph` did: its expert counts were freed, an eager policy took their
+    allocator, and a replay would read whatever reused its memory. (`bench_op
+    --cuda-graph` once did: its expert counts were freed, an eager policy took their
     block, and the replayed grouped GEMM failed torch's offsets assert.)
     """
 

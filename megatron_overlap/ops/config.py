@@ -184,7 +184,7 @@ class TileConfig:
     GatherRS CTA (comm_warps = 4) beside GEMM2's CTAs on every SM, in the registers they
     leave (the op caps both kernels' registers on CUDA: `SHARED_GEMM_MAXNREG`,
     `SHARED_COMM_MAXNREG`), so GEMM2 keeps all G SMs; 0.84x-0.98x of the partition's
-    overlapped time on H200 (docs/RESULTS.md, session 8). Where the compiled kernels
+    overlapped time on H200 (docs/RESULTS.md, "Kernel choices measured"). Where the compiled kernels
     do not fit one SM together the op plans and launches the partition instead.
     `gemm_maxnreg` / `comm_maxnreg`: explicit register caps per thread (None: the
     placement's default).
