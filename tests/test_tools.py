@@ -223,7 +223,7 @@ def test_k_epi_fit_recovers_the_per_wave_part_that_does_not_scale_with_k():
     assert calibrate.fit_k_epi(704, 1.0, 352, 1.2) is None  # slower at half K: no fit
 
 
-def test_planner_replay_reproduces_every_recorded_decision_of_runs_12_13_and_15():
+def test_planner_replay_reproduces_every_recorded_decision_of_the_partition_runs():
     import dataclasses
 
     import analyze_runs
@@ -241,7 +241,7 @@ def test_planner_replay_reproduces_every_recorded_decision_of_runs_12_13_and_15(
         assert [analyze_runs.replay_c(r, calib) for r in rows] == [r["comm_ctas"] for r in rows]
 
 
-def test_k_epi_four_point_fit_of_run_12_gives_about_600():
+def test_k_epi_four_point_fit_of_the_rho_ref_runs_gives_about_600():
     import analyze_runs
 
     a, b, rms = analyze_runs.k_epi_fit(analyze_runs._rows("h200x2-rhoref,h200x2-rhoref-p50", GOLDEN))
@@ -292,7 +292,7 @@ def test_the_one_gpu_gemm2_threshold_is_the_fit_of_the_prefill_runs(monkeypatch,
 
 
 def test_the_h100_one_gpu_threshold_is_the_fit_of_its_own_prefill_runs(monkeypatch, capsys):
-    """Session 20's two one-GPU H100 prefill runs with both thresholds off (S = 1024-4096,
+    """The two one-GPU H100 prefill runs with both thresholds off (S = 1024-4096,
     where the host decides): the lowest bound keeping every workload above it at a median
     >= 0.98x brackets the shipped h100 value, H200's 8e10, so H100 keeps it measured, not
     borrowed. Below it: Granite S <= 4096 (S = 4096 gained 1.21x on H100, the one workload
@@ -318,7 +318,7 @@ def _trace(*events):
 
 def test_host_timeline_times_each_call_from_its_host_mark_only():
     """The profiler mirrors a record_function on the GPU (cat gpu_user_annotation, later
-    timestamps); taking those as calls mixed two clocks' worth of rows (session 4)."""
+    timestamps); taking those as calls once mixed two clocks' worth of rows."""
     import host_timeline
 
     mark = host_timeline.MARK
@@ -414,13 +414,13 @@ def test_helpers_analysis_reads_the_same_decisions_timed_without_helpers(monkeyp
         analyze_runs.main()
 
 
-def test_replay_with_neutral_overlap_terms_reproduces_run_15_and_the_fitted_ones_move_c():
+def test_replay_with_neutral_overlap_terms_reproduces_the_tail_helper_runs_and_fitted_ones_move_c():
     import dataclasses
 
     import analyze_runs
     from megatron_overlap.planner import get_preset
 
-    # run 15's calibration (before f and the two-point K_epi shipped)
+    # the calibration the tail-helper runs planned with (before f and the two-point K_epi)
     calib = dataclasses.replace(get_preset("h200").calibration, k_epi=600, overlap_factor=None)
     rows = analyze_runs._rows("h200x2-tailhelpers,h200x2-tailhelpers-p50", GOLDEN)
     neutral = dataclasses.replace(calib, overlap_factor=1.0)
@@ -428,10 +428,10 @@ def test_replay_with_neutral_overlap_terms_reproduces_run_15_and_the_fitted_ones
     fitted = dataclasses.replace(calib, overlap_factor=1.7)
     cs = [analyze_runs.replay_c(r, fitted, tail_helpers=True, local_topk=True) for r in rows]
     granite = [c for c, r in zip(cs, rows) if r["model"] == "granite" and r["seq"] >= 4096]
-    assert max(granite) <= 28  # below run 15's 27-33, toward the measured 16-24
+    assert max(granite) <= 28  # below the recorded 27-33, toward the measured 16-24
 
 
-def test_replay_choosing_l_as_the_op_keeps_run_15s_splits_and_the_full_model_picks_one(
+def test_replay_choosing_l_as_the_op_keeps_the_recorded_splits_and_the_full_model_picks_one(
         monkeypatch, capsys):
     import analyze_runs
     from megatron_overlap.planner import get_preset
@@ -491,7 +491,7 @@ def test_replay_reproduces_every_decision_the_shipped_planner_recorded():
     import analyze_runs
     from megatron_overlap.planner import get_preset
 
-    # runs 19-22 were planned by the op with the shipped calibration: the replay, which
+    # these two-H200 runs were planned by the op with the shipped calibration: the replay, which
     # rebuilds each workload as the op plans it (rank 0's T / M, L ranked as the op
     # ranks it), must land on every recorded C* and L
     calib = get_preset("h200").calibration
@@ -524,7 +524,7 @@ def test_bench_op_confirmation_times_the_planner_against_the_fastest_swept_c(mon
 
 
 def test_report_counts_no_regret_where_the_planner_chose_the_oracle_c():
-    """Runs before session 11 stored the re-timing of the planner's own C as regret: the
+    """Older runs stored the re-timing of the planner's own C as regret: the
     report reads it as timing noise (the spread column) and the regret as 0."""
     def row(c_star, oracle_c, regret, **extra):
         return dict(comm_ctas=c_star, confirm=dict(oracle_c=oracle_c, regret=regret, **extra))
@@ -544,7 +544,7 @@ def test_replay_reproduces_the_decisions_of_the_one_gpu_runs_at_their_group_size
     import analyze_runs
     from megatron_overlap.planner import get_preset
 
-    # runs 24 and 25 ran rank 0's workload of each layout alone (world 1, recorded)
+    # these one-H200 runs ran rank 0's workload of each layout alone (world 1, recorded)
     rows = analyze_runs._rows("h200-rank0,h200-rank0-p50,h200-rank0-repeat", GOLDEN)
     assert len(rows) == 72 and {r["world"] for r in rows} == {1}
     calib = get_preset("h200").calibration
@@ -553,9 +553,9 @@ def test_replay_reproduces_the_decisions_of_the_one_gpu_runs_at_their_group_size
 
 
 def test_shared_placement_takes_every_sm_under_every_fitted_model_variant(capsys):
-    """Run 29 (the shared placement on one H200): whatever rho scale and saturation the
+    """The shared placement on one H200 (tests/data/h200-shared_*): whatever rho scale and saturation the
     model is given, it picks C = G for all 36 workloads, so C* does not rest on rho,
-    which is calibrated for the partition's CTAs (docs/RESULTS.md, session 8)."""
+    which is calibrated for the partition's CTAs."""
     import argparse
 
     import analyze_runs

@@ -15,7 +15,7 @@ the host's work gone from all three, op / GEMM2 alone is the GPU's ratio.
 C and L sweeps are captured too, and the regret they give carries no host noise.
 
 `--confirm N`: the sweep's fastest C is the minimum of many noisy medians, so the
-regret it gives is biased up (the winner's curse: run 22's largest, 28.6%, had a 95% CI
+regret it gives is biased up (the winner's curse: the largest on two H200s, 28.6%, had a 95% CI
 of 0.39-0.70 ms). With N > 0 a second, independent ABBA phase times the planner against
 the sweep's fastest C alone (N samples each); the row's `confirm` holds that phase's
 medians and regret, selection and measurement no longer sharing their noise.
@@ -73,8 +73,8 @@ def policies_for(inp: dict, group, c_values, preset: str | None,
     pol = {
         "reference": op(REFERENCE),
         "planner": op(cfg),
-        # the op with the last split left to the C CTAs (the paper's scheme); since
-        # session 5 it plans for that too (no helper term), so its C can differ
+        # the op with the last split left to the C CTAs (the paper's scheme); it plans
+        # for that too (no helper term), so its C can differ
         "planner(no tail helpers)": op(dataclasses.replace(cfg, tail_helpers=False)),
         "gemm2_alone(torch)": lambda: grouped_mm(inp["x"], w_t, counts_dev, inp["counts_list"]),
         "gemm2_alone(ours,P=all)": lambda: buf.launch(

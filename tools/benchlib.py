@@ -106,7 +106,7 @@ def abba(policies: dict, samples: int, warmup: int, group=None, progress: str = 
     every rank), then that order reversed, so slow drift cancels (ABBA) and no policy
     always runs next to the same neighbour. With a fixed order, a policy placed right
     after the reference path measured up to 19% slower than the same policy placed among
-    the C sweep (run 11, docs/RESULTS.md).
+    the C sweep (two H200s).
     """
     names = list(policies)
     for name in names:

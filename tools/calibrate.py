@@ -24,12 +24,13 @@ At a fixed large C on one reference workload it times
     T(C) (in compute waves, plus one constant for launch, barrier and final sum) fits
     the measured curve best (least squares on relative error). On H200 this one-case
     f (1.34) planned worse than f = 1.7 fitted on sweeps over all three models
-    (docs/RESULTS.md, run 21), which the shipped file keeps.
+    (two H200s: 5.4% mean regret against 1.6%-1.7%; docs/RESULTS.md, "Calibration"),
+    which the shipped file keeps.
 rho_ref = t_comm / t_comp, the contention-free ratio. Also recorded, not shipped: the
 paper's in-overlap fit (the rho for which the model's T(C_cal) equals T_meas). On H200
 that fit is 3x larger, because it charges communication for the slowdown GEMM2 suffers
 when the two share the GPU, and it drives C* to 32-56 where the measured optimum is
-12-32 (docs/RESULTS.md, runs 8 and 9). C_max is the smallest C within 3% of the
+12-32 (two H200s, Qwen TP2EP1 S = 4096, the partition placement). C_max is the smallest C within 3% of the
 fastest GatherRS alone.
 o_comp / o_comm come from the compiled kernels' registers and shared memory. Never per
 shape: once per device and kernel family.
@@ -173,7 +174,7 @@ def main() -> int:
     tiles = tiles_from_json(args.tiles)
     if tiles is None and backend == "triton":
         # rho_ref is defined for the partition's CTAs (the shipped file was measured so);
-        # the shared placement's C* does not rest on it (docs/RESULTS.md, session 8)
+        # the shared placement's C* does not rest on it (it takes C = G)
         from megatron_overlap.ops.config import PARTITION_TILES
 
         tiles = PARTITION_TILES
@@ -268,7 +269,7 @@ def main() -> int:
               f"resources={payload['measured']['resources']}")
         print("comm alone vs C (ms):", {c: round(t, 4) for c, t in times.items()})
         if f_fit <= F_GRID[0]:
-            # (H100, session 20: the one-case curve sits below the model's even at f = 1;
+            # (measured on one H100: the one-case curve sits below the model's even at f = 1;
             # the shared placement, the default, ranks only L with it: docs/RESULTS.md)
             print(f"calibrate: the overlap factor is at its grid's floor, f = {F_GRID[0]}: "
                   "the measured overlapped curve is below the model's at every f; check the "

@@ -4,7 +4,7 @@
         --json out/profile_prefill_qwen.json
 
 The layer benchmark times one MoE layer alone; a prefill runs it between attention
-blocks, and session 12 found the prefill saving less than the layer benchmark predicts
+blocks, and on one H200 the prefill saved less than the layer benchmark predicts
 (Qwen S = 16384: 91 ms predicted over 24 layers, 38 ms seen). This profiles one whole
 forward per arm (after a warm-up of each) and attributes every GPU kernel to the MoE
 layer whose host range launched it (the profiler's correlation ids link each kernel to

@@ -74,7 +74,7 @@ def confirmed_regret(r) -> float | None:
     both timed in rounds of their own, C_o the sweep's fastest C. Where C_o is the
     planner's own C, T(C*) = T_oracle by definition and the regret is 0: the phase then
     times one configuration twice, and what it measures is the timing noise
-    (`retiming_spread`), not the planner (runs before session 11 stored it as regret)."""
+    (`retiming_spread`), not the planner (older runs stored it as regret)."""
     c = r.get("confirm")
     if not c:
         return None
