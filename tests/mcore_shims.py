@@ -1,6 +1,6 @@
 """Test-only redirection of the CUDA-only call sites Megatron-Core hits on CPU/gloo.
 
-Never imported by the package (DESIGN.md "Testing on CPU"). `install()` is idempotent and
+Never imported by the package (docs/DESIGN.md "Testing on CPU"). `install()` is idempotent and
 must run in each worker process before a Megatron model is built:
 - `torch.cuda.current_device()` (router gating, global memory buffer, all-gather outputs)
   returns "cpu", which every one of those call sites passes as a device;
@@ -9,7 +9,7 @@ must run in each worker process before a Megatron model is built:
 - the default causal mask of local attention (built with device="cuda") is built on CPU;
 - `torch.cuda.Stream` / `Event` become inert stand-ins (the alltoall dispatcher and shared
   expert overlap create them; the allgather path does not need them).
-The all_to_all split-size shim DESIGN.md mentions is for the alltoall dispatcher, which
+The all_to_all split-size shim docs/DESIGN.md mentions is for the alltoall dispatcher, which
 these tests do not run.
 
 The prefill launcher takes it with `--preload tests/mcore_shims.py` for CPU demos.

@@ -1,4 +1,4 @@
-"""The analytical model of DESIGN.md / paper section III: hand cases and properties."""
+"""The analytical model of docs/DESIGN.md / paper section III: hand cases and properties."""
 
 import dataclasses
 import math

@@ -5,7 +5,7 @@ Glossary (as in the op):
     H  hidden size (= N, GEMM2's output width);  F  expert FFN size
     K  = F / expert-TP, the FC2 reduction dim on this rank;  E  local experts
 
-`GroupedGemmExperts` is the fair non-TE stock baseline (DESIGN.md): megatron-core 0.19 has
+`GroupedGemmExperts` is the fair non-TE stock baseline (docs/DESIGN.md): megatron-core 0.19 has
 no grouped experts without Transformer Engine, and `SequentialMLP` runs a Python loop of
 per-expert linears. It is a drop-in for Megatron's experts interface
 (`forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs) -> (output,
