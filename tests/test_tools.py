@@ -230,12 +230,13 @@ def test_planner_replay_reproduces_every_recorded_decision_of_the_partition_runs
     from megatron_overlap.planner import get_preset
 
     # the calibrations those runs were measured with, whatever ships later
-    run12 = dataclasses.replace(get_preset("h200").calibration, rho_ref=1.5895580396349993,
-                                c_max=56, c_sat=None, k_epi=None, topk_ref=None,
-                                overlap_factor=None)
-    run13 = dataclasses.replace(run12, k_epi=600, topk_ref=4)
-    for runs, calib in (("h200x2-rhoref,h200x2-rhoref-p50", run12), ("h200x2-kepi600,h200x2-kepi600-p50", run13),
-                        ("h200x2-tailhelpers,h200x2-tailhelpers-p50", run13)):
+    rhoref_calib = dataclasses.replace(
+        get_preset("h200").calibration, rho_ref=1.5895580396349993, c_max=56, c_sat=None,
+        k_epi=None, topk_ref=None, overlap_factor=None)
+    kepi_calib = dataclasses.replace(rhoref_calib, k_epi=600, topk_ref=4)
+    for runs, calib in (("h200x2-rhoref,h200x2-rhoref-p50", rhoref_calib),
+                        ("h200x2-kepi600,h200x2-kepi600-p50", kepi_calib),
+                        ("h200x2-tailhelpers,h200x2-tailhelpers-p50", kepi_calib)):
         rows = analyze_runs._rows(runs, GOLDEN)
         assert len(rows) == 54
         assert [analyze_runs.replay_c(r, calib) for r in rows] == [r["comm_ctas"] for r in rows]
@@ -495,7 +496,8 @@ def test_replay_reproduces_every_decision_the_shipped_planner_recorded():
     # rebuilds each workload as the op plans it (rank 0's T / M, L ranked as the op
     # ranks it), must land on every recorded C* and L
     calib = get_preset("h200").calibration
-    rows = analyze_runs._rows("h200x2-shipped,h200x2-shipped-p50,h200x2-shipped-repeat,h200x2-shipped-finalsum", GOLDEN)
+    rows = analyze_runs._rows("h200x2-shipped,h200x2-shipped-p50,h200x2-shipped-repeat,"
+                              "h200x2-shipped-finalsum", GOLDEN)
     assert len(rows) == 126
     assert [analyze_runs.choose_splits(r, calib, "ranked") for r in rows] == [
         (r["comm_ctas"], r["splits"]) for r in rows]
