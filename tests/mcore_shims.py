@@ -98,3 +98,32 @@ def install() -> None:
 
     fused_softmax.get_default_causal_mask = causal_mask  # bound by name at its import
     _installed = True
+
+
+def install_megatron_training() -> None:
+    """Let `megatron.training` (Megatron-LM's argument parser and builders, shipped in the
+    megatron-core 0.19 wheel) import on Python 3.11 and validate its arguments on CPU.
+
+    - `typing.override` (new in 3.12; megatron.training.models imports it) becomes
+      `typing_extensions.override` where it is missing. Why a shim and not a 3.12 venv: the
+      wheel declares Python >= 3.12 and users and the device run 3.12, but this CI's CPU
+      torch on disk is cp311 only and a 3.12 venv downloads the multi-GB CUDA build of
+      torch on every fresh CI machine; `override` is a decorator that only marks a method
+      (it returns it unchanged, in 3.12 too), so 3.11 runs the same code.
+    - Without CUDA, what validate_args asks of the GPU answers as an H200 would:
+      `torch.cuda.get_device_capability` (for `--moe-grouped-gemm`) (9, 0), its
+      `get_device_arch_version` (for TP > 1) 9.
+    Nothing else megatron.training imports fails on CPU/3.11 (checked: arguments,
+    argument_utils, models.gpt, global_vars, training).
+    """
+    import typing
+
+    if not hasattr(typing, "override"):
+        import typing_extensions
+
+        typing.override = typing_extensions.override
+    if not torch.cuda.is_available():
+        from megatron.training import arguments
+
+        torch.cuda.get_device_capability = lambda device=None: (9, 0)
+        arguments.get_device_arch_version = lambda: 9  # (bound by name at its import)

@@ -1,7 +1,9 @@
 """`--moe-overlap` flags for Megatron launch scripts, and the OverlapConfig they describe.
 
-Megatron-LM scripts take an `extra_args_provider(parser)`; pass `add_moe_overlap_args`
-(or call it from your own provider). `overlap_config_from_args(args)` turns the parsed
+Megatron-LM scripts take one `extra_args_provider(parser)`; pass `add_moe_overlap_args`, or,
+where the script already passes one (`pretrain_gpt.py` passes modelopt's `add_modelopt_args`
+when modelopt is installed), `moe_overlap_args_provider(that_one)`, which adds both.
+`overlap_config_from_args(args)` turns the parsed
 flags into the OverlapConfig the spec helpers hand to every OverlapMoELayer; without
 `--moe-overlap` it returns None and the spec helpers leave the model stock.
 """
@@ -10,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 
 from ..ops import OverlapConfig
 
@@ -80,10 +83,38 @@ def add_moe_overlap_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                        "every SM, the Hopper default), partition (SMs of their own, the "
                        "paper's scheme) or auto (the device default; also "
                        "MEGATRON_OVERLAP_PLACEMENT).")
-    group.add_argument("--moe-overlap-calibration", default=None, metavar="FILE",
-                       help="Calibration JSON (tools/calibrate.py) or preset name; default: the "
-                       "shipped calibration for this device.")
+    group.add_argument("--moe-overlap-calibration", default=None, metavar="PRESET|FILE",
+                       help="Shipped calibration preset (e.g. h200, h100) or a calibration "
+                       "JSON (tools/calibrate.py); default: the shipped calibration for this "
+                       "device.")
     return parser
+
+
+ArgsProvider = Callable[[argparse.ArgumentParser], argparse.ArgumentParser]
+
+
+def moe_overlap_args_provider(other: ArgsProvider | None = None) -> ArgsProvider:
+    """An extra_args_provider that runs `other` (if given), then adds the `--moe-overlap*`
+    flags: `pretrain(..., extra_args_provider=moe_overlap_args_provider(add_modelopt_args))`.
+
+    Like Megatron's providers, `other` returns the parser (None is taken as "the same one").
+    Where `other` already added the flags they are not added twice.
+    """
+    if other is not None and not callable(other):
+        raise ValueError(f"extra_args_provider must be callable, got {type(other).__name__}")
+
+    def provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        if other is not None:
+            returned = other(parser)
+            parser = parser if returned is None else returned
+        if "--moe-overlap" in parser._option_string_actions:  # `other` added them already
+            return parser
+        return add_moe_overlap_args(parser)
+
+    provider.__name__ = provider.__qualname__ = (
+        "add_moe_overlap_args" if other is None
+        else f"moe_overlap_args_provider({getattr(other, '__name__', 'provider')})")
+    return provider
 
 
 def overlap_config_from_args(args) -> OverlapConfig | None:

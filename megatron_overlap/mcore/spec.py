@@ -7,14 +7,22 @@ The helpers walk the whole tree (block -> layer specs -> mlp, MTP blocks, anythi
 rebuild only the paths that change, and never modify the spec they are given.
 
 For Megatron-LM launch scripts (`pretrain_gpt.py`, whose gpt_builders pass the object
-named by `--spec` straight to GPTModel):
+named by `--spec` straight to GPTModel; `megatron_overlap.mcore.launch` adds our flags):
 
     --spec megatron_overlap.mcore moe_overlap_gpt_spec  --moe-overlap ...
-    (with extra_args_provider=add_moe_overlap_args)
+    (with extra_args_provider=moe_overlap_args_provider(its own provider))
 
 `moe_overlap_gpt_spec` is a block spec that resolves itself from Megatron's global args
-on first use (the stock `get_gpt_decoder_block_spec`, swapped when `--moe-overlap` is
-set); frameworks that call a callable spec as `spec(args, config, vp_stage)` get the same.
+on first use: the spec Megatron-LM's builder picks from the same flags
+(`get_gpt_decoder_block_spec`, TE or local), with OverlapMoELayer in place of MoELayer when
+`--moe-overlap` is set. Under `--transformer-impl local --moe-grouped-gemm` its experts are
+GroupedGemmExperts with or without `--moe-overlap` (megatron-core 0.19's local spec has no
+grouped experts and would build SequentialMLP; ours draw the same initial weights), so
+the stock and overlapped runs of one command line compare the same experts. Under the TE
+spec the experts stay Megatron's (TEGroupedMLP with `--moe-grouped-gemm`, else
+SequentialMLP of TE linears). Frameworks that call a callable spec get the same from
+`moe_overlap_gpt_spec(args, config, vp_stage)` or, as megatron.training's
+GPTModelBuilder calls it, `moe_overlap_gpt_spec(gpt_model_config, vp_stage=...)`.
 """
 
 from __future__ import annotations
@@ -152,14 +160,28 @@ def moe_layer_specs(spec) -> list:
 
 # ---------------------------------------------------------------- Megatron-LM --spec
 def gpt_block_spec_from_args(args, config, vp_stage: int | None = None):
-    """The stock GPT spec Megatron-LM's gpt_builders picks, swapped if `--moe-overlap`."""
+    """The GPT spec Megatron-LM's gpt_builders picks from `args`, with GroupedGemmExperts
+    under `--transformer-impl local --moe-grouped-gemm` and OverlapMoELayer if
+    `--moe-overlap` (see the module docstring). RuntimeError for the TE spec (Megatron-LM's
+    default `--transformer-impl transformer_engine`) where Megatron-Core found no TE."""
+    from megatron.core.models.gpt import gpt_layer_specs
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_decoder_block_spec,
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
 
-    use_te = getattr(args, "transformer_impl", "local") == "transformer_engine"
+    impl = getattr(args, "transformer_impl", "local")
+    if impl not in ("local", "transformer_engine"):
+        raise ValueError(f"moe_overlap_gpt_spec builds the 'transformer_engine' or 'local' "
+                         f"spec, not --transformer-impl {impl}")
+    use_te = impl == "transformer_engine"
+    if use_te and gpt_layer_specs.TESpecProvider is None:
+        raise RuntimeError(
+            "--transformer-impl transformer_engine (Megatron-LM's default) needs Transformer "
+            "Engine, which megatron.core could not import here (pip install "
+            "megatron-overlap[te]); or pass --transformer-impl local (add --moe-grouped-gemm "
+            "for grouped experts)")
     if getattr(args, "num_experts", None):
         spec = get_gpt_decoder_block_spec(
             config, use_transformer_engine=use_te, normalization=args.normalization,
@@ -168,18 +190,25 @@ def gpt_block_spec_from_args(args, config, vp_stage: int | None = None):
         build = get_gpt_layer_with_transformer_engine_spec if use_te else get_gpt_layer_local_spec
         return build(num_experts=None, moe_grouped_gemm=False, qk_layernorm=args.qk_layernorm,
                      multi_latent_attention=args.multi_latent_attention)
+    if not use_te and getattr(args, "moe_grouped_gemm", False):
+        spec = with_grouped_experts(spec)
     overlap = overlap_config_from_args(args)
     return spec if overlap is None else with_overlap_moe(spec, overlap)
 
 
-def _megatron_args_and_config():
+def _megatron_args():
     try:
         from megatron.training import get_args
-        from megatron.training.arguments import core_transformer_config_from_args
     except ImportError as err:  # megatron.training needs Python >= 3.12 in 0.19
         raise RuntimeError("moe_overlap_gpt_spec resolves from Megatron-LM's global args "
                            f"(megatron.training), which failed to import: {err}") from err
-    args = get_args()
+    return get_args()
+
+
+def _megatron_args_and_config():
+    args = _megatron_args()
+    from megatron.training.arguments import core_transformer_config_from_args
+
     return args, core_transformer_config_from_args(args)
 
 
@@ -212,7 +241,15 @@ class _ArgsBlockSpec(TransformerBlockSubmodules):
     layer_specs = property(lambda self: self._resolve().layer_specs)
     layer_norm = property(lambda self: self._resolve().layer_norm)
 
-    def __call__(self, args, config, vp_stage: int | None = None):
+    def __call__(self, args, config=None, vp_stage: int | None = None):
+        """(args, TransformerConfig, vp_stage), or megatron.training's GPTModelBuilder form
+        (GPTModelConfig, vp_stage=...), whose args are Megatron's global ones."""
+        if config is None:
+            if not hasattr(args, "transformer"):
+                raise ValueError("moe_overlap_gpt_spec(args, config, vp_stage) or "
+                                 "moe_overlap_gpt_spec(gpt_model_config, vp_stage=...)")
+            config = args.transformer
+            args = _megatron_args()
         return gpt_block_spec_from_args(args, config, vp_stage)
 
     def __repr__(self) -> str:
