@@ -6,8 +6,9 @@ in megatron-core >= 0.18 and as `ModuleSpec(module=MoELayer, submodules=...)` in
 The helpers walk the whole tree (block -> layer specs -> mlp, MTP blocks, anything nested),
 rebuild only the paths that change, and never modify the spec they are given.
 
-For Megatron-LM launch scripts (`pretrain_gpt.py`, whose gpt_builders pass the object
-named by `--spec` straight to GPTModel; `megatron_overlap.mcore.launch` adds our flags):
+For Megatron-LM launch scripts (`pretrain_gpt.py`: core_v0.19's GPTModelBuilder calls the
+object named by `--spec`, older gpt_builders hand it to GPTModel as a block spec;
+`megatron_overlap.mcore.launch` adds our flags to its parser):
 
     --spec megatron_overlap.mcore moe_overlap_gpt_spec  --moe-overlap ...
     (with extra_args_provider=moe_overlap_args_provider(its own provider))
