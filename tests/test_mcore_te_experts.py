@@ -82,19 +82,36 @@ def _te_scenarios(rank, world):
         for backend in ("reference", "interpret"):
             layer = with_overlap_moe(spec, OverlapConfig(backend=backend))(config=config)
             layer.load_state_dict(stock.state_dict())
-            fc2 = layer.experts.linear_fc2
+            fc1, fc2 = layer.experts.linear_fc1, layer.experts.linear_fc2
             with warnings.catch_warnings():
                 warnings.filterwarnings("error", message="megatron-overlap")
                 out, dx, grads = _run(layer, x, grad)
-            # the stack the op read is a view of weight0.. (packed at construction)
-            view = layer._fc2._value.untyped_storage().data_ptr() == \
-                fc2.weight0.untyped_storage().data_ptr()
+            # the stacks the GEMMs read are views of weight0.. (packed at construction)
+            view = all(stack._value.untyped_storage().data_ptr()
+                       == linear.weight0.untyped_storage().data_ptr()
+                       for stack, linear in ((layer._stacks.fc2, fc2), (layer._stacks.fc1, fc1)))
             found[(bias, backend)] = dict(
                 out=_rel_diff(out, ref[0]), dx=_rel_diff(dx, ref[1]),
                 dw=max(_rel_diff(grads[k], ref[2][k]) for k in ref[2]),
                 grad_names=sorted(grads) == sorted(ref[2]), view=view or bias,
                 fused=layer.last_plan is not None or backend == "reference",
                 experts=type(layer.experts).__name__)
+    # an activation only TE's forward computes (interleaved GLU): FC1 stays TE's linear
+    from megatron_overlap.mcore.experts import te_fc1_is_grouped
+
+    config = _config(1, world, moe_mlp_glu_interleave_size=4,
+                     moe_shared_expert_intermediate_size=None)
+    torch.manual_seed(1234)
+    stock = spec(config=config)
+    ref = _run(stock, x, grad)
+    layer = with_overlap_moe(spec, OverlapConfig(backend="reference"))(config=config)
+    layer.load_state_dict(stock.state_dict())
+    out, dx, grads = _run(layer, x, grad)
+    found["interleaved"] = dict(
+        out=_rel_diff(out, ref[0]), dx=_rel_diff(dx, ref[1]),
+        dw=max(_rel_diff(grads[k], ref[2][k]) for k in ref[2]),
+        grouped_fc1=te_fc1_is_grouped(layer.experts), grad_names=sorted(grads) == sorted(ref[2]),
+        fused=True, experts=type(layer.experts).__name__)
     # recomputed activations are not fused: stock bits, one warning
     config = _config(1, world, recompute_granularity="selective", moe_grouped_gemm=True,
                      recompute_modules=["moe_act"], moe_shared_expert_intermediate_size=None)
@@ -115,7 +132,9 @@ def te_runs(request):
 
 
 def test_te_grouped_experts_fuse_with_stock_outputs_and_gradients(te_runs):
-    """FC1 + activation are TEGroupedMLP's own forward; FC2 (and its bias x prob) the op's."""
+    """FC1 a grouped GEMM over TE's weight0.. (TE's own linear where the activation is
+    one only its forward computes), Megatron's activation; FC2 (and its bias x prob) the
+    op's: stock's outputs and every gradient."""
     for rank, res in enumerate(te_runs):
         for key, r in res.items():
             if key in ("fallback", "fallback_fuses"):
@@ -124,9 +143,14 @@ def test_te_grouped_experts_fuse_with_stock_outputs_and_gradients(te_runs):
             assert max(r["out"], r["dx"], r["dw"]) < 1e-5, (rank, key, r)
 
 
-def test_te_fc2_weights_reach_the_op_as_a_view_without_a_copy(te_runs):
+def test_te_fc1_and_fc2_weights_reach_the_grouped_gemms_as_views_without_a_copy(te_runs):
     for res in te_runs:
         assert all(r["view"] for key, r in res.items() if isinstance(key, tuple))
+
+
+def test_te_interleaved_glu_keeps_te_fc1_and_matches_stock(te_runs):
+    for res in te_runs:
+        assert not res["interleaved"]["grouped_fc1"]
 
 
 def test_te_experts_with_recomputed_activations_run_stock_after_one_warning(te_runs):

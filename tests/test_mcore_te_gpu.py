@@ -53,7 +53,9 @@ def _te_model_parity(rank, world, name, bias):
     config = OverlapConfig(backend="triton", sync_errors=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model = build_model(name, impl="te", overlap=config, num_layers=2 + (name == "deepseek"),
+        # one MoE layer (DeepSeek's first layer is dense): both arms route the same
+        # tokens, so no bf16 difference upstream flips a top-k choice
+        model = build_model(name, impl="te", overlap=config, num_layers=1 + (name == "deepseek"),
                             hidden_size=1024, moe_ffn_hidden_size=512, num_moe_experts=16,
                             add_bias_linear=bias, vocab_size=1024).cuda()
         layers = [m for m in model.modules() if isinstance(m, OverlapMoELayer)]
@@ -92,7 +94,8 @@ def _te_model_parity(rank, world, name, bias):
     return res
 
 
-@pytest.mark.parametrize("name,bias", [("qwen", False), ("qwen", True), ("granite", True),
+# (Megatron's shared experts take no bias: the biased case is Granite's, which has none)
+@pytest.mark.parametrize("name,bias", [("qwen", False), ("granite", False), ("granite", True),
                                        ("deepseek", False)])
 def test_core_te_model_with_moe_overlap_matches_stock_forward_and_training_gradients(name, bias):
     if (why := _te_missing()) is not None:

@@ -41,7 +41,8 @@ for s in "$@"; do
       stage te_install 180 "$REPO/tools/te_wheels.sh" install \
         && export PYTHONPATH=/tmp/site:${TE_TARGET:-/tmp/te_site} ;;
     te_gpu_tests) stage te_gpu_tests ${TE_TEST_SECS:-300} python3 -m pytest -q -m gpu -p no:cacheprovider \
-        --rootdir "$REPO" -c "$REPO/pyproject.toml" -rs "$REPO/tests/test_mcore_te_gpu.py" ;;
+        --rootdir "$REPO" -c "$REPO/pyproject.toml" -rs "$REPO/tests/test_mcore_te_gpu.py" \
+        "$REPO/tests/test_megatron_lm_launch_gpu.py" ;;
     layers_te) stage layer_te_TP1EP1 ${LAYER_SECS:-240} torchrun --nproc-per-node 1 \
         "$REPO/tools/bench_layer.py" --models ${LAYER_MODELS:-granite,qwen,deepseek} --tp 1 --ep 1 \
         --impls te,local --seqs ${LAYER_SEQS:-4096,16384} --samples 12 ${LAYER_ARGS:-} \
@@ -73,16 +74,6 @@ for s in "$@"; do
       stage tune_comm 120 $TR "$REPO/tools/tune_tiles.py" --comm-only --cset 4,16,32,64 \
         --samples 8 --json "$OUT/tiles.json"
       [ -f "$OUT/tiles.json" ] && export MEGATRON_OVERLAP_TILES=$OUT/tiles.json TILES=$OUT/tiles.json ;;
-    try_overlap) PROFILE_HOST=1 stage try_overlap 240 $TR "$REPO/tools/try_overlap.py" --cset ${CSET:-16,24,32} --json "$OUT/exp_overlap.json" ;;
-    try_comm_stages) stage try_comm_stages 400 $TR "$REPO/tools/try_comm_stages.py" \
-        --models ${MODELS:-qwen,deepseek,granite} --seq ${SEQ:-4096} \
-        --json "$OUT/exp_comm_pipeline.json" ;;
-    try_token_major) stage try_token_major ${TM_SECS:-400} python3 "$REPO/tools/try_token_major.py" \
-        ${TM_CASES:+--cases $TM_CASES} ${TM_ARGS:-} --json "$OUT/exp_token_major.json" ;;
-    try_shared_sms) stage try_shared_sms ${SH_SECS:-400} python3 "$REPO/tools/try_shared_sms.py" \
-        ${SH_CASES:+--cases $SH_CASES} ${SH_ARGS:-} --json "$OUT/exp_shared_sms${TAG:-}.json" ;;
-    try_sum_partials) stage try_sum_partials 150 python3 "$REPO/tools/try_sum_partials.py" \
-        --json "$OUT/exp_sum_partials.json" ;;
     timeline) for b in auto reference; do for s in ${SEQS:-4096 16384}; do
         stage timeline_${b}_$s 90 $TR "$REPO/tools/host_timeline.py" --model qwen --seq $s \
           --backend $b --json "$OUT/timeline_${b}_$s.json"; done; done ;;
@@ -91,7 +82,7 @@ for s in "$@"; do
       if [ -f "$REPO/megatron_overlap/planner/calibrations/$CAL_NAME.json" ] && [ "${SHIP_OVER:-0}" != 1 ]; then
         echo "ship_cal: $CAL_NAME is shipped; kept (SHIP_OVER=1 replaces it)" | tee -a "$LOG"
       else cp "$OUT/$CAL_NAME.json" /tmp/site/megatron_overlap/planner/calibrations/; fi ;;
-    calibrate_rows)  # the same calibration for GEMM2's row-order y (the pre-session-6 layout)
+    calibrate_rows)  # the same calibration for GEMM2's row-order y (the layout before GEMM2 wrote y token-major)
       python3 -c "import json; json.dump({'best': {'gemm': [128, 128, 64, 4, 3, False],
           'comm': [256, 1024, 32, True, 1, False]}}, open('$OUT/tiles_rows.json', 'w'))"
       stage calibrate_rows 200 $TR "$REPO/tools/calibrate.py" --tiles "$OUT/tiles_rows.json" \
@@ -142,8 +133,6 @@ for s in "$@"; do
         stage layer_TP$1EP$2 100 $TR "$REPO/tools/bench_layer.py" --models granite,qwen,deepseek \
           --tp $1 --ep $2 --seqs 4096,16384 --samples 12 ${INPUT_LAYER:+--input-layer $INPUT_LAYER} ${LAYER_ARGS:-} \
           --json "$OUT/layer_${TAG:-}TP$1EP$2.json"; done ;;
-    layer_kernels) stage layer_kernels ${LK_SECS:-90} python3 "$REPO/tools/try_layer_kernels.py" \
-        --json "$OUT/exp_layer_kernels${TAG:-}.json" ;;
     layers_1gpu) stage layer_TP1EP1 ${LAYER_SECS:-120} torchrun --nproc-per-node 1 \
         "$REPO/tools/bench_layer.py" --models granite,qwen,deepseek --tp 1 --ep 1 \
         --seqs ${LAYER_SEQS:-4096,16384} --samples 12 ${INPUT_LAYER:+--input-layer $INPUT_LAYER} ${LAYER_ARGS:-} \
@@ -206,7 +195,7 @@ for s in "$@"; do
     *) echo "unknown stage $s" ;;
   esac
 done
-# The device tool brings back a limited number of files (run 9 lost three of eleven):
+# The device tool brings back at most 8 files:
 # one archive of every JSON instead (unpack with tar xzf results_*.tgz).
 if compgen -G "$OUT/*.json" > /dev/null; then
   # one archive per invocation: a later call in the same device run must not replace it

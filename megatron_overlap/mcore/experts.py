@@ -148,6 +148,37 @@ def routed_activation(mlp, intermediate: torch.Tensor, bias: torch.Tensor | None
     return mlp_activation(mlp, intermediate, bias, probs)
 
 
+def grouped_fc1_activation(mlp, weight: torch.Tensor, bias: torch.Tensor | None,
+                           x: torch.Tensor, tokens_per_expert, probs: torch.Tensor,
+                           activation=None, device_counts=None,
+                           valid_rows=None) -> torch.Tensor:
+    """FC1 + activation with probs of experts `mlp` (its .config, .activation_func) whose
+    FC1 is `weight` [E, G*F, H] (+ `bias` [E, G*F]): x [T, H] -> [T, K] (x's dtype).
+    `activation`: (mlp, intermediate, bias, probs, valid_rows) -> output; None =
+    Megatron's (`mlp_activation`). tokens_per_expert None: FC1 by `device_counts` (see
+    `grouped_linear`), whose sum may be below T (`valid_rows`, on the device: the rows
+    past it are padding, their output unspecified)."""
+    x, probs = apply_probs_on_input(mlp.config, x, probs)
+    counts = None if tokens_per_expert is None else host_counts(tokens_per_expert)
+    inter = grouped_linear(x, weight, counts, device_counts)
+    if bias is not None:  # in FC1, as TE's grouped linear adds it
+        inter = inter + bias[expert_of_rows(counts, device_counts, x.shape[0], x.device)]
+    return (activation or mlp_activation)(mlp, inter, None, probs, valid_rows)
+
+
+def te_fc1_is_grouped(experts) -> bool:
+    """Does the layer run FC1 of TEGroupedMLP `experts` as one grouped GEMM over its
+    weights (`grouped_fc1_activation`), rather than through TE's GroupedLinear? Where the
+    activation is one `mlp_activation` computes (not GLU-interleaved, not the fused
+    squared ReLU): the same function, without TE's per-expert host split, so FC1 also
+    runs on device counts (no host sync) and as torch._grouped_mm's one grouped GEMM."""
+    from megatron.core.transformer.moe.experts import TEGroupedMLP
+
+    c = experts.config if isinstance(experts, TEGroupedMLP) else None
+    return (c is not None and c.moe_mlp_glu_interleave_size is None
+            and not getattr(c, "use_fused_weighted_squared_relu", False))
+
+
 def apply_probs_on_input(config, x: torch.Tensor, probs: torch.Tensor):
     """`moe_apply_probs_on_input`: scale the input rows and reset probs to 1, as 0.19 does."""
     if not config.moe_apply_probs_on_input:
@@ -238,17 +269,10 @@ class GroupedGemmExperts(MegatronModule):
     def fc1_activation(self, x: torch.Tensor, tokens_per_expert, probs: torch.Tensor,
                        activation=None, device_counts=None,
                        valid_rows=None) -> torch.Tensor:
-        """FC1 + activation with probs: x [T, H] -> [T, K] (x's dtype). `activation`:
-        (mlp, intermediate, bias, probs, valid_rows) -> output; None = Megatron's
-        (`mlp_activation`). tokens_per_expert None: FC1 by `device_counts` (see
-        `grouped_linear`), whose sum may be below T (`valid_rows`, on the device: the rows
-        past it are padding, their output unspecified)."""
-        x, probs = apply_probs_on_input(self.config, x, probs)
-        counts = None if tokens_per_expert is None else host_counts(tokens_per_expert)
-        inter = grouped_linear(x, self.fc1_weight, counts, device_counts)
-        if self.fc1_bias is not None:  # in FC1, as TE's grouped linear adds it
-            inter = inter + self.fc1_bias[expert_of_rows(counts, device_counts, x.shape[0], x.device)]
-        return (activation or mlp_activation)(self, inter, None, probs, valid_rows)
+        """FC1 + activation with probs: x [T, H] -> [T, K] (see `grouped_fc1_activation`)."""
+        return grouped_fc1_activation(self, self.fc1_weight, self.fc1_bias, x,
+                                      tokens_per_expert, probs, activation, device_counts,
+                                      valid_rows)
 
     def forward(self, permuted_local_hidden_states: torch.Tensor, tokens_per_expert,
                 permuted_probs: torch.Tensor):
@@ -292,8 +316,8 @@ def needs_host_counts(experts, x: torch.Tensor) -> bool:
     """Does FC1 of `experts` need the counts brought to the host (a per-expert split of
     device rows)? Not for grouped experts where torch._grouped_mm runs, nor on CPU, where
     the "device" counts already are host memory (their loop reads them for free)."""
-    return not (isinstance(experts, GroupedGemmExperts) and x.shape[0]
-                and (x.device.type == "cpu" or _grouped_mm_ok(x)))
+    grouped = isinstance(experts, GroupedGemmExperts) or te_fc1_is_grouped(experts)
+    return not (grouped and x.shape[0] and (x.device.type == "cpu" or _grouped_mm_ok(x)))
 
 
 def host_counts(tokens_per_expert) -> list[int]:

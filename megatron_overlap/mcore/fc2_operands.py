@@ -7,10 +7,14 @@ Three experts modules are fused:
     SequentialMLP       a loop of per-expert MLPs (local or TE linears).
     GroupedGemmExperts  this package's non-TE grouped experts (one stacked weight).
 
-FC1 and the activation are each module's own computation: for TEGroupedMLP its forward
-runs as Megatron wrote it with `linear_fc2` replaced, for that one call, by a module that
-returns its input (`_FC2Input`); so TE's FC1, Megatron's fused weighted SwiGLU, GLU
-interleaving and `moe_apply_probs_on_input` are stock's bits. The op then computes FC2:
+FC1 and the activation compute each module's own function. TEGroupedMLP's FC1 weights
+(`linear_fc1.weight0 ..`) are read, like FC2's, as one stacked operand of a grouped GEMM
+(`grouped_fc1_activation`, Megatron's activation after it): TE's GroupedLinear splits the
+rows on the host and runs one GEMM per expert, which the grouped GEMM on device offsets
+avoids (and with it the host sync). Where the activation is one only TE's forward
+computes (GLU interleaving, the fused squared ReLU), TEGroupedMLP's forward runs as
+Megatron wrote it with `linear_fc2` replaced, for that one call, by a module that
+returns its input (`_FC2Input`). The op then computes FC2:
 the per-expert weights stacked once and again only after they change
 (`ExpertWeightStack`: a view where the layer packed them back to back), and an FC2 bias
 folded into GEMM2 as one more column (`with_bias_columns`: y = x W^T + prob * b, where
@@ -19,14 +23,15 @@ stock adds it).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
 
 from ..ops import ExpertWeightStack, with_bias_columns
-from .experts import (GroupedGemmExperts, apply_probs_on_input, bias_scale, host_counts,
-                      routed_activation)
+from .experts import (GroupedGemmExperts, apply_probs_on_input, bias_scale,
+                      grouped_fc1_activation, host_counts, routed_activation, te_fc1_is_grouped)
 
 FUSED_EXPERTS = (TEGroupedMLP, SequentialMLP, GroupedGemmExperts)
 
@@ -37,6 +42,14 @@ class FC2Operands(NamedTuple):
 
     h: torch.Tensor
     weight: torch.Tensor
+
+
+@dataclass
+class OperandStacks:
+    """One layer's cached expert operands: FC1's weight (TEGroupedMLP) and FC2's."""
+
+    fc1: ExpertWeightStack = field(default_factory=ExpertWeightStack)
+    fc2: ExpertWeightStack = field(default_factory=ExpertWeightStack)
 
 
 class _FC2Input(torch.nn.Module):
@@ -80,20 +93,33 @@ def fc2_params(experts):
     return [getattr(fc2, f"weight{i}") for i in range(e)], biases
 
 
-def pack_fc2_weights(experts) -> None:
-    """Put the E per-expert FC2 weights back to back in one storage (values unchanged),
-    so `ExpertWeightStack` reads them as a view. Call at construction, before an
-    optimizer or DDP holds the parameters (which may move them again: then the stack
-    copies once after each change)."""
-    if isinstance(experts, GroupedGemmExperts):
-        return  # (already one parameter)
-    weights, _ = fc2_params(experts)
+def te_fc1_params(experts):
+    """(FC1 weights, FC1 biases or None) of TEGroupedMLP `experts`: E [G*F, H], E [G*F]."""
+    fc1 = experts.linear_fc1
+    e = experts.num_local_experts
+    biases = [getattr(fc1, f"bias{i}") for i in range(e)] if fc1.use_bias else None
+    return [getattr(fc1, f"weight{i}") for i in range(e)], biases
+
+
+def _pack(weights) -> None:
     if len(weights) < 2 or len({(w.shape, w.dtype, w.device) for w in weights}) != 1:
         return
     with torch.no_grad():
         packed = torch.stack([w.detach() for w in weights])
         for w, view in zip(weights, packed.unbind(0)):
             w.data = view
+
+
+def pack_expert_weights(experts) -> None:
+    """Put the E per-expert FC2 weights (and TEGroupedMLP's FC1 weights) back to back in
+    one storage each (values unchanged), so `ExpertWeightStack` reads them as a view.
+    Call at construction, before an optimizer or DDP holds the parameters (which may move
+    them again: then the stack copies once after each change)."""
+    if isinstance(experts, GroupedGemmExperts):
+        return  # (already one parameter each)
+    _pack(fc2_params(experts)[0])
+    if te_fc1_is_grouped(experts):
+        _pack(te_fc1_params(experts)[0])
 
 
 def _te_fc1_activation(experts, x, counts: list[int], probs) -> torch.Tensor:
@@ -107,10 +133,16 @@ def _te_fc1_activation(experts, x, counts: list[int], probs) -> torch.Tensor:
     return h
 
 
-def _fc1_activation(experts, x, tokens_per_expert, probs, device_counts, valid_rows):
+def _fc1_activation(experts, stacks, x, tokens_per_expert, probs, device_counts, valid_rows):
     if isinstance(experts, GroupedGemmExperts):
         return experts.fc1_activation(x, tokens_per_expert, probs, routed_activation,
                                       device_counts, valid_rows)
+    if te_fc1_is_grouped(experts):
+        weights, biases = te_fc1_params(experts)
+        weight = stacks.fc1.operand(weights).to(x.dtype)
+        bias = None if biases is None else torch.stack(biases)  # (E x G*F: a small copy)
+        return grouped_fc1_activation(experts, weight, bias, x, tokens_per_expert, probs,
+                                      routed_activation, device_counts, valid_rows)
     counts = host_counts(tokens_per_expert)
     if isinstance(experts, TEGroupedMLP):
         return _te_fc1_activation(experts, x, counts, probs)
@@ -123,19 +155,20 @@ def _fc1_activation(experts, x, tokens_per_expert, probs, device_counts, valid_r
     return torch.cat(hs)
 
 
-def fc2_operands(experts, stack: ExpertWeightStack, x: torch.Tensor, tokens_per_expert,
+def fc2_operands(experts, stacks: OperandStacks, x: torch.Tensor, tokens_per_expert,
                  probs: torch.Tensor, device_counts: torch.Tensor | None = None,
                  valid_rows: torch.Tensor | None = None) -> FC2Operands:
     """FC1 + activation of the expert-sorted rows x and the FC2 weight of `experts`.
 
     tokens_per_expert may be None where `device_counts` is given and the experts run FC1
-    without the host counts (GroupedGemmExperts); x's rows past their sum (`valid_rows`,
+    without the host counts (GroupedGemmExperts, TEGroupedMLP by `te_fc1_is_grouped`); x's rows past their sum (`valid_rows`,
     on the device) are then padding, h's rows there unspecified. Gradients reach every
     parameter, the biases' included.
     """
-    h = _fc1_activation(experts, x, tokens_per_expert, probs, device_counts, valid_rows)
+    h = _fc1_activation(experts, stacks, x, tokens_per_expert, probs, device_counts,
+                        valid_rows)
     weights, biases = fc2_params(experts)
-    weight = stack.operand(weights, biases).to(h.dtype)
+    weight = stacks.fc2.operand(weights, biases).to(h.dtype)
     if biases is not None:
         h = with_bias_columns(h, bias_scale(experts.config, probs))
     return FC2Operands(h, weight)

@@ -40,7 +40,7 @@ from ..ops.config import interpreting, stock_thresholds
 from ..ops.validation import capturing
 from .dispatch import deferred_postprocess, rows_bound, single_sync_postprocess
 from .experts import host_counts, in_inference, needs_host_counts
-from .fc2_operands import fc2_operands, pack_fc2_weights, unsupported_experts
+from .fc2_operands import OperandStacks, fc2_operands, pack_expert_weights, unsupported_experts
 
 log = logging.getLogger("megatron_overlap.mcore")
 _warned: set[str] = set()
@@ -86,9 +86,9 @@ class OverlapMoELayer(MoELayer):
         self.last_rows = None
         self.decisions = 0
         self._unsupported = self._why_unsupported()
-        self._fc2 = ExpertWeightStack()  # the op's FC2 weight, stacked once per change
+        self._stacks = OperandStacks()  # expert weights, stacked once per change
         if self._unsupported is None:
-            pack_fc2_weights(self.experts)  # (then the stack is a view: no copy at all)
+            pack_expert_weights(self.experts)  # (then the stacks are views: no copy at all)
         self._fused_pending = False  # routed_experts_compute already did the combine
         self._routed_by_op = False  # this call's routed output came from the fused op
         self._gated_shared = None  # (shared output before its gate, gate logits) to add
@@ -209,7 +209,7 @@ class OverlapMoELayer(MoELayer):
             x, permuted_probs = deferred.permuted, deferred.probs
             h = weight = None
             if fc1_first:  # FC1 queued before the wait
-                h, weight = fc2_operands(self.experts, self._fc2, x, None, permuted_probs,
+                h, weight = fc2_operands(self.experts, self._stacks, x, None, permuted_probs,
                                          deferred.counts_dev, deferred.valid_rows)
                 if on_device:  # the rows are M x top-k, or padded: the device counts
                     expected = None
@@ -222,7 +222,7 @@ class OverlapMoELayer(MoELayer):
             if rows == x.shape[0] or (deferred.padded and rows < x.shape[0]):
                 deferred.trim(disp, rows)  # the padding's rows (FC1 skipped them) go
                 if h is None:
-                    h, weight = fc2_operands(self.experts, self._fc2, deferred.permuted,
+                    h, weight = fc2_operands(self.experts, self._stacks, deferred.permuted,
                                              tokens_per_expert, deferred.probs)
                 return tokens_per_expert, h[:rows], weight, None
             # a router that gave some token fewer than top-k experts, where rows may not
@@ -234,7 +234,7 @@ class OverlapMoELayer(MoELayer):
         else:
             x, tokens_per_expert, permuted_probs = single_sync_postprocess(disp, hidden_states,
                                                                            probs)
-        h, weight = fc2_operands(self.experts, self._fc2, x, tokens_per_expert, permuted_probs)
+        h, weight = fc2_operands(self.experts, self._stacks, x, tokens_per_expert, permuted_probs)
         return tokens_per_expert, h, weight, None
 
     def _fuses_shared_gate(self, hidden_states) -> bool:
