@@ -25,7 +25,10 @@ LINE = ["--num-layers", "2", "--hidden-size", "1024", "--num-attention-heads", "
         "--moe-grouped-gemm", "--moe-token-dispatcher-type", "allgather", "--swiglu",
         "--no-bias-dropout-fusion", "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
         "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1023", "--bf16",
-        "--spec", "megatron_overlap.mcore", "moe_overlap_gpt_spec"]
+        "--spec", "megatron_overlap.mcore", "moe_overlap_gpt_spec",
+        # Megatron-LM's default gradient-accumulation fusion needs Apex's CUDA extension
+        # (the device has no Apex: its ColumnParallelLinear refuses to build without it)
+        "--no-gradient-accumulation-fusion"]
 OVERLAP = ["--moe-overlap", "--moe-overlap-backend", "triton",
            "--moe-overlap-min-elements", "0", "--moe-overlap-min-gemm2-macs", "0"]
 
