@@ -179,6 +179,34 @@ def test_prefill_cuda_graph_turns_the_overlap_on_and_needs_cuda(monkeypatch):
         prefill.run_all(args)
 
 
+def test_prefill_cuda_graph_installs_the_inference_rng_tracker_before_the_model_is_built(
+        monkeypatch):
+    """TE's attention keeps the tracker object it finds at construction: a training
+    tracker there reseeds the generator inside the capture, which torch refuses."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom.initialize_rng_tracker(force_reset=True)  # a training tracker, as after _setup
+    seen = []
+
+    class Built(Exception):
+        pass
+
+    def build_model(*args, **kwargs):
+        seen.append(mrandom.get_cuda_rng_tracker().fork() is not None
+                    and type(mrandom.get_cuda_rng_tracker()).__name__)
+        raise Built
+
+    monkeypatch.setattr(prefill, "_setup", lambda args: torch.device("cuda"))
+    monkeypatch.setattr(prefill, "build_model", build_model)
+    monkeypatch.setattr(torch.cuda, "manual_seed", lambda seed: None)
+    try:
+        with pytest.raises(Built):
+            prefill.run_all(prefill.parse_args(["--cuda-graph"]))
+    finally:
+        mrandom.initialize_rng_tracker(force_reset=True)
+    assert seen == ["InferenceCudaRNGStatesTracker"]
+
+
 @pytest.mark.parametrize("bad", ["16,x", "0,16"])
 def test_prefill_rejects_bad_sequence_lists(bad):
     with pytest.raises((ValueError, argparse.ArgumentError)):

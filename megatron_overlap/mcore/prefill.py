@@ -207,23 +207,30 @@ def run(args) -> dict:
     return run_all(args)[-1]
 
 
+def _inference_rng_tracker(args, device) -> None:
+    """Megatron's inference RNG tracker, installed before the model is built: its fork
+    (the attention's dropout context) leaves the generator alone, where the training
+    one's would reseed it inside a capture; and TE's attention keeps the tracker object
+    it finds at construction, so it must be this one by then."""
+    if args.train:
+        raise ValueError("--cuda-graph times the inference forward; not with --train")
+    if device.type != "cuda":
+        raise ValueError("--cuda-graph needs CUDA")
+    from megatron.core.tensor_parallel.random import initialize_rng_tracker
+
+    initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
+    torch.cuda.manual_seed(args.seed)  # (its add() keeps no states: weights draw from here)
+
+
 def run_all(args) -> list[dict]:
     device = _setup(args)
     overlap = overlap_config_from_args(args)
     fusion = {"bias_activation_fusion": False} if args.no_bias_swiglu_fusion else {}
+    if args.cuda_graph:
+        _inference_rng_tracker(args, device)
     model = build_model(args.model, args.tp, args.ep, args.layers, experts=args.experts,
                         overlap=overlap, tiny=args.tiny, impl=args.impl, **fusion).to(device)
     model.train(args.train)
-    if args.cuda_graph:
-        if args.train:
-            raise ValueError("--cuda-graph times the inference forward; not with --train")
-        if device.type != "cuda":
-            raise ValueError("--cuda-graph needs CUDA")
-        from megatron.core.tensor_parallel.random import initialize_rng_tracker
-
-        # Megatron's inference tracker: its fork (the attention's dropout context) leaves
-        # the generator alone, where the training one's would reseed it inside a capture
-        initialize_rng_tracker(inference_rng_tracker=True, force_reset=True)
     results = []
     for seq in args.seq_list:
         try:
