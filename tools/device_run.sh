@@ -58,6 +58,15 @@ for s in "$@"; do
           --batch ${TRAIN_BATCH:-4} --seqs ${TRAIN_SEQS:-4096} ${TRAIN_LAYERS:+--layers $TRAIN_LAYERS} \
           --iters ${TRAIN_ITERS:-6} --warmup 2 --abba ${TRAIN_ARGS:-} \
           --json "$OUT/train_${TAG:-}te_${m}_TP1EP1.json"; done ;;
+    grid_te)  # --moe-overlap on / off (= core-TE: same TEGroupedMLP, same weights) over
+      # the three models x B x S, prefill and one training step (issue: never slower)
+      for mode in ${GRID_MODES:-prefill train}; do for m in ${GRID_MODELS:-granite qwen deepseek}; do
+        for b in ${GRID_BATCHES:-1 4}; do
+          stage grid_${mode}_${m}_B$b ${GRID_SECS:-150} torchrun --nproc-per-node 1 \
+            -m megatron_overlap.mcore.prefill --impl te $([ $mode = train ] && echo --train) \
+            --model $m --tp 1 --ep 1 --batch $b --seqs ${GRID_SEQS:-256,1024,4096,16384} \
+            --iters ${GRID_ITERS:-8} --warmup 2 --abba ${GRID_ARGS:-} \
+            --json "$OUT/grid_${TAG:-}${mode}_${m}_B$b.json"; done; done; done ;;
     env) stage env 60 bash -c "nvidia-smi; nvidia-smi topo -m; python3 -c 'import torch,triton; print(torch.__version__, triton.__version__, torch.cuda.device_count())'" ;;
     gpu_tests) stage gpu_tests ${GPU_TEST_SECS:-240} python3 -m pytest -q -m gpu -p no:cacheprovider \
         --rootdir "$REPO" -c "$REPO/pyproject.toml" ${GPU_TEST_K:+-k "$GPU_TEST_K"} \
