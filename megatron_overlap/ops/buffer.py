@@ -34,6 +34,21 @@ from .stream_ops import StreamOps
 
 L_MAX = MAX_SPLITS  # readiness words: one per split
 
+#: op calls per process group so far, this process (id(group) -> [group, calls]): every
+#: call counts, including one that raises before it launches, so a rank that raised and
+#: calls again carries a call number its peers do not (the launch descriptor, `launch`)
+_CALLS: dict[int, list] = {}
+
+
+def note_call(group) -> int:
+    """Count one op call on `group` (the op's first step, before any check can raise);
+    the call's number."""
+    entry = _CALLS.get(id(group))
+    if entry is None or entry[0] is not group:
+        entry = _CALLS[id(group)] = [group, 0]
+    entry[1] += 1
+    return entry[1]
+
 
 def _mapped_offsets_default() -> bool:
     return env_bool("MEGATRON_OVERLAP_MAPPED_OFFSETS", True)

@@ -28,7 +28,7 @@ import torch.distributed as dist
 from ..kernels import gemm2
 from ..kernels.routing_table import combine_table
 from ..planner import Workload, expert_row_tiles
-from .buffer import OverlapBuffer
+from .buffer import OverlapBuffer, note_call
 from .config import OverlapConfig, TileConfig, resolve_backend, with_register_caps
 from .planning import log_decision, plan_splits, rank_splits, row_order
 from .reference import all_gather, grouped_mm, reference_forward
@@ -254,6 +254,7 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
             group=None, *, comm_ctas=None, splits=None, config=None,
             expected_rows=None) -> Launch:
     """Validate, choose the backend, plan C and L, and size the workspace (no launch)."""
+    note_call(group)  # (first: a call that raises below still counts, `buffer.note_call`)
     config = check_options(config, comm_ctas, splits)
     world, rank = _group_size_rank(group)
     experts = expert_count(x, weight)
