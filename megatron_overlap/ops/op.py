@@ -31,7 +31,8 @@ from ..planner import Workload, expert_row_tiles
 from .buffer import OverlapBuffer, note_call
 from .config import OverlapConfig, TileConfig, resolve_backend, with_register_caps
 from .planning import log_decision, plan_splits, rank_splits, row_order
-from .reference import all_gather, grouped_mm, reference_forward
+from .grouped import grouped_mm, grouped_wgrad
+from .reference import all_gather, reference_forward
 from .validation import (aligned, capture_refusal, capturing, check_int, check_options,
                          expert_count, host_counts, to_device, validate)
 
@@ -79,30 +80,30 @@ class _Gemm2GatherRS(torch.autograd.Function):
     def backward(ctx, grad_out):
         x, weight, probs, counts_dev, token_index, y = ctx.saved_tensors
         counts, group, world = ctx.meta
-        grad_out = grad_out.contiguous()
-        if world > 1:  # the gradient of a reduce-scatter is an all-gather
-            full = grad_out.new_empty(grad_out.shape[0] * world, grad_out.shape[1])
-            all_gather(full, grad_out, group=group)
-        else:
-            full = grad_out
-        grad_rows = full[token_index.long()]  # [T, N]
+        grad_rows = _gathered_rows(grad_out, token_index, group, world)  # [T, N]
         grad_probs = None
         if probs is not None:
             if ctx.needs_input_grad[2]:
                 grad_probs = (grad_rows.float() * y.float()).sum(1).to(probs.dtype)
             grad_rows = grad_rows * probs.to(grad_rows.dtype)[:, None]
         grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:
+        # (grouped.py pads operands whose rows are not 16-byte multiples: any N, K)
+        if ctx.needs_input_grad[0]:  # dx[rows of e] = dy W[e]: [T, N] @ [N, K]
             grad_x = grouped_mm(grad_rows, weight, counts_dev, counts)
-        if ctx.needs_input_grad[1]:
-            grad_w = torch.zeros_like(weight)
-            cs = counts if counts is not None else counts_dev.tolist()
-            start = 0
-            for e, n in enumerate(cs):
-                if n:
-                    torch.matmul(grad_rows[start:start + n].t(), x[start:start + n], out=grad_w[e])
-                start += n
+        if ctx.needs_input_grad[1]:  # dW[e] = dy_e^T x_e, every expert in one grouped GEMM
+            grad_w = grouped_wgrad(grad_rows, x, counts_dev, counts)
         return grad_x, grad_w, grad_probs, None, None, None, None
+
+
+def _gathered_rows(grad_out, token_index, group, world: int) -> torch.Tensor:
+    """[T, N] the output gradient of each row's token: the gradient of a reduce-scatter is
+    an all-gather, then each row reads its token's."""
+    grad_out = grad_out.contiguous()
+    full = grad_out
+    if world > 1:
+        full = grad_out.new_empty(grad_out.shape[0] * world, grad_out.shape[1])
+        all_gather(full, grad_out, group=group)
+    return full[token_index.long()]
 
 
 _fallback_warned = False

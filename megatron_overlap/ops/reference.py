@@ -11,26 +11,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .grouped import grouped_mm  # (re-exported: the tools' baseline GEMM2)
+
 # torch 2.13 renames the two collectives; 2.11 (the GPU machines) has only the old names.
 reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def grouped_mm(a: torch.Tensor, b: torch.Tensor, counts_dev: torch.Tensor,
-               counts: list[int] | None) -> torch.Tensor:
-    """out[rows of e] = a[rows of e] @ b[e]; b [E, K, N] (any strides)."""
-    if a.is_cuda and a.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm"):
-        offs = counts_dev.to(device=a.device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        return torch._grouped_mm(a, b, offs=offs)
-    if counts is None:
-        counts = counts_dev.tolist()
-    out = a.new_empty(a.shape[0], b.shape[2])
-    start = 0
-    for e, n in enumerate(counts):
-        if n:
-            torch.matmul(a[start:start + n], b[e], out=out[start:start + n])
-        start += n
-    return out
 
 
 def combine_rows(y: torch.Tensor, table: torch.Tensor, probs: torch.Tensor | None) -> torch.Tensor:
@@ -47,7 +32,7 @@ def combine_rows(y: torch.Tensor, table: torch.Tensor, probs: torch.Tensor | Non
 
 def reference_forward(x, weight, counts_dev, counts, table, probs, group, world):
     """(this rank's [M / D, N] output, y [T, N]): GEMM2, combine, then reduce-scatter."""
-    y = grouped_mm(x, weight.transpose(1, 2), counts_dev, counts)
+    y = grouped_mm(x, weight.transpose(1, 2), counts_dev, counts)  # (any K: grouped.py pads)
     full = combine_rows(y, table, probs)
     if world == 1:
         return full, y
