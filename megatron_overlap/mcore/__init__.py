@@ -11,18 +11,20 @@ Importing this package imports megatron.core (the rest of megatron_overlap does 
 or, in a Megatron-LM launch: `--spec megatron_overlap.mcore moe_overlap_gpt_spec --moe-overlap`
 with `extra_args_provider=moe_overlap_args_provider(its_own_provider_or_None)`;
 `torchrun ... -m megatron_overlap.mcore.launch pretrain_gpt.py ...` does that for an
-unmodified Megatron-LM script (recipes/).
+unmodified Megatron-LM script (recipes/). `load_hf_checkpoint(folder, tp, ep, overlap=...)`
+builds the same models from a local Hugging Face checkpoint (hf.py).
 """
 
 from .args import add_moe_overlap_args, moe_overlap_args_provider, overlap_config_from_args
 from .experts import GroupedGemmExperts
+from .hf import load_hf_checkpoint
 from .layer import OverlapMoELayer
 from .models import build_deepseek, build_granite, build_model, build_qwen
 from .spec import moe_overlap_gpt_spec, with_grouped_experts, with_overlap_moe
 
 __all__ = [
     "GroupedGemmExperts", "OverlapMoELayer", "add_moe_overlap_args", "build_deepseek",
-    "build_granite", "build_model", "build_qwen", "moe_overlap_args_provider",
+    "build_granite", "build_model", "build_qwen", "load_hf_checkpoint", "moe_overlap_args_provider",
     "moe_overlap_gpt_spec", "overlap_config_from_args", "with_grouped_experts",
     "with_overlap_moe",
 ]

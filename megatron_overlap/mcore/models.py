@@ -34,6 +34,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig, T
 from ..ops import OverlapConfig
 from ..optional import te_available
 from ..shapes import MODELS
+from .architectures import ScaledGPTModel, with_latent_kv_norm
 from .modules import SDPAttention, SequenceParallelNorm
 from .spec import with_grouped_experts, with_overlap_moe
 
@@ -46,6 +47,10 @@ class ModelCard:
     max_position_embeddings: int
     rotary_base: float
     tie_embeddings: bool
+    # GraniteMoe's scalars (architectures.ScaledGPTModel); 1.0 = none
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    logits_scaling: float = 1.0
 
 
 #: Widths for `tiny=True`: CPU-sized, divisible by TP and EP up to 4, features kept.
@@ -100,18 +105,19 @@ def granite_config(tp: int = 1, ep: int = 1, num_layers: int = 24, impl: str = "
     RMSNorm eps 1e-6, rope_theta 1.5e6, vocab 49155 (tied), 131072 positions,
     router_aux_loss_coef 0.
 
-    Megatron-Core cannot express three of Granite's scalars: embedding_multiplier 12,
-    residual_multiplier 0.22 and logits_scaling 6 (its MuP embedding/output multipliers
-    also switch MuP initialization on, and it has no residual multiplier), so they are
-    left at 1: element-wise scalings with no effect on shapes or MoE cost.
-    attention_multiplier 0.015625 is exact, as softmax_scale.
+    embedding_multiplier 12, residual_multiplier 0.22 and logits_scaling 6 are in the
+    ModelCard: `build_model` applies them through ScaledGPTModel (architectures.py; not
+    Megatron's MuP switches, which also change initialization and have no residual
+    multiplier). attention_multiplier 0.015625 is exact, as softmax_scale.
     """
     cfg = _common("granite", tp, ep, num_layers, impl)
     cfg.update(num_attention_heads=16, num_query_groups=8, ffn_hidden_size=512,
                layernorm_epsilon=1e-6, softmax_scale=0.015625, moe_router_pre_softmax=False,
                moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0)
     cfg.update(overrides)
-    return TransformerConfig(**cfg), ModelCard(49155, 131072, 1.5e6, True)
+    return TransformerConfig(**cfg), ModelCard(49155, 131072, 1.5e6, True,
+                                               embedding_multiplier=12.0,
+                                               residual_multiplier=0.22, logits_scaling=6.0)
 
 
 def qwen_config(tp: int = 1, ep: int = 1, num_layers: int = 24, impl: str = "local",
@@ -141,10 +147,11 @@ def deepseek_config(tp: int = 1, ep: int = 1, num_layers: int = 27, impl: str = 
     beta_fast 32, beta_slow 1, mscale = mscale_all_dim = 0.707), vocab 102400 (untied),
     163840 positions, sequence aux loss 0.001.
 
-    The RMSNorm on the 512-wide KV latent (kv_a_layernorm) needs Transformer Engine in
-    Megatron-Core 0.19: with q_lora_rank null, Megatron places QK norms only through a
-    fused norm + linear (TE). So `qk_layernorm` is on with impl="te" and off with the
-    local spec; that norm is element-wise on the latent and changes no MoE work.
+    The RMSNorm on the 512-wide KV latent (kv_a_layernorm) is `linear_kv_up_proj`'s
+    input norm on both impls (`model_spec` -> architectures.with_latent_kv_norm), with
+    `qk_layernorm` off: with q_lora_rank null, Megatron-Core 0.19's `qk_layernorm` places
+    the KV norm only through TE's fused norm + linear and also puts a norm on
+    linear_q_proj's input, which DeepSeek-V2-Lite does not have.
     """
     cfg = _common("deepseek", tp, ep, num_layers, impl)
     cfg.update(num_attention_heads=16, num_query_groups=16, ffn_hidden_size=10944,
@@ -153,7 +160,7 @@ def deepseek_config(tp: int = 1, ep: int = 1, num_layers: int = 27, impl: str = 
                moe_layer_freq=[0] + [1] * (num_layers - 1),
                moe_router_load_balancing_type="seq_aux_loss", moe_aux_loss_coeff=0.001,
                q_lora_rank=None, kv_lora_rank=512, qk_head_dim=128, qk_pos_emb_head_dim=64,
-               v_head_dim=128, qk_layernorm=impl == "te", rope_type="yarn", rotary_base=10000,
+               v_head_dim=128, qk_layernorm=False, rope_type="yarn", rotary_base=10000,
                rotary_scaling_factor=40, original_max_position_embeddings=4096,
                beta_fast=32, beta_slow=1, mscale=0.707, mscale_all_dim=0.707)
     cfg.update(overrides)
@@ -218,14 +225,24 @@ def model_config(name: str, tp: int = 1, ep: int = 1, num_layers: int | None = N
     return config, card
 
 
+def _latent_kv_norm(config, spec):
+    """MLA without a query LoRA and without qk_layernorm: DeepSeek-V2-Lite's KV-latent
+    norm as linear_kv_up_proj's input norm (architectures.py says why)."""
+    if (config.multi_latent_attention and config.q_lora_rank is None
+            and not config.qk_layernorm):
+        return with_latent_kv_norm(spec)
+    return spec
+
+
 def model_spec(config, *, experts: str = "grouped", overlap: OverlapConfig | None = None,
                attention: str = "sdpa", pp_rank: int | None = None):
     """The block spec the builders use. config.transformer_impl "transformer_engine":
     Megatron's TE GPT block spec as Megatron-LM builds it (TE attention and norms,
     TEGroupedMLP experts, or TE SequentialMLP with experts="sequential"). "local": its
     local spec with SequenceParallelNorm, SDPAttention (or "local" DotProductAttention)
-    and GroupedGemmExperts (or "sequential" SequentialMLP). `overlap` given:
-    OverlapMoELayer in place of MoELayer."""
+    and GroupedGemmExperts (or "sequential" SequentialMLP). Both: MLA with q_lora_rank
+    None and qk_layernorm off gets the KV-latent norm (with_latent_kv_norm). `overlap`
+    given: OverlapMoELayer in place of MoELayer."""
     if experts not in ("grouped", "sequential"):
         raise ValueError(f"experts must be 'grouped' or 'sequential', got {experts!r}")
     if config.transformer_impl == "transformer_engine":
@@ -238,6 +255,7 @@ def model_spec(config, *, experts: str = "grouped", overlap: OverlapConfig | Non
                                f"(pip install megatron-overlap[te]): {why}")
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=True,
                                           normalization=config.normalization, pp_rank=pp_rank)
+        spec = _latent_kv_norm(config, spec)
         return spec if overlap is None else with_overlap_moe(spec, overlap)
     if attention not in ("sdpa", "local"):
         raise ValueError(f"attention must be 'sdpa' or 'local', got {attention!r}")
@@ -246,7 +264,7 @@ def model_spec(config, *, experts: str = "grouped", overlap: OverlapConfig | Non
                          "(no k_channels / v_channels); use attention='sdpa'")
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
                                       normalization=config.normalization, pp_rank=pp_rank)
-    spec = with_local_modules(spec, sdpa=attention == "sdpa")
+    spec = _latent_kv_norm(config, with_local_modules(spec, sdpa=attention == "sdpa"))
     if experts == "grouped":
         spec = with_grouped_experts(spec)
     return spec if overlap is None else with_overlap_moe(spec, overlap)
@@ -273,11 +291,23 @@ def build_model(name: str, tp: int = 1, ep: int = 1, num_layers: int | None = No
     config, card = model_config(name, tp, ep, num_layers, tiny=tiny, impl=impl, **overrides)
     spec = model_spec(config, experts=experts, overlap=overlap, attention=attention)
     vocab = vocab_size or (TINY_VOCAB if tiny else card.vocab_size)
-    return GPTModel(config=config, transformer_layer_spec=spec,
-                    vocab_size=padded_vocab(vocab, tp),
-                    max_sequence_length=card.max_position_embeddings,
-                    share_embeddings_and_output_weights=card.tie_embeddings,
-                    position_embedding_type="rope", rotary_base=int(card.rotary_base))
+    return gpt_model(config, card, spec, vocab)
+
+
+def gpt_model(config, card: ModelCard, spec, vocab_size: int) -> GPTModel:
+    """The GPTModel of a config, card and block spec: vocab padded to a multiple of
+    128 * TP, rope, tied embeddings as the card says, ScaledGPTModel where the card has
+    Granite's scalars."""
+    scalars = dict(embedding_multiplier=card.embedding_multiplier,
+                   residual_multiplier=card.residual_multiplier,
+                   logits_scaling=card.logits_scaling)
+    cls, extra = ((GPTModel, {}) if all(v == 1.0 for v in scalars.values())
+                  else (ScaledGPTModel, scalars))
+    return cls(config=config, transformer_layer_spec=spec,
+               vocab_size=padded_vocab(vocab_size, config.tensor_model_parallel_size),
+               max_sequence_length=card.max_position_embeddings,
+               share_embeddings_and_output_weights=card.tie_embeddings,
+               position_embedding_type="rope", rotary_base=card.rotary_base, **extra)
 
 
 def build_granite(tp: int = 1, ep: int = 1, num_layers: int | None = None, **kwargs) -> GPTModel:
