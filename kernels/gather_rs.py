@@ -36,6 +36,19 @@ The flag protocol, in full (the only subtle part of the operator):
     waits until its own `signal[src] >= epoch` for every src (acquire, sys). Epochs grow
     by one per call, so the words never need resetting and a fast rank that already
     wrote epoch+1 still satisfies a slow rank's wait for epoch.
+  * agreement: before its epoch, the last program stores what this rank launched, the
+    descriptor (epoch, call number, M, N, partial dtype; DESC_WORDS int32), into
+    `desc[epoch % 2][rank]` of every peer (relaxed atomics of the thread that then
+    releases the epoch), and after each wait compares `desc[epoch % 2][src]` with its
+    own. A difference records `6 << 24 | src` and both descriptors (`record`); the host
+    raises OverlapMismatchError naming them, on every rank (each sees the other's). The
+    two parities keep a fast peer's next descriptor from overwriting the one a slow rank
+    is about to read (a peer is at most one call ahead). The call number counts the
+    host's op calls on the group, including calls that raised before launching, so a
+    rank that raised and calls again differs from its peer's earlier call; a CUDA graph
+    replays the numbers of its capture, on every rank alike. C, L and the tail helpers
+    are each rank's own (no peer reads them). Cost: DESC_WORDS more stores per peer and
+    loads per source, in one program per call.
   * reset: the last program zeroes `done` and `ready[0..L-1]` for the next call (every
     GEMM2 tile has published and every wait has ended by then). After a time-out the
     host zeroes them.
@@ -45,7 +58,8 @@ The flag protocol, in full (the only subtle part of the operator):
   * bounded waits: every spin stops after `timeout_us` microseconds of the GPU's global
     timer (the host's monotonic clock under the interpreter) or `max_spins` polls, and records
     `kind << 24 | value` in `error` (kind 1: split `value` never became ready; kind 2:
-    rank `value` never reached the barrier); the host raises. A hang is a bug.
+    rank `value` never reached the barrier; kind 6: rank `value` launched another call,
+    see the agreement); the host raises. A hang is a bug.
   * CUDA graphs: nothing allocates, the flags reset themselves, and the epoch is a
     device word (`epoch_ptr`: the last program stores the call's epoch after the barrier;
     the next call's programs read it + 1), as is the parity that picks this call's slots
@@ -67,6 +81,18 @@ from .launch_cache import LaunchCache
 
 ERR_READY_TIMEOUT = 1
 ERR_BARRIER_TIMEOUT = 2
+ERR_MISMATCH = 6  # (3-5: the routing table's, routing_table.ERR_*)
+
+#: a launch's descriptor, as published to the peers: epoch, call number, M, N, dtype code
+DESC_WORDS = 5
+#: int32 words of a mismatch record: this rank's descriptor, the peer's, the peer
+RECORD_WORDS = 2 * DESC_WORDS + 1
+
+
+def signal_words(world: int) -> int:
+    """int32 words of a rank's signal area: `world` epochs, then the descriptors
+    [2 parities][world sources][DESC_WORDS]."""
+    return world * (1 + 2 * DESC_WORDS)
 
 
 #: the default bound of a wait, in seconds (OverlapConfig.wait_timeout_s)
@@ -107,17 +133,78 @@ def _wait_at_least(ptr, target, max_spins, timeout_ns, SCOPE: tl.constexpr):
     return (seen >= target).to(tl.int32)
 
 
+@triton.jit
+def _barrier(signal_ptrs, error_ptr, record_ptr, epoch, rank, world, call_no, tokens, N,
+             dtype_code, max_spins, timeout_ns):
+    """The cross-rank barrier of call `epoch` with the agreement on what was launched
+    (module docstring): publish this rank's descriptor and epoch to every peer, wait for
+    every peer's epoch, compare its descriptor with ours. One program runs it. (Literals:
+    a kernel reads no module constant; 5 is DESC_WORDS, 2 and 6 the ERR_ kinds.)"""
+    parity = epoch % 2
+    for peer in range(world):
+        sig = tl.load(signal_ptrs + peer).to(error_ptr.dtype)
+        desc = sig + world + (parity * world + rank) * 5
+        # (relaxed atomics: issued by the thread whose release below orders them)
+        tl.atomic_xchg(desc, epoch, sem="relaxed", scope="sys")
+        tl.atomic_xchg(desc + 1, call_no, sem="relaxed", scope="sys")
+        tl.atomic_xchg(desc + 2, tokens, sem="relaxed", scope="sys")
+        tl.atomic_xchg(desc + 3, N, sem="relaxed", scope="sys")
+        tl.atomic_xchg(desc + 4, dtype_code, sem="relaxed", scope="sys")
+        tl.atomic_xchg(sig + rank, epoch, sem="release", scope="sys")
+    mine = tl.load(signal_ptrs + rank).to(error_ptr.dtype)
+    for src in range(world):
+        ok = _wait_at_least(mine + src, epoch, max_spins, timeout_ns, "sys")
+        if ok == 0:
+            tl.atomic_cas(error_ptr, 0, (2 << 24) | src)
+        else:
+            desc = mine + world + (parity * world + src) * 5
+            e = tl.atomic_add(desc, 0, sem="acquire", scope="sys")
+            c = tl.atomic_add(desc + 1, 0, sem="relaxed", scope="sys")
+            m = tl.atomic_add(desc + 2, 0, sem="relaxed", scope="sys")
+            n = tl.atomic_add(desc + 3, 0, sem="relaxed", scope="sys")
+            d = tl.atomic_add(desc + 4, 0, sem="relaxed", scope="sys")
+            same = (e == epoch) & (c == call_no) & (m == tokens) & (n == N) & (d == dtype_code)
+            if not same:
+                if tl.atomic_cas(error_ptr, 0, (6 << 24) | src) == 0:
+                    # (the first error only: the host reads the record beside its code)
+                    tl.store(record_ptr, epoch)
+                    tl.store(record_ptr + 1, call_no)
+                    tl.store(record_ptr + 2, tokens)
+                    tl.store(record_ptr + 3, N)
+                    tl.store(record_ptr + 4, dtype_code)
+                    tl.store(record_ptr + 5, e)
+                    tl.store(record_ptr + 6, c)
+                    tl.store(record_ptr + 7, m)
+                    tl.store(record_ptr + 8, n)
+                    tl.store(record_ptr + 9, d)
+                    tl.store(record_ptr + 10, src)
+
+
+@triton.jit(do_not_specialize=["rank", "world", "call_no", "tokens", "N", "dtype_code",
+                               "max_spins", "timeout_us"])
+def agreement_kernel(signal_ptrs, epoch_ptr, error_ptr, record_ptr, rank, world, call_no,
+                     tokens, N, dtype_code, max_spins, timeout_us):
+    """The barrier and agreement of one call without its data (one program): what a rank
+    runs before a collective re-allocation of the peer memory, so that it enters the
+    host collective only where every peer launched the same call (a peer that did not
+    is told by its own GatherRS, which sees this descriptor)."""
+    epoch = tl.load(epoch_ptr) + 1
+    _barrier(signal_ptrs, error_ptr, record_ptr, epoch, rank, world, call_no, tokens, N,
+             dtype_code, max_spins, timeout_us.to(tl.int64) * 1000)
+    tl.store(epoch_ptr, epoch)
+
+
 @triton.jit(do_not_specialize=["tokens_per_rank", "num_splits", "rank", "world", "topk",
                                "num_experts", "gemm_col_tiles", "gemm_last_col_tiles",
                                "max_spins", "timeout_us", "pid_base", "comm_programs",
-                               "helpers"])
+                               "helpers", "call_no", "dtype_code"])
 def gather_rs_kernel(
     # pointers
     y_ptr, table_ptr, prob_ptr, dst_ptrs, signal_ptrs, ready_ptr, done_ptr, error_ptr,
-    tile_start_ptr, partial_like_ptr, epoch_ptr,
-    # sizes and protocol values
+    tile_start_ptr, partial_like_ptr, epoch_ptr, record_ptr,
+    # sizes and protocol values (call_no, dtype_code: this launch's descriptor)
     tokens_per_rank, N, split_width, num_splits, rank, world, topk, num_experts,
-    gemm_col_tiles, gemm_last_col_tiles, max_spins, timeout_us,
+    gemm_col_tiles, gemm_last_col_tiles, max_spins, timeout_us, call_no, dtype_code,
     # programs: [0, comm_programs) launched before GEMM2; [comm_programs, + helpers) by a
     # second launch after it (pid_base = comm_programs), for the last split only
     pid_base, comm_programs, helpers,
@@ -233,14 +320,8 @@ def gather_rs_kernel(
     if tl.atomic_add(done_ptr, 1, sem="release", scope="sys") == all_programs - 1:
         tl.atomic_add(done_ptr, 0, sem="acquire", scope="sys")
         if world > 1:
-            for peer in range(world):
-                sig = tl.load(signal_ptrs + peer).to(ready_ptr.dtype)
-                tl.atomic_xchg(sig + rank, epoch, sem="release", scope="sys")
-            mine = tl.load(signal_ptrs + rank).to(ready_ptr.dtype)
-            for src in range(world):
-                ok = _wait_at_least(mine + src, epoch, max_spins, timeout_ns, "sys")
-                if ok == 0:
-                    tl.atomic_cas(error_ptr, 0, (2 << 24) | src)
+            _barrier(signal_ptrs, error_ptr, record_ptr, epoch, rank, world, call_no,
+                     tokens_per_rank * world, N, dtype_code, max_spins, timeout_ns)
             # every program of the call has read the epoch (each added to `done` after)
             tl.store(epoch_ptr, epoch)
         tl.store(done_ptr, 0)
@@ -307,7 +388,8 @@ def launch_gather_rs(
     slot_loop: bool = True, helpers: int = 0, launch_helpers: bool = False, stream=None,
     token_major: bool = False, maxnreg: int | None = None,
     width: int | None = None, gemm_last_col_tiles: int | None = None,
-    wait_timeout_s: float = WAIT_TIMEOUT_S,
+    wait_timeout_s: float = WAIT_TIMEOUT_S, record: torch.Tensor | None = None,
+    call_no: int = 0, dtype_code: int = 0,
 ):
     """Launch exactly `programs` communication CTAs. y [T, N] in GEMM2's row order, or
     with `token_major` [M * k, N] with slot j of token t at row t * k + j, which needs
@@ -322,7 +404,10 @@ def launch_gather_rs(
     holds the N - (L-1) sw columns left (default `gemm_col_tiles`); `wait_timeout_s`: the
     bound of every wait in seconds (with `max_spins` polls); `epoch`: the group's
     int32 call counter on this device (read and advanced by the call where world > 1;
-    `dst_ptrs` then holds both parities' tables, [2, world])."""
+    `dst_ptrs` then holds both parities' tables, [2, world]); `call_no`, `dtype_code`:
+    this launch's descriptor beside M and N, agreed on at the barrier, and `record`
+    (int32 [RECORD_WORDS], default `error`'s word, where world 1 never writes it) where
+    a mismatch is recorded."""
     if token_major and not slot_loop:
         raise ValueError("a token-major y is gathered one slot at a time (slot_loop=True)")
     hidden = y.shape[1]
@@ -332,12 +417,13 @@ def launch_gather_rs(
     has_probs = probs is not None
     probs = probs.contiguous() if has_probs else y
     args = (y, table, probs, dst_ptrs, signal_ptrs, ready, done,
-            error, tile_start, partial_like, epoch, tokens_per_rank, hidden,
+            error, tile_start, partial_like, epoch, error if record is None else record,
+            tokens_per_rank, hidden,
             width or split_width(hidden, splits), splits, rank, world, table.shape[1],
             tile_start.numel() - 1, gemm_col_tiles,
             gemm_col_tiles if gemm_last_col_tiles is None else gemm_last_col_tiles,
-            max_spins, _timeout_us(wait_timeout_s), programs if launch_helpers else 0, programs,
-            helpers,
+            max_spins, _timeout_us(wait_timeout_s), call_no, dtype_code,
+            programs if launch_helpers else 0, programs, helpers,
             y.stride(0), y.stride(1), dst_slot_stride, dst_row_stride)
     meta = dict(BLOCK_TM=block_tm, BLOCK_TN=block_tn, TOPK_POW2=slots,
                 HAS_PROBS=has_probs, COL_ALIGN=column_alignment(hidden, splits, width),
@@ -351,6 +437,16 @@ def launch_gather_rs(
     if kernel is gather_rs_kernel:
         return _GATHER_RS.launch(grid, args, meta, stream=stream)
     return kernel[grid](*args, **meta)
+
+
+def launch_agreement(signal_ptrs: torch.Tensor, epoch: torch.Tensor, error: torch.Tensor,
+                     record: torch.Tensor, *, rank: int, world: int, call_no: int,
+                     tokens: int, hidden: int, dtype_code: int, max_spins: int,
+                     wait_timeout_s: float = WAIT_TIMEOUT_S):
+    """One `agreement_kernel` program: the barrier of the next epoch with this descriptor
+    (call_no, M = tokens, N = hidden, dtype_code), no data."""
+    agreement_kernel[(1,)](signal_ptrs, epoch, error, record, rank, world, call_no, tokens,
+                           hidden, dtype_code, max_spins, _timeout_us(wait_timeout_s))
 
 
 def launch_sum_partials(recv: torch.Tensor, out: torch.Tensor, world: int,

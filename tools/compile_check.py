@@ -42,11 +42,12 @@ def kernels():
     flags = {n: "*i32" for n in ("ready_ptr", "done_ptr", "error_ptr", "tile_start_ptr")}
     comm_ptrs = {"y_ptr": "*bf16", "table_ptr": "*i32", "prob_ptr": "*bf16",
                  "dst_ptrs": "*i64", "signal_ptrs": "*i64", **flags,
-                 "partial_like_ptr": "*bf16", "epoch_ptr": "*i32"}
+                 "partial_like_ptr": "*bf16", "epoch_ptr": "*i32", "record_ptr": "*i32"}
     comm_ints = {n: "i32" for n in ("tokens_per_rank", "N", "split_width", "num_splits", "rank",
                                     "world", "topk", "num_experts", "gemm_col_tiles",
                                     "gemm_last_col_tiles",
-                                    "max_spins", "timeout_us", "pid_base", "comm_programs", "helpers",
+                                    "max_spins", "timeout_us", "call_no", "dtype_code",
+                                    "pid_base", "comm_programs", "helpers",
                                     "stride_ym", "stride_yn")}
     comm_ints.update(dst_slot_stride="i64", dst_row_stride="i32")
     comm_ints.pop("stride_yn")  # y is row-major: Triton specializes a stride of 1
@@ -73,6 +74,12 @@ def kernels():
     yield ("gather_rs shared placement token_major", grs.gather_rs_kernel,
            _signature(comm_ptrs, comm_ints, meta), meta,
            dict(num_warps=4, maxnreg=SHARED_COMM_MAXNREG), attrs)
+    yield ("agreement", grs.agreement_kernel,
+           _signature({"signal_ptrs": "*i64", "epoch_ptr": "*i32", "error_ptr": "*i32",
+                       "record_ptr": "*i32"},
+                      {n: "i32" for n in ("rank", "world", "call_no", "tokens", "N",
+                                          "dtype_code", "max_spins", "timeout_us")}, {}),
+           {}, dict(num_warps=1), None)
     yield ("sum_partials", grs.sum_partials_kernel,
            _signature({"recv_ptr": "*bf16", "out_ptr": "*bf16", "epoch_ptr": "*i32"},
                       {"numel": "i32", "slot_stride": "i32", "parity_stride": "i32"},

@@ -1,10 +1,11 @@
 """The overlapped GEMM2 + GatherRS operator (planner + kernels + peer memory)."""
 
 from .buffer import OverlapBuffer
-from .errors import OverlapTimeoutError
+from .errors import OverlapMismatchError, OverlapTimeoutError
 from .config import OverlapConfig
 from .expert_weights import BIAS_COLUMNS, ExpertWeightStack, with_bias_columns
 from .op import gemm2_gather_rs
 
-__all__ = ["BIAS_COLUMNS", "ExpertWeightStack", "OverlapBuffer", "OverlapConfig", "OverlapTimeoutError",
+__all__ = ["BIAS_COLUMNS", "ExpertWeightStack", "OverlapBuffer", "OverlapConfig", "OverlapMismatchError",
+           "OverlapTimeoutError",
            "gemm2_gather_rs", "with_bias_columns"]

@@ -4,8 +4,18 @@ One buffer per (group, device) lives for the whole run: receive slots grow on de
 (a collective re-allocation, identical on every rank because it depends only on M, N
 and D) and are reused across calls and layers.
 
-Peer memory layout (bytes): [2 parities][D slots][cap rows][N] partials, then D int32
-barrier words. Local flags: ready[L_MAX], done, error (int32).
+Peer memory layout (bytes): the signal area (D int32 barrier words, then the launch
+descriptors [2 parities][D][DESC_WORDS], `gather_rs.signal_words`), padded to 128, then
+two parity halves of fixed size, each [D slots][Md rows][N] partials of this call's
+geometry. Local flags: ready[L_MAX], done, error, and the mismatch record (int32).
+
+Ranks that disagree (issue 29.2): every call's descriptor (epoch, call number, M, N,
+partial dtype) is agreed on in the kernels' barrier (`gather_rs`); the host adds no
+collective per call. The only host collective of a call, growing the peer memory, is
+entered only after the same agreement, run alone (`agreement_kernel`), has passed on
+this rank, so a rank never waits in a collective its peer skipped; the group's first
+allocation agrees through the allocation's own all-gather. The halves do not move
+when the geometry changes inside them, so a new (Md, N, dtype) needs no quiesce.
 """
 
 from __future__ import annotations
@@ -26,8 +36,9 @@ from ..planner import PlanCache, expert_row_tiles, ranking_calibration
 from .config import (GPU_TILES, INTERPRET_TILES, MAX_SPLITS, PARTITION_TILES, OverlapConfig,
                      TileConfig,
                      calibration_for, device_spec, gpu_tiles, kernel_spec)
+from .config import PARTIAL_DTYPES
 from .counts_ring import CountsRing
-from .errors import ErrorWord
+from .errors import ErrorWord, OverlapMismatchError, OverlapTimeoutError, describe_mismatch
 from .peer_memory import PeerMemory
 from .residency import compiled_occupancies
 from .stream_ops import StreamOps
@@ -40,14 +51,24 @@ L_MAX = MAX_SPLITS  # readiness words: one per split
 _CALLS: dict[int, list] = {}
 
 
-def note_call(group) -> int:
-    """Count one op call on `group` (the op's first step, before any check can raise);
-    the call's number."""
+def _calls_of(group) -> list:
     entry = _CALLS.get(id(group))
     if entry is None or entry[0] is not group:
         entry = _CALLS[id(group)] = [group, 0]
+    return entry
+
+
+def note_call(group) -> int:
+    """Count one op call on `group` (the op's first step, before any check can raise);
+    the call's number."""
+    entry = _calls_of(group)
     entry[1] += 1
     return entry[1]
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """The partial dtype as a descriptor word (0: none of PARTIAL_DTYPES)."""
+    return PARTIAL_DTYPES.index(dtype) + 1 if dtype in PARTIAL_DTYPES else 0
 
 
 def _mapped_offsets_default() -> bool:
@@ -87,12 +108,17 @@ class OverlapBuffer(ErrorWord):
         self.epoch = torch.zeros(1, dtype=torch.int32, device=device)
         self.captured = False  # some launch of it went into a CUDA graph
         self.broken: str | None = None
+        self.broken_type: type = OverlapTimeoutError  # what a refused call raises
+        # where GatherRS records a mismatch: both descriptors and the peer (RECORD_WORDS)
+        self.record = torch.zeros(grs.RECORD_WORDS, dtype=torch.int32, device=device)
+        self._calls = _calls_of(group)  # [group, op calls on it]: the descriptor's number
         self.wait_bounds: tuple | None = None  # (seconds, polls) of the latest launch's waits
         self._memory: PeerMemory | None = None
-        self._layout: tuple | None = None  # (cap rows, hidden, partial dtype)
+        self._layout: tuple | None = None  # (rows per rank Md, hidden, partial dtype)
+        self._shape_words = (0, 0, 0)  # the descriptor's (M, N, dtype code) of the layout
         self._ptr_table: torch.Tensor | None = None  # [2, world]: each parity's slots
         self._recv_views: list[torch.Tensor] = []  # recv(0), recv(1)
-        self._slots_at = (0, 0)  # (byte offset of the slots, bytes per parity)
+        self._slots_at = (0, 0)  # (byte offset of the slots, bytes per parity): fixed
         self._signal_ptrs: torch.Tensor | None = None
         self._caches: dict[tuple, PlanCache] = {}
         self.decisions: dict[tuple, tuple] = {}  # the op's (plan, launch arguments) by key
@@ -119,46 +145,93 @@ class OverlapBuffer(ErrorWord):
     def ensure(self, rows: int, hidden: int, dtype: torch.dtype, captured: bool = False) -> None:
         """Receive slots for `rows` tokens per rank x `hidden` columns of `dtype`.
 
-        Memory: [barrier words, 128-byte padded][parity 0 slots][parity 1 slots]. The
-        allocation only grows (a process that alternates models does not reallocate
-        collective memory per call); a new slot geometry inside it first waits until no
-        rank is inside a call, since double buffering assumes a fixed geometry.
+        The slots of a call are [D][rows][hidden] at the start of each parity half, whose
+        size the allocation fixes: a new geometry that fits changes no address and
+        needs no collective (the slot stride is the call's own, the same on every rank
+        that agrees). The allocation only grows (a process that alternates models does
+        not reallocate collective memory per call); growing is collective, and entered
+        only after every rank agreed on this call (module docstring).
         """
         if self.world == 1:  # no peers: the output is the only slot (`launch_comm`)
             return
-        if self._layout is not None:
-            cap, n, dt = self._layout
-            if n == hidden and dt == dtype and cap >= rows:
-                return
-            rows = max(rows, cap) if (n == hidden and dt == dtype) else rows
-        if captured:  # (it would synchronize, or allocate collectively)
-            raise RuntimeError("gemm2_gather_rs cannot be captured in a CUDA graph here: its "
-                               "receive slots must grow to this call's rows or hidden size; "
-                               "make one eager call of the largest shapes before capturing")
-        esize = torch.finfo(dtype).bits // 8
-        half = -(-self.world * rows * hidden * esize // 128) * 128
-        signal_bytes = -(-4 * self.world // 128) * 128
-        if self._memory is None or signal_bytes + 2 * half > self._memory.local.numel():
-            self._memory = PeerMemory.allocate(signal_bytes + 2 * half, self.device,
-                                               self.group, self.rank, self.world)
-            self._signal_ptrs = torch.tensor(self._memory.peer_ptrs, dtype=torch.int64,
-                                             device=self.device)
-            self.epoch.zero_()  # fresh barrier words are zero on every rank
-        else:
-            self._quiesce()
-        self._layout = (rows, hidden, dtype)
+        layout = (rows, hidden, dtype)
+        if layout == self._layout:
+            return
+        need = -(-self.world * rows * hidden * (torch.finfo(dtype).bits // 8) // 128) * 128
+        if self._memory is None or need > self._slots_at[1]:
+            if captured:  # (it would synchronize, or allocate collectively)
+                raise RuntimeError("gemm2_gather_rs cannot be captured in a CUDA graph here: "
+                                   "its receive slots must grow to this call's rows or hidden "
+                                   "size; make one eager call of the largest shapes before "
+                                   "capturing")
+            desc = self._descriptor(rows * self.world, hidden, dtype)
+            if self._memory is not None:
+                self._agree(desc)
+            self._allocate(need, desc)
+        self._layout = layout
+        self._shape_words = (rows * self.world, hidden, dtype_code(dtype))
+        self._recv_views = [self.recv(parity) for parity in (0, 1)]
+
+    def _descriptor(self, tokens: int, hidden: int, dtype: torch.dtype) -> tuple:
+        """(call number, M, N, dtype code): what this rank launches (as GatherRS's)."""
+        return (self._calls[1] & 0x7FFFFFFF, tokens, hidden, dtype_code(dtype))
+
+    def _agree(self, desc: tuple) -> None:
+        """The barrier and agreement of this call alone, before a collective growth:
+        raises (OverlapMismatchError, OverlapTimeoutError) unless every peer launched
+        the same call. A peer that did not raises from its own GatherRS's barrier."""
+        seconds, polls = self.wait_bounds or (grs.WAIT_TIMEOUT_S, (1 << 31) - 1)
+        self.wait_bounds = (seconds, polls)
+        self.check(sync=True)  # (an earlier call's error first, with its own message)
+        grs.launch_agreement(self._signal_ptrs, self.epoch, self.error, self.record,
+                             rank=self.rank, world=self.world, call_no=desc[0],
+                             tokens=desc[1], hidden=desc[2], dtype_code=desc[3],
+                             max_spins=polls, wait_timeout_s=seconds)
+        self._pending = (None, self.error.clone(), None)  # (a synchronizing copy)
+        self.check(sync=True)
+
+    def _allocate(self, need: int, desc: tuple | None) -> None:
+        """New peer memory (collective) with parity halves of at least `need` bytes, the
+        largest any rank asks for; `desc` (None: a reset) is checked against every
+        rank's first, in the same all-gather, where no kernel could agree on it."""
+        mine = (desc, need, self._slots_at[1])
+        every = [None] * self.world
+        dist.all_gather_object(every, mine, group=self.group)
+        if desc is not None:
+            for src, (other, _, _) in enumerate(every):
+                if other != desc:
+                    self._raise_mismatch((0,) + desc, (0,) + other, src, host=True)
+        half = max(max(n, h) for _, n, h in every)
+        signal_bytes = -(-4 * grs.signal_words(self.world) // 128) * 128
+        # (the old memory is freed after the new one's allocation, whose barrier waits
+        # until every rank's device is done with it)
+        self._memory = PeerMemory.allocate(signal_bytes + 2 * half, self.device, self.group,
+                                           self.rank, self.world)
+        self._signal_ptrs = torch.tensor(self._memory.peer_ptrs, dtype=torch.int64,
+                                         device=self.device)
+        self.epoch.zero_()  # fresh barrier words are zero on every rank
         self._slots_at = (signal_bytes, half)
         self._ptr_table = torch.tensor(
             [p + signal_bytes + parity * half for parity in (0, 1) for p in self._memory.peer_ptrs],
             dtype=torch.int64, device=self.device)
-        self._recv_views = [self.recv(parity) for parity in (0, 1)]
+        self._layout = None
 
-    def _quiesce(self) -> None:
-        """Return when no rank of the group has a launch in flight."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        if self.world > 1:
-            dist.barrier(group=self.group)
+    def _raise_mismatch(self, mine: tuple, other: tuple, src: int, host: bool = False):
+        """Raise OverlapMismatchError naming both descriptors ((epoch, call, M, N, dtype
+        code) each); where the ranks' epochs or call numbers differ the buffer is broken
+        until `reset` (they would differ for every later call too)."""
+        message, fatal = describe_mismatch(self.rank, mine, src, other, host)
+        if fatal:
+            self.broken, self.broken_type = message, OverlapMismatchError
+        raise OverlapMismatchError(message)
+
+    def mismatch(self) -> None:
+        """Raise the mismatch GatherRS recorded (the error word held ERR_MISMATCH; `check`)."""
+        record = self.record.tolist()
+        self.record.zero_()
+        words = grs.DESC_WORDS
+        self._raise_mismatch(tuple(record[:words]), tuple(record[words:2 * words]),
+                             record[2 * words])
 
     def recv(self, parity: int) -> torch.Tensor:
         cap, hidden, dtype = self._layout
@@ -278,15 +351,17 @@ class OverlapBuffer(ErrorWord):
         return o_comp, o_comm, misfit
 
     def reset(self) -> None:
-        """Forget a failed state; collective: rebuilds peer memory on every rank."""
-        self.broken = None
+        """Forget a failed state; collective: rebuilds peer memory on every rank (the
+        largest any rank had) and restarts the group's epochs and call numbers."""
+        self.broken, self.broken_type = None, OverlapTimeoutError
         self._pending = None
         self.ready.zero_()
         self.done.zero_()
         self.error.zero_()
-        layout, self._layout, self._memory = self._layout, None, None
-        if layout is not None:
-            self.ensure(*layout)
+        self.record.zero_()
+        self._calls[1] = 0
+        if self._memory is not None:
+            self._allocate(self._slots_at[1], None)
 
     # ---------------------------------------------------------------- launch
     @contextlib.contextmanager
@@ -356,6 +431,10 @@ class OverlapBuffer(ErrorWord):
                 dst, signals = self._ptr_table, self._signal_ptrs
                 slot_stride, row_stride = self._layout[0] * hidden, hidden
                 partial_like = self._recv_views[0]
+                # this launch's descriptor, agreed on at the barrier (M and N are the
+                # kernel's own sizes)
+                kw.update(record=self.record, call_no=self._calls[1] & 0x7FFFFFFF,
+                          dtype_code=self._shape_words[2])
             grs.launch_gather_rs(
                 y, table, probs, dst, signals, self.ready, self.done, self.error, tile_start,
                 tokens_per_rank=tokens_per_rank, splits=splits, rank=self.rank,

@@ -17,6 +17,43 @@ class OverlapTimeoutError(RuntimeError):
     """A bounded wait inside GEMM2+GatherRS ran out: a producer or a peer never arrived."""
 
 
+class OverlapMismatchError(RuntimeError):
+    """Ranks of the group launched calls that do not pair (other M, N or partial dtype,
+    or another call: a rank raised before launching one its peers launched). Raised on
+    every rank, naming what each launched."""
+
+
+def _dtype_name(code: int) -> str:
+    from .config import PARTIAL_DTYPES
+
+    return str(PARTIAL_DTYPES[code - 1]).replace("torch.", "") if 0 < code <= len(
+        PARTIAL_DTYPES) else f"dtype code {code}"
+
+
+def describe_mismatch(rank: int, mine: tuple, src: int, other: tuple | None,
+                      host: bool = False) -> tuple[str, bool]:
+    """(message, whether the buffer must be reset) for descriptors (epoch, call number,
+    M, N, partial dtype code) of this rank and of rank `src` that differ; `host`: found
+    by the first allocation's all-gather (no epochs yet)."""
+    def launched(r, d):
+        if d is None:
+            return f"rank {r} was resetting its buffer (OverlapBuffer.reset)"
+        epoch, call, m, n, code = d
+        at = "" if host else f" (launch {epoch} of the buffer)"
+        return f"rank {r} launched call {call}{at} with M={m}, N={n}, partials {_dtype_name(code)}"
+
+    fatal = other is None or mine[:2] != other[:2]
+    head = (f"gemm2_gather_rs: the ranks of the group launched calls that do not pair: "
+            f"{launched(rank, mine)}; {launched(src, other)}")
+    if fatal:
+        return (head + ". Their call counts differ (a rank raised before launching, or "
+                "skipped, a call its peers launched), so every later call would pair wrongly "
+                "too: the buffer refuses calls until OverlapBuffer.reset() is called on every "
+                "rank"), True
+    return (head + ". Every rank of the group raises this for the call; its output is "
+            "not computed. The next call the ranks make alike runs (no reset needed)"), False
+
+
 def _waited(bounds) -> str:
     """How long a timed-out wait waited: the bound that ran out (time or polls)."""
     if bounds is None:
@@ -45,6 +82,8 @@ def describe_error(code: int, rank: int, expected: int | None = None,
                 f"output is wrong (a router that "
                 f"gives some token fewer than top-k experts needs the host counts: "
                 f"OverlapConfig(host_counts=True))")
+    if kind == grs.ERR_MISMATCH:
+        return f"GatherRS on rank {rank}: rank {value} launched another call (see the record)"
     if kind == grs.ERR_BARRIER_TIMEOUT:
         return (f"GatherRS on rank {rank} timed out at the cross-rank barrier waiting for "
                 f"rank {value}{_waited(bounds)}")
@@ -54,13 +93,15 @@ def describe_error(code: int, rank: int, expected: int | None = None,
 class ErrorWord:
     """`OverlapBuffer`'s error word on its way to the host: each launch queues its copy
     into pinned memory behind it and `check` reads it once it has arrived (the buffer
-    holds `error`, `ready`, `done`, `broken`, `_pending`, the pinned word and its event)."""
+    holds `error`, `ready`, `done`, `broken`, `broken_type`, `_pending`, the pinned word
+    and its event, and raises a recorded mismatch with `mismatch`)."""
 
     def check(self, sync: bool = True) -> None:
         """Raise OverlapTimeoutError if an earlier launch recorded a time-out."""
         if self.broken:
-            raise OverlapTimeoutError(self.broken + " (the buffer must be rebuilt: "
-                                      "call OverlapBuffer.reset on every rank)")
+            raise self.broken_type(self.broken + ("" if "reset()" in self.broken else
+                                   " (the buffer must be rebuilt: call OverlapBuffer.reset "
+                                   "on every rank)"))
         if self._pending is None:
             return
         event, word, expected = self._pending
@@ -76,6 +117,9 @@ class ErrorWord:
         if code >> 24 in (ERR_UNSORTED, ERR_TOPK, ERR_COUNTS):  # bad input, not a broken buffer
             self.error.zero_()
             raise ValueError(describe_error(code, self.rank))
+        if code >> 24 == grs.ERR_MISMATCH:  # (flags reset as after any call that ran)
+            self.error.zero_()
+            self.mismatch()  # raises, naming both ranks' descriptors
         if code:
             self.broken = describe_error(code, self.rank, expected, self.wait_bounds)
             self.ready.zero_()
