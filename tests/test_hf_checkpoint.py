@@ -141,6 +141,14 @@ def _cases(rank, world, folders: dict, expected: dict):
                     moe = [m for m in model.modules() if isinstance(m, OverlapMoELayer)]
                     assert moe and all(m.last_rows is not None for m in moe), (arch, layout)
                 out[(arch, layout, policy)] = _rel(got, expected[arch])
+    # the prefill launcher on the checkpoint, ABBA, TP1EP2
+    from megatron_overlap.mcore import prefill
+
+    args = prefill.parse_args(["--hf", folders["qwen"], "--tp", "1", "--ep", "2", "--batch",
+                               "2", "--seq", "16", "--iters", "2", "--warmup", "1", "--abba",
+                               "--moe-overlap-backend", "interpret", "--preload", "mcore_shims"])
+    out["prefill"] = prefill.run_all(args)[-1]
+    ps.destroy_model_parallel()
     return out
 
 
@@ -159,7 +167,8 @@ def parity(tmp_path_factory):
         folders[arch] = folder
     assert os.path.isfile(os.path.join(folders["qwen"], "model.safetensors.index.json"))
     ranks = run_ranks(2, _cases, folders, expected)
-    return {k: max(r[k] for r in ranks) for k in ranks[0]}  # (the two ranks' worst)
+    worst = {k: max(r[k] for r in ranks) for k in ranks[0] if k != "prefill"}  # of 2 ranks
+    return worst | {"prefill": ranks[0]["prefill"]}
 
 
 @pytest.mark.parametrize("arch", TINY)
@@ -173,6 +182,18 @@ def test_logits_equal_transformers_on_one_rank(parity, arch):
 def test_logits_equal_transformers_split_over_two_ranks(parity, arch, layout):
     for policy in POLICIES[:2]:
         assert parity[(arch, layout, policy)] < TOL, (policy, parity[(arch, layout, policy)])
+
+
+def test_prefill_runs_a_checkpoint_and_reports_its_routing_skew(parity):
+    from megatron_overlap.mcore.prefill import report
+
+    result = parity["prefill"]
+    assert result["model"] == "qwen" and set(result["policies"]) == {"stock", "overlap"}
+    rows = result["decisions_rank0"]
+    assert [r["layer"] for r in rows] == [2]  # layer 1 of the tiny Qwen is dense
+    # rank 0's 4 experts' share of the EP group's 2 x 16 tokens x top-2
+    assert 0 < rows[0]["rows"] <= 2 * 16 * 2 and rows[0]["max_over_mean"] >= 1.0
+    assert "x the mean" in report(result)
 
 
 def test_unsupported_config_fields_are_named():

@@ -406,7 +406,8 @@ def load_hf_checkpoint(path: str, tp: int = 1, ep: int = 1, *,
     num_layers: None = all (config.json num_hidden_layers); fewer keeps the first ones.
     dtype: parameter dtype (None: bf16 on CUDA, fp32 on CPU, as the builders). impl,
     experts, overlap, attention: as `build_model`. overrides: TransformerConfig fields.
-    The model's `hf_vocab_size` is the checkpoint's vocabulary (logits past it are padding).
+    The model's `hf_vocab_size` is the checkpoint's vocabulary (logits past it are
+    padding), `hf_arch` the models.py name of its architecture.
     """
     hf = read_hf_config(path)
     if impl == "te":
@@ -416,5 +417,5 @@ def load_hf_checkpoint(path: str, tp: int = 1, ep: int = 1, *,
     spec = model_spec(config, experts=experts, overlap=overlap, attention=attention)
     model = gpt_model(config, card, spec, card.vocab_size)
     load_hf_weights(model, path, arch)
-    model.hf_vocab_size = card.vocab_size
+    model.hf_vocab_size, model.hf_arch = card.vocab_size, arch
     return model

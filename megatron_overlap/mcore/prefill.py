@@ -18,6 +18,10 @@ TP x EP group of every MoE layer sees M = B * S tokens in every layout.
 CPU (gloo, tiny widths; Megatron's CUDA-only call sites need the test shims):
     TRITON_INTERPRET=1 torchrun --nproc-per-node 2 -m megatron_overlap.mcore.prefill \
         --tiny --tp 1 --ep 2 --batch 2 --seq 16 --abba --preload tests/mcore_shims.py
+
+`--hf PATH` loads a local Hugging Face checkpoint (load_hf_checkpoint) in place of random
+weights; the decision lines then show the routing skew of its real router weights (each
+MoE layer's busiest local expert against the mean, `decisions`).
 """
 
 from __future__ import annotations
@@ -65,6 +69,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="grouped: GroupedGemmExperts (TEGroupedMLP with --impl te); "
                         "sequential: Megatron's SequentialMLP")
     p.add_argument("--tiny", action="store_true", help="CPU-sized widths (models.TINY)")
+    p.add_argument("--hf", default=None, metavar="PATH",
+                   help="weights and architecture from a local Hugging Face folder "
+                        "(config.json + safetensors; load_hf_checkpoint) instead of random "
+                        "ones; --model is then the folder's, --layers keeps the first ones")
     p.add_argument("--no-bias-swiglu-fusion", action="store_true",
                    help="eager SwiGLU, as Megatron-LM's flag of that name (fused by default "
                         "on CUDA)")
@@ -94,6 +102,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             raise ValueError(f"--{name} must be >= 1")
     if args.warmup < 0:
         raise ValueError("--warmup must be >= 0")
+    if args.hf and args.tiny:
+        raise ValueError("--tiny builds random weights; not with --hf")
     if args.abba or args.cuda_graph:
         args.moe_overlap = True
     return args
@@ -228,8 +238,16 @@ def run_all(args) -> list[dict]:
     fusion = {"bias_activation_fusion": False} if args.no_bias_swiglu_fusion else {}
     if args.cuda_graph:
         _inference_rng_tracker(args, device)
-    model = build_model(args.model, args.tp, args.ep, args.layers, experts=args.experts,
-                        overlap=overlap, tiny=args.tiny, impl=args.impl, **fusion).to(device)
+    if args.hf:
+        from .hf import load_hf_checkpoint
+
+        model = load_hf_checkpoint(args.hf, args.tp, args.ep, overlap=overlap, impl=args.impl,
+                                   num_layers=args.layers, experts=args.experts,
+                                   **fusion).to(device)
+        args.model = model.hf_arch  # (the report's name)
+    else:
+        model = build_model(args.model, args.tp, args.ep, args.layers, experts=args.experts,
+                            overlap=overlap, tiny=args.tiny, impl=args.impl, **fusion).to(device)
     model.train(args.train)
     results = []
     for seq in args.seq_list:
@@ -261,7 +279,8 @@ def _training_step(model, tokens, positions):
 
 
 def _run_seq(args, model, seq: int, overlap, device) -> dict:
-    tokens, positions = _inputs(args, seq, model.vocab_size, device)
+    tokens, positions = _inputs(args, seq, getattr(model, "hf_vocab_size", model.vocab_size),
+                                device)  # (a checkpoint's ids: no padding rows)
     policies = ["stock", "overlap"] if args.abba else ["overlap" if overlap else "stock"]
     work = (_training_step(model, tokens, positions) if args.train
             else lambda: model(tokens, positions, None))
