@@ -91,7 +91,9 @@ def setup():
         cuda = torch.cuda.is_available()
         dist.init_process_group("nccl" if cuda else "gloo")
         if cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank())))
+            # (ranks may share one GPU: peer memory through CUDA IPC then, slower)
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", dist.get_rank()))
+                                  % torch.cuda.device_count())
         group, world, rank = dist.group.WORLD, dist.get_world_size(), dist.get_rank()
     else:
         group, world, rank = None, 1, 0
