@@ -96,7 +96,8 @@ def input_rms_norm(linear_cls: type) -> type:
             x = self.layer_norm_weight * x.to(input_.dtype)
             return super().forward(x, *args, **kwargs)
 
-    InputRMSNormLinear.__name__ = InputRMSNormLinear.__qualname__ = f"InputRMSNorm{linear_cls.__name__}"
+    name = f"InputRMSNorm{linear_cls.__name__}"
+    InputRMSNormLinear.__name__ = InputRMSNormLinear.__qualname__ = name
     return InputRMSNormLinear
 
 
@@ -114,7 +115,8 @@ def with_latent_kv_norm(block):
             base = dataclasses.replace(base, module=input_rms_norm(base.module))
         else:
             base = input_rms_norm(base)
-        attn = dataclasses.replace(attn, submodules=dataclasses.replace(sub, linear_kv_up_proj=base))
+        sub = dataclasses.replace(sub, linear_kv_up_proj=base)
+        attn = dataclasses.replace(attn, submodules=sub)
         return dataclasses.replace(spec, submodules=dataclasses.replace(
             spec.submodules, self_attention=attn))
 

@@ -130,7 +130,8 @@ def _qwen(hf, num_layers: int) -> tuple[dict, ModelCard]:
                moe_ffn_hidden_size=hf.moe_intermediate_size, num_moe_experts=hf.num_experts,
                moe_router_topk=hf.num_experts_per_tok,
                moe_router_pre_softmax=not hf.norm_topk_prob,
-               moe_shared_expert_intermediate_size=shared, moe_shared_expert_gate=shared is not None,
+               moe_shared_expert_intermediate_size=shared,
+               moe_shared_expert_gate=shared is not None,
                add_qkv_bias=bool(getattr(hf, "qkv_bias", True)),
                layernorm_epsilon=hf.rms_norm_eps, moe_layer_freq=freq,
                moe_aux_loss_coeff=float(getattr(hf, "router_aux_loss_coef", 0.0)))
@@ -162,7 +163,8 @@ def _deepseek(hf, num_layers: int) -> tuple[dict, ModelCard]:
     theta, rope = _rope(hf)
     if rope["rope_type"] == "yarn":
         rope_cfg = dict(rope_type="yarn", rotary_scaling_factor=float(rope["factor"]),
-                        original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+                        original_max_position_embeddings=int(
+                            rope["original_max_position_embeddings"]),
                         beta_fast=float(rope.get("beta_fast") or 32),
                         beta_slow=float(rope.get("beta_slow") or 1),
                         mscale=float(rope.get("mscale") or 1.0),
@@ -228,7 +230,8 @@ class _Safetensors:
         index = os.path.join(path, "model.safetensors.index.json")
         if os.path.isfile(index):
             with open(index) as f:
-                self.files = {k: os.path.join(path, v) for k, v in json.load(f)["weight_map"].items()}
+                weight_map = json.load(f)["weight_map"]
+            self.files = {k: os.path.join(path, v) for k, v in weight_map.items()}
         else:
             from safetensors import safe_open
 
@@ -301,14 +304,16 @@ def _full_tensor(st, name, arch, param, config, experts_first: int) -> torch.Ten
              "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
              "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
              "mlp.linear_fc1.layer_norm_weight": "post_attention_layernorm.weight",
-             "self_attention.linear_kv_up_proj.layer_norm_weight": "self_attn.kv_a_layernorm.weight"}
+             "self_attention.linear_kv_up_proj.layer_norm_weight":
+                 "self_attn.kv_a_layernorm.weight"}
     if rest in norms:
         return st.get(hf + norms[rest])
     attn = {"self_attention.linear_proj.weight": "self_attn.o_proj.weight",
             "self_attention.linear_q_proj.weight": "self_attn.q_proj.weight",
             "self_attention.linear_kv_down_proj.weight": "self_attn.kv_a_proj_with_mqa.weight",
             "self_attention.linear_kv_up_proj.weight": "self_attn.kv_b_proj.weight",
-            "mlp.router.weight": moe + ("router.layer.weight" if arch == "granite" else "gate.weight"),
+            "mlp.router.weight":
+                moe + ("router.layer.weight" if arch == "granite" else "gate.weight"),
             "mlp.shared_experts.gate_weight": "mlp.shared_expert_gate.weight"}
     if rest in attn:
         return st.get(hf + attn[rest])
@@ -344,9 +349,10 @@ def _tp_size(param) -> int:
             else ps.get_tensor_model_parallel_world_size())
 
 
-def _shard(full: torch.Tensor, param) -> torch.Tensor:
-    """This rank's slice of `full` by Megatron's partition attributes (stride 2 = gated
-    FC1: each rank takes its shard of every one of the `stride` parts)."""
+def _shard(full: torch.Tensor, param, gated_fc1: bool = False) -> torch.Tensor:
+    """This rank's slice of `full` by Megatron's partition attributes. Gated FC1 ([gate;
+    up], stride 2 in Megatron's attributes, whatever a TE module records): each rank
+    takes its shard of both halves."""
     from megatron.core import parallel_state as ps
 
     tp = _tp_size(param)
@@ -354,7 +360,8 @@ def _shard(full: torch.Tensor, param) -> torch.Tensor:
         return full
     rank = (ps.get_expert_tensor_parallel_rank() if _is_expert(param)
             else ps.get_tensor_model_parallel_rank())
-    dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
+    dim = param.partition_dim
+    stride = 2 if gated_fc1 else getattr(param, "partition_stride", 1)
     return torch.cat([part.chunk(tp, dim)[rank] for part in full.chunk(stride, dim)], dim)
 
 
@@ -375,7 +382,9 @@ def load_hf_weights(model, path: str, arch: str) -> None:
             except KeyError as e:
                 raise ValueError(f"no checkpoint tensor for Megatron parameter {name} "
                                  f"({e.args[0]})") from None
-            local = _shard(full, param)
+            gated = bool(config.gated_linear_unit
+                         and re.search(r"(linear_fc1\.weight|fc1_weight)", name))
+            local = _shard(full, param, gated)
             if local.shape != param.shape:
                 raise ValueError(f"{name}: checkpoint gives {tuple(local.shape)} on this rank, "
                                  f"the model has {tuple(param.shape)}")
