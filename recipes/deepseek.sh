@@ -11,30 +11,6 @@
 # The first layer is dense (--moe-layer-freq); MLA with YaRN rope.
 set -euo pipefail
 
-TP=${TP:-1}
-EP=${EP:-1}
-GPUS_PER_NODE=${GPUS_PER_NODE:-$((TP * EP))}
-NNODES=${NNODES:-1}
-NODE_RANK=${NODE_RANK:-0}
-MASTER_ADDR=${MASTER_ADDR:-localhost}
-MASTER_PORT=${MASTER_PORT:-6000}
-MEGATRON_LM=${MEGATRON_LM:-.}
-if [[ ! -f "$MEGATRON_LM/pretrain_gpt.py" ]]; then
-    echo "recipes/deepseek.sh: no pretrain_gpt.py in MEGATRON_LM=$MEGATRON_LM (a Megatron-LM checkout)" >&2
-    exit 2
-fi
-DP=$((GPUS_PER_NODE * NNODES / TP))
-export CUDA_DEVICE_MAX_CONNECTIONS=1
-export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NCCL_NVLS_ENABLE=0  # NVLink multicast stays off
-
-DISTRIBUTED_ARGS=(
-    --nproc_per_node "$GPUS_PER_NODE"
-    --nnodes "$NNODES"
-    --node_rank "$NODE_RANK"
-    --master_addr "$MASTER_ADDR"
-    --master_port "$MASTER_PORT"
-)
-
 MODEL_ARGS=(
     --transformer-impl transformer_engine
     --num-layers 27
@@ -81,49 +57,8 @@ MOE_ARGS=(
     --moe-token-dispatcher-type allgather
 )
 
-OVERLAP_ARGS=(
-    --spec megatron_overlap.mcore moe_overlap_gpt_spec
-    --moe-overlap
-)
-
-if [[ -n "${DATA_PATH:-}" ]]; then
-    DATA_ARGS=(--data-path "$DATA_PATH" --split 99,1,0 --tokenizer-type HuggingFaceTokenizer
-               --tokenizer-model "${TOKENIZER_MODEL:-deepseek-ai/DeepSeek-V2-Lite}")
-else
-    DATA_ARGS=(--mock-data --tokenizer-type NullTokenizer --vocab-size 102400)
-fi
-
-TRAINING_ARGS=(
-    --micro-batch-size "${MICRO_BATCH:-4}"
-    --global-batch-size "${GLOBAL_BATCH:-$((${MICRO_BATCH:-4} * DP))}"
-    --train-iters "${TRAIN_ITERS:-100}"
-    --lr 1e-4
-    --min-lr 1e-5
-    --lr-decay-style cosine
-    --lr-warmup-iters 10
-    --weight-decay 0.1
-    --clip-grad 1.0
-    --bf16
-)
-
-MODEL_PARALLEL_ARGS=(
-    --tensor-model-parallel-size "$TP"
-    --expert-model-parallel-size "$EP"
-)
-if ((TP > 1)); then
-    MODEL_PARALLEL_ARGS+=(--sequence-parallel)  # Megatron requires it for MoE under TP
-fi
-
-LOGGING_ARGS=(
-    --log-interval 10
-    --eval-iters 0
-)
-if [[ -n "${CHECKPOINT_PATH:-}" ]]; then
-    LOGGING_ARGS+=(--save "$CHECKPOINT_PATH" --load "$CHECKPOINT_PATH")
-fi
-
-# Megatron-LM's pretrain_gpt.py, unmodified: megatron_overlap.mcore.launch runs it with the
-# --moe-overlap* flags added to its parser (its own extra_args_provider kept).
-exec torchrun "${DISTRIBUTED_ARGS[@]}" -m megatron_overlap.mcore.launch "$MEGATRON_LM/pretrain_gpt.py" \
-    "${MODEL_ARGS[@]}" "${MOE_ARGS[@]}" "${OVERLAP_ARGS[@]}" "${DATA_ARGS[@]}" \
-    "${TRAINING_ARGS[@]}" "${MODEL_PARALLEL_ARGS[@]}" "${LOGGING_ARGS[@]}" "$@"
+RECIPE=recipes/deepseek.sh
+HF_TOKENIZER=deepseek-ai/DeepSeek-V2-Lite
+VOCAB_SIZE=102400
+# the layout, data, training and launch arguments every recipe shares
+source "$(dirname "${BASH_SOURCE[0]}")/common.bash"
