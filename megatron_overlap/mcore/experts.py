@@ -40,6 +40,7 @@ from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron.core.utils import get_pg_rank, get_pg_size
 
 from ..kernels.swiglu import weighted_swiglu
+from ..ops import grouped_mm_accepts
 from ..ops.config import interpreting
 
 
@@ -58,7 +59,10 @@ def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int] | No
     with torch._grouped_mm the host need not know them; their sum may be below T, the
     rows past it padding). Returns [T, out] in x's dtype (padding rows unspecified).
     """
-    if _grouped_mm_ok(x) and x.shape[0]:  # no rows: the loop keeps the autograd graph
+    # (no rows: the loop keeps the autograd graph; a layout breaking torch's 16-byte
+    # stride rule, e.g. hidden 36 in bf16, would crash inside it: the loop too)
+    if (_grouped_mm_ok(x) and x.shape[0] and grouped_mm_accepts(x)
+            and grouped_mm_accepts(weight.transpose(1, 2))):
         if counts is None:  # (clamped: counts past T, which only a router breaking its
             # top-k could give, must not make the GEMM read past x; the caller redoes it)
             offs = torch.cumsum(device_counts, 0, dtype=torch.int32).clamp_(max=x.shape[0])
