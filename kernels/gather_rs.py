@@ -76,7 +76,7 @@ import triton
 import triton.language as tl
 from triton.runtime.jit import JITFunction
 
-from .gemm2 import column_alignment, next_pow2, split_width
+from .gemm2_layout import column_alignment, next_pow2, split_width
 from .launch_cache import LaunchCache
 
 ERR_READY_TIMEOUT = 1

@@ -40,6 +40,8 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+# (ops/buffer.py and the tests also read the split geometry here, as `gemm2.split_width`)
+from .gemm2_layout import column_alignment, next_pow2, operands, split_col_tiles, split_width
 from .launch_cache import LaunchCache, descriptor
 
 
@@ -114,14 +116,6 @@ def grouped_gemm2_kernel(
         tl.atomic_add(ready_ptr + split, 1, sem="release", scope="gpu")
 
 
-def column_alignment(hidden: int, splits: int, width: int | None = None) -> int:
-    """The largest power of two (<= 16) dividing N and the split width (`width`, default
-    ceil(N/L)): the column masks are constant over that many elements, so loads and
-    stores vectorize."""
-    both = hidden | (width or split_width(hidden, splits))
-    return min(16, both & -both)
-
-
 def expert_offsets(counts: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """row_start [E+1] and tile_start [E+1] (int32, on counts' device), no host sync."""
     counts = counts.to(torch.int32)
@@ -165,35 +159,6 @@ def packed_offsets_host(counts: list[int], block_m: int, device) -> tuple[torch.
     if str(device).startswith("cuda"):
         host = host.pin_memory()
     return host.to(device, non_blocking=True), tiles[-1]
-
-
-def next_pow2(n: int) -> int:
-    """The smallest power of two >= n (>= 1); plain Python: it runs on the launch path,
-    where `triton.next_power_of_2` costs a few microseconds per call."""
-    return 1 << max(0, (n - 1).bit_length())
-
-
-def split_width(hidden: int, splits: int) -> int:
-    """sw = ceil(N / L), the model's split width."""
-    return -(-hidden // splits)
-
-
-def split_col_tiles(hidden: int, splits: int, width: int, block_n: int) -> tuple[int, int]:
-    """(column tiles of every split but the last, of the last) for split width `width`."""
-    last = hidden - (splits - 1) * width
-    if not 0 < last <= width:
-        raise ValueError(f"split width {width} leaves {last} columns of N={hidden} to the "
-                         f"last of {splits} splits: it must hold 1..{width}")
-    return -(-width // block_n), -(-last // block_n)
-
-
-def operands(weight, y, row_start, tile_start, ready, splits, dest, width=None) -> tuple:
-    """Both GEMM2 kernels' arguments after the two tensor descriptors (`width`: the
-    split width, default ceil(N/L))."""
-    num_experts, hidden, k = weight.shape
-    return (y, row_start, tile_start, ready, dest if dest is not None else row_start,
-            num_experts, k, hidden, width or split_width(hidden, splits), splits, y.shape[0],
-            y.stride(0), y.stride(1))
 
 
 def _gemm2_args(x, weight, y, row_start, tile_start, ready, splits, block_m, block_n,

@@ -31,7 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, war
                                                                warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .gemm2 import column_alignment, operands
+from .gemm2_layout import column_alignment, operands
 from .launch_cache import LaunchCache, descriptor
 
 # (Triton 3.6 names the partition-wide barrier thread_barrier, 3.7 barrier)

@@ -18,14 +18,12 @@ JIT) and then launches the binary it got; `TRITON_INTERPRET=1` or
 
 from __future__ import annotations
 
-import ctypes
-import functools
-
 import torch
 import triton
 from triton import knobs
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from .. import cuda_driver
 from ..env import env_bool
 
 try:  # Gluon's descriptor also carries its shared-memory layout, part of the key
@@ -118,31 +116,16 @@ def _no_launch_hooks() -> bool:
                for h in (rt.launch_enter_hook, rt.launch_exit_hook))
 
 
-#: CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT (cuda.h), in percent of the maximum
-_CARVEOUT_ATTRIBUTE = 9
-
-
-@functools.lru_cache(maxsize=1)
-def libcuda():
-    """The CUDA driver library, loaded once (None without an NVIDIA driver)."""
-    try:
-        return ctypes.CDLL("libcuda.so.1")
-    except OSError:
-        return None
-
-
 def prefer_max_shared(binary) -> None:
     """Ask the driver to configure an SM running this kernel with the largest shared-memory
     carveout. An SM runs CTAs of several kernels only under one L1/shared split: without
     this the driver gives a kernel that needs little shared memory (GatherRS: 4 KB) a small
     carveout, and no GEMM2 CTA (~100 KB each) can join an SM one of its CTAs runs on until
     it exits, which for a CTA waiting on GEMM2's flags is never (a time-out)."""
-    lib = libcuda()
-    if lib is None:  # no NVIDIA driver (another backend): nothing to configure
-        return
-    rc = lib.cuFuncSetAttribute(ctypes.c_void_p(binary.function), _CARVEOUT_ATTRIBUTE, 100)
-    if rc != 0:
-        raise RuntimeError(f"cuFuncSetAttribute(PREFERRED_SHARED_MEMORY_CARVEOUT) failed: {rc}")
+    # (sets nothing without an NVIDIA driver: another backend)
+    cuda_driver.set_function_attribute(binary.function,
+                                       cuda_driver.PREFERRED_SHARED_MEMORY_CARVEOUT, 100,
+                                       "PREFERRED_SHARED_MEMORY_CARVEOUT")
 
 
 class LaunchCache:

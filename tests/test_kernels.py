@@ -686,6 +686,7 @@ def test_gather_binaries_ask_the_driver_for_the_largest_shared_carveout(monkeypa
     SM allows only under one L1/shared split: every GatherRS binary the launch cache loads
     asks for the largest carveout (CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT =
     9, 100%); a driver error is raised, and without an NVIDIA driver nothing is asked."""
+    from megatron_overlap import cuda_driver
     from megatron_overlap.kernels import launch_cache as lc
 
     calls = []
@@ -701,13 +702,13 @@ def test_gather_binaries_ask_the_driver_for_the_largest_shared_carveout(monkeypa
         function = 1234
 
     driver = FakeDriver()
-    monkeypatch.setattr(lc, "libcuda", lambda: driver)
+    monkeypatch.setattr(cuda_driver, "libcuda", lambda: driver)
     lc.prefer_max_shared(Binary())
     assert calls == [(1234, 9, 100)]
     driver.rc = 1
     with pytest.raises(RuntimeError, match="PREFERRED_SHARED_MEMORY_CARVEOUT"):
         lc.prefer_max_shared(Binary())
-    monkeypatch.setattr(lc, "libcuda", lambda: None)
+    monkeypatch.setattr(cuda_driver, "libcuda", lambda: None)
     lc.prefer_max_shared(Binary())  # no driver: no call, no error
     assert len(calls) == 2
     assert grs._GATHER_RS.max_shared and not gemm2._GEMM2.max_shared

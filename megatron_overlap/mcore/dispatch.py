@@ -31,8 +31,7 @@ import math
 
 import torch
 
-from ..kernels.gather_rows import gather_rows
-from ..ops.config import interpreting
+from ..ops import gather_rows, interpreting
 
 #: Pad the permutation to a bound only while the bound is at most this many times the
 #: rows a uniform routing gives (EP x min(top-k, local experts) / top-k): beyond it the

@@ -39,9 +39,7 @@ from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron.core.utils import get_pg_rank, get_pg_size
 
-from ..kernels.swiglu import weighted_swiglu
-from ..ops import grouped_mm_accepts
-from ..ops.config import interpreting
+from ..ops import grouped_mm_accepts, interpreting, weighted_swiglu
 
 
 def _grouped_mm_ok(x: torch.Tensor) -> bool:

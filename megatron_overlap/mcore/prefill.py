@@ -40,8 +40,8 @@ import torch
 import torch.distributed as dist
 
 from ..stats import bootstrap_ci
+from ..ops import CapturedCall
 from .args import add_moe_overlap_args, overlap_config_from_args
-from ..ops.capture import CapturedCall
 from .layer import OverlapMoELayer, fused_at_every_size, set_overlap_enabled
 from .models import CONFIGS, IMPLS, build_model
 

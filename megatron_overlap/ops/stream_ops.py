@@ -18,7 +18,7 @@ import ctypes
 
 import torch
 
-from ..kernels.launch_cache import libcuda
+from ..cuda_driver import libcuda
 from ..env import env_bool
 
 

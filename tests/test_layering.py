@@ -1,0 +1,168 @@
+"""The package's layers import one way (docs/DESIGN.md, "Layout"):
+
+    planner (stdlib only) <- kernels (torch, triton) <- ops <- mcore (ops' public names)
+
+read from the source with `ast` (nothing is imported), function-level imports included:
+a lazy import is still a dependency. The CUDA driver binding (`megatron_overlap/
+cuda_driver.py`) is a stdlib-only leaf that kernels and ops both use.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = "megatron_overlap"
+
+#: mcore modules that still import below the public ops API, with exactly the modules
+#: they import, until their owner moves them to `megatron_overlap.ops` (issue 30, item 3).
+#: The test fails when an entry is no longer accurate: empty it as the file is fixed.
+PENDING = {
+    "megatron_overlap/mcore/layer.py": {
+        "megatron_overlap.kernels.gated_add",
+        "megatron_overlap.ops.config",
+        "megatron_overlap.ops.validation",
+    },
+}
+
+
+def _module_files() -> dict[str, Path]:
+    """Every module of the package by dotted name (`kernels/` is installed as
+    megatron_overlap.kernels, pyproject.toml's package-dir)."""
+    files = {}
+    for base, dotted in ((ROOT / PKG, PKG), (ROOT / "kernels", f"{PKG}.kernels")):
+        for path in sorted(base.rglob("*.py")):
+            parts = list(path.relative_to(base).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            files[".".join([dotted, *parts])] = path
+    return files
+
+
+MODULES = _module_files()
+
+
+def imports_of(source: str, module: str, is_package: bool, known=MODULES) -> set[str]:
+    """Absolute names of the modules `source` (module `module`) imports anywhere, with
+    `from package import name` resolved to package.name where that is a known module."""
+    package = module if is_package else module.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                anchor = ".".join(parts[:len(parts) - node.level + 1])
+                base = f"{anchor}.{base}" if base else anchor
+            found.add(base)
+            found.update(f"{base}.{a.name}" for a in node.names if f"{base}.{a.name}" in known)
+    found.discard("__future__")
+    return found
+
+
+def _imports(module: str) -> set[str]:
+    path = MODULES[module]
+    return imports_of(path.read_text(), module, path.name == "__init__.py")
+
+
+def _under(package: str) -> list[str]:
+    return [m for m in MODULES if m == package or m.startswith(package + ".")]
+
+
+def _rel(module: str) -> str:
+    return MODULES[module].relative_to(ROOT).as_posix()
+
+
+def _is(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def _below_public_ops(name: str) -> bool:
+    return _is(name, f"{PKG}.kernels") or name.startswith(f"{PKG}.ops.")
+
+
+def test_the_import_scan_resolves_relative_submodule_and_lazy_imports():
+    known = {"p.c.a", "p.c.a.sub", "p.c.b", "p.d"}
+    source = ("from . import b, name\nfrom .a import thing\nfrom .. import d\nimport os\n"
+              "def f():\n    from .a import sub\n")
+    want = {"p.c", "p.c.b", "p.c.a", "p.c.a.sub", "p", "p.d", "os"}
+    assert imports_of(source, "p.c.m", False, known) == want
+    assert imports_of(source, "p.c", True, known) == want  # (an __init__: its own package)
+
+
+def test_mcore_imports_only_the_public_ops_api():
+    """No mcore module reaches a kernel or an ops submodule; `megatron_overlap.ops` (its
+    __init__'s names) is the one way in. PENDING lists what is not moved yet, exactly."""
+    found = {}
+    for module in _under(f"{PKG}.mcore"):
+        bad = {n for n in _imports(module) if _below_public_ops(n)}
+        if bad or _rel(module) in PENDING:
+            found[_rel(module)] = bad
+    stale = {f: sorted(PENDING[f] - found.get(f, set())) for f in PENDING
+             if PENDING[f] - found.get(f, set())}
+    assert not stale, f"no longer imported (remove them from PENDING): {stale}"
+    new = {f: sorted(bad - PENDING.get(f, set())) for f, bad in found.items()
+           if bad - PENDING.get(f, set())}
+    assert not new, (f"mcore imports kernels or private ops modules (export what it needs "
+                     f"from megatron_overlap/ops/__init__.py instead): {new}")
+
+
+def test_kernels_never_import_ops_mcore_or_megatron():
+    bad = {_rel(m): sorted(n for n in _imports(m)
+                           if _is(n, f"{PKG}.ops") or _is(n, f"{PKG}.mcore")
+                           or _is(n, "megatron"))
+           for m in _under(f"{PKG}.kernels")}
+    assert not {f: b for f, b in bad.items() if b}
+
+
+def _stdlib_only(package: str) -> dict[str, list[str]]:
+    bad = {_rel(m): sorted(n for n in _imports(m) if not _is(n, package)
+                           and n.partition(".")[0] not in sys.stdlib_module_names)
+           for m in _under(package)}
+    return {f: b for f, b in bad.items() if b}
+
+
+def test_planner_imports_only_the_stdlib():
+    assert not _stdlib_only(f"{PKG}.planner")
+
+
+def test_cuda_driver_binding_imports_only_the_stdlib():
+    assert not _stdlib_only(f"{PKG}.cuda_driver")
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of `graph` (module -> the modules it imports), or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node):
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_cycle_finder_finds_a_two_module_cycle():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+    assert _cycle({"a": {"b"}, "b": {"a"}}) == ["a", "b", "a"]
+
+
+def test_kernels_have_no_import_cycle():
+    kernels = set(_under(f"{PKG}.kernels"))
+    graph = {m: (_imports(m) & kernels) - {m} for m in kernels}
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph))
