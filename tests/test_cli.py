@@ -19,7 +19,8 @@ def test_plan_json_has_the_contract_keys():
     out = run(PLAN + ["--json"])
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
-    for key in ("comm_ctas", "reservation", "compute_slots", "predicted", "solver_us"):
+    for key in ("comm_ctas", "reservation", "compute_slots", "predicted", "solver_us",
+                "solver_first_us"):
         assert key in result
     assert [p["C"] for p in result["predicted"]] == list(range(1, 17))
     best = min(p["T"] for p in result["predicted"])

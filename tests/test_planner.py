@@ -131,6 +131,9 @@ def test_cache_returns_the_uncached_answer_and_keys_on_tile_counts():
     assert a == plan(Workload(4096, 2048, 704, 2, 2, (130, 1, 256)), K, DEV, CAL)
     c = cache.decide_tiles(expert_row_tiles([130, 1, 256], 128), 4096, 2048, 704, 2, 2, 3)
     assert c is a
+    # a miss from row tiles plans as the counts would, whatever the local expert count
+    for experts in (1, 3, 64):
+        assert PlanCache(K, DEV, CAL).decide_tiles(5, 4096, 2048, 704, 2, 2, experts) == a
     with pytest.raises(ValueError, match="expert_counts"):
         cache.decide(4096, 2048, 704, 2, 2, [-200, 1])
 
@@ -209,6 +212,69 @@ def test_curve_properties(w, kernel, sms, c_max, c_sat):
     tied = [c for c, t in d.curve if t - t_min <= 1e-9 * t_min]
     delta = {c: math.ceil(d.w_comp / p) * p - d.w_comp for (c, _), p in zip(d.curve, slots)}
     assert d.comm_ctas == min(tied, key=lambda c: (delta[c], c))
+
+
+def reference_decision(w, kernel, device, calib):
+    """Algorithm 1 by the literal recurrence: `makespan` at every legal C, ties as the
+    model's doc says (shared: the larger C; partition: the least Delta_comp, then C)."""
+    from megatron_overlap.planner.model import comm_tiles, compute_tiles, service_ratio, tail_ctas
+
+    g = device.available_sms
+    shared = kernel.shared_sms
+    cs = range(1, g + 1) if shared else [
+        c for c in range(1, calib.c_max + 1) if compute_slots(c, kernel, device) > 0]
+    top = max(calib.c_max, g) if shared else calib.c_max
+    w_comp, w_comm = compute_tiles(w, kernel), comm_tiles(w, kernel)
+    rho = service_ratio(w, kernel, calib)
+    ts = {c: makespan(w_comp, w_comm, compute_slots(c, kernel, device), c, w.splits, rho,
+                      calib.c_sat, tail_ctas(c, kernel, device, top), calib.overlap_factor)
+          for c in cs}
+    t_min = min(ts.values())
+    tied = [c for c, t in ts.items() if t - t_min <= 1e-9 * t_min]
+    if shared:
+        return max(tied), ts
+
+    def delta_comp(c):
+        p = compute_slots(c, kernel, device)
+        return math.ceil(w_comp / p) * p - w_comp
+
+    return min(tied, key=lambda c: (delta_comp(c), c)), ts
+
+
+any_kernels = st.builds(KernelSpec, st.sampled_from([16, 64, 128]), st.sampled_from([16, 128, 256]),
+                        st.sampled_from([1, 8, 64, 128]), st.sampled_from([16, 512, 1024]),
+                        st.integers(1, 3), st.integers(1, 4), st.booleans(), st.booleans())
+calibrations = st.builds(
+    Calibration, rho_ref=st.one_of(st.sampled_from([0.5, 1.0, 1.59, 10.05]), st.floats(0.01, 60)),
+    k_ref=st.sampled_from([352, 704]), tm_ref=st.just(128), tn_ref=st.just(128),
+    d_ref=st.integers(1, 4), c_max=st.integers(1, 200),
+    c_sat=st.one_of(st.none(), st.floats(0.5, 80)),
+    overlap_factor=st.one_of(st.none(), st.sampled_from([1.0, 1.7]), st.floats(0.3, 3)),
+    k_epi=st.one_of(st.none(), st.just(971.4)))
+
+
+@settings(max_examples=600, deadline=None)
+@given(workloads, any_kernels, st.integers(2, 200), calibrations)
+def test_closed_forms_decide_exactly_as_the_recurrence_in_both_placements(w, kernel, sms,
+                                                                          calib):
+    """The fast paths (closed-form T(C); C* = G without the curve in the shared placement)
+    against `makespan` at every C: the same C*, every T(C) within 1e-12 relative, and
+    T(C*) the curve's own value."""
+    device = DeviceSpec("d", sms)
+    try:
+        best, ts = reference_decision(w, kernel, device, calib)
+    except ValueError:  # (no legal C: the planner raises too)
+        with pytest.raises(ValueError):
+            plan(w, kernel, device, calib)
+        return
+    d = plan(w, kernel, device, calib)
+    assert d.comm_ctas == best
+    assert [c for c, _ in d.curve] == list(ts)
+    for c, t in d.curve:
+        assert t == pytest.approx(ts[c], rel=1e-12, abs=0)
+    assert d.predicted == dict(d.curve)[best]
+    if w.splits <= 2 and (kernel.shared_sms or kernel.tail_helpers):
+        assert all(t == ts[c] for c, t in d.curve)  # one or two splits: the recurrence's sums
 
 
 def test_saturation_term_adds_a_c_independent_service_floor():
@@ -368,6 +434,18 @@ def test_shared_placement_reserves_no_sm_and_puts_a_comm_cta_on_every_sm():
 def test_shared_placement_flag_must_be_a_bool():
     with pytest.raises(ValueError, match="shared_sms must be a bool"):
         KernelSpec(128, 128, 8, 512, 2, 5, shared_sms=1)
+
+
+def test_plan_curve_reads_as_a_tuple_and_plans_compare_pickle_and_replace_as_before():
+    import pickle
+
+    w = Workload(65536, 2048, 704, 2, 4, (4369,) * 60, topk=4)
+    d = plan(w, SHARED, H200, CAL)
+    assert type(d.curve) is tuple and len(d.curve) == 132 and d.curve[0][0] == 1
+    assert d == plan(w, SHARED, H200, CAL) and hash(d) == hash(plan(w, SHARED, H200, CAL))
+    assert pickle.loads(pickle.dumps(d)) == d and pickle.loads(pickle.dumps(d)).curve == d.curve
+    assert d._asdict()["curve"] == d.curve and d._replace(source="user").curve == d.curve
+    assert repr(d.curve) in repr(d)
 
 
 def test_two_gemm2_ctas_and_one_small_gather_cta_share_an_sm_exactly():

@@ -1,27 +1,85 @@
 """Planner decision time in microseconds: cold (the full model) and cached.
 
-    python tools/bench_planner.py [--json out.json]
+    python tools/bench_planner.py [--json out.json] [--cli-runs N]
 
-Cold: `plan()` on a validated Workload (the solver, as the CLI's `solver_us`), and
-end to end from a list of per-expert counts (validation + tile reduction + solve).
-Cached: `PlanCache.decide_tiles` (the look-up the op does once it holds the row-tile
-count) and `PlanCache.decide` from raw counts (adds the O(E) reduction of the counts).
+Three planner configurations, each on the three models (B=4, S=4096, TP2, D=2, p90-like
+routing, every expert local):
+  * a100-paper: the paper's preset, partition placement (16 candidates of C);
+  * h200 op: what the op plans every launch with on an H200 (ops.buffer.plan_cache):
+    the shipped calibration (overlap factor f included), GPU_TILES' shared placement
+    (KernelSpec.shared_sms: C = 1..132) with the tail helpers, each L's own comm tile
+    (TileConfig.comm_shape), local_topk = k (TP), at the L the op ranks best;
+  * h200 op ranking: the model the op ranks L with (ranking_calibration, no tail helpers).
+Cold: `plan()` on a validated Workload (the solver, as the CLI's `solver_us`), and end
+to end from a list of per-expert counts (validation + tile reduction + solve). Cached:
+`PlanCache.decide_tiles` (the look-up the op does once it holds the row-tile count) and
+`PlanCache.decide` from raw counts (adds the O(E) reduction of the counts). op_miss (h200
+op only): what a launch plans when every cache misses (ops.planning.planned):
+`rank_splits` over L = 1, 2, 4 under the ranking model, then the chosen L under the full
+one, each through a new PlanCache's `decide_tiles` (the op's caches persist: a new one
+costs about 0.5 us more than the op pays).
 Each figure is the median over 21 batches of 2000 calls (min in brackets): this machine
-is shared and noisy, so the median of batch means is the stable number.
+is shared and noisy, so the median of batch means is the stable number. Before timing,
+each configuration's curve is checked against the literal recurrence (`makespan`).
+
+Then the CLI: `solver_us` as `python -m megatron_overlap plan ... --json` reports it, one
+fresh interpreter per run (median [min] over --cli-runs runs).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import functools
 import json
 import platform
 import statistics
+import subprocess
 import sys
 import time
+from dataclasses import dataclass
 
-from megatron_overlap.planner import A100_PAPER, PlanCache, Workload, expert_row_tiles, plan
+from megatron_overlap.ops.config import GPU_TILES, kernel_spec
+from megatron_overlap.ops.planning import rank_splits
+from megatron_overlap.planner import (A100_PAPER, Calibration, DeviceSpec, KernelSpec,
+                                      PlanCache, Workload, compute_slots, expert_row_tiles,
+                                      get_preset, makespan, plan, ranking_calibration)
+from megatron_overlap.planner.model import tail_ctas
 from megatron_overlap.routing import expert_counts, route
 from megatron_overlap.shapes import MODELS
+
+TOKENS, WORLD, TP = 4 * 4096, 2, 2
+
+
+@dataclass(frozen=True)
+class Config:
+    """One planner configuration; `op` builds the kernel per L as the op does."""
+
+    name: str
+    kernel: KernelSpec
+    device: DeviceSpec
+    calib: Calibration
+    op: bool = False  # comm tile per L from GPU_TILES, shared placement
+
+    @functools.lru_cache(maxsize=None)  # (the op's buffer keeps one spec per kernel)
+    def kernel_at(self, hidden: int, topk: int, splits: int) -> KernelSpec:
+        if not self.op:
+            return self.kernel
+        comm_tm, comm_tn = GPU_TILES.comm_shape(topk, -(-hidden // splits))
+        return kernel_spec(GPU_TILES, comm_tm, comm_tn, self.kernel.o_comp, self.kernel.o_comm,
+                           self.kernel.tail_helpers, shared_sms=True)
+
+
+def configs() -> list[Config]:
+    h200 = get_preset("h200")
+    op = dataclasses.replace(h200.kernel, tail_helpers=True)
+    return [
+        Config("a100-paper", A100_PAPER.kernel, A100_PAPER.device, A100_PAPER.calibration),
+        Config("h200 op", op, h200.device, h200.calibration, op=True),
+        # (last: bench_row ranks L with it)
+        Config("h200 op ranking", h200.kernel, h200.device,
+               ranking_calibration(h200.calibration), op=True),
+    ]
 
 
 def per_call_us(fn, calls: int = 2000, batches: int = 21) -> tuple[float, float]:
@@ -34,45 +92,114 @@ def per_call_us(fn, calls: int = 2000, batches: int = 21) -> tuple[float, float]
     return statistics.median(samples), min(samples)
 
 
+def check_against_recurrence(w: Workload, kernel: KernelSpec, device: DeviceSpec,
+                             calib: Calibration) -> None:
+    """The plan's T(C) against `makespan` at every C (1e-12), C* among its least."""
+    d = plan(w, kernel, device, calib)
+    top = max(calib.c_max, device.available_sms) if kernel.shared_sms else calib.c_max
+    ref = {c: makespan(d.w_comp, d.w_comm, compute_slots(c, kernel, device), c, w.splits,
+                       d.rho, calib.c_sat, tail_ctas(c, kernel, device, top),
+                       calib.overlap_factor) for c, _ in d.curve}
+    assert all(abs(t - ref[c]) <= 1e-12 * ref[c] for c, t in d.curve), "curve != recurrence"
+    t_min = min(ref.values())
+    assert ref[d.comm_ctas] - t_min <= 1e-9 * t_min and d.predicted == dict(d.curve)[d.comm_ctas]
+
+
+def bench_row(cfg: Config, ranking: Config, shape) -> dict:
+    """One configuration on one model; `ranking` ranks L where `cfg` is the op's."""
+    counts = expert_counts(route(TOKENS, shape.experts, shape.topk, "p90"), shape.experts)
+    counts = counts.tolist()
+    k, topk, local_topk = shape.ffn_per_rank(TP), shape.topk, float(shape.topk)
+
+    def workload(splits: int) -> Workload:
+        return Workload(TOKENS, shape.hidden, k, WORLD, splits, counts, topk=topk,
+                        local_topk=local_topk)
+
+    def ranked_splits() -> int:  # ops.planning.rank_splits as `planned` calls it
+        return rank_splits(shape.hidden, lambda cand: plan(
+            workload(cand), ranking.kernel_at(shape.hidden, topk, cand), ranking.device,
+            ranking.calib).predicted)
+
+    row_tiles = expert_row_tiles(counts, GPU_TILES.block_m)
+
+    def op_miss() -> int:  # ops.planning.planned where every cache misses
+        def decide(c: Config, splits: int):  # plan_splits: a (new) cache per kernel
+            return PlanCache(c.kernel_at(shape.hidden, topk, splits), c.device, c.calib
+                             ).decide_tiles(row_tiles, TOKENS, shape.hidden, k, WORLD, splits,
+                                            len(counts), topk=topk, local_topk=local_topk)
+
+        chosen = rank_splits(shape.hidden, lambda cand: decide(ranking, cand).predicted)
+        return decide(cfg, chosen).comm_ctas
+
+    splits = ranked_splits() if cfg.op else shape.default_splits
+    kernel, device, calib = cfg.kernel_at(shape.hidden, topk, splits), cfg.device, cfg.calib
+    w = workload(splits)
+    check_against_recurrence(w, kernel, device, calib)
+    cache = PlanCache(kernel, device, calib)
+    tiles = expert_row_tiles(counts, kernel.tile_m)
+    decide = dict(topk=topk, local_topk=local_topk)
+    cache.decide(TOKENS, shape.hidden, k, WORLD, splits, counts, **decide)
+    row = {
+        "config": cfg.name, "model": shape.name, "experts": len(counts), "splits": splits,
+        "C*": plan(w, kernel, device, calib).comm_ctas,
+        "cold_solver_us": per_call_us(lambda: plan(w, kernel, device, calib)),
+        "cold_from_counts_us": per_call_us(lambda: plan(workload(splits), kernel, device,
+                                                        calib)),
+        "cached_tiles_us": per_call_us(lambda: cache.decide_tiles(
+            tiles, TOKENS, shape.hidden, k, WORLD, splits, len(counts), **decide)),
+        "cached_from_counts_us": per_call_us(lambda: cache.decide(
+            TOKENS, shape.hidden, k, WORLD, splits, counts, **decide)),
+    }
+    if cfg.name == "h200 op":
+        row["op_miss_us"] = per_call_us(op_miss, calls=500)
+    return row
+
+
+CLI_CASES = {  # the README's example, and the h200 preset with the op's tail helpers
+    "a100-paper": ["--preset", "a100-paper", "--world", "4", "--splits", "2"],
+    "h200 --tail-helpers": ["--preset", "h200", "--world", "2", "--topk", "4",
+                            "--tail-helpers"],
+}
+
+
+def cli_solver_us(extra: list[str], runs: int) -> dict[str, tuple[float, float]]:
+    """solver_us and solver_first_us (the fresh interpreter's first call) of the CLI."""
+    cmd = [sys.executable, "-m", "megatron_overlap", "plan", "--tokens", "16384", "--hidden",
+           "2048", "--ffn", "704", "--expert-counts", "120,0,77,1000,3000", "--json", *extra]
+    outs = [json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
+            for _ in range(runs)]
+    return {key: (statistics.median(o[key] for o in outs), min(o[key] for o in outs))
+            for key in ("solver_us", "solver_first_us") if key in outs[0]}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--cli-runs", type=int, default=11, help="fresh CLI processes per case")
     args = ap.parse_args()
-    pr = A100_PAPER
-    rows = []
-    for key, shape in MODELS.items():
-        tokens, world, tp = 4 * 4096, 2, 2
-        counts = expert_counts(route(tokens, shape.experts, shape.topk, "p90"), shape.experts)
-        counts = counts.tolist()
-        k = shape.ffn_per_rank(tp)
-        w = Workload(tokens, shape.hidden, k, world, shape.default_splits, counts)
-        cache = PlanCache(pr.kernel, pr.device, pr.calibration)
-        tiles = expert_row_tiles(counts, pr.kernel.tile_m)
-        cache.decide(tokens, shape.hidden, k, world, shape.default_splits, counts)
-        r = {
-            "model": shape.name, "experts": len(counts), "splits": shape.default_splits,
-            "cold_solver_us": per_call_us(lambda: plan(w, pr.kernel, pr.device, pr.calibration)),
-            "cold_from_counts_us": per_call_us(lambda: plan(
-                Workload(tokens, shape.hidden, k, world, shape.default_splits, counts),
-                pr.kernel, pr.device, pr.calibration)),
-            "cached_tiles_us": per_call_us(lambda: cache.decide_tiles(
-                tiles, tokens, shape.hidden, k, world, shape.default_splits, len(counts))),
-            "cached_from_counts_us": per_call_us(lambda: cache.decide(
-                tokens, shape.hidden, k, world, shape.default_splits, counts)),
-        }
-        rows.append(r)
+    cfgs = configs()
+    rows = [bench_row(cfg, cfgs[-1], shape) for cfg in cfgs for shape in MODELS.values()]
+    cli = {name: cli_solver_us(extra, args.cli_runs) for name, extra in CLI_CASES.items()}
     cpu = platform.processor() or platform.machine()
-    print(f"python {sys.version.split()[0]} on {cpu}, preset {pr.name} (C_max="
-          f"{pr.calibration.c_max}); median [min] us per decision")
-    cols = ["cold_solver_us", "cold_from_counts_us", "cached_tiles_us", "cached_from_counts_us"]
-    print("| model | E | L | " + " | ".join(c.removesuffix("_us") for c in cols) + " |")
-    print("|---|---|---|" + "---|" * len(cols))
+    print(f"python {sys.version.split()[0]} on {cpu}; median [min] us per decision")
+    cols = ["cold_solver_us", "cold_from_counts_us", "cached_tiles_us",
+            "cached_from_counts_us", "op_miss_us"]
+    print("| config | model | E | L | C* | " + " | ".join(c.removesuffix("_us") for c in cols)
+          + " |")
+    print("|---|---|---|---|---|" + "---|" * len(cols))
     for r in rows:
-        cells = " | ".join(f"{r[c][0]:.2f} [{r[c][1]:.2f}]" for c in cols)
-        print(f"| {r['model']} | {r['experts']} | {r['splits']} | {cells} |")
+        cells = " | ".join(f"{r[c][0]:.2f} [{r[c][1]:.2f}]" if c in r else "" for c in cols)
+        print(f"| {r['config']} | {r['model']} | {r['experts']} | {r['splits']} | {r['C*']} "
+              f"| {cells} |")
+    print(f"\nCLI `plan --json` (one fresh interpreter per run, {args.cli_runs} runs)")
+    print("| case | solver_us | solver_first_us |\n|---|---|---|")
+    for name, found in cli.items():
+        cells = " | ".join(f"{found[key][0]:.1f} [{found[key][1]:.1f}]" if key in found else ""
+                           for key in ("solver_us", "solver_first_us"))
+        print(f"| {name} | {cells} |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"python": sys.version, "rows": rows}, f, indent=1)
+            json.dump({"python": sys.version, "rows": rows, "cli_solver_us": cli}, f, indent=1)
     return 0
 
 

@@ -49,8 +49,9 @@ class PlanCache:
     ) -> Plan:
         """The plan from sum_e ceil(M_e / TM) directly, for callers that hold it already.
 
-        On a miss the tiles stand for `local_experts` experts with counts that give the
-        same sum, which gives the same W_comp and therefore the same plan.
+        On a miss the tiles stand for one expert of row_tiles * TM rows: the same sum,
+        so the same W_comp and the same plan for any `local_experts` (which the model
+        never reads), without an O(E) list to build, validate and reduce again.
         """
         key = (row_tiles, tokens, hidden, ffn, world, splits, groups, topk, local_topk,
                comm_ctas, enabled)
@@ -58,10 +59,8 @@ class PlanCache:
         if found is None:
             if row_tiles < 0 or local_experts < 1:
                 raise ValueError("row_tiles must be >= 0 and local_experts >= 1")
-            base, extra = divmod(row_tiles, local_experts)
-            counts = [(base + (e < extra)) * self.kernel.tile_m for e in range(local_experts)]
-            workload = Workload(tokens, hidden, ffn, world, splits, counts, groups, topk,
-                                local_topk)
+            workload = Workload(tokens, hidden, ffn, world, splits,
+                                (row_tiles * self.kernel.tile_m,), groups, topk, local_topk)
             found = self._store(key, workload)
         else:
             self.hits += 1

@@ -72,6 +72,7 @@ instead, which planned better than the one-case fit (two H200s: 1.6%-1.7% mean r
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import time
 from dataclasses import dataclass
@@ -90,6 +91,8 @@ def _ceil(a: int, b: int) -> int:
 
 def _require_int(obj: object, name: str, minimum: int) -> None:
     value = getattr(obj, name)
+    if type(value) is int and value >= minimum:  # (the common case first: every launch)
+        return
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{type(obj).__name__}.{name} must be an int, got {value!r}")
     if value < minimum:
@@ -266,23 +269,66 @@ class Calibration:
         return (comm_us / comm_splits) / (comp_us / comp_waves)
 
 
-class Plan(NamedTuple):
-    """The launch decision and the model's view of it (times in compute waves).
+class _Curve:
+    """(C, T(C)) for C = 1, 2, ..., built when first read: a launch reads only C* and
+    T(C*), and in the shared placement C* needs no other T(C) (`_solve`).
 
-    A NamedTuple rather than a frozen dataclass: it is built before every launch that
-    misses the cache, and a tuple builds several times faster.
-    """
+    `ts` is the list of T(C), or a function that returns it (a functools.partial of a
+    module function, so that a Plan still pickles)."""
 
+    __slots__ = ("_ts", "_points")
+
+    def __init__(self, ts):
+        self._ts, self._points = ts, None
+
+    @property
+    def points(self) -> tuple[tuple[int, float], ...]:
+        if self._points is None:
+            ts = self._ts if isinstance(self._ts, list) else self._ts()
+            self._points = tuple(zip(range(1, len(ts) + 1), ts))
+        return self._points
+
+    # (so that Plans compare, hash and print as they did when they held the tuple)
+    def __eq__(self, other) -> bool:
+        return self.points == (other.points if isinstance(other, _Curve) else other)
+
+    def __hash__(self) -> int:
+        return hash(self.points)
+
+    def __repr__(self) -> str:
+        return repr(self.points)
+
+
+class _PlanFields(NamedTuple):
     comm_ctas: int  # C*
     reservation: int  # R(C*)
     compute_slots: int  # P(C*)
     splits: int  # L
     predicted: float  # T(C*)
-    curve: tuple[tuple[int, float], ...]  # (C, T(C)) for every legal C
+    curve: _Curve  # (C, T(C)) for every legal C; read as Plan.curve, a tuple
     w_comp: int
     w_comm: int
     rho: float
     source: str  # "model", "user" or "disabled"
+
+
+class Plan(_PlanFields):
+    """The launch decision and the model's view of it (times in compute waves).
+
+    A NamedTuple rather than a frozen dataclass: it is built before every launch that
+    misses the cache, and a tuple builds several times faster. `curve`, the tuple of
+    (C, T(C)) for every legal C, is computed when it is first read (a launch never does).
+    """
+
+    __slots__ = ()
+
+    @property
+    def curve(self) -> tuple[tuple[int, float], ...]:
+        held = self[5]  # the field behind the name this property shadows
+        return held.points if isinstance(held, _Curve) else held
+
+    def _asdict(self) -> dict:
+        return {**super()._asdict(), "curve": self.curve}
 
 
 def reservation(c: int, kernel: KernelSpec) -> int:
@@ -346,13 +392,19 @@ def service_time(w_comm: int, c: int, rho: float, c_sat: float | None = None) ->
 def makespan(w_comp: int, w_comm: int, p: int, c: int, splits: int, rho: float,
              c_sat: float | None = None, tail_ctas: int | None = None,
              overlap: float | None = None) -> float:
-    """T(C) = F_{L-1} of the split recurrence (eqs. 10-13), in compute waves.
+    """T(C) = F_{L-1} of the split recurrence (eqs. 10-13), in compute waves: the
+    reference that the closed form of `_curve` is tested against.
 
     `tail_ctas`: CTAs that serve the last split (C plus the tail helpers) after GEMM2, at
     rho; None = C. `overlap`: f on rho for the other splits (all of them without helpers).
     """
     q = service_time(w_comm, c, rho * (overlap or 1.0), c_sat)
     q_tail = q if tail_ctas is None else service_time(w_comm, tail_ctas, rho, c_sat)
+    return _recurrence(w_comp, p, splits, q, q_tail)
+
+
+def _recurrence(w_comp: int, p: int, splits: int, q: float, q_tail: float) -> float:
+    """F_s = max(A_s, F_{s-1}) + q (eq. 12), F_{-1} = 0, the last split at q_tail."""
     f = 0.0
     for s in range(splits):
         a_s = -(-(s + 1) * w_comp // p)
@@ -378,36 +430,78 @@ def tail_ctas(c: int, kernel: KernelSpec, device: DeviceSpec, c_max: int) -> int
     return min(c + device.available_sms - reservation(c, kernel), max(c, c_max))
 
 
-def _curve(w_comp: int, w_comm: int, rho: float, splits: int,
-           g: int, o_comp: int, o_comm: int, c_top: int,
-           c_sat: float | None = None) -> list[float]:
-    """T(C) for C = 1..c_top, equal to `makespan` for each C (tested), without its loop.
+def _service_times(w_comm: int, cs, rho: float, c_sat: float | None) -> list[float]:
+    """`service_time` for each C of `cs` (the same arithmetic), as one list."""
+    if c_sat is None:
+        return [rho * ((w_comm + c - 1) // c) for c in cs]
+    sat = w_comm / c_sat
+    return [rho * ((w_comm + c - 1) // c + sat) for c in cs]
 
-    Unrolled, F_{L-1} = max_s (A_s + (L - s) q), and A_s - A_{s-1} is floor(W_comp/P)
-    or ceil(W_comp/P): so the max sits at s = L-1 when q <= floor(W_comp/P), at s = 0
-    when q >= ceil(W_comp/P), and L <= 2 has no other term. Only q strictly between the
-    two, with L >= 3, needs the recurrence. This runs before every launch.
+
+def _curve(w_comp: int, w_comm: int, splits: int, cs, ps, rho: float, c_sat: float | None,
+           q_tails: list[float] | None = None) -> list[float]:
+    """T(C) for each C of `cs`, with P(C) from `ps`, q(C) = `service_time` at `rho` and
+    q_tail(C), the last split's, from `q_tails` (None: q): equal to `makespan` for each C
+    (tested), without its loop over the splits.
+
+    Unrolled, F_{L-1} = max_s (A_s + (L-1-s) q) + q_tail, and A_s - A_{s-1} is
+    floor(W_comp/P) or ceil(W_comp/P): so the max sits at s = L-1 when q <= floor(W_comp/P),
+    at s = 0 when q >= ceil(W_comp/P), and L <= 2 has no other term. Only q strictly
+    between the two, with L >= 3, needs the recurrence. This runs before every launch:
+    one loop, q inline (lists per quantity cost more at tens of C).
     """
+    lw, ts = splits * w_comp, []
+    sat = 0.0 if c_sat is None else w_comm / c_sat  # (0.0: exactly rho * waves, as eq. 11)
+    if q_tails is None:  # A_{L-1} + q against A_0 + L q (the partition's form since eq. 13)
+        for c, p in zip(cs, ps):
+            q = rho * ((w_comm + c - 1) // c + sat)
+            a, b = (lw + p - 1) // p + q, (w_comp + p - 1) // p + splits * q
+            ts.append(a if a > b else b)
+    else:  # max(A_{L-1}, A_0 + (L-1) q) + q_tail: for L <= 2 the recurrence's own sums
+        for c, p, q_tail in zip(cs, ps, q_tails):
+            q = rho * ((w_comm + c - 1) // c + sat)
+            a, b = (lw + p - 1) // p, (w_comp + p - 1) // p + (splits - 1) * q
+            ts.append((a if a > b else b) + q_tail)
+    if splits > 2:
+        for i, (c, p) in enumerate(zip(cs, ps)):
+            q = rho * ((w_comm + c - 1) // c + sat)
+            if w_comp // p < q < (w_comp + p - 1) // p:  # q strictly inside
+                ts[i] = _recurrence(w_comp, p, splits, q, q if q_tails is None else q_tails[i])
+    return ts
+
+
+def _partition_ts(w_comp: int, w_comm: int, rho: float, splits: int, kernel: KernelSpec,
+                  device: DeviceSpec, c_top: int, c_max: int, c_sat: float | None,
+                  overlap: float | None) -> tuple[list[float], range | list[int]]:
+    """T(C) and P(C) for C = 1..c_top in the partition placement."""
+    g, o_comp, o_comm = device.available_sms, kernel.o_comp, kernel.o_comm
     cs = range(1, c_top + 1)
     if o_comm == 1:  # P(C) = o_comp (G - C)
         ps = range(o_comp * (g - 1), o_comp * (g - c_top) - 1, -o_comp)
     else:
         ps = [o_comp * (g - (c + o_comm - 1) // o_comm) for c in cs]
-    qs = [rho * ((w_comm + c - 1) // c) for c in cs]
-    if c_sat is not None:
-        floor = rho * w_comm / c_sat
-        qs = [q + floor for q in qs]
-    lw = splits * w_comp
-    if splits == 1:
-        return [(lw + p - 1) // p + q for p, q in zip(ps, qs)]
-    last = [(lw + p - 1) // p + q for p, q in zip(ps, qs)]  # A_{L-1} + q
-    first = [(w_comp + p - 1) // p + splits * q for p, q in zip(ps, qs)]  # A_0 + L q
-    ts = [a if a > b else b for a, b in zip(last, first)]
-    if splits > 2:
-        for i, (p, q) in enumerate(zip(ps, qs)):
-            if w_comp // p < q < (w_comp + p - 1) // p:
-                ts[i] = makespan(w_comp, w_comm, p, i + 1, splits, rho, c_sat)
-    return ts
+    q_tails = None  # without tail helpers f scales every split alike
+    if kernel.tail_helpers:  # the last split: min(C + G - R(C), C_max) CTAs at rho (C <= C_max)
+        if o_comm == 1:  # C + G - R(C) = G for every C
+            q_tails = [service_time(w_comm, min(g, c_max), rho, c_sat)] * c_top
+        else:
+            tails = [min(c + g - (c + o_comm - 1) // o_comm, c_max) for c in cs]
+            q_tails = _service_times(w_comm, tails, rho, c_sat)
+    return _curve(w_comp, w_comm, splits, cs, ps, rho * (overlap or 1.0), c_sat, q_tails), ps
+
+
+def _shared_ts(cs, w_comp: int, w_comm: int, rho: float, splits: int, kernel: KernelSpec,
+               device: DeviceSpec, c_max: int, c_sat: float | None,
+               overlap: float | None) -> list[float]:
+    """T(C) for each C of `cs` in the shared placement (P = o_comp G for every C)."""
+    g, rho_f = device.available_sms, rho * (overlap or 1.0)
+    if kernel.tail_helpers:  # the last split: tail_ctas = min(C + G, max(C_max, G)), at rho
+        top = max(c_max, g)
+        q_tails = _service_times(w_comm, [min(c + g, top) for c in cs], rho, c_sat)
+    else:  # (q itself: the recurrence's own sums for L <= 2, as `makespan` adds them)
+        q_tails = _service_times(w_comm, cs, rho_f, c_sat)
+    return _curve(w_comp, w_comm, splits, cs, [kernel.o_comp * g] * len(cs), rho_f, c_sat,
+                  q_tails)
 
 
 def _finite_min(ts: list[float], rho: float) -> float:
@@ -420,43 +514,43 @@ def _finite_min(ts: list[float], rho: float) -> float:
     return t_min
 
 
-def solve(
-    w_comp: int, w_comm: int, rho: float, splits: int,
-    kernel: KernelSpec, device: DeviceSpec, c_max: int, c_sat: float | None = None,
-    overlap: float | None = None,
-) -> tuple[int, tuple[tuple[int, float], ...]]:
-    """Algorithm 1 on precomputed tile counts: C* and the T(C) curve."""
+def _solve(w_comp: int, w_comm: int, rho: float, splits: int, kernel: KernelSpec,
+           device: DeviceSpec, c_max: int, c_sat: float | None = None,
+           overlap: float | None = None) -> tuple[int, float, _Curve]:
+    """Algorithm 1 on precomputed tile counts: C*, T(C*) and the T(C) curve."""
     g, o_comp, o_comm = device.available_sms, kernel.o_comp, kernel.o_comm
-    if kernel.shared_sms:  # P = o_comp G for every C <= G; ties to the larger C
-        ts = [makespan(w_comp, w_comm, o_comp * g, c, splits, rho, c_sat,
-                       tail_ctas(c, kernel, device, max(c_max, g)), overlap)
-              for c in range(1, g + 1)]
-        t_min = _finite_min(ts, rho)
-        best = max(c for c, t in enumerate(ts, 1) if t - t_min <= _TIE_RTOL * t_min)
-        return best, tuple(zip(range(1, g + 1), ts))
+    args = (w_comp, w_comm, rho, splits, kernel, device)
+    if kernel.shared_sms:
+        # P = o_comp G for every C, and q(C), q_tail(C) never rise with C, nor then does
+        # T(C) (max and + round monotonically): T(G) is the least, ties go to the larger
+        # C, so C* = G. The other T(C) are computed only if the curve is read.
+        t_best = _finite_min(_shared_ts((g,), *args, c_max, c_sat, overlap), rho)
+        return g, t_best, _Curve(functools.partial(
+            _shared_ts, range(1, g + 1), *args, c_max, c_sat, overlap))
     c_top = min(c_max, o_comm * (g - 1))  # the largest C with P(C) > 0
     if c_top < 1:
         raise ValueError(
             f"DeviceSpec.sms: no legal C in 1..{c_max}: P(C) = {o_comp} * "
             f"({g} - R(C)) <= 0 for every C (G={g}, o_comm={o_comm})"
         )
-    if kernel.tail_helpers:  # the last split served by C + G - R(C): the loop, per C
-        ts = [makespan(w_comp, w_comm, o_comp * (g - reservation(c, kernel)), c, splits, rho,
-                       c_sat, tail_ctas(c, kernel, device, c_max), overlap)
-              for c in range(1, c_top + 1)]
-    else:  # f scales every split alike: the closed form at rho f
-        ts = _curve(w_comp, w_comm, rho * (overlap or 1.0), splits, g, o_comp, o_comm, c_top,
-                    c_sat)
+    ts, ps = _partition_ts(*args, c_top, c_max, c_sat, overlap)
     t_min = _finite_min(ts, rho)
     tol = _TIE_RTOL * t_min
-    best = None  # (Delta_comp, C) over the tied candidates
-    for c, t in enumerate(ts, 1):
-        if t - t_min <= tol:
-            p = o_comp * (g - (c + o_comm - 1) // o_comm)
-            key = ((w_comp + p - 1) // p * p - w_comp, c)  # Delta_comp (eq. 18), then C
-            if best is None or key < best:
-                best = key
-    return best[1], tuple(zip(range(1, c_top + 1), ts))
+    tied = [c for c, t in enumerate(ts, 1) if t - t_min <= tol]
+    # ties: the least Delta_comp = V_comp P - W_comp = (-W_comp) mod P (eq. 18), then C
+    best = tied[0] if len(tied) == 1 else min(tied, key=lambda c: (-w_comp % ps[c - 1], c))
+    return best, ts[best - 1], _Curve(ts)
+
+
+def solve(
+    w_comp: int, w_comm: int, rho: float, splits: int,
+    kernel: KernelSpec, device: DeviceSpec, c_max: int, c_sat: float | None = None,
+    overlap: float | None = None,
+) -> tuple[int, tuple[tuple[int, float], ...]]:
+    """Algorithm 1 on precomputed tile counts: C* and the T(C) curve."""
+    best, _, curve = _solve(w_comp, w_comm, rho, splits, kernel, device, c_max, c_sat,
+                            overlap)
+    return best, curve.points
 
 
 def plan(
@@ -477,41 +571,38 @@ def plan(
     w_comp = compute_tiles(workload, kernel)
     w_comm = comm_tiles(workload, kernel)
     rho = service_ratio(workload, kernel, calib)
-    best, curve = solve(w_comp, w_comm, rho, workload.splits, kernel, device, calib.c_max,
-                        calib.c_sat, calib.overlap_factor)
+    best, predicted, curve = _solve(w_comp, w_comm, rho, workload.splits, kernel, device,
+                                    calib.c_max, calib.c_sat, calib.overlap_factor)
     source = "model"
     if comm_ctas is not None or not enabled:
-        chosen = comm_ctas if comm_ctas is not None else default_comm_ctas
         source = "user" if comm_ctas is not None else "disabled"
-        if isinstance(chosen, bool) or not isinstance(chosen, int) or chosen < 1:
-            raise ValueError(f"comm_ctas must be a positive int, got {chosen!r}")
-        if compute_slots(chosen, kernel, device) <= 0:
-            raise ValueError(
-                f"comm_ctas={chosen} leaves no compute slots on {device.available_sms} SMs"
-            )
-        if kernel.shared_sms and chosen > device.available_sms:
-            raise ValueError(f"comm_ctas={chosen}: the shared placement fits one "
-                             f"communication CTA beside GEMM2's per SM, at most "
-                             f"{device.available_sms}")
-        best = chosen
-    p = compute_slots(best, kernel, device)
-    if best <= len(curve):
-        predicted = curve[best - 1][1]
-    else:  # an explicit C above C_max
-        predicted = makespan(w_comp, w_comm, p, best, workload.splits, rho, calib.c_sat,
-                             tail_ctas(best, kernel, device, calib.c_max), calib.overlap_factor)
-    return Plan(
-        comm_ctas=best,
-        reservation=reservation(best, kernel),
-        compute_slots=p,
-        splits=workload.splits,
-        predicted=predicted,
-        curve=curve,
-        w_comp=w_comp,
-        w_comm=w_comm,
-        rho=rho,
-        source=source,
-    )
+        best = comm_ctas if comm_ctas is not None else default_comm_ctas
+        predicted = _chosen_t(best, w_comp, w_comm, rho, workload.splits, kernel, device,
+                              calib, curve)
+    return Plan(best, reservation(best, kernel), compute_slots(best, kernel, device),
+                workload.splits, predicted, curve, w_comp, w_comm, rho, source)
+
+
+def _chosen_t(c: int, w_comp: int, w_comm: int, rho: float, splits: int, kernel: KernelSpec,
+              device: DeviceSpec, calib: Calibration, curve: _Curve) -> float:
+    """T(C) of an explicit C, checked: legal (P(C) > 0; at most G when shared)."""
+    if isinstance(c, bool) or not isinstance(c, int) or c < 1:
+        raise ValueError(f"comm_ctas must be a positive int, got {c!r}")
+    g = device.available_sms
+    if compute_slots(c, kernel, device) <= 0:
+        raise ValueError(f"comm_ctas={c} leaves no compute slots on {g} SMs")
+    if kernel.shared_sms:
+        if c > g:
+            raise ValueError(f"comm_ctas={c}: the shared placement fits one communication "
+                             f"CTA beside GEMM2's per SM, at most {g}")
+        return _shared_ts((c,), w_comp, w_comm, rho, splits, kernel, device, calib.c_max,
+                          calib.c_sat, calib.overlap_factor)[0]
+    if c <= len(curve.points):
+        return curve.points[c - 1][1]
+    return makespan(w_comp, w_comm,  # (above C_max)
+                    compute_slots(c, kernel, device), c, splits, rho,
+                    calib.c_sat, tail_ctas(c, kernel, device, calib.c_max),
+                    calib.overlap_factor)
 
 
 def timed_plan(*args, **kwargs) -> tuple[Plan, float]:
