@@ -16,16 +16,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PKG = "megatron_overlap"
 
-#: mcore modules that still import below the public ops API, with exactly the modules
-#: they import, until their owner moves them to `megatron_overlap.ops` (issue 30, item 3).
-#: The test fails when an entry is no longer accurate: empty it as the file is fixed.
-PENDING = {
-    "megatron_overlap/mcore/layer.py": {
-        "megatron_overlap.kernels.gated_add",
-        "megatron_overlap.ops.config",
-        "megatron_overlap.ops.validation",
-    },
-}
+#: mcore modules allowed to import below the public ops API, with exactly the modules
+#: they import (none now). The test fails when an entry is no longer accurate.
+PENDING: dict[str, set[str]] = {}
 
 
 def _module_files() -> dict[str, Path]:

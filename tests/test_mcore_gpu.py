@@ -51,7 +51,7 @@ def _two_gpu(rank, world):
             # thresholds 0: this size (2048 tokens x 2048) is below the H200 calibration's
             # thresholds, where the layer would run the stock path
             for overlap in (None, OverlapConfig(backend="triton", sync_errors=True,
-                                                min_combine_elements=0, min_gemm2_macs=0)):
+                                                fuse="always")):
                 model_parallel_cuda_manual_seed(7, force_reset_rng=True)
                 torch.manual_seed(7)  # the router draws its weight on the CPU
                 build = spec if overlap is None else with_overlap_moe(spec, overlap)
@@ -141,7 +141,7 @@ def _one_gpu_inference(rank, world):
     x = torch.randn(2048, 2, 2048, device="cuda", generator=g).bfloat16()
     results = {}
     # thresholds 0: the overlapped path at this size too
-    always = dict(backend="triton", sync_errors=True, min_combine_elements=0, min_gemm2_macs=0)
+    always = dict(backend="triton", sync_errors=True, fuse="always")
     for fusion in (True, False):
         gated_adds.clear()
         config = _qwen_like_config(bias_activation_fusion=fusion)
@@ -206,7 +206,7 @@ def _one_gpu_training(spec, config, x):
         device="cuda").manual_seed(5)).bfloat16()
     runs = []
     for overlap in (None, OverlapConfig(backend="triton", sync_errors=True,
-                                        min_combine_elements=0, min_gemm2_macs=0)):
+                                        fuse="always")):
         model_parallel_cuda_manual_seed(7, force_reset_rng=True)
         torch.manual_seed(7)
         layer = (spec if overlap is None else with_overlap_moe(spec, overlap))(
@@ -266,11 +266,10 @@ def _one_gpu_graph(rank, world):
     with torch.no_grad():
         eager_default = layer(xs[0])[0].clone()
         res["eager_default_fused"] = layer._routed_by_op
-        layer.overlap_config = dataclasses.replace(shipped, min_combine_elements=0,
-                                                   min_gemm2_macs=0)
-        layer._thresholds = None
+        layer.overlap_config = dataclasses.replace(shipped, fuse="always")
+        layer._fusion = {}
         want = [layer(x)[0].clone() for x in xs]
-        layer.overlap_config, layer._thresholds = shipped, None
+        layer.overlap_config, layer._fusion = shipped, {}
         static = xs[0].clone()
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()

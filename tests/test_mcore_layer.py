@@ -106,7 +106,7 @@ def _layer_scenarios(rank, world):
                         inference = _rel_diff(layer(x)[0], stock(x)[0])
                 if experts == "grouped" and backend == "interpret":
                     # the gathered tokens of this TP x EP group: 12 / TP x 2 per rank
-                    results[(name, "gemm2 macs")] = layer._gemm2_macs(12 // tp * 2 * tp * ep)
+                    results[(name, "fusion")] = _fusion_sizes(layer, tp, ep)
                     results[(name, "postprocess")] = _postprocess_equal(layer, x)
                     results[(name, "redo")] = _redo_equal(layer, x)
                     results[(name, "fc1 first")] = _fc1_before_the_counts(layer, stock, x)
@@ -129,6 +129,29 @@ def _layer_scenarios(rank, world):
             results["log"] = _decision_log(config, x)
     ps.destroy_model_parallel()
     return results
+
+
+def _fusion_sizes(layer, tp: int, ep: int):
+    """(the layer's fuse-or-not answer, `fusion_decision`'s for the sizes it should ask
+    about) under H200's step costs, for the gathered tokens of a call."""
+    import dataclasses
+
+    from megatron_overlap.ops import fusion_decision
+
+    config, layer.overlap_config = layer.overlap_config, dataclasses.replace(
+        layer.overlap_config, preset="h200")
+    layer._fusion = {}  # (answers cached under the test's own config)
+    tokens = 12 // tp * 2 * tp * ep
+    try:
+        got = layer._fusion_for(torch.empty(tokens, 32))
+        want = fusion_decision(num_tokens=tokens, hidden=32, ffn=16 // tp, topk=2,
+                               local_experts=4 // ep, experts=4, dtype=torch.float32,
+                               device=torch.device("cpu"),
+                               group=layer.token_dispatcher.tp_ep_group,
+                               config=layer.overlap_config)
+    finally:
+        layer.overlap_config, layer._fusion = config, {}
+    return got, want
 
 
 def _postprocess_equal(layer, x):
@@ -238,8 +261,8 @@ def _counts_on_device(layer, x):
 
 def _captured(layer, stock, x):
     """An inference forward captured into a CUDA graph (faked: CPU; the op itself runs
-    eagerly): in inference the layer fuses at any size (its thresholds, set above the
-    call here, are for host time, which a replay does not have), with the bits of the
+    eagerly): in inference the layer fuses at any size (the model's stock-path answer
+    here prices host time, which a replay does not have), with the bits of the
     eager fused call (where it refuses: the stock path's bits)."""
     import dataclasses
 
@@ -249,20 +272,21 @@ def _captured(layer, stock, x):
     noted = layer.last_plan, layer.last_rows, layer._last_key  # (what later checks read)
     with torch.no_grad():
         fused, want_stock = layer(x)[0], stock(x)[0]
-        layer.overlap_config = dataclasses.replace(config, min_gemm2_macs=1 << 62)
-        layer._thresholds = None
-        below = layer(x)[0], layer._routed_by_op  # eager: below the threshold, stock
+        # H200's step costs: at these sizes the model predicts the stock path faster
+        small = dataclasses.replace(config, preset="h200")
+        layer.overlap_config, layer._fusion = small, {}
+        below = layer(x)[0], layer._routed_by_op  # eager: the model says stock
         layer.overlap_enabled = False
         with layer_module.fused_at_every_size(layer):  # a capture's eager reference
             everywhere = layer(x)[0], layer._routed_by_op
-        restored = layer.overlap_enabled is False and layer._thresholds is None
+        restored = layer.overlap_enabled is False and layer.overlap_config is small
         layer.overlap_enabled = True
         layer_module.capturing = lambda t: True
         try:
             got = layer(x)[0]
         finally:
             layer_module.capturing = real
-            layer.overlap_config, layer._thresholds = config, None
+            layer.overlap_config, layer._fusion = config, {}
     fused_now = layer._routed_by_op
     layer.last_plan, layer.last_rows, layer._last_key = noted
     return dict(fused=fused_now, eager_below_fused=below[1], restored=restored,
@@ -331,8 +355,9 @@ def _gated_shared_case(tp, ep, x, grad):
     torch.manual_seed(1234)
     layer = with_overlap_moe(spec, OverlapConfig(backend="interpret"))(config=config)
     torch.manual_seed(1234)
+    # (H200's step costs: at these sizes the model predicts the stock path faster)
     small = with_overlap_moe(spec, OverlapConfig(backend="interpret",
-                                                 min_combine_elements=1 << 30))(config=config)
+                                                 preset="h200"))(config=config)
     calls = []
     real = layer_module.add_gated_shared_
     layer_module.add_gated_shared_ = lambda *a: calls.append(1) or real(*a)
@@ -463,20 +488,19 @@ def _toggle_and_fallback(config, x, grad):
     layer = with_overlap_moe(spec, OverlapConfig(backend="reference"))(config=config)
     toggled = set_overlap_enabled(layer, False)
     off = _run(layer, x, grad)
-    # min_combine_elements: the gathered activations are 12 x 2 tokens x 2 ranks x 32 hidden;
-    # min_gemm2_macs: those 48 tokens x top-k 2 x 32 hidden x FFN 16 x 2 of 4 experts
-    gathered, macs = 12 * 2 * 2 * 32, 48 * 2 * 32 * 16 * 2 // 4
+    # the planner's fuse-or-not: H200's step costs say stock at these sizes; "always"
+    # fuses; without step costs (the interpreter's device, no preset) it fuses
     small = {}
-    for key, bounds in (("below", (gathered + 1, 0)), ("at", (gathered, 0)),
-                        ("below macs", (0, macs + 1)), ("at macs", (0, macs))):
+    for key, extra in (("model: stock", dict(preset="h200")),
+                       ("always", dict(preset="h200", fuse="always")), ("no step costs", {})):
         torch.manual_seed(1234)
-        layer_t = with_overlap_moe(spec, OverlapConfig(
-            backend="interpret", min_combine_elements=bounds[0],
-            min_gemm2_macs=bounds[1]))(config=config)
+        layer_t = with_overlap_moe(spec, OverlapConfig(backend="interpret", **extra))(
+            config=config)
         run_t = _run(layer_t, x, grad)
         small[key] = dict(
             equal=torch.equal(run_t[0], ref[0]) and torch.equal(run_t[1], ref[1]),
-            plan=None if layer_t.last_plan is None else layer_t.last_plan.source)
+            plan=None if layer_t.last_plan is None else layer_t.last_plan.source,
+            fuse=None if layer_t.last_fusion is None else layer_t.last_fusion.fuse)
     # a call captured into a CUDA graph (faked here: CPU) runs the stock path, one warning
     import megatron_overlap.mcore.layer as layer_module
 
@@ -491,7 +515,7 @@ def _toggle_and_fallback(config, x, grad):
                     plan=layer_c.last_plan, warnings=cap_warnings)
     return dict(toggled=toggled, captured=captured,
                 off_equal=torch.equal(off[0], ref[0]) and torch.equal(off[1], ref[1]),
-                thresholds=small)
+                fusion=small)
 
 
 @pytest.fixture(scope="module")
@@ -524,7 +548,7 @@ def test_interpret_backend_plans_every_launch_and_reference_does_not(layer_runs)
     for res in layer_runs:
         for key, r in res.items():
             if not isinstance(key, tuple) or key[1] in ("postprocess", "redo", "gated",
-                                                        "fc1 first", "gemm2 macs",
+                                                        "fc1 first", "fusion",
                                                         "device counts", "captured", "biases"):
                 continue
             layout, experts, backend = key
@@ -606,17 +630,19 @@ def test_captured_inference_forward_fuses_at_any_size_in_every_layout(layer_runs
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_gemm2_work_counts_one_ranks_share_of_the_expert_down_projection(layer_runs, layout):
-    """tokens x top-k x hidden x FFN / expert-TP x local / all experts: TP splits the FFN,
-    EP the experts (24 x EP gathered tokens, top-k 2, hidden 32, FFN 16, 4 experts)."""
-    tp, ep = LAYOUTS[layout]
-    want = 24 * ep * 2 * 32 * (16 // tp) * (4 // ep) // 4
-    assert all(res[(layout, "gemm2 macs")] == want for res in layer_runs)
-
-
-def test_layers_below_either_size_threshold_run_the_stock_path_bit_for_bit(layer_runs):
+def test_the_layer_asks_the_planner_with_one_ranks_share_of_the_expert_work(layer_runs,
+                                                                             layout):
+    """The layer's fuse-or-not question carries the gathered tokens (12 / TP x 2 per rank
+    over TP x EP), the FFN TP splits and the experts EP splits: its answer equals
+    `fusion_decision`'s for those sizes (hidden 32, top-k 2, 4 experts)."""
     for res in layer_runs:
-        t = res["toggle"]["thresholds"]
-        for below, at in (("below", "at"), ("below macs", "at macs")):
-            assert t[below] == {"equal": True, "plan": None}, below
-            assert t[at]["plan"] == "model", at  # at the threshold: overlapped and planned
+        got, want = res[(layout, "fusion")]
+        assert got == want and not got.fuse, (layout, got, want)
+
+
+def test_layers_the_model_prices_slower_fused_run_the_stock_path_bit_for_bit(layer_runs):
+    for res in layer_runs:
+        t = res["toggle"]["fusion"]
+        assert t["model: stock"] == {"equal": True, "plan": None, "fuse": False}
+        assert t["always"]["plan"] == "model" and t["always"]["fuse"] is None
+        assert t["no step costs"]["plan"] == "model" and t["no step costs"]["fuse"] is True

@@ -152,10 +152,9 @@ def test_flags_parse_into_the_overlap_config(tmp_path):
     assert (cfg.comm_ctas, cfg.splits, cfg.backend, cfg.preset) == (8, None, "reference", str(cal))
     auto = overlap_config_from_args(_parse(["--moe-overlap"]))
     assert (auto.comm_ctas, auto.splits, auto.backend, auto.preset) == (None, None, "auto", None)
-    assert auto.min_combine_elements is None and auto.min_gemm2_macs is None  # calibration
-    always = overlap_config_from_args(_parse(["--moe-overlap", "--moe-overlap-min-elements", "0",
-                                              "--moe-overlap-min-gemm2-macs", "0"]))
-    assert (always.min_combine_elements, always.min_gemm2_macs) == (0, 0)
+    assert auto.fuse == "auto"  # the planner decides per size
+    always = overlap_config_from_args(_parse(["--moe-overlap", "--moe-overlap-fuse", "always"]))
+    assert always.fuse == "always"
     assert always.tail_helpers == OverlapConfig().tail_helpers
     plain = overlap_config_from_args(_parse(["--moe-overlap", "--moe-overlap-no-tail-helpers"]))
     assert plain.tail_helpers is False
@@ -172,8 +171,7 @@ def test_flags_parse_into_the_overlap_config(tmp_path):
 
 @pytest.mark.parametrize("argv", [["--moe-overlap-comm-ctas", "0"], ["--moe-overlap-splits", "x"],
                                   ["--moe-overlap-backend", "cuda"],
-                                  ["--moe-overlap-min-elements", "-1"],
-                                  ["--moe-overlap-min-gemm2-macs", "1e10"]])
+                                  ["--moe-overlap-fuse", "never"]])
 def test_bad_flag_values_are_rejected_by_the_parser(argv, capsys):
     with pytest.raises(SystemExit):
         _parse(argv)

@@ -30,7 +30,7 @@ LINE = ["--num-layers", "2", "--hidden-size", "1024", "--num-attention-heads", "
         # (the device has no Apex: its ColumnParallelLinear refuses to build without it)
         "--no-gradient-accumulation-fusion"]
 OVERLAP = ["--moe-overlap", "--moe-overlap-backend", "triton",
-           "--moe-overlap-min-elements", "0", "--moe-overlap-min-gemm2-macs", "0"]
+           "--moe-overlap-fuse", "always"]
 
 
 def _te_missing():

@@ -297,45 +297,70 @@ def test_calibration_rejects_non_positive_c_sat():
         Calibration(1.0, 1, 1, 1, 1, 1, c_sat=0)
 
 
-def test_stock_thresholds_come_from_the_config_then_the_calibration():
+def test_step_costs_round_trip_through_the_preset_and_reject_bad_values():
     import json
 
-    import torch
-
     from megatron_overlap.ops import OverlapConfig
-    from megatron_overlap.ops.config import stock_thresholds
-    from megatron_overlap.planner import get_preset
+    from megatron_overlap.planner import StepCosts, get_preset
     from megatron_overlap.planner.presets import Preset
 
-    cpu = torch.device("cpu")
     h200 = get_preset("h200")
-    assert (h200.min_combine_elements, h200.min_gemm2_macs) == (1 << 25, 0)
-    assert get_preset("a100-paper").min_combine_elements == 0
-    # more ranks: tokens x hidden; one GPU: the GEMM2 multiply-adds (measured apart)
-    for world, want in ((2, (1 << 25, 0)), (4, (1 << 25, 0)), (1, (0, 8 * 10**10))):
-        assert stock_thresholds(OverlapConfig(preset="h200"), cpu, world) == want
-        assert stock_thresholds(OverlapConfig(preset="h200", min_combine_elements=7),
-                                cpu, world) == (7, want[1])
-        assert stock_thresholds(OverlapConfig(preset="h200", min_gemm2_macs=5),
-                                cpu, world) == (want[0], 5)
-        assert stock_thresholds(OverlapConfig(), cpu, world) == (0, 0)  # no GPU calibration
+    assert isinstance(h200.step_costs, StepCosts) and get_preset("a100-paper").step_costs is None
     data = h200.to_json()
     assert Preset.from_json(json.loads(json.dumps(data))) == h200
-    del data["min_combine_elements_one_rank"], data["min_gemm2_macs_one_rank"]
-    assert Preset.from_json(data).combine_threshold(1) == 1 << 25  # the group's value
-    assert Preset.from_json(data).gemm2_threshold(1) == 0
-    del data["min_combine_elements"], data["min_gemm2_macs"]  # files before the fields
-    old = Preset.from_json(data)
-    assert (old.combine_threshold(1), old.gemm2_threshold(2)) == (0, 0)
-    for name in ("min_combine_elements", "min_combine_elements_one_rank", "min_gemm2_macs",
-                 "min_gemm2_macs_one_rank"):
-        with pytest.raises(ValueError, match=name):
-            Preset.from_json(dict(data, **{name: -1}))
-    for name in ("min_combine_elements", "min_gemm2_macs"):
-        with pytest.raises(ValueError, match=name):
-            OverlapConfig(**{name: -1})
-        with pytest.raises(ValueError, match=name):
-            OverlapConfig(**{name: True})
+    del data["step_costs"]  # a file without them: the layer fuses at every size
+    assert Preset.from_json(data).step_costs is None
+    costs = dict(get_preset("h200").to_json()["step_costs"])
+    for name, bad in (("wave_us", 0), ("combine_bytes_per_us", -1.0), ("op_host_us", -1),
+                      ("launch_us", float("nan")), ("rs_latency_us", True)):
+        with pytest.raises(ValueError, match=f"StepCosts.{name}"):
+            StepCosts(**dict(costs, **{name: bad}))
+    with pytest.raises(ValueError, match="OverlapConfig.fuse"):
+        OverlapConfig(fuse="never")
+
+
+def _h200_decision(tokens: int, hidden: int, ffn: int, topk: int, experts: int,
+                   world: int = 1, stock_launches: int = 0, local: int | None = None):
+    """The fuse-or-not decision the op would make on an H200 (shared placement, tail
+    helpers, L = the default), uniform routing."""
+    from megatron_overlap.planner import (DeviceSpec, KernelSpec, Workload, decide_fusion,
+                                          get_preset, plan)
+
+    preset = get_preset("h200")
+    local = local or experts
+    rows = tokens * topk * local // experts
+    splits = max(1, hidden // 1024)
+    w = Workload.from_total(tokens=tokens, hidden=hidden, ffn=ffn, world=world, splits=splits,
+                            total_assignments=rows, local_experts=local)
+    w = dataclasses.replace(w, topk=topk, local_topk=rows / tokens)
+    kernel = KernelSpec(128, 128, 32, 512, 2, 1, True, True)
+    device = DeviceSpec("NVIDIA H200", 132)
+    return decide_fusion(w, plan(w, kernel, device, preset.calibration), kernel, device,
+                         preset.calibration, preset.step_costs, element_bytes=2,
+                         stock_launches=stock_launches)
+
+
+@pytest.mark.parametrize("tokens, want", [(256, False), (1024, False), (4 * 4096, True),
+                                          (4 * 16384, True)])
+def test_the_fused_path_is_taken_only_where_the_model_prices_it_faster(tokens, want):
+    """Granite's layer on one H200 (hidden 1024, FFN 512, 32 experts, top-8): at B x S =
+    1 x 256 and 1 x 1024 the op's host cost outweighs what overlapping saves, at 4 x 4096
+    and up the saving wins; the decision is the sign of the two predicted times."""
+    d = _h200_decision(tokens, 1024, 512, 8, 32)
+    assert d.fuse is want and (d.unfused_us > d.fused_us) is want, d
+    assert (d.predicted_gain > 1) is want
+
+
+def test_the_stock_paths_extra_launches_and_the_groups_host_work_move_the_decision():
+    """Per-expert GEMM launches (TE's GroupedLinear) make the stock path dearer; a group
+    of more ranks adds H_group to the fused call: each shifts the same size's answer."""
+    base = _h200_decision(2048, 1024, 512, 8, 32)
+    te = _h200_decision(2048, 1024, 512, 8, 32, stock_launches=64)
+    assert te.unfused_us == pytest.approx(base.unfused_us + 64 * 4.0)
+    assert not base.fuse and te.fuse
+    one, two = _h200_decision(8192, 2048, 1408, 4, 60), _h200_decision(8192, 2048, 1408, 4, 60,
+                                                                       world=2)
+    assert two.fused_us - one.fused_us > 200  # H_group (and the group's own plan)
 
 
 def test_k_epi_and_topk_scale_rho_only_where_calibrated():

@@ -10,7 +10,7 @@ read; tests/data/README.md says what each run measured, on what, with which plan
     python tools/analyze_runs.py k-epi --runs h200x2-rhoref,h200x2-rhoref-p50
     python tools/analyze_runs.py bias --runs h200x2-kepi600,h200x2-kepi600-p50
     python tools/analyze_runs.py amdahl --data docs/data --layer layer_2xh200 --op op_2xh200
-    python tools/analyze_runs.py threshold --prefill h200x2-nothreshold
+    python tools/analyze_runs.py fusion --prefill h200x2-nothreshold
     python tools/analyze_runs.py helpers --runs h200x2-tailhelpers,h200x2-tailhelpers-p50
     python tools/analyze_runs.py host-exposed --runs h200x2-tailhelpers,h200x2-fasthost
     python tools/analyze_runs.py fit-f --runs h200x2-tailhelpers,h200x2-tailhelpers-p50
@@ -33,9 +33,11 @@ bias: the same policy at two places in a round (`C=3` / `C=28` early, `sweep C=.
     among the sweep): the ratio of their medians (1.0 without a position effect).
 amdahl: the layer speedup an operator taking no time at all would give: stock layer
     time / (stock layer time - the reference operator's GPU time) at the same shapes.
-threshold: complete-model prefill speedups against a layer's gathered tokens x hidden
-    (or, with `--macs`, one rank's GEMM2 multiply-adds), and whether `--elements`
-    (default 2^25) or `--macs` separates the slower from the faster ones.
+fit-fusion: the step costs' host terms (H_op on one rank, then H_group) that decide the
+    recorded workloads as measured, and the midpoint of the range that does.
+fusion: complete-model prefill speedups (median over a workload's runs) beside the layer's
+    fuse-or-not decision replayed on the planner (`planner.fusion`, the preset's step
+    costs), and the decisions the measurement contradicts beyond `--noise`.
 fit-f: the overlap factor f with the least mean replayed regret (grid 1.0-2.5, tail
     helpers, local top-k, recorded L) over the runs' sweeps.
 host-exposed: per run, the host time a whole-op call exposes (whole op minus its
@@ -63,10 +65,11 @@ from report import load  # noqa: E402
 from workloads import OpCase  # noqa: E402
 
 # (these experiments and recorded runs are of the partition placement)
+from megatron_overlap.ops.config import GPU_TILES as SHARED_TILES  # noqa: E402
 from megatron_overlap.ops.config import PARTITION_TILES as GPU_TILES  # noqa: E402
 from megatron_overlap.ops.planning import rank_splits  # noqa: E402
 from megatron_overlap.planner import (DeviceSpec, KernelSpec, Workload,  # noqa: E402
-                                      get_preset, ranking_calibration)
+                                      decide_fusion, get_preset, ranking_calibration)
 from megatron_overlap.planner.model import plan, service_ratio, solve  # noqa: E402
 from megatron_overlap.routing import route  # noqa: E402
 from megatron_overlap.shapes import BATCH, LAYOUTS, MODELS  # noqa: E402
@@ -274,18 +277,39 @@ def amdahl(args) -> None:
               f"reference operator {gpu:.2f} ms -> at most {stock / (stock - gpu):.2f}x")
 
 
-def _size(r: dict, measure: str) -> int:
-    """The quantity a layer's stock-path threshold reads (`OverlapMoELayer._use_overlap`):
-    gathered tokens x hidden, or one rank's GEMM2 multiply-adds under uniform routing."""
+def fusion_replay(r: dict, preset, stock_launches: int = 0):
+    """The layer's fuse-or-not decision (`ops.fusion_decision`) for a recorded prefill
+    workload, rebuilt on the planner as the op plans on Hopper: the shared placement's
+    tiles with tail helpers, uniform routing, L ranked as `op.prepare` ranks it."""
     shape = MODELS[r["model"]]
-    if measure == "elements":
-        return r["tokens"] * shape.hidden
-    return r["tokens"] * shape.topk * shape.hidden * shape.expert_ffn // (r["tp"] * r["ep"])
+    tp, ep = r["tp"], r["ep"]
+    world, tokens, topk = tp * ep, r["tokens"], shape.topk
+    local = shape.local_experts(ep)
+    rows = tokens * topk * local // shape.experts
+    ffn = shape.ffn_per_rank(tp)
+    sms = preset.device.sms if r.get("sms") is None else r["sms"]
+    device = DeviceSpec(preset.device.name, sms)
+    token_major = ep == 1
+    tiles = SHARED_TILES if token_major else dataclasses.replace(SHARED_TILES,
+                                                                 token_major=False)
+
+    def planned(splits: int, ranking: bool):
+        comm_tm, comm_tn = tiles.comm_shape(topk, -(-shape.hidden // splits))
+        kernel = KernelSpec(tiles.block_m, tiles.block_n, comm_tm, comm_tn, 2, 1,
+                            not ranking, True)
+        w = Workload.from_total(tokens=tokens, hidden=shape.hidden, ffn=ffn, world=world,
+                                splits=splits, total_assignments=rows, local_experts=local)
+        w = dataclasses.replace(w, topk=topk, local_topk=round(4 * rows / tokens) / 4)
+        calib = ranking_calibration(preset.calibration) if ranking else preset.calibration
+        return w, kernel, plan(w, kernel, device, calib)
+
+    splits = rank_splits(shape.hidden, lambda cand: planned(cand, True)[2].predicted)
+    w, kernel, chosen = planned(splits, False)
+    return decide_fusion(w, chosen, kernel, device, preset.calibration, preset.step_costs,
+                         element_bytes=2, stock_launches=stock_launches)
 
 
-def threshold(args) -> None:
-    measure, bound = ("elements", args.elements) if args.macs is None else ("gemm2-macs",
-                                                                           args.macs)
+def _prefill_rows(args) -> list[dict]:
     rows = []
     for tag in args.prefill.split(","):
         for path in sorted(glob.glob(os.path.join(args.data, f"prefill_{tag}_*.json"))):
@@ -295,38 +319,66 @@ def threshold(args) -> None:
                      if r.get("speedup") and (
                          not args.overlapped_only
                          or any("C" in d for d in r.get("decisions_rank0", ())))]
-    rows.sort(key=lambda r: (_size(r, measure), r["model"]))
-    wrong = 0
-    for r in rows:
-        size = _size(r, measure)
-        below = size < bound
-        wrong += below == (r["speedup"] >= 1.0)
-        print(f"  {r['model']:9s} TP{r['tp']}EP{r['ep']} S={r['seq']:5d}: {measure} "
-              f"{size:>13d} {'<' if below else '>='} {bound}, speedup {r['speedup']:.3f}")
-    print(f"{len(rows) - wrong} of {len(rows)} workloads on the side of the threshold their "
-          f"speedup puts them (below: slower overlapped; at or above: faster)")
-    lo, hi = fit_threshold(rows, measure, args.floor)
-    print(f"bounds in ({lo}, {hi}] keep every workload at or above them at a median speedup "
-          f">= {args.floor} over its runs (geometric midpoint {math.sqrt(max(lo, 1) * hi):.3g})")
+    return rows
 
 
-def fit_threshold(rows: list[dict], measure: str, floor: float) -> tuple[int, int]:
-    """(lo, hi]: the lowest bounds such that every workload (model, layout, S) whose size is
-    at or above the bound has a median speedup >= floor over its runs; lo is the largest
-    size below (0 if none)."""
+def fusion(args) -> None:
+    """Per recorded workload (model, layout, S): the median measured speedup over its
+    runs, the model's decision and predicted per-layer gain; the decisions the
+    measurement contradicts beyond `--noise`."""
+    preset = get_preset(args.preset)
     runs: dict = {}
-    for r in rows:
-        runs.setdefault((_size(r, measure), r["model"], r["tp"], r["ep"], r["seq"]),
-                        []).append(r["speedup"])
-    sizes = sorted({k[0] for k in runs})
-    ok = {size: all(statistics.median(v) >= floor for k, v in runs.items() if k[0] == size)
-          for size in sizes}
-    i = len(sizes)
-    while i > 0 and ok[sizes[i - 1]]:
-        i -= 1
-    if i == len(sizes):
-        raise ValueError(f"the largest workload's median speedup is below {floor}")
-    return (sizes[i - 1] if i else 0), sizes[i]
+    for r in _prefill_rows(args):
+        runs.setdefault((r["model"], r["tp"], r["ep"], r["seq"]), []).append(r)
+    wrong = 0
+    for key in sorted(runs, key=lambda k: (k[0], k[3])):
+        speedup = statistics.median(r["speedup"] for r in runs[key])
+        d = fusion_replay(runs[key][0], preset)
+        against = (speedup < 1 - args.noise) if d.fuse else (speedup > 1 + args.noise)
+        wrong += against
+        print(f"  {key[0]:9s} TP{key[1]}EP{key[2]} S={key[3]:5d}: measured "
+              f"{speedup:.3f} over {len(runs[key])}, {'fuse ' if d.fuse else 'stock'} "
+              f"(fused {d.fused_us:7.1f} us, unfused {d.unfused_us:7.1f} us)"
+              f"{'  <- against the measurement' if against else ''}")
+    print(f"{len(runs) - wrong} of {len(runs)} workloads decided as measured (within "
+          f"{args.noise:.0%} of 1.0 either decision agrees)")
+
+
+def fit_fusion(args) -> None:
+    """The host terms of the step costs that decide the recorded workloads as measured:
+    for each, the fused path's predicted saving with no host term; a workload measured
+    faster (slower) fused beyond `--noise` bounds the host term from above (below).
+    H_op is fitted on the one-rank workloads, then H_group on the others."""
+    preset = get_preset(args.preset)
+    bare = dataclasses.replace(preset, step_costs=dataclasses.replace(
+        preset.step_costs, op_host_us=0.0, group_host_us=0.0))
+    runs: dict = {}
+    for r in _prefill_rows(args):
+        runs.setdefault((r["model"], r["tp"], r["ep"], r["seq"]), []).append(r)
+    fitted = 0.0
+    for multi in (False, True):
+        lo, hi = 0.0, math.inf
+        for key, rs in runs.items():
+            if (key[1] * key[2] > 1) != multi:
+                continue
+            d = fusion_replay(rs[0], bare)
+            saving = d.unfused_us - d.fused_us - (fitted if multi else 0.0)
+            speedup = statistics.median(r["speedup"] for r in rs)
+            if speedup > 1 + args.noise:
+                hi = min(hi, saving)
+            elif speedup < 1 - args.noise:
+                lo = max(lo, saving)
+        name = "group_host_us" if multi else "op_host_us"
+        if hi == math.inf and lo == 0.0:
+            print(f"{name}: no workload of this kind")
+            continue
+        mid = (lo + hi) / 2 if hi < math.inf else lo
+        print(f"{name}: every decision as measured for values in ({lo:.1f}, {hi:.1f}); "
+              f"midpoint {mid:.1f}" if lo < hi else
+              f"{name}: no value decides every workload as measured (need > {lo:.1f} and "
+              f"< {hi:.1f})")
+        if not multi:
+            fitted = mid
 
 
 def geomean(xs) -> float:
@@ -419,7 +471,7 @@ def shared_curves(args) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("what", choices=("replay", "k-epi", "bias", "amdahl", "threshold",
+    ap.add_argument("what", choices=("replay", "k-epi", "bias", "amdahl", "fusion", "fit-fusion",
                                      "helpers", "host-exposed", "fit-f", "shared-curves"))
     ap.add_argument("--runs", default="h200x2-kepi600,h200x2-kepi600-p50", help="run tags (file name prefixes)")
     ap.add_argument("--preset", default="h200")
@@ -439,15 +491,10 @@ def main() -> int:
     ap.add_argument("--op", default="op_2xh200")
     ap.add_argument("--prefill", default="h200x2-nothreshold",
                     help="prefill run tags, comma-separated (file name globs)")
-    ap.add_argument("--elements", type=int, default=1 << 25,
-                    help="threshold: on gathered tokens x hidden")
-    ap.add_argument("--macs", type=int, default=None,
-                    help="threshold: on one rank's GEMM2 multiply-adds instead")
-    ap.add_argument("--floor", type=float, default=0.98,
-                    help="threshold: the median speedup every workload above the fitted "
-                         "bound keeps")
+    ap.add_argument("--noise", type=float, default=0.03,
+                    help="fusion: speedups within this of 1.0 agree with either decision")
     ap.add_argument("--overlapped-only", action="store_true",
-                    help="threshold: only the workloads where the overlap ran")
+                    help="fusion: only the workloads where the overlap ran")
     ap.add_argument("--data", default=DATA)
     args = ap.parse_args()
     if args.what == "replay":
@@ -457,8 +504,10 @@ def main() -> int:
         print(f"t_wave = {a:.2f} us + {b:.5f} us * K (rms {rms:.2f} us): K_epi = {a / b:.0f}")
     elif args.what == "bias":
         bias(args)
-    elif args.what == "threshold":
-        threshold(args)
+    elif args.what == "fusion":
+        fusion(args)
+    elif args.what == "fit-fusion":
+        fit_fusion(args)
     elif args.what == "helpers":
         helpers(args)
     elif args.what == "host-exposed":

@@ -62,7 +62,7 @@ def build_case(model_name, tp, ep, seq, batch, args, device, impl: str = "local"
                                             impl=impl)[0].num_layers):
         raise ValueError(f"--input-layer {input_layer}: {model_name} has {depth} layers")
     depth = input_layer or _first_moe_layer(model_name)
-    config = OverlapConfig(backend=args.backend, **threshold_kwargs(args))
+    config = OverlapConfig(backend=args.backend, **fuse_kwargs(args))
     fusion = {"bias_activation_fusion": False} if args.no_bias_swiglu_fusion else {}
     model = build_model(model_name, tp, ep, depth, overlap=config, tiny=args.tiny, impl=impl,
                         **fusion).to(device).eval()
@@ -104,20 +104,16 @@ def add_input_layer_arg(ap) -> None:
                          "0 (default): the first MoE layer on random hidden states")
 
 
-def add_threshold_args(ap, default: int | None = 0) -> None:
-    """The layer's two stock-path thresholds (OverlapConfig.min_combine_elements and
-    min_gemm2_macs). The layer tools default to 0: the overlapped layer at every size (what
-    the layer can give; the prefill and `make demo` run the calibration's, None)."""
-    what = "the calibration's" if default is None else str(default)
-    ap.add_argument("--min-elements", type=int, default=default,
-                    help=f"the layer's min_combine_elements (default: {what}; none given "
-                         "to the prefill tools: the calibration's)")
-    ap.add_argument("--min-gemm2-macs", type=int, default=default,
-                    help=f"the layer's min_gemm2_macs (default: {what})")
+def add_fuse_arg(ap, default: str = "always") -> None:
+    """The layer's fuse-or-not policy (OverlapConfig.fuse). The layer tools default to
+    "always": the fused layer at every size (what it can give); the prefill tools to
+    "auto", the product's (the planner decides per size)."""
+    ap.add_argument("--fuse", choices=("auto", "always"), default=default,
+                    help=f"OverlapConfig.fuse (default: {default})")
 
 
-def threshold_kwargs(args) -> dict:
-    return dict(min_combine_elements=args.min_elements, min_gemm2_macs=args.min_gemm2_macs)
+def fuse_kwargs(args) -> dict:
+    return dict(fuse=args.fuse)
 
 
 def routing_skew(layer, hidden) -> dict:
@@ -245,7 +241,7 @@ def main() -> int:
                     help="implementations timed side by side, the first the baseline: te "
                          "(Transformer Engine spec, TEGroupedMLP: stock = core-TE), local "
                          "(GroupedGemmExperts over torch._grouped_mm)")
-    add_threshold_args(ap)
+    add_fuse_arg(ap)
     ap.add_argument("--tiny", action="store_true")
     add_input_layer_arg(ap)
     ap.add_argument("--no-bias-swiglu-fusion", action="store_true",

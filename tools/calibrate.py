@@ -241,8 +241,10 @@ def main() -> int:
         device=DeviceSpec(cache.device.name, cache.device.sms),
         calibration=calib,
         default_splits=args.splits,
-        # measured by the prefill sweeps, not here: kept from the shipped calibration
-        **(shipped.thresholds() if shipped is not None else {}),
+        # the fuse-or-not time scales: the wave measured here, the rest kept from the
+        # shipped calibration (checked on the fuse-or-not grid, not measured here)
+        step_costs=(dataclasses.replace(shipped.step_costs, wave_us=round(t_comp * 1e3, 3))
+                    if shipped is not None and shipped.step_costs is not None else None),
     )
     payload = dict(preset=preset.to_json(), measured=dict(
         case=case.label(), c_cal=args.c_cal, comp_ms=med["comp"], comp_waves=comp_waves,

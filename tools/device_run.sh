@@ -174,8 +174,9 @@ for s in "$@"; do
         "$REPO"/.whl/old/*.whl >>"$LOG" 2>&1 \
         || { echo "ab_code: no old wheel installed from .whl/old/" | tee -a "$LOG"; continue; }
       for r in 1 2; do for code in old new; do for m in ${PREFILL_MODELS:-granite}; do
-        if [ $code = old ]; then path=/tmp/site_old:/tmp/site; off="--moe-overlap-min-elements 0"
-        else path=/tmp/site; off="--moe-overlap-min-elements 0 --moe-overlap-min-gemm2-macs 0"; fi
+        # (a wheel from before --moe-overlap-fuse took the two size bounds instead)
+        if [ $code = old ]; then path=/tmp/site_old:/tmp/site; off=${OLD_ALWAYS:-"--moe-overlap-min-elements 0 --moe-overlap-min-gemm2-macs 0"}
+        else path=/tmp/site; off="--moe-overlap-fuse always"; fi
         PYTHONPATH=$path stage prefill_${code}${r}_$m ${PREFILL_SECS:-75} torchrun \
           --nproc-per-node 1 -m megatron_overlap.mcore.prefill --model $m --tp 1 --ep 1 \
           --batch 4 --seqs ${PREFILL_SEQS:-4096} --iters ${PREFILL_ITERS:-8} --warmup 1 --abba $off \

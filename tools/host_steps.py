@@ -70,7 +70,7 @@ STEPS = [
     (gemm2, "packed_offsets_host", "packed_offsets_host (copy path)"),
     (gemm2, "unpack_offsets", "unpack_offsets"),
     (buffer, "launch_routing_table", "launch_routing_table"),
-    (op, "plan_splits", "plan_splits (cache miss)"),
+    (op, "planned", "planned (plan and launch arguments)"),
     (buffer.OverlapBuffer, "ensure", "OverlapBuffer.ensure"),
     (op, "log_decision", "log_decision"), (op, "_forward", "_forward"),
     (buffer.OverlapBuffer, "launch", "OverlapBuffer.launch"),

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_layer import (add_input_layer_arg, add_threshold_args, build_case,  # noqa: E402
+from bench_layer import (add_input_layer_arg, add_fuse_arg, build_case,  # noqa: E402
                          routing_skew)
 from benchlib import env_info, write_json  # noqa: E402
 
@@ -187,7 +187,7 @@ def main() -> int:
     ap.add_argument("--calls", type=int, default=6)
     ap.add_argument("--arms", default="stock,overlap",
                     help=f"comma-separated, of: {'; '.join(ARMS)}")
-    add_threshold_args(ap)
+    add_fuse_arg(ap)
     add_input_layer_arg(ap)
     ap.add_argument("--no-bias-swiglu-fusion", action="store_true",
                     help="eager SwiGLU (Megatron's flag of that name; fused by default)")

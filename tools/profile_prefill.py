@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_layer import add_threshold_args, threshold_kwargs  # noqa: E402
+from bench_layer import add_fuse_arg, fuse_kwargs  # noqa: E402
 from benchlib import env_info, write_json  # noqa: E402
 from profile_layer import kind_of  # noqa: E402
 
@@ -300,7 +300,7 @@ def main() -> int:
     ap.add_argument("--seqs", default="4096,16384")
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=2)
-    add_threshold_args(ap, default=None)  # the product's prefill: the calibration's
+    add_fuse_arg(ap, default="auto")  # the product's prefill: the planner decides
     ap.add_argument("--host-counts", action="store_true",
                     help="OverlapConfig(host_counts=True): the layers wait for their counts")
     ap.add_argument("--cprofile", action="store_true",
@@ -316,7 +316,7 @@ def main() -> int:
     setup = argparse.Namespace(tp=1, ep=1, seed=0, preload=None, batch=args.batch)
     device = prefill._setup(setup)
     model = build_model(args.model, 1, 1, overlap=OverlapConfig(
-        host_counts=args.host_counts, **threshold_kwargs(args))).to(
+        host_counts=args.host_counts, **fuse_kwargs(args))).to(
         device).eval()
     _mark_moe_layers(model)
     results = []

@@ -17,6 +17,7 @@ from collections.abc import Callable
 from ..ops import OverlapConfig
 
 BACKEND_CHOICES = ("auto", "triton", "interpret", "reference")
+FUSE_CHOICES = ("auto", "always")  # OverlapConfig.fuse
 
 
 def _auto_or_positive_int(text: str) -> int | None:
@@ -28,16 +29,6 @@ def _auto_or_positive_int(text: str) -> int | None:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected 'auto' or a positive integer, got {text!r}")
-    return value
-
-
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
     return value
 
 
@@ -56,18 +47,11 @@ def add_moe_overlap_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
     group.add_argument("--moe-overlap-backend", choices=BACKEND_CHOICES, default="auto",
                        help="triton (CUDA), reference (non-overlapped torch path), interpret "
                        "(Triton interpreter on CPU) or auto (triton on CUDA).")
-    group.add_argument("--moe-overlap-min-elements", type=_non_negative_int, default=None,
-                       metavar="N",
-                       help="Layers whose gathered tokens x hidden is below N run the stock "
-                       "path (host-bound there); default: the device calibration's (H200: "
-                       "33554432 on two or more GPUs, none on one); 0 = no bound.")
-    group.add_argument("--moe-overlap-min-gemm2-macs", type=_non_negative_int, default=None,
-                       metavar="N",
-                       help="Layers whose expert down-projection has fewer than N "
-                       "multiply-adds per rank (tokens x top-k x hidden x FFN x local / all "
-                       "experts) run the stock path too; default: the device calibration's "
-                       "(H200: 80000000000 on one GPU, none on more); 0 = no bound. Both "
-                       "bounds 0: the overlap runs at every size.")
+    group.add_argument("--moe-overlap-fuse", choices=FUSE_CHOICES, default="auto",
+                       help="auto (default): before each new size the planner predicts the "
+                       "fused op against the stock steps it replaces (the device "
+                       "calibration's step costs) and each layer runs the faster; always: "
+                       "the fused op at every size.")
     group.add_argument("--moe-overlap-no-tail-helpers", action="store_true",
                        help="Leave the last split to the C communication CTAs (default: when "
                        "GEMM2 ends, one more GatherRS CTA per SM it leaves shares it; same "
@@ -134,8 +118,7 @@ def overlap_config_from_args(args) -> OverlapConfig | None:
         comm_ctas=getattr(args, "moe_overlap_comm_ctas", None),
         splits=getattr(args, "moe_overlap_splits", None),
         preset=calibration,
-        min_combine_elements=getattr(args, "moe_overlap_min_elements", None),
-        min_gemm2_macs=getattr(args, "moe_overlap_min_gemm2_macs", None),
+        fuse=getattr(args, "moe_overlap_fuse", "auto"),
         **({"placement": placement} if (placement := getattr(
             args, "moe_overlap_placement", "auto")) != "auto" else {}),
         **({"tail_helpers": False} if getattr(args, "moe_overlap_no_tail_helpers", False)

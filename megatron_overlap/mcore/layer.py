@@ -26,20 +26,20 @@ capture the op could not replay) runs the stock path after one warning.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import warnings
 from itertools import chain
 
 import torch
+from megatron.core.transformer.moe.experts import TEGroupedMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
 
-from ..kernels.gated_add import add_gated_shared_
-from ..ops import ExpertWeightStack, OverlapConfig, gemm2_gather_rs
-from ..ops.config import interpreting, stock_thresholds
-from ..ops.validation import capturing
+from ..ops import (ExpertWeightStack, OverlapConfig, add_gated_shared_, capturing,
+                   fusion_decision, gemm2_gather_rs, interpreting)
 from .dispatch import deferred_postprocess, rows_bound, single_sync_postprocess
-from .experts import host_counts, in_inference, needs_host_counts
+from .experts import host_counts, in_inference, needs_host_counts, te_fc1_is_grouped
 from .fc2_operands import OperandStacks, fc2_operands, pack_expert_weights, unsupported_experts
 
 log = logging.getLogger("megatron_overlap.mcore")
@@ -67,12 +67,15 @@ class OverlapMoELayer(MoELayer):
         last_rows: the counts (rows per local expert) of the latest fused launch: on the
             host, or a device tensor where the layer kept them there
             (`OverlapConfig.host_counts`).
-        decisions: how many distinct (C, L) decisions this layer has logged.
+        last_fusion: the planner's fuse-or-not answer for the latest call
+            (`ops.fusion_decision`: both predicted times), None before the first or with
+            `OverlapConfig.fuse = "always"`.
+        decisions: how many distinct (C, L) or stock-path decisions this layer has logged.
 
-    Calls whose gathered activations (tokens x hidden) are smaller than the config's
-    `min_combine_elements`, or whose expert down-projection on this rank has fewer
-    multiply-adds than its `min_gemm2_macs` (by default the device calibration's), run the
-    stock path.
+    Before the first call of each size, the layer asks the planner whether the fused op
+    beats the stock steps it replaces there (`ops.fusion_decision`, from the device
+    calibration's `step_costs`) and runs the path predicted faster; `OverlapConfig.fuse
+    = "always"` fuses at every size.
     """
 
     def __init__(self, *args, overlap_config: OverlapConfig | None = None, **kwargs):
@@ -93,8 +96,8 @@ class OverlapMoELayer(MoELayer):
         self._routed_by_op = False  # this call's routed output came from the fused op
         self._gated_shared = None  # (shared output before its gate, gate logits) to add
         self._last_key = None
-        # (min_combine_elements, min_gemm2_macs), resolved on first use
-        self._thresholds: tuple[int, int] | None = None
+        self.last_fusion = None
+        self._fusion: dict[tuple, object] = {}  # the fuse-or-not answer per (tokens, dtype)
 
     def _why_unsupported(self) -> str | None:
         c = self.config
@@ -128,20 +131,44 @@ class OverlapMoELayer(MoELayer):
                 _warn_once(f"capture: {why}", "MoE layers captured in a CUDA graph run the "
                            f"stock Megatron path here: {why}")
                 return False
-            # no size thresholds: the stock path (it syncs the host) cannot be captured, and
-            # a replay has no host work to save
+            # fused at every size: the stock path (it syncs the host) cannot be captured,
+            # and a replay has no host work to save
             return True
-        if self._thresholds is None:
-            group = self.token_dispatcher.tp_ep_group
-            self._thresholds = stock_thresholds(self.overlap_config, hidden_states.device,
-                                                group.size() if group is not None else 1)
-        numel, macs = hidden_states.numel(), self._gemm2_macs(hidden_states.shape[0])
-        if numel < self._thresholds[0] or macs < self._thresholds[1]:
-            # Too small to gain: the model is host-bound there and the stock path has less
-            # host work (the thresholds are the calibration's, docs/RESULTS.md).
-            self._note_stock(numel, macs)
+        if self.overlap_config.fuse == "always":
+            return True
+        self.last_fusion = self._fusion_for(hidden_states)
+        if not self.last_fusion.fuse:  # the model says the stock path is faster here
+            self._note_stock(hidden_states.shape[0], self.last_fusion)
             return False
         return True
+
+    def _fusion_for(self, hidden_states):
+        """The planner's fuse-or-not answer for calls of this many tokens (cached)."""
+        key = (hidden_states.shape[0], hidden_states.dtype)
+        found = self._fusion.get(key)
+        if found is None:
+            c, local = self.config, self.num_local_experts
+            ffn = ((c.moe_ffn_hidden_size or c.ffn_hidden_size)
+                   // (c.expert_tensor_parallel_size or 1))
+            padded = local != c.num_moe_experts and in_inference(self, (hidden_states,))
+            found = fusion_decision(
+                num_tokens=key[0], hidden=c.hidden_size, ffn=ffn, topk=c.moe_router_topk,
+                local_experts=local, experts=c.num_moe_experts, dtype=key[1],
+                device=hidden_states.device, group=self.token_dispatcher.tp_ep_group,
+                config=self.overlap_config, stock_launches=self._stock_launches(),
+                padded=padded)
+            if len(self._fusion) >= 64:  # (bounded: a sweep of sizes)
+                self._fusion.clear()
+            self._fusion[key] = found
+        return found
+
+    def _stock_launches(self) -> int:
+        """Kernel launches the stock experts make per call beyond the fused path's: TE's
+        GroupedLinear runs one GEMM per local expert in FC2, and in FC1 where the fused
+        path groups it (`te_fc1_is_grouped`); a grouped GEMM runs one."""
+        if not isinstance(self.experts, TEGroupedMLP):
+            return 0
+        return self.num_local_experts * (2 if te_fc1_is_grouped(self.experts) else 1)
 
     def _capture_refusal(self, hidden_states) -> str | None:
         """Why this call, captured into a CUDA graph, could not replay the routing of each
@@ -165,24 +192,16 @@ class OverlapMoELayer(MoELayer):
             return "OverlapConfig.host_counts"
         return None
 
-    def _gemm2_macs(self, tokens: int) -> int:
-        """Multiply-adds of this rank's expert down-projection for `tokens` gathered tokens
-        under uniform routing: tokens x top-k x hidden x local FFN x local / all experts."""
-        c = self.config
-        ffn = (c.moe_ffn_hidden_size or c.ffn_hidden_size) // (c.expert_tensor_parallel_size or 1)
-        return (tokens * c.moe_router_topk * c.hidden_size * ffn * self.num_local_experts
-                // c.num_moe_experts)
-
-    def _note_stock(self, numel: int, macs: int) -> None:
-        key = ("stock", numel)
+    def _note_stock(self, tokens: int, decision) -> None:
+        key = ("stock", tokens)
         if key == self._last_key:
             return
         self._last_key = key
         self.last_plan = None
         self.decisions += 1
-        log.info("moe-overlap layer %s: stock path, tokens x hidden = %d, GEMM2 multiply-adds "
-                 "= %d, below (min_combine_elements, min_gemm2_macs) = %s", self.layer_number,
-                 numel, macs, self._thresholds)
+        log.info("moe-overlap layer %s: stock path for %d tokens, predicted %.1f us fused "
+                 "against %.1f us unfused", self.layer_number, tokens, decision.fused_us,
+                 decision.unfused_us)
 
     def _postprocess(self, hidden_states, probs):
         """(tokens_per_expert, FC1 + activation output, FC2 weight, expected rows) of the
@@ -357,11 +376,12 @@ def fused_at_every_size(model):
     """Every OverlapMoELayer in `model` overlapped and runs the fused op whatever its size,
     as a CUDA-graph capture runs them: the eager forward a replay is checked against."""
     layers = [m for m in model.modules() if isinstance(m, OverlapMoELayer)]
-    enabled = [layer.overlap_enabled for layer in layers]
+    enabled = [(layer.overlap_enabled, layer.overlap_config) for layer in layers]
     for layer in layers:
-        layer.overlap_enabled, layer._thresholds = True, (0, 0)
+        layer.overlap_enabled = True
+        layer.overlap_config = dataclasses.replace(layer.overlap_config, fuse="always")
     try:
         yield
     finally:
-        for layer, on in zip(layers, enabled):
-            layer.overlap_enabled, layer._thresholds = on, None  # (resolved again from the config)
+        for layer, (on, config) in zip(layers, enabled):
+            layer.overlap_enabled, layer.overlap_config = on, config

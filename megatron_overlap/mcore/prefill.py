@@ -191,12 +191,16 @@ def _schedule(policies: list[str], iters: int) -> list[str]:
 
 
 def decisions(model) -> list[dict]:
-    """The latest launch decision of every OverlapMoELayer (C, L, P, predicted T) and the
-    load of its local experts then (rows, the busiest expert's, their ratio to the mean)."""
+    """The latest launch decision of every OverlapMoELayer (fuse or not with its predicted
+    times in us, C, L, P, predicted T) and the load of its local experts then (rows, the busiest expert's, their ratio to the mean)."""
     rows = []
     for layer in (m for m in model.modules() if isinstance(m, OverlapMoELayer)):
         plan = layer.last_plan
         row = dict(layer=layer.layer_number, backend=layer.overlap_config.backend)
+        fusion = layer.last_fusion  # the planner's fuse-or-not answer and its two prices
+        if fusion is not None:
+            row.update(fuse=fusion.fuse, fused_us=round(fusion.fused_us, 1),
+                       unfused_us=round(fusion.unfused_us, 1))
         if plan is not None:
             row.update(C=plan.comm_ctas, L=plan.splits, P=plan.compute_slots,
                        T=round(plan.predicted, 2), source=plan.source)

@@ -4,13 +4,14 @@ from .buffer import OverlapBuffer
 from .capture import CapturedCall
 from .errors import OverlapMismatchError, OverlapTimeoutError
 from .config import OverlapConfig
+from .fusion import fusion_decision
 from .expert_weights import BIAS_COLUMNS, ExpertWeightStack, with_bias_columns
 from .grouped import accepts as grouped_mm_accepts
 from .helpers import add_gated_shared_, capturing, gather_rows, interpreting, weighted_swiglu
 from .op import gemm2_gather_rs
 
 __all__ = ["BIAS_COLUMNS", "ExpertWeightStack", "grouped_mm_accepts", "OverlapBuffer", "OverlapConfig", "OverlapMismatchError",
-           "OverlapTimeoutError",
+           "OverlapTimeoutError", "fusion_decision",
            "gemm2_gather_rs", "with_bias_columns",
            # the layer's helpers (ops/helpers.py) and CUDA-graph capture (ops/capture.py)
            "CapturedCall", "add_gated_shared_", "capturing", "gather_rows", "interpreting",

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..planner import A100_PAPER, Calibration, DeviceSpec, KernelSpec, get_preset, preset_for_device
+from ..planner import (A100_PAPER, Calibration, DeviceSpec, KernelSpec, Preset, get_preset,
+                       preset_for_device)
 from ..planner.presets import MAX_SPLITS  # (the readiness flags: one word per split)
 from ..env import env_bool, env_choice, env_float, env_int
 from ..kernels.gather_rs import MAX_WAIT_TIMEOUT_S, WAIT_TIMEOUT_S
@@ -19,6 +20,7 @@ log = logging.getLogger("megatron_overlap")
 
 BACKENDS = ("auto", "triton", "interpret", "reference")
 PLACEMENTS = ("partition", "shared")  # TileConfig.placement
+FUSE_CHOICES = ("auto", "always")  # OverlapConfig.fuse
 
 
 #: dtypes the pushed partial sums may have (OverlapConfig.partial_dtype)
@@ -76,16 +78,11 @@ class OverlapConfig:
         "shared" (one beside GEMM2's on every SM; the Hopper default), "partition" (SMs
         of their own, the paper's scheme), or None (the default tiles' own; env
         MEGATRON_OVERLAP_PLACEMENT sets it too).
-    min_combine_elements: read by OverlapMoELayer, not by the op: a layer whose combined
-        output (tokens x hidden) has fewer elements runs the stock Megatron path, where the
-        overlap's extra host work costs more than it saves. None = the calibration's value
-        (H200: 2^25; 0 on a group of one rank, where `min_gemm2_macs` decides; 0 for
-        devices without one and under the interpreter); 0 = never.
-    min_gemm2_macs: the same for the multiply-adds of one rank's expert down-projection
-        under uniform routing (M x top-k x hidden x FFN x local / all experts), a proxy for
-        the GPU time a layer has to hide the overlap's host work behind. None = the
-        calibration's (H200: 8e10 on a group of one rank, where it separates the measured
-        gains from the losses and tokens x hidden does not; 0 on more ranks); 0 = never.
+    fuse: read by OverlapMoELayer, not by the op. "auto" (the default): before each
+        call of a new size the layer asks the planner whether the fused op beats the
+        stock path it replaces (`planner.fusion`, priced with the device calibration's
+        `step_costs`; a device without them fuses), and runs the one predicted faster;
+        "always": the fused op at every size (tests, the eager reference of a capture).
     host_counts: read by OverlapMoELayer, not by the op. False (the default): where the
         rows are known without the expert counts (every expert on the rank, no token
         dropped: M x top-k) and FC1 runs on device offsets, the layer hands the op the
@@ -107,8 +104,7 @@ class OverlapConfig:
     partial_dtype: torch.dtype | None = None
     sync_errors: bool = False
     tiles: "TileConfig | None" = None
-    min_combine_elements: int | None = None
-    min_gemm2_macs: int | None = None
+    fuse: str = "auto"
     tail_helpers: bool = dataclasses.field(
         default_factory=lambda: env_bool("MEGATRON_OVERLAP_TAIL_HELPERS", True))
     placement: str | None = dataclasses.field(
@@ -144,10 +140,9 @@ class OverlapConfig:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"OverlapConfig.{name} must be a bool, got "
                                  f"{getattr(self, name)!r}")
-        for name in ("min_combine_elements", "min_gemm2_macs"):
-            m = getattr(self, name)
-            if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 0):
-                raise ValueError(f"OverlapConfig.{name} must be an int >= 0 or None, got {m!r}")
+        if self.fuse not in FUSE_CHOICES:
+            raise ValueError(f"OverlapConfig.fuse must be one of {FUSE_CHOICES}, got "
+                             f"{self.fuse!r}")
 
 
 @dataclass(frozen=True)
@@ -375,20 +370,11 @@ def calibration_for(device: DeviceSpec, preset: str | None) -> Calibration:
     return A100_PAPER.calibration
 
 
-def stock_thresholds(config: OverlapConfig, device: torch.device,
-                     world: int) -> tuple[int, int]:
-    """The layer's overlap thresholds (min_combine_elements, min_gemm2_macs): each the
-    config's, else the calibration's for this device and a group of `world` ranks
-    (`Preset.combine_threshold`, `Preset.gemm2_threshold`); 0 without a calibration."""
-    preset = None
+def preset_of(config: OverlapConfig, device: DeviceSpec) -> Preset | None:
+    """The config's preset, else the shipped one for this device (None: none shipped)."""
     if config.preset is not None:
-        preset = get_preset(config.preset)
-    elif device.type == "cuda":
-        preset = preset_for_device(torch.cuda.get_device_properties(device).name)
-    shipped = ((preset.combine_threshold(world), preset.gemm2_threshold(world))
-               if preset is not None else (0, 0))
-    given = (config.min_combine_elements, config.min_gemm2_macs)
-    return tuple(s if g is None else g for g, s in zip(given, shipped))
+        return get_preset(config.preset)
+    return preset_for_device(device.name)
 
 
 def kernel_spec(tiles: TileConfig, comm_tm: int, comm_tn: int, o_comp: int,

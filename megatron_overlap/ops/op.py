@@ -30,7 +30,7 @@ from ..kernels.routing_table import combine_table
 from ..planner import Workload, expert_row_tiles
 from .buffer import OverlapBuffer, note_call
 from .config import OverlapConfig, TileConfig, resolve_backend, with_register_caps
-from .planning import log_decision, plan_splits, rank_splits, row_order
+from .planning import log_decision, planned, row_order
 from .grouped import grouped_mm, grouped_wgrad
 from .reference import all_gather, reference_forward
 from .validation import (aligned, capture_refusal, capturing, check_int, check_options,
@@ -341,24 +341,8 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
     # other rows live on other ranks): the bytes of a communication tile. Quarters, so
     # the decisions stay cacheable.
     local_topk = round(4 * rows / num_tokens) / 4
-    c = comm_ctas if comm_ctas is not None else config.comm_ctas
-    # The decision depends on the counts only through row_tiles: remembered per buffer
-    # (the host runs this after Megatron's sync, while the GPU waits).
-    key = (config, tiles, row_tiles, sizes, topk, local_topk, num_splits, c, experts)
-    best = buf.decisions.get(key)
-    if best is None:
-        # L unless given: the candidate with the least predicted T (compute waves, the
-        # same unit for every L; ties go to fewer splits) under the model without the
-        # tail-helper and overlap-factor terms. Those two were fitted and checked on C
-        # sweeps at a fixed L; ranking L with them picked one split, no overlap, for
-        # almost every workload, measured slower (run 18, docs/RESULTS.md). C is then
-        # the full model's at that L.
-        chosen = num_splits or rank_splits(hidden, lambda cand: plan_splits(
-            buf, config, tiles, row_tiles, experts, sizes, topk, local_topk, cand, c,
-            ranking=True)[0].predicted)
-        best = plan_splits(buf, config, tiles, row_tiles, experts, sizes, topk, local_topk,
-                           chosen, c)
-        buf.remember(key, best)
+    best = planned(buf, config, tiles, row_tiles, experts, sizes, topk, local_topk,
+                   num_splits, comm_ctas if comm_ctas is not None else config.comm_ctas)
     launch.plan = best[0]
     launch.kwargs = dict(best[1], offsets=offsets, dest=dest)
     log_decision(launch, num_tokens, hidden, x.shape[1])

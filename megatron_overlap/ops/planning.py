@@ -56,6 +56,26 @@ def plan_splits(buf, config, tiles, row_tiles, experts, sizes, topk, local_topk,
                       helpers=max(0, helpers))
 
 
+def planned(buf, config, tiles, row_tiles, experts, sizes, topk, local_topk, splits, c):
+    """(plan, launch arguments) of one launch, remembered per buffer: the decision depends
+    on the counts only through row_tiles (the host runs this after Megatron's sync, while
+    the GPU waits). L unless given: the candidate with the least predicted T (compute
+    waves, the same unit for every L; ties go to fewer splits) under the model without the
+    tail-helper and overlap-factor terms. Those two were fitted and checked on C sweeps at
+    a fixed L; ranking L with them picked one split, no overlap, for almost every
+    workload, measured slower (docs/RESULTS.md). C is then the full model's at that L."""
+    key = (config, tiles, row_tiles, sizes, topk, local_topk, splits, c, experts)
+    best = buf.decisions.get(key)
+    if best is None:
+        chosen = splits or rank_splits(sizes[1], lambda cand: plan_splits(
+            buf, config, tiles, row_tiles, experts, sizes, topk, local_topk, cand, c,
+            ranking=True)[0].predicted)
+        best = plan_splits(buf, config, tiles, row_tiles, experts, sizes, topk, local_topk,
+                           chosen, c)
+        buf.remember(key, best)
+    return best
+
+
 def plan_cache_of(launch):
     """The PlanCache a prepared launch was planned with (tools read its kernel/device)."""
     kw = launch.kwargs

@@ -11,6 +11,7 @@ import json
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from .fusion import StepCosts
 from .model import Calibration, DeviceSpec, KernelSpec
 
 CALIBRATION_DIR = Path(__file__).with_name("calibrations")
@@ -25,35 +26,10 @@ class Preset:
     device: DeviceSpec
     calibration: Calibration
     default_splits: int = 1
-    # Below this many elements of a layer's combined output (tokens x hidden), a Megatron
-    # MoE layer runs its stock path: measured per device (docs/RESULTS.md), 0 = never.
-    min_combine_elements: int = 0
-    # The same where the group is one rank (one GPU: no reduce-scatter, a shorter host
-    # path), where it was measured on its own; None = min_combine_elements.
-    min_combine_elements_one_rank: int | None = None
-    # Below this many multiply-adds of one rank's expert down-projection (GEMM2: M x top-k
-    # x hidden x FFN x local / all experts, uniform routing) the layer runs its stock path
-    # too: a proxy for how much GPU work a layer has to hide the overlap's host work behind,
-    # 0 = never; `_one_rank` as above.
-    min_gemm2_macs: int = 0
-    min_gemm2_macs_one_rank: int | None = None
-
-    def combine_threshold(self, world: int) -> int:
-        """min_combine_elements for a group of `world` ranks."""
-        return self._for_group("min_combine_elements", world)
-
-    def gemm2_threshold(self, world: int) -> int:
-        """min_gemm2_macs for a group of `world` ranks."""
-        return self._for_group("min_gemm2_macs", world)
-
-    def _for_group(self, name: str, world: int) -> int:
-        one_rank = getattr(self, name + "_one_rank")
-        return one_rank if world == 1 and one_rank is not None else getattr(self, name)
-
-    def thresholds(self) -> dict:
-        """The four stock-path threshold fields by name (measured by prefill sweeps, not by
-        `tools/calibrate.py`, which carries them over from the shipped preset)."""
-        return {name: getattr(self, name) for name in _THRESHOLDS}
+    # The device's absolute time scales (planner/fusion.py): with them the MoE layer asks
+    # the model whether to fuse each call; None (the paper's preset, a device without
+    # them): it fuses at every size.
+    step_costs: StepCosts | None = None
 
     def with_sm_margin(self, sm_margin: int) -> "Preset":
         return replace(self, device=DeviceSpec(self.device.name, self.device.sms, sm_margin))
@@ -65,7 +41,7 @@ class Preset:
             "device": {"name": self.device.name, "sms": self.device.sms},
             "calibration": asdict(self.calibration),
             "default_splits": self.default_splits,
-            **{name: m for name, m in self.thresholds().items() if m is not None},
+            **({"step_costs": asdict(self.step_costs)} if self.step_costs is not None else {}),
         }
 
     def __post_init__(self) -> None:
@@ -73,12 +49,9 @@ class Preset:
         if isinstance(d, bool) or not isinstance(d, int) or not 1 <= d <= MAX_SPLITS:
             raise ValueError(f"Preset.default_splits must be an int in [1, {MAX_SPLITS}], "
                              f"got {d!r}")
-        for name in _THRESHOLDS:
-            m = getattr(self, name)
-            if m is None and name.endswith("one_rank"):
-                continue
-            if isinstance(m, bool) or not isinstance(m, int) or m < 0:
-                raise ValueError(f"Preset.{name} must be an int >= 0, got {m!r}")
+        if self.step_costs is not None and not isinstance(self.step_costs, StepCosts):
+            raise ValueError(f"Preset.step_costs must be a StepCosts or None, got "
+                             f"{type(self.step_costs).__name__}")
 
     @classmethod
     def from_json(cls, data: dict) -> "Preset":
@@ -89,16 +62,12 @@ class Preset:
                 device=DeviceSpec(data["device"]["name"], data["device"]["sms"]),
                 calibration=Calibration(**data["calibration"]),
                 default_splits=data.get("default_splits", 1),
-                # (absent from files written before a field: never / the group's value)
-                **{name: data.get(name, None if name.endswith("_one_rank") else 0)
-                   for name in _THRESHOLDS},
+                step_costs=(StepCosts(**data["step_costs"]) if data.get("step_costs")
+                            is not None else None),
             )
         except (KeyError, TypeError, AttributeError) as err:
             raise ValueError(f"malformed calibration preset: {type(err).__name__}: {err}") from err
 
-
-_THRESHOLDS = ("min_combine_elements", "min_combine_elements_one_rank", "min_gemm2_macs",
-               "min_gemm2_macs_one_rank")
 
 A100_PAPER = Preset(
     name="a100-paper",

@@ -1,0 +1,78 @@
+"""`fusion_decision`: would the fused op beat the stock steps it replaces, at this size?
+
+The MoE layer asks before it routes a call of a new size down either path (the paths
+differ from FC1 on). The fused side is priced with the plan the op would launch (the
+same tiles, kernel family, calibration and L), the stock side with GEMM2 alone, the
+unpermute and the reduce-scatter (`planner.fusion`). Only sizes go in (uniform
+routing), so every rank of a group decides alike; the decision is cached per size.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..planner import Workload, expert_row_tiles
+from ..planner.fusion import FusionDecision, decide_fusion
+from .buffer import OverlapBuffer
+from .config import OverlapConfig, preset_of, resolve_backend
+from .op import _group_size_rank, _resolved
+from .planning import planned, row_order
+from .validation import check_int
+
+#: the answer where the device has no step costs (or the backend no plan): fuse, as
+#: before the model existed; `source` says why
+NO_MODEL = FusionDecision(True, math.nan, math.nan, None)
+
+
+def fusion_decision(*, num_tokens: int, hidden: int, ffn: int, topk: int,
+                    local_experts: int, experts: int, dtype: torch.dtype,
+                    device: torch.device, group=None, config: OverlapConfig | None = None,
+                    stock_launches: int = 0, padded: bool = False) -> FusionDecision:
+    """The model's answer for one MoE layer call of `num_tokens` gathered tokens.
+
+    Args: the call's sizes (`ffn` = GEMM2's K on this rank, `local_experts` of `experts`
+    on this rank, top-k), the activations' dtype and device, the layer's reduce-scatter
+    group and config; `stock_launches`: kernel launches the stock experts make beyond
+    the fused path's (`planner.fusion`); `padded`: the rows reach the op padded to a
+    bound (inference under EP), which puts GEMM2's output in row order.
+
+    Returns NO_MODEL (fuse) on the reference backend and where neither the config's
+    preset nor the device's shipped calibration has `step_costs`.
+    """
+    config = config or OverlapConfig()
+    for name, value in (("num_tokens", num_tokens), ("hidden", hidden), ("ffn", ffn),
+                        ("topk", topk), ("local_experts", local_experts),
+                        ("experts", experts)):
+        check_int(name, value, 1)
+    if local_experts > experts:
+        raise ValueError(f"local_experts ({local_experts}) must be <= experts ({experts})")
+    backend = resolve_backend(config.backend, device)
+    if backend == "reference":
+        return NO_MODEL
+    world, _ = _group_size_rank(group)
+    buf = OverlapBuffer.get(group, device, backend)
+    rows = num_tokens * topk * local_experts // experts
+    tiles = config.tiles or buf.default_tiles(config.placement)
+    if tiles.token_major and (padded or rows != num_tokens * topk
+                              or num_tokens * topk >= 1 << 31):
+        tiles = row_order(tiles)  # (as `op.prepare` lays y out)
+    tiles = _resolved(tiles, device, dtype)
+    counts = Workload.from_total(tokens=num_tokens, hidden=hidden, ffn=ffn, world=world,
+                                 splits=1, total_assignments=rows,
+                                 local_experts=local_experts).expert_counts
+    sizes = (num_tokens, hidden, ffn, world)
+    local_topk = round(4 * rows / num_tokens) / 4
+    plan, launch = planned(buf, config, tiles, expert_row_tiles(counts, tiles.block_m),
+                           local_experts, sizes, topk, local_topk, config.splits,
+                           config.comm_ctas)
+    cache = buf.plan_cache(config, tiles, launch["comm_tm"], launch["comm_tn"], topk)
+    preset = preset_of(config, cache.device)
+    if plan is None or preset is None or preset.step_costs is None:
+        return NO_MODEL
+    workload = Workload(num_tokens, hidden, ffn, world, plan.splits, counts, topk=topk,
+                        local_topk=local_topk)
+    return decide_fusion(workload, plan, cache.kernel, cache.device, cache.calib,
+                         preset.step_costs, element_bytes=torch.empty((), dtype=dtype)
+                         .element_size(), stock_launches=stock_launches)
