@@ -21,8 +21,8 @@ from .op import _group_size_rank, _resolved
 from .planning import planned, row_order
 from .validation import check_int
 
-#: the answer where the device has no step costs (or the backend no plan): fuse, as
-#: before the model existed; `source` says why
+#: the answer where the device has no step costs or the backend has no plan (the
+#: reference path): fuse, with no predicted times
 NO_MODEL = FusionDecision(True, math.nan, math.nan, None)
 
 
@@ -69,10 +69,10 @@ def fusion_decision(*, num_tokens: int, hidden: int, ffn: int, topk: int,
                            config.comm_ctas)
     cache = buf.plan_cache(config, tiles, launch["comm_tm"], launch["comm_tn"], topk)
     preset = preset_of(config, cache.device)
-    if plan is None or preset is None or preset.step_costs is None:
+    if preset is None or preset.step_costs is None:
         return NO_MODEL
     workload = Workload(num_tokens, hidden, ffn, world, plan.splits, counts, topk=topk,
                         local_topk=local_topk)
     return decide_fusion(workload, plan, cache.kernel, cache.device, cache.calib,
-                         preset.step_costs, element_bytes=torch.empty((), dtype=dtype)
-                         .element_size(), stock_launches=stock_launches)
+                         preset.step_costs, element_bytes=dtype.itemsize,
+                         stock_launches=stock_launches)
