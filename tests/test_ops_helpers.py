@@ -51,3 +51,18 @@ def test_the_kernels_own_checks_still_name_the_argument():
                         torch.tensor([1]))
     with pytest.raises(ValueError, match="inter must be"):
         ops.weighted_swiglu(torch.zeros(4, 7), torch.ones(4))
+
+
+@pytest.mark.parametrize("name, bad, match", [
+    ("num_tokens", 0, "num_tokens must be an int >= 1"), ("ffn", 1.5, "ffn must be an int"),
+    ("local_experts", 8, r"local_experts \(8\) must be <= experts \(4\)")])
+def test_fusion_decision_names_the_bad_size(name, bad, match):
+    import torch
+
+    from megatron_overlap.ops import OverlapConfig, fusion_decision
+
+    sizes = dict(num_tokens=64, hidden=32, ffn=16, topk=2, local_experts=4, experts=4,
+                 dtype=torch.float32, device=torch.device("cpu"),
+                 config=OverlapConfig(backend="reference"))
+    with pytest.raises((TypeError, ValueError), match=match):
+        fusion_decision(**dict(sizes, **{name: bad}))
