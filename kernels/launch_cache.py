@@ -12,8 +12,9 @@ alignment, the exact value of every specialized integer, the i32 / i64 range of 
 others, and for tensor descriptors their dtype, block shape, strides, alignment and
 shapes' divisibility by 16, plus every constexpr and launch option. A miss compiles
 through Triton (`kernel.warmup`, so a first launch never waits inside a launch for the
-JIT) and then launches the binary it got; `TRITON_INTERPRET=1` or
-`MEGATRON_OVERLAP_FAST_LAUNCH=0` send every launch through `kernel[grid]` unchanged.
+JIT) and then launches the binary it got; under `TRITON_INTERPRET=1`, or with
+`LaunchCache.fast = False` (tests comparing the two paths' bits), every launch goes
+through `kernel[grid]` unchanged.
 """
 
 from __future__ import annotations
@@ -24,17 +25,11 @@ from triton import knobs
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from .. import cuda_driver
-from ..env import env_bool
 
 try:  # Gluon's descriptor also carries its shared-memory layout, part of the key
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
 except ImportError:  # a Triton without Gluon
     GluonDescriptor = ()
-
-
-def _fast_launch_enabled() -> bool:
-    # (under TRITON_INTERPRET=1 the kernels have no params and no cache is active)
-    return env_bool("MEGATRON_OVERLAP_FAST_LAUNCH", True)
 
 
 def _int_class(v: int) -> str:
@@ -134,6 +129,11 @@ class LaunchCache:
     `max_shared`: set the largest shared-memory carveout on every binary it loads
     (`prefer_max_shared`), for kernels whose CTAs must share SMs with GEMM2's."""
 
+    #: launch through the cached binary (False: every launch through `kernel[grid]`;
+    #: one switch for all kernels, read per launch). Under TRITON_INTERPRET=1 the
+    #: kernels have no params and no cache is active either way.
+    fast = True
+
     def __init__(self, kernel, max_shared: bool = False):
         self.kernel = kernel
         self.max_shared = max_shared
@@ -199,7 +199,7 @@ class LaunchCache:
         `stream`: a torch.cuda.Stream to launch on instead of the current one (handed to
         the binary directly: entering `torch.cuda.stream` costs more than the launch)."""
         hit = compiled or self.compiled(args, meta)
-        if hit is None or not _fast_launch_enabled():
+        if hit is None or not self.fast:
             if stream is None:
                 return self.kernel[grid](*args, **meta)
             with torch.cuda.stream(stream):

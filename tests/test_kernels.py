@@ -416,7 +416,7 @@ def test_launch_cache_reuses_a_binary_only_for_the_same_specialization(monkeypat
     cache.launch((4,), (recv, out, ep, 1 << 40, 1024, 0), meta)  # numel past int32
     cache.launch((4,), (recv, out, ep, 1 << 40, 1024, 0), dict(meta, WORLD=4))  # a constexpr
     assert len(triton_side.compiles) == 6
-    monkeypatch.setenv("MEGATRON_OVERLAP_FAST_LAUNCH", "0")
+    monkeypatch.setattr(LaunchCache, "fast", False)  # every launch through kernel[grid]
     cache.launch((4,), (recv, out, ep, 2048, 2048, 0), meta)
     assert triton_side.jit_launches == [((4,), (recv, out, ep, 2048, 2048, 0), meta)]
     with pytest.raises(TypeError, match="expected the 6 non-constexpr"):

@@ -159,3 +159,68 @@ def test_kernels_have_no_import_cycle():
     kernels = set(_under(f"{PKG}.kernels"))
     graph = {m: (_imports(m) & kernels) - {m} for m in kernels}
     assert _cycle(graph) is None, " -> ".join(_cycle(graph))
+
+
+#: `os` names that reach the process environment
+ENV_NAMES = {"environ", "environb", "getenv", "getenvb", "putenv", "unsetenv"}
+#: where the package may touch the environment: module -> the functions that may (None:
+#: anywhere in it). Library code takes an OverlapConfig; only these read variables. The
+#: test fails when an entry no longer touches it.
+ENV_READERS = {
+    f"{PKG}.env": None,  # OverlapConfig.from_env's implementation
+    f"{PKG}.ops.config": {"interpreting"},  # TRITON_INTERPRET, Triton's own variable
+    f"{PKG}.mcore.prefill": None,  # a torchrun entry point: RANK, LOCAL_RANK, multicast off
+    f"{PKG}.demo": None,  # a launcher: starts its ranks' processes with their environment
+}
+
+
+def env_reads(source: str) -> list[tuple[int, str | None]]:
+    """(line, innermost enclosing function or None) of every use of os.environ, os.getenv
+    and the like in `source`, `import os as ...` and `from os import environ` included."""
+    tree = ast.parse(source)
+    os_names = {"os"} | {a.asname for n in ast.walk(tree) if isinstance(n, ast.Import)
+                         for a in n.names if a.name == "os" and a.asname}
+    found = []
+
+    def visit(node, function):
+        for child in ast.iter_child_nodes(node):
+            inner = (child.name if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef))
+                     else function)
+            if (isinstance(child, ast.Attribute) and child.attr in ENV_NAMES
+                    and isinstance(child.value, ast.Name) and child.value.id in os_names):
+                found.append((child.lineno, function))
+            elif (isinstance(child, ast.ImportFrom) and child.module == "os"
+                  and any(a.name in ENV_NAMES for a in child.names)):
+                found.append((child.lineno, function))
+            visit(child, inner)
+
+    visit(tree, None)
+    return found
+
+
+def test_the_environment_scan_finds_every_kind_of_read():
+    source = ("import os\nimport os as o\nfrom os import getenv\nX = os.environ['A']\n"
+              "def f():\n    def g():\n        return o.getenv('B')\n    return os.environ\n")
+    assert env_reads(source) == [(3, None), (4, None), (7, "g"), (8, "f")]
+    assert env_reads("import os\nos.path.join('a', 'b')\nenviron = {}\n") == []
+
+
+def test_library_code_reads_no_environment_variable():
+    """No module of the package (kernels/ included) reads the environment outside
+    ENV_READERS: a setting is an OverlapConfig field or argument, and the variables reach
+    it through `OverlapConfig.from_env()` (megatron_overlap/env.py)."""
+    bad, touching = [], set()
+    for module, path in MODULES.items():
+        allowed = ENV_READERS.get(module, set())
+        for line, function in env_reads(path.read_text()):
+            if allowed is None or function in allowed:
+                touching.add(module)
+            else:
+                bad.append(f"{_rel(module)}:{line} (in {function or 'the module body'})")
+    assert not bad, ("library code reads the environment; make it an OverlapConfig field "
+                     f"that OverlapConfig.from_env reads instead: {bad}")
+    stale = sorted(set(ENV_READERS) - touching)
+    assert not stale, f"no longer touch the environment (remove them from ENV_READERS): {stale}"
+    # (the helpers of env.py read variables too: only from_env's module may call them)
+    users = sorted(_rel(m) for m in MODULES if f"{PKG}.env" in _imports(m))
+    assert users == [_rel(f"{PKG}.ops.config")], users

@@ -441,16 +441,19 @@ def test_auto_takes_the_gluon_kernel_only_where_y_is_token_major(monkeypatch):
         op_module._resolved.cache_clear()
 
 
-def test_tiles_file_from_the_environment_replaces_the_gpu_defaults(tmp_path, monkeypatch):
+def test_tiles_file_named_by_the_environment_gives_from_envs_tiles(tmp_path, monkeypatch):
     import json
 
     from megatron_overlap.ops import config
+
+    def env_tiles():  # (the file is cached by path: each rewrite clears the cache)
+        return config.OverlapConfig.from_env().tiles
 
     good = tmp_path / "tiles.json"
     good.write_text(json.dumps({"best": {"gemm": [64, 128, 64, 4, 3, False],
                                          "comm": [128, 512, 16, False]}}))
     monkeypatch.setenv("MEGATRON_OVERLAP_TILES", str(good))
-    tiles = config.gpu_tiles()
+    tiles = env_tiles()
     assert (tiles.block_m, tiles.comm_rows, tiles.comm_tn, tiles.comm_slot_loop) == (
         64, 128, 512, False)
     assert tiles.comm_stages == 1  # files from before the item pipeline: none
@@ -458,33 +461,34 @@ def test_tiles_file_from_the_environment_replaces_the_gpu_defaults(tmp_path, mon
     good.write_text(json.dumps({"best": {"gemm": [64, 128, 64, 4, 3, False],
                                          "comm": [64, 1024, 32, True, 3]}}))
     config.load_tiles.cache_clear()
-    tiles = config.gpu_tiles()
+    tiles = env_tiles()
     assert (tiles.comm_rows, tiles.comm_warps, tiles.comm_slot_loop, tiles.comm_stages) == (
         64, 32, True, 3)
     assert tiles.token_major  # files from before the layout choice: the default layout
     good.write_text(json.dumps({"best": {"gemm": [64, 128, 64, 4, 3, False],
                                          "comm": [64, 1024, 32, True, 1, False]}}))
     config.load_tiles.cache_clear()
-    assert not config.gpu_tiles().token_major
-    assert config.gpu_tiles().gemm_impl == "auto"  # files before the Gluon kernel: the default
+    assert not env_tiles().token_major
+    assert env_tiles().gemm_impl == "auto"  # files before the Gluon kernel: the default
     good.write_text(json.dumps({"best": {"gemm": [128, 128, 64, 4, 3, False, "gluon"],
                                          "comm": [256, 1024, 32, True, 1, True]}}))
     config.load_tiles.cache_clear()
-    assert config.gpu_tiles().gemm_impl == "gluon"
-    assert config.gpu_tiles().placement == "partition"  # files before the shared placement
+    assert env_tiles().gemm_impl == "gluon"
+    assert env_tiles().placement == "partition"  # files before the shared placement
     good.write_text(json.dumps({"best": {"gemm": [128, 128, 64, 4, 3, False, "auto"],
                                          "comm": [32, 512, 4, True, 1, True],
                                          "placement": "shared"}}))
     config.load_tiles.cache_clear()
-    assert (config.gpu_tiles().placement, config.gpu_tiles().comm_warps) == ("shared", 4)
+    assert (env_tiles().placement, env_tiles().comm_warps) == ("shared", 4)
     for bad, text in (("missing.json", None), ("broken.json", "{"),
                       ("wrong.json", json.dumps({"best": {"gemm": [1, 2]}}))):
         path = tmp_path / bad
         if text is not None:
             path.write_text(text)
         monkeypatch.setenv("MEGATRON_OVERLAP_TILES", str(path))
-        with pytest.raises(ValueError, match=f"{bad}: not a tune_tiles result"):
-            config.gpu_tiles()
+        with pytest.raises(ValueError,
+                           match=f"MEGATRON_OVERLAP_TILES=.*{bad}: not a tune_tiles result"):
+            env_tiles()
 
 
 def test_peerless_group_falls_back_to_reference_with_one_warning(monkeypatch):
@@ -712,9 +716,10 @@ def test_splits_ranked_without_the_helper_terms_and_c_from_the_full_model():
 
 
 def test_config_placement_picks_the_default_tiles_of_that_placement():
-    """OverlapConfig.placement (env MEGATRON_OVERLAP_PLACEMENT, Megatron's
-    --moe-overlap-placement) chooses the placement of the default tiles: on CUDA the
-    tuned tiles of each (GPU_TILES, PARTITION_TILES), under the interpreter its tiles."""
+    """OverlapConfig.placement (Megatron's --moe-overlap-placement, also
+    MEGATRON_OVERLAP_PLACEMENT through OverlapConfig.from_env) chooses the placement of
+    the default tiles: on CUDA the tuned tiles of each (GPU_TILES, PARTITION_TILES),
+    under the interpreter its tiles."""
     from megatron_overlap.ops.buffer import OverlapBuffer
 
     buf = object.__new__(OverlapBuffer)

@@ -172,7 +172,9 @@ def test_shared_placement_gives_the_partitions_bits_with_a_comm_cta_on_every_sm(
 def test_cached_binary_launches_give_the_bits_of_tritons_own_launches(monkeypatch):
     p = routed_problem(0, 1, device="cuda", **SHAPE)
     fast = [_poisoned_call(p, SHAPE["tokens"], SHAPE["topk"], comm_ctas=8) for _ in range(3)]
-    monkeypatch.setenv("MEGATRON_OVERLAP_FAST_LAUNCH", "0")
+    from megatron_overlap.kernels.launch_cache import LaunchCache
+
+    monkeypatch.setattr(LaunchCache, "fast", False)  # every launch through kernel[grid]
     jit = _poisoned_call(p, SHAPE["tokens"], SHAPE["topk"], comm_ctas=8)
     assert not torch.isnan(jit).any()
     assert all(torch.equal(f, jit) for f in fast)
@@ -189,11 +191,12 @@ def test_calls_queued_far_ahead_of_the_gpu_give_each_routings_own_output(
     busy (the host must wait for a slot's reader); unmapped, each call copies them. The
     streams are ordered by the driver's event calls, or by torch's (`driver` False)."""
     from megatron_overlap.ops import OverlapBuffer, counts_ring
+    from megatron_overlap.ops.stream_ops import StreamOps
 
     monkeypatch.setattr(OverlapBuffer, "_instances", {})  # a fresh buffer with this ring
     monkeypatch.setattr(counts_ring, "OFFSET_SLOTS", slots)
-    monkeypatch.setenv("MEGATRON_OVERLAP_MAPPED_OFFSETS", "1" if mapped else "0")
-    monkeypatch.setenv("MEGATRON_OVERLAP_DRIVER_EVENTS", "1" if driver else "0")
+    monkeypatch.setattr(OverlapBuffer, "mapped_offsets", mapped)
+    monkeypatch.setattr(StreamOps, "driver", driver)  # (read when the buffer makes its own)
     small = dict(tokens=1024, experts=16, topk=4, ffn=256, hidden=512)
     probs = [routed_problem(0, 1, device="cuda", seed=s, hot=s == 2, empty=(3, 5) if s == 4
                             else (), **small) for s in range(6)]

@@ -154,7 +154,7 @@ def policies(inp: dict, group, world: int, backend: str) -> dict:
         full = y.new_zeros(inp["tokens"], y.shape[1]).index_add(0, inp["token_index"], y)
         return _ReduceScatter.apply(full, group, world) if world > 1 else full
 
-    config = OverlapConfig(backend=backend)
+    config = OverlapConfig.from_env(backend=backend)
     ours = _graph(lambda x, w: gemm2_gather_rs(x, w, counts, inp["token_index"], inp["tokens"],
                                                inp["topk"], None, group, config=config), inp)
     pol = {}

@@ -62,7 +62,7 @@ def build_case(model_name, tp, ep, seq, batch, args, device, impl: str = "local"
                                             impl=impl)[0].num_layers):
         raise ValueError(f"--input-layer {input_layer}: {model_name} has {depth} layers")
     depth = input_layer or _first_moe_layer(model_name)
-    config = OverlapConfig(backend=args.backend, **fuse_kwargs(args))
+    config = OverlapConfig.from_env(backend=args.backend, **fuse_kwargs(args))
     fusion = {"bias_activation_fusion": False} if args.no_bias_swiglu_fusion else {}
     model = build_model(model_name, tp, ep, depth, overlap=config, tiny=args.tiny, impl=impl,
                         **fusion).to(device).eval()

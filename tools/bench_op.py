@@ -53,7 +53,7 @@ def policies_for(inp: dict, group, c_values, preset: str | None,
     """The timed callables of one workload, and facts about them (`graphs`: with the
     captured policies of `captured_policies`; `l_values`: the op at each L, the planner
     choosing C for it; `graph_sweep`: the C and L sweeps captured too)."""
-    cfg = OverlapConfig(backend=backend, preset=preset, tiles=tiles)
+    cfg = OverlapConfig.from_env(backend=backend, preset=preset, tiles=tiles)
     args = (inp["x"], inp["weight"], inp["counts_list"], inp["token_index"], inp["tokens"],
             inp["topk"], None, group)
 
@@ -183,7 +183,7 @@ def check_against_reference(inp, group, c_values, backend: str, tiles=None,
     args = (inp["x"], inp["weight"], inp["counts_list"], inp["token_index"], inp["tokens"],
             inp["topk"], None, group)
     ref = gemm2_gather_rs(*args, config=REFERENCE).float()
-    cfg = OverlapConfig(backend=backend, sync_errors=True, tiles=tiles)
+    cfg = OverlapConfig.from_env(backend=backend, sync_errors=True, tiles=tiles)
     worst = 0.0
     choices = [dict(comm_ctas=c) for c in (None, 3, max(c_values))]
     for choice in choices + [dict(splits=l) for l in l_values]:
@@ -224,7 +224,8 @@ def main() -> int:
     c_values = ([int(c) for c in args.cset.split(",")] if args.cset
                 else list(range(1, args.cmax + 1)))
     l_values = [int(v) for v in args.lset.split(",")] if args.lset else []
-    tiles = tiles_from_json(args.tiles)
+    # (without --tiles: MEGATRON_OVERLAP_TILES's, else the defaults)
+    tiles = tiles_from_json(args.tiles) or OverlapConfig.from_env().tiles
     results = []
     for model, seq, routing in [(m, int(s), r) for m in args.model.split(",")
                                 for s in args.seqs.split(",") for r in args.routing.split(",")]:

@@ -62,7 +62,7 @@ from megatron_overlap.planner.model import DeviceSpec, makespan  # noqa: E402
 
 
 def phase_timer(inp, group, c: int, phases, splits: int, backend: str, tiles=None):
-    cfg = OverlapConfig(backend=backend, tiles=tiles)
+    cfg = OverlapConfig.from_env(backend=backend, tiles=tiles)
     launch = prepare(inp["x"], inp["weight"], inp["counts_list"], inp["token_index"],
                      inp["tokens"], inp["topk"], None, group, comm_ctas=c, splits=splits,
                      config=cfg)

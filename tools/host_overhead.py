@@ -60,7 +60,7 @@ def main() -> int:
     group = dist.group.WORLD
     inp = rank_inputs(OpCase(args.model, "TP2EP1", args.seq, "uniform"), dist.get_rank(), device)
     run = op_kwargs(inp, group)
-    cfg = OverlapConfig(backend=backend)
+    cfg = OverlapConfig.from_env(backend=backend)
     ref = OverlapConfig(backend="reference")
     launch = prepare(**run, config=cfg)
     for _ in range(3):

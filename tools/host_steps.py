@@ -146,7 +146,7 @@ def main() -> int:
     inp = rank_inputs(OpCase(args.model, args.layout, args.seq, "uniform"), dist.get_rank(),
                       device)
     run = op_kwargs(inp, dist.group.WORLD)
-    cfg = OverlapConfig(backend=backend)
+    cfg = OverlapConfig.from_env(backend=backend)
     for _ in range(3):  # compiled, planned, allocated
         gemm2_gather_rs(**run, config=cfg)
     instrument()
@@ -165,7 +165,6 @@ def main() -> int:
             set_arm(buf, arm, driver_ok)
             per_arm[arm] += calls_of(lambda: gemm2_gather_rs(**run, config=cfg), 5, sync)
     set_arm(buf, "default", driver_ok)
-    buf.mapped_offsets = buffer._mapped_offsets_default()
     tables = {arm: table_of(calls) for arm, calls in per_arm.items()}
     if dist.get_rank() == 0:
         for arm, table in tables.items():

@@ -91,7 +91,7 @@ def main() -> int:
     group = dist.group.WORLD
     inp = rank_inputs(OpCase(args.model, args.layout, args.seq, "uniform"), dist.get_rank(),
                       device)
-    cfg = OverlapConfig(backend="reference" if args.backend == "reference" else backend)
+    cfg = OverlapConfig.from_env(backend="reference" if args.backend == "reference" else backend)
 
     def call():
         with torch.profiler.record_function(MARK):

@@ -21,7 +21,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from tune_tiles import phase  # noqa: E402
 from workloads import OpCase, rank_inputs  # noqa: E402
 
-from megatron_overlap.ops.config import gpu_tiles  # noqa: E402
+from megatron_overlap.ops import OverlapConfig  # noqa: E402
+from megatron_overlap.ops.config import GPU_TILES  # noqa: E402
 
 
 def main() -> int:
@@ -36,7 +37,8 @@ def main() -> int:
         print("profile_gather: needs a CUDA GPU")
         return 2
     inp = rank_inputs(OpCase(args.model, args.layout, args.seq, "uniform"), 0, "cuda")
-    run, info = phase(inp, None, gpu_tiles(), "triton", args.comm_ctas, ("comm",))
+    tiles = OverlapConfig.from_env().tiles or GPU_TILES  # MEGATRON_OVERLAP_TILES's, if set
+    run, info = phase(inp, None, tiles, "triton", args.comm_ctas, ("comm",))
     for _ in range(args.launches):
         run()
     torch.cuda.synchronize()

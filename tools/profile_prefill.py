@@ -315,7 +315,7 @@ def main() -> int:
         ap.error(f"--sampled-forwards must be >= 1, got {args.sampled_forwards}")
     setup = argparse.Namespace(tp=1, ep=1, seed=0, preload=None, batch=args.batch)
     device = prefill._setup(setup)
-    model = build_model(args.model, 1, 1, overlap=OverlapConfig(
+    model = build_model(args.model, 1, 1, overlap=OverlapConfig.from_env(
         host_counts=args.host_counts, **fuse_kwargs(args))).to(
         device).eval()
     _mark_moe_layers(model)

@@ -173,7 +173,7 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 def run(args) -> dict:
     group, world, rank, device, backend = setup()
-    config = OverlapConfig(backend=backend, wait_timeout_s=args.wait_timeout_s)
+    config = OverlapConfig.from_env(backend=backend, wait_timeout_s=args.wait_timeout_s)
     reference = OverlapConfig(backend="reference")
     pool = build_pool(args, world, rank, device)
     rng = random.Random(args.seed)  # (the same draws on every rank)

@@ -49,7 +49,7 @@ COMM_CANDIDATES = [(256, 1024, 32, True, 1), (128, 1024, 32, True, 1),
 def phase(inp, group, tiles, backend, c, phases, all_sms=True):
     launch = prepare(inp["x"], inp["weight"], inp["counts_list"], inp["token_index"],
                      inp["tokens"], inp["topk"], None, group, comm_ctas=c,
-                     config=OverlapConfig(backend=backend, tiles=tiles))
+                     config=OverlapConfig.from_env(backend=backend, tiles=tiles))
     cache = plan_cache_of(launch)
     plan = launch.plan
     if phases == ("gemm2",) and all_sms:  # the whole GPU: every SM's o_comp slots

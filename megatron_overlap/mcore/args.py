@@ -104,8 +104,9 @@ def moe_overlap_args_provider(other: ArgsProvider | None = None) -> ArgsProvider
 def overlap_config_from_args(args) -> OverlapConfig | None:
     """OverlapConfig from parsed `--moe-overlap*` flags; None without `--moe-overlap`.
 
-    Missing attributes (a parser without these flags) mean "off". Raises ValueError for a
-    calibration file that does not exist.
+    Missing attributes (a parser without these flags) mean "off"; the flags win over the
+    MEGATRON_OVERLAP_* variables (`OverlapConfig.from_env`: this is a launcher's path).
+    Raises ValueError for a calibration file that does not exist.
     """
     if not getattr(args, "moe_overlap", False):
         return None
@@ -113,7 +114,7 @@ def overlap_config_from_args(args) -> OverlapConfig | None:
     if calibration is not None and (calibration.endswith(".json") or os.sep in calibration) \
             and not os.path.isfile(calibration):
         raise ValueError(f"--moe-overlap-calibration: no such file {calibration!r}")
-    return OverlapConfig(
+    return OverlapConfig.from_env(
         backend=getattr(args, "moe_overlap_backend", "auto"),
         comm_ctas=getattr(args, "moe_overlap_comm_ctas", None),
         splits=getattr(args, "moe_overlap_splits", None),

@@ -22,20 +22,17 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import dataclasses
 import warnings
 
 import torch
 import torch.distributed as dist
 
 from ..kernels import gather_rs as grs
-from ..env import env_bool
 from ..kernels import gemm2
 from ..kernels.routing_table import launch_routing_table
 from ..planner import PlanCache, expert_row_tiles, ranking_calibration
-from .config import (GPU_TILES, INTERPRET_TILES, MAX_SPLITS, PARTITION_TILES, OverlapConfig,
-                     TileConfig,
-                     calibration_for, device_spec, gpu_tiles, kernel_spec)
+from .config import (GPU_TILES, INTERPRET_TILES, MAX_SPLITS, OverlapConfig, TileConfig,
+                     calibration_for, device_spec, in_placement, kernel_spec)
 from .config import PARTIAL_DTYPES
 from .counts_ring import CountsRing
 from .errors import ErrorWord, OverlapMismatchError, OverlapTimeoutError, describe_mismatch
@@ -71,14 +68,14 @@ def dtype_code(dtype: torch.dtype) -> int:
     return PARTIAL_DTYPES.index(dtype) + 1 if dtype in PARTIAL_DTYPES else 0
 
 
-def _mapped_offsets_default() -> bool:
-    return env_bool("MEGATRON_OVERLAP_MAPPED_OFFSETS", True)
-
-
 class OverlapBuffer(ErrorWord):
     """Workspace and launcher for `gemm2_gather_rs` on one group and device."""
 
     _instances: "dict[tuple, OverlapBuffer]" = {}  # one per group and device, for the process
+    #: host offsets through a ring of pinned slots the routing-table kernel reads in
+    #: place (`route`); False copies them. An instance turns it off where the GPU cannot
+    #: read pinned memory in place; the class attribute is for A/B tools and tests.
+    mapped_offsets = True
 
     @classmethod
     def get(cls, group, device: torch.device, backend: str) -> "OverlapBuffer":
@@ -127,8 +124,6 @@ class OverlapBuffer(ErrorWord):
         self.resources_of: dict[tuple, dict] = {}
         self.compiled_resources: dict | None = None
         self._pending: tuple | None = None  # (event, pinned error word, expected)
-        # host offsets: a ring of slots the routing-table kernel reads in place (`route`)
-        self.mapped_offsets = _mapped_offsets_default()
         # event records, waits and the error word's copy through the driver (cheaper)
         self.stream_ops = StreamOps(device) if device.type == "cuda" else None
         self.counts_ring = CountsRing(device, stream_ops=self.stream_ops)
@@ -261,8 +256,8 @@ class OverlapBuffer(ErrorWord):
         into a fresh device tensor as it runs. No pinned allocation, copy or prefix sum
         of their own on the launch path, which runs after Megatron's sync while the GPU
         waits
-        (`mapped_offsets = False` or MEGATRON_OVERLAP_MAPPED_OFFSETS=0: the offsets
-        built on the host and copied, one pinned copy per call). A slot is written
+        (`mapped_offsets = False`: the offsets built on the host and copied, one pinned
+        copy per call). A slot is written
         again only once the kernel that read it has run (the event above)."""
         experts = len(counts)
         table = None
@@ -295,15 +290,10 @@ class OverlapBuffer(ErrorWord):
 
     # ---------------------------------------------------------------- planning
     def default_tiles(self, placement: str | None = None) -> TileConfig:
-        """The backend's tiles (`gpu_tiles()` on CUDA), in `placement` when given: on
-        CUDA the tuned tiles of that placement (GPU_TILES / PARTITION_TILES) unless a
-        tiles file names the shapes, whose placement it then replaces."""
-        tiles = INTERPRET_TILES if self.backend == "interpret" else gpu_tiles()
-        if placement is None or placement == tiles.placement:
-            return tiles
-        if self.backend != "interpret" and tiles in (GPU_TILES, PARTITION_TILES):
-            return GPU_TILES if placement == "shared" else PARTITION_TILES
-        return dataclasses.replace(tiles, placement=placement)
+        """The backend's tiles (GPU_TILES on CUDA), in `placement` when given: on CUDA
+        the tuned tiles of that placement (GPU_TILES / PARTITION_TILES)."""
+        return in_placement(INTERPRET_TILES if self.backend == "interpret" else GPU_TILES,
+                            placement)
 
     def remember(self, key: tuple, decision: tuple) -> None:
         """Keep an op decision (bounded: routing can make many distinct row-tile counts)."""

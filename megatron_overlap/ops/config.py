@@ -13,7 +13,7 @@ import torch
 from ..planner import (A100_PAPER, Calibration, DeviceSpec, KernelSpec, Preset, get_preset,
                        preset_for_device)
 from ..planner.presets import MAX_SPLITS  # (the readiness flags: one word per split)
-from ..env import env_bool, env_choice, env_float, env_int
+from .. import env
 from ..kernels.gather_rs import MAX_WAIT_TIMEOUT_S, WAIT_TIMEOUT_S
 
 log = logging.getLogger("megatron_overlap")
@@ -36,18 +36,10 @@ def _check_int(name: str, value, lo: int, hi: int) -> None:
         raise ValueError(f"OverlapConfig.{name} must be an int in [{lo}, {hi}], got {value!r}")
 
 
-def _env_max_spins() -> int:
-    # (no bound of its own by default: the waits are bounded by time, wait_timeout_s)
-    return env_int("MEGATRON_OVERLAP_MAX_SPINS", MAX_SPINS, 1, MAX_SPINS)
-
-
-def _env_wait_timeout_s() -> float:
-    return env_float("MEGATRON_OVERLAP_WAIT_TIMEOUT_S", WAIT_TIMEOUT_S, MAX_WAIT_TIMEOUT_S)
-
-
 @dataclass(frozen=True)
 class OverlapConfig:
-    """How `gemm2_gather_rs` runs. Every field has a sensible default.
+    """How `gemm2_gather_rs` runs. Every field has a sensible default, a constant: the
+    environment never changes an OverlapConfig() (`OverlapConfig.from_env` reads it).
 
     backend: "triton" (CUDA), "interpret" (the same kernels under TRITON_INTERPRET=1 on
         CPU tensors), "reference" (torch grouped GEMM + combine + reduce_scatter_tensor,
@@ -60,24 +52,22 @@ class OverlapConfig:
     sm_margin: SMs left to other concurrent kernels.
     preset: calibration preset name or JSON path; None finds the shipped calibration
         for this device name (falling back to the paper's A100 rho_ref with a warning).
-    max_spins: a bound on the polls of every spin-wait (default: none but int32's; env
-        MEGATRON_OVERLAP_MAX_SPINS); a time-out raises OverlapTimeoutError.
+    max_spins: a bound on the polls of every spin-wait (default: none but int32's); a
+        time-out raises OverlapTimeoutError.
     wait_timeout_s: the time bound of every spin-wait, in seconds of the GPU's global
-        timer (the host's clock under the interpreter); env MEGATRON_OVERLAP_WAIT_TIMEOUT_S.
+        timer (the host's clock under the interpreter).
     partial_dtype: dtype of the pushed partial sums; None = the output dtype.
     sync_errors: check the kernels' error word right after every call (a host sync);
         otherwise it is checked at the next call or at `OverlapBuffer.check()`.
-    tiles: kernel tile shapes; None = the backend's default: `gpu_tiles()` on CUDA (the
-        file named by MEGATRON_OVERLAP_TILES, as `tools/tune_tiles.py` writes it, else
-        `GPU_TILES`), `INTERPRET_TILES` under the interpreter.
+    tiles: kernel tile shapes; None = the backend's default in `placement`: `GPU_TILES`
+        on CUDA, `INTERPRET_TILES` under the interpreter (`load_tiles` reads the file
+        `tools/tune_tiles.py` writes).
     tail_helpers: when GEMM2 ends, launch one more GatherRS CTA per SM it leaves, to
         share the last split (which becomes ready only then) with the C communication
-        CTAs; False (or MEGATRON_OVERLAP_TAIL_HELPERS=0) leaves the last split to the C
-        CTAs, as the paper's model assumes.
+        CTAs; False leaves the last split to the C CTAs, as the paper's model assumes.
     placement: where the communication CTAs run when `tiles` is None (TileConfig.placement):
         "shared" (one beside GEMM2's on every SM; the Hopper default), "partition" (SMs
-        of their own, the paper's scheme), or None (the default tiles' own; env
-        MEGATRON_OVERLAP_PLACEMENT sets it too).
+        of their own, the paper's scheme), or None (the default tiles' own).
     fuse: read by OverlapMoELayer, not by the op. "auto" (the default): before each
         call of a new size the layer asks the planner whether the fused op beats the
         stock path it replaces (`planner.fusion`, priced with the device calibration's
@@ -99,19 +89,38 @@ class OverlapConfig:
     planner: bool = True
     sm_margin: int = 0
     preset: str | None = None
-    # (the environment is read when a config is made, not at import: `_env_*`)
-    max_spins: int = dataclasses.field(default_factory=lambda: _env_max_spins())
+    # (no poll bound of its own by default: the waits are bounded by time, wait_timeout_s)
+    max_spins: int = MAX_SPINS
     partial_dtype: torch.dtype | None = None
     sync_errors: bool = False
     tiles: "TileConfig | None" = None
     fuse: str = "auto"
-    tail_helpers: bool = dataclasses.field(
-        default_factory=lambda: env_bool("MEGATRON_OVERLAP_TAIL_HELPERS", True))
-    placement: str | None = dataclasses.field(
-        default_factory=lambda: env_choice("MEGATRON_OVERLAP_PLACEMENT", PLACEMENTS))
+    tail_helpers: bool = True
+    placement: str | None = None
     host_counts: bool = False
     # (last: a field added after the others keeps positional construction working)
-    wait_timeout_s: float = dataclasses.field(default_factory=lambda: _env_wait_timeout_s())
+    wait_timeout_s: float = WAIT_TIMEOUT_S
+
+    @classmethod
+    def from_env(cls, **overrides) -> "OverlapConfig":
+        """A config from the MEGATRON_OVERLAP_* variables, for tools and launchers;
+        `overrides` win (a field given there is not read from its variable):
+        MEGATRON_OVERLAP_TILES (a `tools/tune_tiles.py` JSON: tiles, in `placement` where
+        that is set too), _PLACEMENT (shared | partition), _TAIL_HELPERS (0/1, false/true,
+        no/yes, off/on), _WAIT_TIMEOUT_S (seconds), _MAX_SPINS, each setting the field of
+        its name. Unset or empty: the default. A bad value raises ValueError naming the
+        variable; any other MEGATRON_OVERLAP_* set draws a warning (megatron_overlap/env.py)."""
+        fields = env.fields_from_env({  # (each field's bounds are OverlapConfig's)
+            "tiles": lambda n: env.env_parsed(n, load_tiles),
+            "placement": lambda n: env.env_choice(n, PLACEMENTS),
+            "tail_helpers": lambda n: env.env_bool(n, True),
+            "wait_timeout_s": lambda n: env.env_float(n, WAIT_TIMEOUT_S, MAX_WAIT_TIMEOUT_S),
+            "max_spins": lambda n: env.env_int(n, MAX_SPINS, 1, MAX_SPINS),
+        }, overrides)
+        if "tiles" not in overrides and fields.get("tiles") is not None:
+            # a tiles file in the placement asked for, as the default tiles are
+            fields["tiles"] = in_placement(fields["tiles"], fields.get("placement"))
+        return cls(**fields)
 
     def __post_init__(self) -> None:
         if self.placement is not None and self.placement not in PLACEMENTS:
@@ -266,7 +275,6 @@ GPU_TILES = TileConfig(128, 128, 64, 4, 3, 32, 512, 4, placement="shared")
 #: (the Gluon kernel's MMA warpgroup still gets 184 after the workers give theirs back).
 SHARED_GEMM_MAXNREG = {"triton": 200, "gluon": 104, "gluon_inline_publish": 104}
 SHARED_COMM_MAXNREG = 96
-_TILES_ENV = "MEGATRON_OVERLAP_TILES"
 
 
 @functools.lru_cache(maxsize=8)  # read once: the default is looked up on every launch
@@ -300,28 +308,25 @@ def _flag(value) -> bool:
     raise ValueError(f"a switch must be true, false, 0 or 1, got {value!r}")
 
 
-def gpu_tiles() -> TileConfig:
-    """GPU_TILES, or the tune_tiles result named by MEGATRON_OVERLAP_TILES."""
-    path = os.environ.get(_TILES_ENV)
-    return load_tiles(path) if path else GPU_TILES
+def in_placement(tiles: TileConfig, placement: str | None) -> TileConfig:
+    """`tiles` in `placement` (None: their own): the other placement's tuned tiles where
+    `tiles` are one placement's (GPU_TILES / PARTITION_TILES), else the same shapes."""
+    if placement is None or placement == tiles.placement:
+        return tiles
+    if tiles in (GPU_TILES, PARTITION_TILES):
+        return GPU_TILES if placement == "shared" else PARTITION_TILES
+    return dataclasses.replace(tiles, placement=placement)
 
 
 #: The interpreter: small tiles so tiny test shapes still span many tiles and splits.
 INTERPRET_TILES = TileConfig(16, 16, 16, 4, 1, 16, 16, 4, gemm_impl="triton")
-def interpret_sms() -> int:
-    """SMs of the virtual device the interpreter plans for (small, so P stays small);
-    MEGATRON_OVERLAP_INTERPRET_SMS, read per call (never at import)."""
-    return env_int("MEGATRON_OVERLAP_INTERPRET_SMS", 20, 1, MAX_SMS)
-
-
-def __getattr__(name: str):
-    # INTERPRET_SMS, the module constant of earlier versions: read when asked for
-    if name == "INTERPRET_SMS":
-        return interpret_sms()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+#: SMs of the virtual device the interpreter plans for (small, so P stays small)
+INTERPRET_SMS = 20
 
 
 def interpreting() -> bool:
+    # (Triton's own variable, read as Triton reads it: the interpreter is chosen when
+    # triton is imported, before any config exists)
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
@@ -350,7 +355,7 @@ def device_spec(device: torch.device, sm_margin: int) -> DeviceSpec:
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         return DeviceSpec(props.name, props.multi_processor_count, sm_margin)
-    return DeviceSpec("triton-interpreter", interpret_sms(), sm_margin)
+    return DeviceSpec("triton-interpreter", INTERPRET_SMS, sm_margin)
 
 
 _warned: set[str] = set()

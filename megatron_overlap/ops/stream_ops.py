@@ -9,7 +9,8 @@ time each, for what is one driver call. `StreamOps` makes that call itself (ctyp
 `cuEventRecord`, `cuStreamWaitEvent`, `cuMemcpyDtoHAsync`) on the same handles torch
 holds (runtime events and streams are driver ones), so the order it builds on the GPU
 is the same. torch's own path serves where the driver library is not there, on CPU, and
-with MEGATRON_OVERLAP_DRIVER_EVENTS=0 (or `StreamOps.raw = False`).
+with `StreamOps.driver = False` (or an instance's `raw = False`: the A/B of
+`tools/host_steps.py`).
 """
 
 from __future__ import annotations
@@ -19,21 +20,20 @@ import ctypes
 import torch
 
 from ..cuda_driver import libcuda
-from ..env import env_bool
-
-
-def _driver_events_default() -> bool:
-    return env_bool("MEGATRON_OVERLAP_DRIVER_EVENTS", True)
 
 
 class StreamOps:
     """Record, wait and copy on one CUDA device (`raw`: through the driver)."""
 
+    #: through the driver where it is there (False: torch's calls, for A/B runs and
+    #: tests; read when a StreamOps is made)
+    driver = True
+
     def __init__(self, device: torch.device):
         self.device = device
         self.index = device.index if device.index is not None else torch.cuda.current_device()
         lib = libcuda() if device.type == "cuda" else None
-        self.raw = lib is not None and _driver_events_default()
+        self.raw = lib is not None and self.driver
         if lib is not None:
             self._record = lib.cuEventRecord
             self._record.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
