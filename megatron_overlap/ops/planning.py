@@ -1,6 +1,10 @@
 """The op's planning around the planner: which L to run, the plan and launch arguments of
 an L, and the plan cache a prepared launch used (`op.prepare` calls these; tools read
-the cache). The model itself is `planner/`; this module only chooses among its calls."""
+the cache). The model itself is `planner/`; this module only chooses among its calls.
+
+In the shared placement (Hopper's default) the plan's C is G for every L, so what is
+decided here per call is L (`rank_splits`) and with it the communication tile
+(`TileConfig.comm_shape`); in the partition placement the model also chooses C."""
 
 from __future__ import annotations
 

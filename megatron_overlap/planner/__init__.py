@@ -1,4 +1,13 @@
-"""The launch-time analytical resource manager (paper section III). Stdlib only."""
+"""The launch-time analytical resource manager (paper section III). Stdlib only.
+
+What it decides: in the partition placement (the paper's scheme, KernelSpec.shared_sms
+False) C, the communication CTAs, by the model's argmin over 1..C_max, each taking SMs
+from GEMM2. In the shared placement, Hopper's default, every SM hosts both GEMM2's
+CTAs and one communication CTA, so C* = G always (the SMs left after sm_margin): there
+the per-call choice is L, which the op ranks with this model (`ops/planning.py`), and
+with L the communication tile; the kernel tiles are chosen offline (TileConfig,
+tools/tune_tiles.py). Whether to fuse at all, per call size: `fusion.py`.
+"""
 
 from .cache import PlanCache
 from .fusion import FusionDecision, StepCosts, decide_fusion
