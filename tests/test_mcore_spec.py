@@ -290,7 +290,7 @@ def _model_scenarios(rank, world, json_path):
     # the prefill launcher, ABBA on the same weights, tiny
     rc = prefill.main(["--model", "deepseek", "--tiny", "--tp", "1", "--ep", "2", "--batch", "2",
                        "--seq", "8", "--iters", "2", "--warmup", "1", "--abba",
-                       "--moe-overlap-backend", "interpret", "--preload", "mcore_shims",
+                       "--host-costs", "--moe-overlap-backend", "interpret", "--preload", "mcore_shims",
                        "--json", json_path])
     res["prefill_rc"] = rc
     ps.destroy_model_parallel()
@@ -342,3 +342,12 @@ def test_prefill_launcher_times_both_policies_and_reports_decisions(model_runs):
     d = decisions[0]
     assert 0 < d["max_e"] <= d["rows"] <= 16 * 3
     assert d["max_over_mean"] == round(d["max_e"] * 4 / d["rows"], 2) >= 1
+
+
+def test_prefill_launcher_counts_host_syncs_and_time_per_moe_layer_call(model_runs):
+    # one more step per policy; tiny DeepSeek has one MoE layer; on CPU nothing syncs
+    costs = model_runs[1]["host_costs"]
+    assert set(costs) == {"stock", "overlap"}
+    for c in costs.values():
+        assert c["calls"] == 1 and c["host_us_per_call"] > 0
+        assert c["syncs_per_call"] == 0 and c["step_syncs"] == 0

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from ..stats import bootstrap_ci
 from ..ops import CapturedCall
 from .args import add_moe_overlap_args, overlap_config_from_args
+from .host_costs import measure_host_costs
 from .layer import OverlapMoELayer, fused_at_every_size, set_overlap_enabled
 from .models import CONFIGS, IMPLS, build_model
 
@@ -79,6 +80,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--train", action="store_true",
                    help="time a training step instead (forward with labels, the loss's "
                         "backward; train mode, gradients zeroed between steps, no optimizer)")
+    p.add_argument("--host-costs", action="store_true",
+                   help="after the timings, one more step per policy counting its host "
+                        "syncs and host us per MoE layer call (host_costs)")
     p.add_argument("--abba", action="store_true",
                    help="time stock and overlapped ABBA-interleaved on the same weights")
     p.add_argument("--cuda-graph", action="store_true",
@@ -321,8 +325,22 @@ def _run_seq(args, model, seq: int, overlap, device) -> dict:
         if stock and "graph" in samples:
             result["speedup_graph"] = stock["median_ms"] / result["policies"]["graph"]["median_ms"]
         graph.release()
+    if args.host_costs:
+        result["host_costs"] = _host_costs(model, policies, forwards, device, grad)
     result["decisions_rank0"] = decisions(model) if overlap else []
     return result
+
+
+def _host_costs(model, policies, forwards, device, grad: bool) -> dict:
+    """{policy: HostCosts.as_dict()} of one more step of each eager policy."""
+    out = {}
+    for policy in (p for p in policies if p != "graph"):
+        set_overlap_enabled(model, policy == "overlap")
+        _sync(device)
+        with torch.set_grad_enabled(grad):
+            out[policy] = measure_host_costs(model, forwards[policy]).as_dict()
+        _sync(device)
+    return out
 
 
 def _captured_forward(model, tokens, positions, device) -> CapturedCall:
@@ -353,6 +371,10 @@ def report(result: dict) -> str:
         lines.append(f"  graph: replay equals the eager forward: {graph['equal']} (max rel. "
                      f"diff {graph['max_rel_diff']:.1e})" if graph["captured"]
                      else f"  graph: not captured ({graph['error']})")
+    for policy, c in result.get("host_costs", {}).items():
+        lines.append(f"  {policy:<8} host: {c['syncs_per_call']:.2f} syncs and "
+                     f"{c['host_us_per_call']:.0f} us per MoE layer call ({c['calls']} calls), "
+                     f"{c['step_syncs']} syncs in the step")
     for row in result.get("decisions_rank0", []):  # (none for an S that ran out of memory)
         load = (f", max_e {row['max_e']} of {row['rows']} rows ({row['max_over_mean']}x the "
                 f"mean)" if row.get("max_over_mean") else "")
