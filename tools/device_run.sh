@@ -43,6 +43,8 @@ for s in "$@"; do
     te_gpu_tests) stage te_gpu_tests ${TE_TEST_SECS:-300} python3 -m pytest -q -m gpu -p no:cacheprovider \
         --rootdir "$REPO" -c "$REPO/pyproject.toml" -rs "$REPO/tests/test_mcore_te_gpu.py" \
         "$REPO/tests/test_megatron_lm_launch_gpu.py" ;;
+    hf_gpu) stage hf_gpu ${HF_SECS:-240} python3 -m pytest -q -m gpu -p no:cacheprovider \
+        --rootdir "$REPO" -c "$REPO/pyproject.toml" -rs "$REPO/tests/test_hf_checkpoint.py" ;;
     layers_te) stage layer_te_TP1EP1 ${LAYER_SECS:-240} torchrun --nproc-per-node 1 \
         "$REPO/tools/bench_layer.py" --models ${LAYER_MODELS:-granite,qwen,deepseek} --tp 1 --ep 1 \
         --impls te,local --seqs ${LAYER_SEQS:-4096,16384} --samples 12 ${LAYER_ARGS:-} \
