@@ -409,12 +409,16 @@ def load_hf_weights(model, path: str, arch: str) -> None:
 def load_hf_checkpoint(path: str, tp: int = 1, ep: int = 1, *,
                        overlap: OverlapConfig | None = None, impl: str = "local",
                        num_layers: int | None = None, dtype: torch.dtype | None = None,
-                       experts: str = "grouped", attention: str = "sdpa", **overrides):
+                       experts: str = "grouped", attention: str = "sdpa",
+                       device: torch.device | str | None = None, **overrides):
     """GPTModel of the Hugging Face model in folder `path`, with its weights, for TP x EP.
 
     num_layers: None = all (config.json num_hidden_layers); fewer keeps the first ones.
     dtype: parameter dtype (None: bf16 on CUDA, fp32 on CPU, as the builders). impl,
     experts, overlap, attention: as `build_model`. overrides: TransformerConfig fields.
+    device: where the model is returned (None: the current CUDA device where there is
+    one, as Megatron-LM's get_model moves it, else the CPU; Megatron builds some
+    parameters, the shared-expert gate among them, on the CPU whatever its config says).
     The model's `hf_vocab_size` is the checkpoint's vocabulary (logits past it are
     padding), `hf_arch` the models.py name of its architecture.
     """
@@ -424,7 +428,10 @@ def load_hf_checkpoint(path: str, tp: int = 1, ep: int = 1, *,
     arch, config, card = hf_model_config(hf, tp, ep, num_layers, impl=impl, dtype=dtype,
                                          **overrides)
     spec = model_spec(config, experts=experts, overlap=overlap, attention=attention)
-    model = gpt_model(config, card, spec, card.vocab_size)
+    if device is None:
+        device = (torch.device("cuda", torch.cuda.current_device())
+                  if torch.cuda.is_available() else torch.device("cpu"))
+    model = gpt_model(config, card, spec, card.vocab_size).to(device)
     load_hf_weights(model, path, arch)
     model.hf_vocab_size, model.hf_arch = card.vocab_size, arch
     return model
