@@ -765,3 +765,19 @@ def test_prefill_profile_samples_clock_reasons_and_energy_per_forward(monkeypatc
     assert got["temperature_c_max"] == 61 and got["sm_clock_mhz_mean"] == 1800
     monkeypatch.setattr(profile_prefill, "_nvml_handle", lambda: None)  # no NVML: no energy
     assert "energy_j_per_forward" not in profile_prefill._sampled(lambda: None, period_s=0.001)
+
+
+def test_grid_report_reads_both_halves_of_the_recorded_fuse_or_not_grid(tmp_path):
+    # the recorded H200 grid (docs/data): 24 prefill and 24 training points, every one
+    # fused by the planner and measured no slower, the stock arm syncing twice per call
+    import report_grid
+
+    points = report_grid.load_points(os.path.join(os.path.dirname(__file__), "..", "docs", "data"))
+    by_mode = {m: [p for p in points if p["mode"] == m] for m in ("prefill", "train")}
+    assert {m: len(v) for m, v in by_mode.items()} == {"prefill": 24, "train": 24}
+    assert all(p["ratio"] >= 0.99 and p["predicted_saved_ms"] > 0 for p in points)
+    assert all(p["syncs"] == {"stock": 2.0, "overlap": 0.0} for p in by_mode["train"])
+    text = report_grid.table(points) + report_grid.summary(points)
+    assert "train: min on/off 1.006x over 24 points" in text
+    report_grid.figure(points, str(tmp_path / "grid.png"))
+    assert (tmp_path / "grid.png").stat().st_size > 10_000
