@@ -8,7 +8,10 @@
 # --moe-overlap-calibration h200 or --moe-overlap-comm-ctas 8; without --moe-overlap
 # (OVERLAP_ARGS) the same line trains Megatron's stock MoE layer.
 # Numbers: megatron_overlap/mcore/models.py deepseek_config (the published config.json).
-# The first layer is dense (--moe-layer-freq); MLA with YaRN rope.
+# The first layer is dense (--moe-layer-freq); MLA with YaRN rope. No --qk-layernorm: with
+# q_lora_rank null Megatron would also norm the query input, which DeepSeek-V2-Lite lacks;
+# moe_overlap_gpt_spec places its KV-latent norm itself (architectures.with_latent_kv_norm),
+# so keep the --spec also for the stock arm (drop only --moe-overlap from OVERLAP_ARGS).
 set -euo pipefail
 
 MODEL_ARGS=(
@@ -22,7 +25,6 @@ MODEL_ARGS=(
     --qk-head-dim 128
     --qk-pos-emb-head-dim 64
     --v-head-dim 128
-    --qk-layernorm
     --seq-length "${SEQ:-4096}"
     --max-position-embeddings 163840
     --position-embedding-type rope

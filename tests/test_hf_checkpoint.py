@@ -286,3 +286,35 @@ def test_logits_match_transformers_bf16_gpu(tmp_path, arch):
                     backend="nccl")[0]
     for policy, logits in got.items():
         assert _rel_fro(logits, fp32) <= bound, (policy, _rel_fro(logits, fp32), bound)
+
+
+def _spec_attention_names(rank, world):
+    import argparse
+
+    from megatron.core import parallel_state as ps
+
+    from megatron_overlap.mcore import add_moe_overlap_args
+    from megatron_overlap.mcore.models import model_config
+    from megatron_overlap.mcore.spec import gpt_block_spec_from_args
+
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(1, 1)
+    config, _ = model_config("deepseek", tiny=True)
+    out = []
+    for argv in ([], ["--moe-overlap", "--moe-overlap-backend", "reference"]):
+        args = add_moe_overlap_args(argparse.ArgumentParser()).parse_args(argv)
+        args.transformer_impl, args.num_experts, args.normalization = "local", 8, "RMSNorm"
+        args.qk_l2_norm, args.moe_grouped_gemm = False, True
+        attn = gpt_block_spec_from_args(args, config).layer_specs[1].submodules.self_attention
+        out.append({k: getattr(getattr(attn.submodules, k), "__name__", "")
+                    for k in ("linear_kv_up_proj", "linear_q_proj")})
+    ps.destroy_model_parallel()
+    return out
+
+
+def test_megatron_lm_spec_places_deepseek_latent_norm_in_both_arms():
+    # `--spec megatron_overlap.mcore moe_overlap_gpt_spec`, with and without --moe-overlap:
+    # DeepSeek-V2-Lite's KV-latent norm on linear_kv_up_proj, none on the query input
+    for names in run_ranks(1, _spec_attention_names)[0]:
+        assert names["linear_kv_up_proj"].startswith("InputRMSNorm"), names
+        assert not names["linear_q_proj"].startswith("InputRMSNorm"), names

@@ -389,7 +389,7 @@ _RECIPE_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention
                   "normalization", "layernorm_epsilon", "multi_latent_attention", "kv_lora_rank",
                   "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "moe_grouped_gemm",
                   "tensor_model_parallel_size", "expert_model_parallel_size",
-                  "sequence_parallel")
+                  "sequence_parallel", "qk_layernorm", "q_lora_rank")
 
 
 @pytest.fixture(scope="module")

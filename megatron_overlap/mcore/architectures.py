@@ -123,4 +123,16 @@ def with_latent_kv_norm(block):
     return dataclasses.replace(block, layer_specs=[layer(s) for s in block.layer_specs])
 
 
-__all__ = ["ScaledGPTModel", "input_rms_norm", "with_latent_kv_norm"]
+def with_latent_kv_norm_where_needed(config, block):
+    """`with_latent_kv_norm(block)` for MLA without a query LoRA and without qk_layernorm
+    (DeepSeek-V2-Lite's layout), else `block` unchanged: the one rule the builders, the
+    checkpoint loader and Megatron-LM's `--spec moe_overlap_gpt_spec` share."""
+    if (getattr(config, "multi_latent_attention", False)
+            and getattr(config, "q_lora_rank", None) is None
+            and not getattr(config, "qk_layernorm", False)):
+        return with_latent_kv_norm(block)
+    return block
+
+
+__all__ = ["ScaledGPTModel", "input_rms_norm", "with_latent_kv_norm",
+           "with_latent_kv_norm_where_needed"]

@@ -34,7 +34,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig, T
 from ..ops import OverlapConfig
 from ..optional import te_available
 from ..shapes import MODELS
-from .architectures import ScaledGPTModel, with_latent_kv_norm
+from .architectures import ScaledGPTModel, with_latent_kv_norm_where_needed
 from .modules import SDPAttention, SequenceParallelNorm
 from .spec import with_grouped_experts, with_overlap_moe
 
@@ -225,15 +225,6 @@ def model_config(name: str, tp: int = 1, ep: int = 1, num_layers: int | None = N
     return config, card
 
 
-def _latent_kv_norm(config, spec):
-    """MLA without a query LoRA and without qk_layernorm: DeepSeek-V2-Lite's KV-latent
-    norm as linear_kv_up_proj's input norm (architectures.py says why)."""
-    if (config.multi_latent_attention and config.q_lora_rank is None
-            and not config.qk_layernorm):
-        return with_latent_kv_norm(spec)
-    return spec
-
-
 def model_spec(config, *, experts: str = "grouped", overlap: OverlapConfig | None = None,
                attention: str = "sdpa", pp_rank: int | None = None):
     """The block spec the builders use. config.transformer_impl "transformer_engine":
@@ -255,7 +246,7 @@ def model_spec(config, *, experts: str = "grouped", overlap: OverlapConfig | Non
                                f"(pip install megatron-overlap[te]): {why}")
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=True,
                                           normalization=config.normalization, pp_rank=pp_rank)
-        spec = _latent_kv_norm(config, spec)
+        spec = with_latent_kv_norm_where_needed(config, spec)
         return spec if overlap is None else with_overlap_moe(spec, overlap)
     if attention not in ("sdpa", "local"):
         raise ValueError(f"attention must be 'sdpa' or 'local', got {attention!r}")
@@ -264,7 +255,8 @@ def model_spec(config, *, experts: str = "grouped", overlap: OverlapConfig | Non
                          "(no k_channels / v_channels); use attention='sdpa'")
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False,
                                       normalization=config.normalization, pp_rank=pp_rank)
-    spec = _latent_kv_norm(config, with_local_modules(spec, sdpa=attention == "sdpa"))
+    spec = with_latent_kv_norm_where_needed(
+        config, with_local_modules(spec, sdpa=attention == "sdpa"))
     if experts == "grouped":
         spec = with_grouped_experts(spec)
     return spec if overlap is None else with_overlap_moe(spec, overlap)

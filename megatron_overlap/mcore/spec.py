@@ -37,6 +37,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 from ..ops import OverlapConfig
+from .architectures import with_latent_kv_norm_where_needed
 from .args import overlap_config_from_args
 from .experts import GroupedGemmExperts
 from .layer import OverlapMoELayer
@@ -193,6 +194,9 @@ def gpt_block_spec_from_args(args, config, vp_stage: int | None = None):
                      multi_latent_attention=args.multi_latent_attention)
     if not use_te and getattr(args, "moe_grouped_gemm", False):
         spec = with_grouped_experts(spec)
+    # DeepSeek-V2-Lite's KV-latent norm, which Megatron's own spec cannot place without
+    # also norming the query input (architectures.py): the stock arm of this spec too
+    spec = with_latent_kv_norm_where_needed(config, spec)
     overlap = overlap_config_from_args(args)
     return spec if overlap is None else with_overlap_moe(spec, overlap)
 
