@@ -119,27 +119,11 @@ def profile_forward(model, tokens, positions, cprofile: bool = False,
 
 
 def host_syncs(fn):
-    """(fn(), how many times the host synchronized with the GPU during it): the
-    synchronizing CUDA calls torch's sync debug mode reports, plus the MoE layers' waits
-    for their expert counts (`Deferred.tokens_per_expert`, an event synchronize it does
-    not see)."""
-    import warnings
+    """(fn(), the host syncs during it), counted as `--host-costs` counts them
+    (megatron_overlap.mcore.host_costs)."""
+    from megatron_overlap.mcore.host_costs import host_syncs as counted
 
-    from megatron_overlap.mcore import dispatch
-
-    real, waits = dispatch.Deferred.tokens_per_expert, []
-    dispatch.Deferred.tokens_per_expert = lambda self: waits.append(1) or real(self)
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            torch.cuda.set_sync_debug_mode("warn")
-            try:
-                out = fn()
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-    finally:
-        dispatch.Deferred.tokens_per_expert = real
-    return out, sum("synchroniz" in str(w.message) for w in caught) + len(waits)
+    return counted(fn)
 
 
 def host_timing(forward) -> dict:

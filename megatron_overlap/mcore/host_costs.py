@@ -13,6 +13,7 @@ that syncs this includes its wait for the GPU (the time the host cannot queue ah
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import statistics
 import time
@@ -63,20 +64,9 @@ class _Counter:
         self._entered = None
 
 
-def moe_layers(model) -> list:
-    """Every OverlapMoELayer of `model`, in order."""
-    return [m for m in model.modules() if isinstance(m, OverlapMoELayer)]
-
-
-def measure_host_costs(model, step) -> HostCosts:
-    """Run `step()` once and count its host syncs and the MoE layers' host time (the
-    model's MoE layers must be OverlapMoELayers, fused or stock as the caller set them)."""
-    layers = moe_layers(model)
-    if not layers:
-        raise ValueError("measure_host_costs: the model has no OverlapMoELayer")
-    counter = _Counter()
-    hooks = [h for layer in layers for h in (layer.register_forward_pre_hook(counter.enter),
-                                             layer.register_forward_hook(counter.leave))]
+@contextlib.contextmanager
+def counting(counter: _Counter):
+    """Every host sync inside the block lands in `counter` (see the module docstring)."""
     real = dispatch.Deferred.tokens_per_expert
 
     def counted_wait(deferred):
@@ -92,12 +82,40 @@ def measure_host_costs(model, step) -> HostCosts:
             if cuda:
                 torch.cuda.set_sync_debug_mode("warn")
             try:
-                step()
+                yield counter
             finally:
                 if cuda:
                     torch.cuda.set_sync_debug_mode("default")
     finally:
         dispatch.Deferred.tokens_per_expert = real
+
+
+def host_syncs(fn):
+    """(fn(), how many times the host synchronized with the GPU during it)."""
+    counter = _Counter()
+    with counting(counter):
+        out = fn()
+    return out, counter.syncs()
+
+
+def moe_layers(model) -> list:
+    """Every OverlapMoELayer of `model`, in order."""
+    return [m for m in model.modules() if isinstance(m, OverlapMoELayer)]
+
+
+def measure_host_costs(model, step) -> HostCosts:
+    """Run `step()` once and count its host syncs and the MoE layers' host time (the
+    model's MoE layers must be OverlapMoELayers, fused or stock as the caller set them)."""
+    layers = moe_layers(model)
+    if not layers:
+        raise ValueError("measure_host_costs: the model has no OverlapMoELayer")
+    counter = _Counter()
+    hooks = [h for layer in layers for h in (layer.register_forward_pre_hook(counter.enter),
+                                             layer.register_forward_hook(counter.leave))]
+    try:
+        with counting(counter):
+            step()
+    finally:
         for h in hooks:
             h.remove()
     calls = len(counter.durations)
