@@ -10,7 +10,8 @@ def test_measure_host_costs_attributes_waits_to_the_moe_layer_they_happen_in(mon
         def forward(self, x):
             host_costs.dispatch.Deferred.tokens_per_expert(None)
             return x
-    monkeypatch.setattr(host_costs, "OverlapMoELayer", Layer)
+    monkeypatch.setattr(host_costs, "overlap_layers",
+                        lambda m: [x for x in m.modules() if isinstance(x, Layer)])
     monkeypatch.setattr(host_costs.dispatch.Deferred, "tokens_per_expert", lambda self: None)
     model = torch.nn.Sequential(Layer(), Layer())
 

@@ -22,7 +22,7 @@ import warnings
 import torch
 
 from . import dispatch
-from .layer import OverlapMoELayer
+from .layer import overlap_layers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,15 +98,10 @@ def host_syncs(fn):
     return out, counter.syncs()
 
 
-def moe_layers(model) -> list:
-    """Every OverlapMoELayer of `model`, in order."""
-    return [m for m in model.modules() if isinstance(m, OverlapMoELayer)]
-
-
 def measure_host_costs(model, step) -> HostCosts:
     """Run `step()` once and count its host syncs and the MoE layers' host time (the
     model's MoE layers must be OverlapMoELayers, fused or stock as the caller set them)."""
-    layers = moe_layers(model)
+    layers = overlap_layers(model)
     if not layers:
         raise ValueError("measure_host_costs: the model has no OverlapMoELayer")
     counter = _Counter()

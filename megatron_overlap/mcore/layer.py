@@ -363,9 +363,14 @@ class OverlapMoELayer(MoELayer):
                      plan.compute_slots, plan.predicted, plan.source, sig)
 
 
+def overlap_layers(model) -> list:
+    """Every OverlapMoELayer of `model`, in order."""
+    return [m for m in model.modules() if isinstance(m, OverlapMoELayer)]
+
+
 def set_overlap_enabled(model, enabled: bool) -> int:
     """Turn the overlap of every OverlapMoELayer in `model` on or off; returns their count."""
-    layers = [m for m in model.modules() if isinstance(m, OverlapMoELayer)]
+    layers = overlap_layers(model)
     for layer in layers:
         layer.overlap_enabled = enabled
     return len(layers)
@@ -375,7 +380,7 @@ def set_overlap_enabled(model, enabled: bool) -> int:
 def fused_at_every_size(model):
     """Every OverlapMoELayer in `model` overlapped and runs the fused op whatever its size,
     as a CUDA-graph capture runs them: the eager forward a replay is checked against."""
-    layers = [m for m in model.modules() if isinstance(m, OverlapMoELayer)]
+    layers = overlap_layers(model)
     enabled = [(layer.overlap_enabled, layer.overlap_config) for layer in layers]
     for layer in layers:
         layer.overlap_enabled = True

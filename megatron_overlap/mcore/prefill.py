@@ -43,7 +43,7 @@ from ..stats import bootstrap_ci
 from ..ops import CapturedCall
 from .args import add_moe_overlap_args, overlap_config_from_args
 from .host_costs import measure_host_costs
-from .layer import OverlapMoELayer, fused_at_every_size, set_overlap_enabled
+from .layer import fused_at_every_size, overlap_layers, set_overlap_enabled
 from .models import CONFIGS, IMPLS, build_model
 
 
@@ -198,7 +198,7 @@ def decisions(model) -> list[dict]:
     """The latest launch decision of every OverlapMoELayer (fuse or not with its predicted
     times in us, C, L, P, predicted T) and the load of its local experts then (rows, the busiest expert's, their ratio to the mean)."""
     rows = []
-    for layer in (m for m in model.modules() if isinstance(m, OverlapMoELayer)):
+    for layer in overlap_layers(model):
         plan = layer.last_plan
         row = dict(layer=layer.layer_number, backend=layer.overlap_config.backend)
         fusion = layer.last_fusion  # the planner's fuse-or-not answer and its two prices
