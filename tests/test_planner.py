@@ -217,7 +217,7 @@ def test_curve_properties(w, kernel, sms, c_max, c_sat):
 def reference_decision(w, kernel, device, calib):
     """Algorithm 1 by the literal recurrence: `makespan` at every legal C, ties as the
     model's doc says (shared: the larger C; partition: the least Delta_comp, then C)."""
-    from megatron_overlap.planner.model import comm_tiles, compute_tiles, service_ratio, tail_ctas
+    from megatron_overlap.planner import comm_tiles, compute_tiles, service_ratio, tail_ctas
 
     g = device.available_sms
     shared = kernel.shared_sms
@@ -366,7 +366,7 @@ def test_the_stock_paths_extra_launches_and_the_groups_host_work_move_the_decisi
 def test_k_epi_and_topk_scale_rho_only_where_calibrated():
     import dataclasses
 
-    from megatron_overlap.planner.model import Calibration, service_ratio
+    from megatron_overlap.planner import Calibration, service_ratio
 
     w4 = Workload(4096, 2048, 704, 2, 2, (512,) * 4, topk=4)
     base = Calibration(rho_ref=1.6, k_ref=704, tm_ref=128, tn_ref=128, d_ref=2, c_max=56)
@@ -390,7 +390,7 @@ def test_k_epi_and_topk_scale_rho_only_where_calibrated():
 
 
 def test_overlap_factor_and_local_topk_are_neutral_when_unset_and_act_when_set():
-    from megatron_overlap.planner.model import service_ratio
+    from megatron_overlap.planner import service_ratio
 
     kernel = KernelSpec(128, 128, 64, 1024, 2, 1)
     helped = dataclasses.replace(kernel, tail_helpers=True)

@@ -43,8 +43,8 @@ from megatron_overlap.ops.config import GPU_TILES, kernel_spec
 from megatron_overlap.ops.planning import rank_splits
 from megatron_overlap.planner import (A100_PAPER, Calibration, DeviceSpec, KernelSpec,
                                       PlanCache, Workload, compute_slots, expert_row_tiles,
-                                      get_preset, makespan, plan, ranking_calibration)
-from megatron_overlap.planner.model import tail_ctas
+                                      get_preset, makespan, plan, ranking_calibration,
+                                      tail_ctas)
 from megatron_overlap.routing import expert_counts, route
 from megatron_overlap.shapes import MODELS
 

@@ -7,31 +7,22 @@ CTAs and one communication CTA, so C* = G always (the SMs left after sm_margin):
 the per-call choice is L, which the op ranks with this model (`ops/planning.py`), and
 with L the communication tile; the kernel tiles are chosen offline (TileConfig,
 tools/tune_tiles.py). Whether to fuse at all, per call size: `fusion.py`.
+
+The model, in the order of section III (its glossary: `model.py`'s docstring): the
+inputs (`inputs.py`, `calibration.py`), the named quantities (`quantities.py`), T(C) for
+every C (`curve.py`), Algorithm 1 and the Plan (`search.py`); `cache.py` memoizes it.
 """
 
+from . import model  # (the glossary; tools/ import its former names from there)
 from .cache import PlanCache
+from .calibration import Calibration, ranking_calibration
 from .fusion import FusionDecision, StepCosts, decide_fusion
-from .model import (
-    DEFAULT_COMM_CTAS,
-    Calibration,
-    DeviceSpec,
-    KernelSpec,
-    Plan,
-    Workload,
-    comm_tiles,
-    compute_slots,
-    compute_tiles,
-    expert_row_tiles,
-    makespan,
-    plan,
-    ranking_calibration,
-    reservation,
-    service_ratio,
-    service_time,
-    timed_plan,
-)
+from .inputs import MAX_C, DeviceSpec, KernelSpec, Workload
 from .occupancy import AMPERE_A100, HOPPER, Occupancy, SMLimits, co_resident, resident_ctas
 from .presets import A100_PAPER, Preset, get_preset, load_preset_file, preset_for_device, preset_names
+from .quantities import (comm_tiles, compute_slots, compute_tiles, expert_row_tiles, makespan,
+                         reservation, service_ratio, service_time, tail_ctas)
+from .search import DEFAULT_COMM_CTAS, Plan, plan, solve, timed_plan
 
 __all__ = [
     "A100_PAPER", "AMPERE_A100", "Calibration", "DEFAULT_COMM_CTAS", "DeviceSpec", "HOPPER",
@@ -39,4 +30,5 @@ __all__ = [
     "comm_tiles", "compute_slots", "decide_fusion", "compute_tiles", "expert_row_tiles", "get_preset", "load_preset_file",
     "makespan", "plan", "preset_for_device", "preset_names", "ranking_calibration", "reservation",
     "co_resident", "resident_ctas", "service_ratio", "service_time", "timed_plan",
+    "MAX_C", "solve", "tail_ctas",
 ]

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from .model import Calibration, DeviceSpec, KernelSpec, Plan, Workload, expert_row_tiles, plan
+from .calibration import Calibration
+from .inputs import DeviceSpec, KernelSpec, Workload
+from .quantities import expert_row_tiles
+from .search import Plan, plan
 
 
 class PlanCache:

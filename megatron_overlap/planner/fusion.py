@@ -33,7 +33,10 @@ import math
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from .model import Calibration, DeviceSpec, KernelSpec, Plan, Workload, compute_tiles
+from .calibration import Calibration
+from .inputs import DeviceSpec, KernelSpec, Workload
+from .quantities import compute_tiles
+from .search import Plan
 
 
 @dataclass(frozen=True)

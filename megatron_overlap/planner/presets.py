@@ -12,7 +12,8 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from .fusion import StepCosts
-from .model import Calibration, DeviceSpec, KernelSpec
+from .calibration import Calibration
+from .inputs import DeviceSpec, KernelSpec
 
 CALIBRATION_DIR = Path(__file__).with_name("calibrations")
 #: the most splits the op runs (its readiness flags: one word per split)
