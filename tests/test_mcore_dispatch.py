@@ -1,5 +1,7 @@
-"""The layer's dispatcher postprocesses against Megatron-Core's `permute` (CPU, random
-routings): the same rows, permutation, probabilities and counts, bit for bit."""
+"""The fused path's dispatcher (`OverlapAllGatherDispatcher`) against Megatron-Core's own
+`MoEAllGatherTokenDispatcher.dispatch_postprocess` (CPU, random routings): the same rows,
+permutation, probabilities, counts and dispatcher state, bit for bit; and Megatron's
+methods left as Megatron's."""
 
 import types
 
@@ -9,12 +11,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 pytest.importorskip("megatron.core")
-from megatron.core.transformer.moe.moe_utils import permute  # noqa: E402
+from megatron.core.transformer.moe.token_dispatcher import (  # noqa: E402
+    MoEAllGatherTokenDispatcher,
+)
 
 from megatron_overlap.mcore.dispatch import (  # noqa: E402
     MAX_PADDING,
-    deferred_postprocess,
-    single_sync_postprocess,
+    OverlapAllGatherDispatcher,
+    Permuted,
+    rows_bound,
 )
 
 
@@ -39,78 +44,171 @@ def routings(draw):
     return routing, probs, list(range(lo, hi)), topk
 
 
-def _dispatcher(routing, local):
-    return types.SimpleNamespace(routing_map=routing, local_expert_indices=local,
-                                 config=types.SimpleNamespace(moe_expert_capacity_factor=None))
+def _dispatcher(cls, routing, local, topk, **config):
+    """A `cls` dispatcher as MoELayer builds it (no process groups: TP = EP = 1 sizes),
+    holding `routing` as `dispatch_preprocess` leaves it."""
+    config = types.SimpleNamespace(**dict(
+        dict(moe_router_topk=topk, add_bias_linear=False, moe_expert_capacity_factor=None,
+             moe_permute_fusion=False, num_moe_experts=routing.shape[1]), **config))
+    groups = types.SimpleNamespace(ep=None, expt_tp=None, tp_ep=None)
+    disp = cls(len(local), local, config=config, pg_collection=groups)
+    disp.routing_map = routing
+    return disp
 
 
-def _megatron(routing, probs, local, hidden):
-    local_map = routing[:, local[0]:local[-1] + 1].contiguous()
-    counts = local_map.sum(dim=0).long()
-    rows, _, order, _, _ = permute(hidden, local_map, num_out_tokens=int(counts.sum()))
-    local_probs = probs[:, local[0]:local[-1] + 1].contiguous()
-    return rows, counts, local_probs.T.contiguous().masked_select(local_map.T.contiguous()), order
+def _state(disp) -> dict:
+    return dict(vars(disp))
+
+
+def _same_state(a: dict, b: dict) -> bool:
+    """Every attribute equal (tensors bitwise, the config the same object)."""
+    if a.keys() != b.keys():
+        return False
+    for key, x in a.items():
+        y = b[key]
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)
+                    and x.dtype == y.dtype and torch.equal(x, y)):
+                return False
+        elif key != "config" and x != y:
+            return False
+    return True
+
+
+def _megatron(routing, probs, local, topk, hidden):
+    """Megatron's postprocess: its outputs and the state it leaves."""
+    disp = _dispatcher(MoEAllGatherTokenDispatcher, routing, local, topk)
+    out = disp.dispatch_postprocess(hidden, probs)
+    return out, _state(disp)
+
+
+def _equal(got, want) -> bool:
+    return all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_the_dispatcher_overrides_none_of_megatrons_methods():
+    """The stock path (overlap off, or a size the planner leaves stock) calls Megatron's
+    own `dispatch_postprocess` and combine on the installed dispatcher."""
+    ours = {name for name in vars(OverlapAllGatherDispatcher) if not name.startswith("__")}
+    assert not ours & set(dir(MoEAllGatherTokenDispatcher)), ours & set(dir(
+        MoEAllGatherTokenDispatcher))
+    for name in ("dispatch_preprocess", "token_dispatch", "dispatch_postprocess",
+                 "combine_preprocess", "token_combine", "combine_postprocess"):
+        assert getattr(OverlapAllGatherDispatcher, name) is getattr(
+            MoEAllGatherTokenDispatcher, name)
 
 
 @settings(max_examples=60, deadline=None)
 @given(routings())
-def test_postprocesses_give_megatrons_rows_order_probs_and_counts(case):
+def test_installed_dispatchers_stock_postprocess_gives_megatrons_outputs_and_state(case):
     routing, probs, local, topk = case
     hidden = torch.randn(routing.shape[0], 4)
-    rows, counts, want_probs, order = _megatron(routing, probs, local, hidden)
-    disp = _dispatcher(routing, local)
-    got = single_sync_postprocess(disp, hidden, probs)
-    assert torch.equal(got[0], rows) and torch.equal(got[1], counts)
-    assert torch.equal(got[2], want_probs)
-    assert torch.equal(disp.reversed_local_input_permutation_mapping, order)
-    assert disp.routing_map is None
-    late = deferred_postprocess(_dispatcher(routing, local), hidden, probs, topk)
-    if len(local) < routing.shape[1]:  # experts elsewhere: the size needs the counts
-        assert late is None
-    else:
-        assert torch.equal(late.permuted, rows)
-        assert torch.equal(late.tokens_per_expert(), counts)
-        assert torch.equal(late.probs, want_probs) and not late.padded
-    # inference: the rows padded to their bound; the first ones, trimmed, are Megatron's
-    disp = _dispatcher(routing, local)
-    padded = deferred_postprocess(disp, hidden, probs, topk, pad=True)
+    want, state = _megatron(routing, probs, local, topk, hidden)
+    disp = _dispatcher(OverlapAllGatherDispatcher, routing, local, topk)
+    assert _equal(disp.dispatch_postprocess(hidden, probs), want)
+    assert _same_state(_state(disp), state)
+
+
+@settings(max_examples=60, deadline=None)
+@given(routings())
+def test_single_sync_postprocess_gives_megatrons_outputs_and_state(case):
+    routing, probs, local, topk = case
+    hidden = torch.randn(routing.shape[0], 4)
+    want, state = _megatron(routing, probs, local, topk, hidden)
+    disp = _dispatcher(OverlapAllGatherDispatcher, routing, local, topk)
+    got = disp.single_sync_postprocess(hidden, probs)
+    assert _equal(got, want) and _same_state(_state(disp), state)
+    permuted = disp.permuted(*got)  # what the op reads
+    assert isinstance(permuted, Permuted) and _equal(
+        (permuted.rows, permuted.counts, permuted.probs, permuted.token_index),
+        (*want, state["reversed_local_input_permutation_mapping"]))
+    assert permuted.num_tokens == routing.shape[0] and permuted.expected_rows is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(routings())
+def test_deferred_postprocess_settles_to_megatrons_rows_exact_or_padded(case):
+    """Every expert local: exact; in inference (pad) the rows padded to their bound, whose
+    first ones, once `settle` trims them, are Megatron's (dispatcher state too)."""
+    routing, probs, local, topk = case
     tokens, experts = routing.shape
-    bound = tokens * min(topk, len(local))
-    if bound > MAX_PADDING * -(-tokens * topk * len(local) // experts):
-        assert padded is None  # too much padding: the single-sync postprocess runs
+    hidden = torch.randn(tokens, 4)
+    want, state = _megatron(routing, probs, local, topk, hidden)
+    for pad in (False, True):
+        disp = _dispatcher(OverlapAllGatherDispatcher, routing, local, topk)
+        late = disp.deferred_postprocess(hidden, probs, topk, pad=pad)
+        bound = tokens * min(topk, len(local))
+        if (len(local) < experts and not pad) or bound > MAX_PADDING * -(
+                -tokens * topk * len(local) // experts):
+            assert late is None  # the size needs the counts, or too much padding
+            continue
+        assert late.permuted.shape[0] == bound and late.padded == pad
+        assert late.routing_map is routing and disp.routing_map is None
+        if pad and len(local) < experts:  # padded by design: the work on it is skipped
+            assert int(late.valid_rows) == int(want[1].sum())
+        else:
+            assert late.valid_rows is None
+        settled = disp.settle(late)
+        assert _equal((settled.rows, settled.counts, settled.probs), want)
+        assert torch.equal(settled.token_index, state["reversed_local_input_permutation_mapping"])
+        assert _same_state(_state(disp), state)
+
+
+@settings(max_examples=30, deadline=None)
+@given(routings())
+def test_counts_kept_on_the_device_cover_the_bound_with_a_uniform_routings_plan(case):
+    routing, probs, local, topk = case
+    tokens, experts = routing.shape
+    disp = _dispatcher(OverlapAllGatherDispatcher, routing, local, topk)
+    late = disp.deferred_postprocess(torch.randn(tokens, 4), probs, topk, pad=True,
+                                     host_copy=False)
+    if late is None:
         return
-    assert padded.permuted.shape[0] == bound and padded.padded
-    if len(local) < experts:  # padded by design: the work on the padding is skipped
-        assert int(padded.valid_rows) == int(counts.sum())
-    else:
-        assert padded.valid_rows is None
-    assert torch.equal(padded.tokens_per_expert(), counts)
-    padded.trim(disp, int(counts.sum()))
-    assert torch.equal(padded.permuted, rows) and torch.equal(padded.probs, want_probs)
-    assert torch.equal(disp.reversed_local_input_permutation_mapping, order)
-    assert torch.equal(disp.local_probs, want_probs)
+    permuted = disp.permuted_on_device(late)
+    assert permuted.rows is late.permuted and permuted.counts is late.counts_dev
+    assert permuted.token_index.shape[0] == late.permuted.shape[0]
+    want = None if len(local) == experts else min(
+        late.permuted.shape[0], tokens * topk * len(local) // experts)
+    assert permuted.expected_rows == want
 
 
-def test_deferred_postprocess_pads_with_valid_rows_where_a_token_has_fewer_experts():
-    """A dropped assignment: the counts sum below M x top-k, which the layer detects (and
-    redoes); the padding must index real rows meanwhile, not -1."""
+def test_settle_asks_for_a_redo_where_a_token_has_fewer_experts_and_rows_may_not_pad():
+    """A dropped assignment: the counts sum below M x top-k. With a gradient (no pad)
+    `settle` gives the routing map back and the single-sync postprocess redoes it; in
+    inference it trims. The padding indexes real rows meanwhile, not -1."""
     routing = torch.tensor([[True, True], [True, False], [False, True]])
-    probs = torch.rand(3, 2)
-    late = deferred_postprocess(_dispatcher(routing, [0, 1]), torch.randn(3, 4), probs, 2)
-    assert late.permuted.shape[0] == 6 and int(late.tokens_per_expert().sum()) == 4
-    assert late.routing_map is routing and int(late.counts_dev.sum()) == 4
+    probs, hidden = torch.rand(3, 2), torch.randn(3, 4)
+    want, state = _megatron(routing, probs, [0, 1], 2, hidden)
+    disp = _dispatcher(OverlapAllGatherDispatcher, routing, [0, 1], 2)
+    late = disp.deferred_postprocess(hidden, probs, 2)
+    assert late.permuted.shape[0] == 6 and int(late.counts_dev.sum()) == 4
     assert int(late.permuted.abs().sum(dim=1).eq(0).sum()) == 0  # no row left unwritten
+    assert disp.settle(late) is None and disp.routing_map is routing
+    assert _equal(disp.single_sync_postprocess(hidden, probs), want)
+    assert _same_state(_state(disp), state)
+    disp = _dispatcher(OverlapAllGatherDispatcher, routing, [0, 1], 2)
+    settled = disp.settle(disp.deferred_postprocess(hidden, probs, 2, pad=True))
+    assert _equal((settled.rows, settled.counts, settled.probs), want)
 
 
-def test_deferred_postprocess_declines_a_router_that_drops_tokens():
-    disp = _dispatcher(torch.ones(4, 2, dtype=torch.bool), [0, 1])
-    disp.config.moe_expert_capacity_factor = 1.0
-    assert deferred_postprocess(disp, torch.randn(4, 4), torch.rand(4, 2), 2) is None
+def test_deferred_postprocess_declines_a_capacity_factor():
+    disp = _dispatcher(OverlapAllGatherDispatcher, torch.ones(4, 2, dtype=torch.bool), [0, 1],
+                       2, moe_expert_capacity_factor=1.0)
+    assert disp.deferred_postprocess(torch.randn(4, 4), torch.rand(4, 2), 2) is None
+
+
+def test_fused_permutes_token_index_is_megatrons_permutation_order():
+    """TE's fused permute keeps no token of each row: `Permuted` rebuilds it from the
+    local map (expert-major, token-ascending), what the unfused permute records."""
+    routing = torch.rand(9, 4).argsort(dim=1) < 2
+    disp = _dispatcher(OverlapAllGatherDispatcher, routing, [1, 2], 2)
+    out = disp.dispatch_postprocess(torch.randn(9, 4), torch.rand(9, 4))
+    order = disp.reversed_local_input_permutation_mapping
+    disp.config.moe_permute_fusion = True
+    assert torch.equal(disp.permuted(*out).token_index, order)
 
 
 def test_rows_bound_is_top_k_rows_per_token_capped_by_the_local_experts_unless_too_loose():
-    from megatron_overlap.mcore.dispatch import MAX_PADDING, rows_bound
-
     assert rows_bound(100, 2, 4, 4) == 200  # every expert local: the rows exactly
     assert rows_bound(100, 2, 1, 4) == 100  # one local expert: a row per token at most
     assert rows_bound(100, 8, 8, 64) is None  # 8x a uniform routing's rows > MAX_PADDING

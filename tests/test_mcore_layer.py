@@ -107,7 +107,7 @@ def _layer_scenarios(rank, world):
                 if experts == "grouped" and backend == "interpret":
                     # the gathered tokens of this TP x EP group: 12 / TP x 2 per rank
                     results[(name, "fusion")] = _fusion_sizes(layer, tp, ep)
-                    results[(name, "postprocess")] = _postprocess_equal(layer, x)
+                    results[(name, "postprocess")] = _postprocess_equal(layer, stock, x)
                     results[(name, "redo")] = _redo_equal(layer, x)
                     results[(name, "fc1 first")] = _fc1_before_the_counts(layer, stock, x)
                     results[(name, "device counts")] = _counts_on_device(layer, x)
@@ -125,6 +125,7 @@ def _layer_scenarios(rank, world):
         if name in ("TP1EP1", "TP1EP2"):  # Megatron has expert biases only without expert TP
             results[(name, "biases")] = _biased_case(tp, ep, x, grad)
         if name == "TP1EP2":
+            results["dispatchers"] = _dispatcher_classes(config, x, grad)
             results["toggle"] = _toggle_and_fallback(config, x, grad)
             results["log"] = _decision_log(config, x)
     ps.destroy_model_parallel()
@@ -154,12 +155,13 @@ def _fusion_sizes(layer, tp: int, ep: int):
     return got, want
 
 
-def _postprocess_equal(layer, x):
-    """`dispatch.single_sync_postprocess` against Megatron's `dispatch_postprocess` on the
-    same dispatched tokens: the same rows, permutation, probabilities and counts, bitwise;
-    and `deferred_postprocess`, exact where every expert is local, padded to its bound
-    (inference) everywhere: its first rows, once trimmed, are Megatron's."""
-    from megatron_overlap.mcore.dispatch import deferred_postprocess, single_sync_postprocess
+def _postprocess_equal(layer, stock, x):
+    """The installed dispatcher's postprocesses against Megatron's `dispatch_postprocess`
+    (the stock layer's dispatcher's, and the installed one's, which it inherits) on the
+    same dispatched tokens: the same rows, permutation, probabilities and counts,
+    bitwise; `deferred_postprocess` exact where every expert is local, padded to its
+    bound (inference) everywhere: its first rows, once `settle` trims them, Megatron's."""
+    from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
 
     disp = layer.token_dispatcher
     topk = layer.config.moe_router_topk
@@ -170,30 +172,85 @@ def _postprocess_equal(layer, x):
         routing = disp.routing_map
         theirs = disp.dispatch_postprocess(hidden, probs)
         their_perm = disp.reversed_local_input_permutation_mapping
+        megatrons = stock.token_dispatcher
+        megatrons.routing_map = routing
+        same = (type(megatrons) is MoEAllGatherTokenDispatcher
+                and all(torch.equal(a, b) for a, b in zip(
+                    megatrons.dispatch_postprocess(hidden, probs), theirs))
+                and torch.equal(megatrons.reversed_local_input_permutation_mapping, their_perm))
         disp.routing_map = routing
-        ours = single_sync_postprocess(disp, hidden, probs)
-        same = (all(torch.equal(a, b) for a, b in zip(ours, theirs))
+        ours = disp.single_sync_postprocess(hidden, probs)
+        same = (same and all(torch.equal(a, b) for a, b in zip(ours, theirs))
                 and torch.equal(disp.reversed_local_input_permutation_mapping, their_perm)
                 and disp.routing_map is None and ours[0].shape[0] > 0)
         for pad in (False, True):
             disp.routing_map = routing
-            late = deferred_postprocess(disp, hidden, probs, topk, pad=pad)
+            late = disp.deferred_postprocess(hidden, probs, topk, pad=pad)
             if late is None:  # experts on other ranks, no padding: the rows need the counts
                 same = same and not pad and disp.ep_size > 1
                 disp.routing_map = None
                 continue
-            counts = late.tokens_per_expert()
-            rows = int(counts.sum())
             bound = late.permuted.shape[0]
-            late.trim(disp, rows)
-            late_out = (late.permuted, counts, late.probs)
+            settled = disp.settle(late)
+            late_out = (settled.rows, settled.counts, settled.probs)
             same = (same and all(torch.equal(a, b) for a, b in zip(late_out, theirs))
+                    and torch.equal(settled.token_index, their_perm)
                     and torch.equal(disp.reversed_local_input_permutation_mapping, their_perm)
                     and torch.equal(disp.local_probs, theirs[2])
                     and late.routing_map is routing and disp.routing_map is None
                     and late.padded == pad
                     and bound == hidden.shape[0] * min(topk, disp.num_local_experts))
         return same
+
+
+def _dispatcher_classes(config, x, grad):
+    """Which dispatcher each layer holds: the overlap's where the fused path is supported
+    (built as Megatron built its own: the same attributes, groups, config), Megatron's
+    own object of Megatron's exact class where it is not (another dispatcher, experts
+    the op cannot take), whose forward then gives the stock layer's bits."""
+    import dataclasses
+    import functools
+    import warnings
+
+    from megatron.core.transformer.moe.token_dispatcher import (
+        MoEAllGatherTokenDispatcher, MoEAlltoAllTokenDispatcher)
+
+    from megatron_overlap.mcore.dispatch import OverlapAllGatherDispatcher
+    from megatron_overlap.mcore.experts import GroupedGemmExperts
+    from megatron_overlap.mcore.spec import with_overlap_moe
+    from megatron_overlap.ops import OverlapConfig
+
+    class WrappedExperts(torch.nn.Module):  # experts the op does not know
+        def __init__(self, n, config, pg_collection=None, name=None):
+            super().__init__()
+            self.inner = GroupedGemmExperts(n, config, pg_collection=pg_collection)
+
+        def forward(self, *args):
+            return self.inner(*args)
+
+    spec = _moe_spec("grouped")
+    overlap = OverlapConfig(backend="interpret")
+    stock, layer = spec(config=config), with_overlap_moe(spec, overlap)(config=config)
+    a, b = vars(stock.token_dispatcher), vars(layer.token_dispatcher)
+    built_alike = a.keys() == b.keys() and all(a[k] is b[k] or a[k] == b[k] for k in a)
+    alltoall = with_overlap_moe(spec, overlap)(
+        config=dataclasses.replace(config, moe_token_dispatcher_type="alltoall"))
+    wrapped = functools.partial(spec.func, *spec.args, **dict(
+        spec.keywords, submodules=dataclasses.replace(spec.keywords["submodules"],
+                                                      experts=WrappedExperts)))
+    torch.manual_seed(1234)
+    ref = _run(wrapped(config=config), x, grad)
+    torch.manual_seed(1234)
+    unfused = with_overlap_moe(wrapped, overlap)(config=config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (its one "not supported" warning)
+        out = _run(unfused, x, grad)
+    return dict(
+        installed=type(layer.token_dispatcher) is OverlapAllGatherDispatcher,
+        built_alike=built_alike, groups=b["tp_ep_group"] is a["tp_ep_group"],
+        alltoall=type(alltoall.token_dispatcher) is MoEAlltoAllTokenDispatcher,
+        unfused=type(unfused.token_dispatcher) is MoEAllGatherTokenDispatcher,
+        unfused_equal=all(torch.equal(g, r) for g, r in zip(out[:2], ref[:2])))
 
 
 def _redo_equal(layer, x):
@@ -579,6 +636,14 @@ def test_each_layer_logs_its_first_decision_and_each_change_at_info(layer_runs):
         assert res["log"]["decisions"] == 2 and len(lines) == 2, lines
         assert all(line.startswith("moe-overlap layer 3: C=") for line in lines)
         assert "C=5 " in lines[1] and "M=48 N=32 K=16 D=2 E=2" in lines[1], lines
+
+
+def test_layer_installs_its_dispatcher_only_where_it_fuses_and_as_megatron_built_it(
+        layer_runs):
+    for rank, res in enumerate(layer_runs):
+        r = res["dispatchers"]
+        assert r["installed"] and r["built_alike"] and r["groups"], (rank, r)
+        assert r["alltoall"] and r["unfused"] and r["unfused_equal"], (rank, r)
 
 
 def test_overlap_switched_off_is_the_stock_path(layer_runs):

@@ -6,27 +6,29 @@ With the allgather token dispatcher, stock `MoELayer.forward` runs
 This subclass overrides exactly those two steps: FC1 + activation stay the experts' own
 (stock SequentialMLP or GroupedGemmExperts), and FC2, the top-k unpermute and the
 reduce-scatter become one `gemm2_gather_rs` call whose output is what `token_combine`
-returns. Where the fused op runs, the layer also leaves the GPU idle less often
-(`dispatch.py`): the dispatcher's postprocess syncs the host once instead of three
-times (same rows, same bits), or never where every expert is local or, in inference
-under EP, the rows are padded to a bound: the op takes the expert counts on the device
-and skips the padding (`OverlapConfig.host_counts` waits for them instead). In
-inference (eval mode, no gradient) the weighted SwiGLU is one Triton pass, and a gated
-shared expert's gate and add into the routed output are one more
-(`kernels/gated_add.py`). Router, dispatch and the shared experts' GEMMs are Megatron's.
+returns: permute (the dispatcher's `Permuted`) -> FC1 -> the op. Where the fused op
+runs, the layer also leaves the GPU idle less often: its dispatcher
+(`dispatch.OverlapAllGatherDispatcher`, installed over Megatron's allgather one) syncs
+the host once instead of three times (same rows, same bits), or never where every
+expert is local or, in inference under EP, the rows are padded to a bound: the op takes
+the expert counts on the device and skips the padding (`OverlapConfig.host_counts`
+waits for them instead). In inference (eval mode, no gradient) the weighted SwiGLU is
+one Triton pass, and a gated shared expert's gate and add into the routed output are
+one more (`kernels/gated_add.py`). Router, dispatch and shared experts are Megatron's.
 
 Where the host never waits (inference, device counts: `_capture_refusal`), a forward
 captured into a CUDA graph (`torch.cuda.graph`) captures the fused path, at any size,
-and replays it on whatever tokens the graph's input then holds; the stock
-dropless layer syncs the host and cannot be captured. Anything else (another
-dispatcher, TE experts, fp8, expert biases, latent MoE, the inference dispatcher, a
-capture the op could not replay) runs the stock path after one warning.
+and replays it on whatever tokens the graph's input then holds; the stock dropless
+layer syncs the host and cannot be captured. Anything else (another dispatcher, fp8,
+latent MoE, the inference dispatcher, experts `unsupported_experts` refuses, a capture
+the op could not replay) runs the stock path after one warning.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import inspect
 import logging
 import warnings
 from itertools import chain
@@ -38,12 +40,18 @@ from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDisp
 
 from ..ops import (ExpertWeightStack, OverlapConfig, add_gated_shared_, capturing,
                    fusion_decision, gemm2_gather_rs, interpreting)
-from .dispatch import deferred_postprocess, rows_bound, single_sync_postprocess
+from .dispatch import Deferred, OverlapAllGatherDispatcher, Permuted, rows_bound
 from .experts import host_counts, in_inference, needs_host_counts, te_fc1_is_grouped
-from .fc2_operands import OperandStacks, fc2_operands, pack_expert_weights, unsupported_experts
+from .fc2_operands import (FC2Operands, OperandStacks, fc2_operands, pack_expert_weights,
+                           unsupported_experts)
 
 log = logging.getLogger("megatron_overlap.mcore")
 _warned: set[str] = set()
+
+#: The installed dispatcher's postprocesses, called by these names (tools/profile_layer.py
+#: replaces them to switch one off).
+deferred_postprocess = OverlapAllGatherDispatcher.deferred_postprocess
+single_sync_postprocess = OverlapAllGatherDispatcher.single_sync_postprocess
 
 
 def _warn_once(key: str, message: str) -> None:
@@ -91,6 +99,7 @@ class OverlapMoELayer(MoELayer):
         self._unsupported = self._why_unsupported()
         self._stacks = OperandStacks()  # expert weights, stacked once per change
         if self._unsupported is None:
+            self._install_dispatcher(args, kwargs)
             pack_expert_weights(self.experts)  # (then the stacks are views: no copy at all)
         self._fused_pending = False  # routed_experts_compute already did the combine
         self._routed_by_op = False  # this call's routed output came from the fused op
@@ -101,7 +110,7 @@ class OverlapMoELayer(MoELayer):
 
     def _why_unsupported(self) -> str | None:
         c = self.config
-        if not isinstance(self.token_dispatcher, MoEAllGatherTokenDispatcher):
+        if type(self.token_dispatcher) is not MoEAllGatherTokenDispatcher:
             name = type(self.token_dispatcher).__name__
             return f"the {name} dispatcher (only allgather is fused)"
         if hasattr(self, "_inference_token_dispatcher"):
@@ -115,6 +124,13 @@ class OverlapMoELayer(MoELayer):
         if c.overlap_dispatch_backward_with_experts_wgrad:
             return "overlap_dispatch_backward_with_experts_wgrad"
         return None
+
+    def _install_dispatcher(self, args, kwargs) -> None:
+        """Megatron's allgather dispatcher -> OverlapAllGatherDispatcher, built with the
+        arguments MoELayer.__init__ built it with (no spec hook exists: dispatch.py)."""
+        given = inspect.signature(MoELayer.__init__).bind(self, *args, **kwargs).arguments
+        self.token_dispatcher = OverlapAllGatherDispatcher.built_like(
+            self, given.get("pg_collection"))
 
     def _use_overlap(self, hidden_states) -> bool:
         """Overlap this call? The same answer on every rank of the group: it reads only
@@ -174,7 +190,7 @@ class OverlapMoELayer(MoELayer):
         """Why this call, captured into a CUDA graph, could not replay the routing of each
         replay (None: it can). It can where nothing reaches the host: inference, and the
         counts kept on the device
-        (`_postprocess`: every expert local, grouped experts, no fused permute, no
+        (`_permute`: every expert local, grouped experts, no fused permute, no
         capacity factor)."""
         c = self.config
         if not in_inference(self, chain((hidden_states,), self.parameters())):
@@ -203,58 +219,52 @@ class OverlapMoELayer(MoELayer):
                  "against %.1f us unfused", self.layer_number, tokens, decision.fused_us,
                  decision.unfused_us)
 
-    def _postprocess(self, hidden_states, probs):
-        """(tokens_per_expert, FC1 + activation output, FC2 weight, expected rows) of the
-        dispatched tokens: Megatron's postprocess where TE permutes, else one sync
-        (`single_sync_postprocess`) or, where the row count is known or (in inference)
-        bounded without the counts, none before FC1 is queued (`deferred_postprocess`).
-        The counts are on the host, or on the device: where FC1 runs on device offsets,
-        the config does not ask for host counts (`OverlapConfig.host_counts`), and either
-        every expert is on this rank (the rows are M x top-k, known without the counts;
-        `deferred_postprocess` checks that no capacity factor drops any) or, in inference
-        under EP, the rows are padded to their bound (the op's `expected_rows`: a uniform
-        routing's rows, for its plan). The op then takes them there and the host never
-        waits for them. Expected rows is None unless the rows are padded."""
+    def _permute(self, hidden_states, probs) -> Permuted | Deferred:
+        """The dispatched rows sorted by local expert: Megatron's postprocess where TE
+        permutes; else, where the rows are known or (in inference) bounded without the
+        counts, one not waiting for them (`Deferred`), which keeps them on the device
+        where FC1 runs on device offsets, `OverlapConfig.host_counts` is off and every
+        expert is local (M x top-k rows) or the rows are padded; else one sync."""
         disp, c = self.token_dispatcher, self.config
-        topk, local = c.moe_router_topk, self.num_local_experts
+        if c.moe_permute_fusion:
+            return disp.permuted(*disp.dispatch_postprocess(hidden_states, probs))
         pad = in_inference(self, chain((hidden_states, probs), self.experts.parameters()))
         # (the permuted rows have hidden_states' dtype and device, and rows iff it has)
-        fc1_first = not needs_host_counts(self.experts, hidden_states)
-        on_device = (fc1_first and not self.overlap_config.host_counts
-                     and (local == c.num_moe_experts or pad))
-        deferred = None if self.config.moe_permute_fusion else deferred_postprocess(
-            disp, hidden_states, probs, topk, pad=pad, host_copy=not on_device)
-        if deferred is not None:
-            x, permuted_probs = deferred.permuted, deferred.probs
-            h = weight = None
-            if fc1_first:  # FC1 queued before the wait
-                h, weight = fc2_operands(self.experts, self._stacks, x, None, permuted_probs,
-                                         deferred.counts_dev, deferred.valid_rows)
-                if on_device:  # the rows are M x top-k, or padded: the device counts
-                    expected = None
-                    if local != c.num_moe_experts:  # (uniform routing's rows, for the plan)
-                        expected = min(x.shape[0], hidden_states.shape[0] * topk * local
-                                       // c.num_moe_experts)
-                    return deferred.counts_dev, h, weight, expected
-            tokens_per_expert = deferred.tokens_per_expert()
-            rows = int(tokens_per_expert.sum())
-            if rows == x.shape[0] or (deferred.padded and rows < x.shape[0]):
-                deferred.trim(disp, rows)  # the padding's rows (FC1 skipped them) go
-                if h is None:
-                    h, weight = fc2_operands(self.experts, self._stacks, deferred.permuted,
-                                             tokens_per_expert, deferred.probs)
-                return tokens_per_expert, h[:rows], weight, None
-            # a router that gave some token fewer than top-k experts, where rows may not
-            # be padded (a gradient flows): redo with the counts
-            disp.routing_map = deferred.routing_map
-        if self.config.moe_permute_fusion:
-            x, tokens_per_expert, permuted_probs = disp.dispatch_postprocess(hidden_states,
-                                                                             probs)
-        else:
-            x, tokens_per_expert, permuted_probs = single_sync_postprocess(disp, hidden_states,
-                                                                           probs)
-        h, weight = fc2_operands(self.experts, self._stacks, x, tokens_per_expert, permuted_probs)
-        return tokens_per_expert, h, weight, None
+        on_device = (not needs_host_counts(self.experts, hidden_states)
+                     and not self.overlap_config.host_counts
+                     and (self.num_local_experts == c.num_moe_experts or pad))
+        deferred = deferred_postprocess(disp, hidden_states, probs, c.moe_router_topk,
+                                        pad=pad, host_copy=not on_device)
+        return self._one_sync(hidden_states, probs) if deferred is None else deferred
+
+    def _one_sync(self, hidden_states, probs) -> Permuted:
+        disp = self.token_dispatcher
+        return disp.permuted(*single_sync_postprocess(disp, hidden_states, probs))
+
+    def _fc1(self, permuted, hidden_states, probs) -> tuple[Permuted, FC2Operands]:
+        """(the rows as the op takes them, FC1 + activation and the FC2 weight). A
+        deferred permutation's FC1 is queued before the host waits for the counts where
+        the experts run on device offsets (no wait where the counts stay there); the wait
+        trims the padding, or, where the counts do not fit the rows (a router gave some
+        token fewer than top-k experts, and a gradient flows), it is redone with them."""
+        if isinstance(permuted, Permuted):
+            return permuted, self._operands(permuted)
+        deferred, disp, early = permuted, self.token_dispatcher, None
+        if not needs_host_counts(self.experts, hidden_states):  # FC1 before the wait
+            early = fc2_operands(self.experts, self._stacks, deferred.permuted, None,
+                                 deferred.probs, deferred.counts_dev, deferred.valid_rows)
+            if not deferred.host_copy:
+                return disp.permuted_on_device(deferred), early
+        settled = disp.settle(deferred)
+        if settled is None:
+            settled, early = self._one_sync(hidden_states, probs), None
+        if early is None:
+            return settled, self._operands(settled)
+        return settled, FC2Operands(early.h[:settled.rows.shape[0]], early.weight)
+
+    def _operands(self, permuted: Permuted) -> FC2Operands:
+        return fc2_operands(self.experts, self._stacks, permuted.rows, permuted.counts,
+                            permuted.probs)
 
     def _fuses_shared_gate(self, hidden_states) -> bool:
         """Join a gated shared expert to the routed output in one pass (`add_gated_shared_`)?
@@ -304,26 +314,21 @@ class OverlapMoELayer(MoELayer):
         return output + ungated * torch.sigmoid(logits)
 
     def routed_experts_compute(self, hidden_states, probs):
-        """Stock: expert output before combine. Overlapped: the combined [M/D, H] rows."""
+        """Stock: expert output before combine. Overlapped: the combined [M/D, H] rows, as
+        permute (the dispatcher) -> FC1 + activation (the experts) -> the fused op."""
         self._routed_by_op = self._use_overlap(hidden_states)
         if not self._routed_by_op:
             self._fused_pending = False
             return super().routed_experts_compute(hidden_states, probs)
-        disp = self.token_dispatcher
-        tokens_per_expert, h, weight, expected_rows = self._postprocess(hidden_states, probs)
-        if self.config.moe_permute_fusion:
-            # TE's fused permute keeps a row-id map, not the token of each row: rebuild the
-            # expert-major, token-ascending order it permuted in.
-            token_index = disp.local_map.T.nonzero()[:, 1]
-        else:
-            token_index = disp.reversed_local_input_permutation_mapping
-        num_tokens = disp.hidden_shape_before_permute[0]
+        permuted, (h, weight) = self._fc1(self._permute(hidden_states, probs),
+                                          hidden_states, probs)
         # probs are already in h (the activation applied them, as Megatron's experts do).
-        out, plan = gemm2_gather_rs(h, weight.to(h.dtype), tokens_per_expert, token_index,
-                                    num_tokens, self.config.moe_router_topk, None,
-                                    disp.tp_ep_group, config=self.overlap_config,
-                                    return_plan=True, expected_rows=expected_rows)
-        self._note_decision(plan, tokens_per_expert, num_tokens, weight, disp.tp_ep_group)
+        out, plan = gemm2_gather_rs(h, weight.to(h.dtype), permuted.counts,
+                                    permuted.token_index, permuted.num_tokens,
+                                    self.config.moe_router_topk, None, permuted.group,
+                                    config=self.overlap_config, return_plan=True,
+                                    expected_rows=permuted.expected_rows)
+        self._note_decision(plan, permuted, weight)
         self._fused_pending = True
         return out, None
 
@@ -334,10 +339,10 @@ class OverlapMoELayer(MoELayer):
             return output
         return super().combine(output)
 
-    def _note_decision(self, plan, tokens_per_expert, m, weight, group) -> None:
+    def _note_decision(self, plan, permuted: Permuted, weight) -> None:
         """INFO line on this layer's first launch and whenever (C, L) changes."""
         self.last_plan = plan
-        self.last_rows = tokens_per_expert  # this rank's experts' (host or device) counts
+        self.last_rows = permuted.counts  # this rank's experts' (host or device) counts
         key = ("reference",) if plan is None else (plan.comm_ctas, plan.splits)
         if key == self._last_key:
             return
@@ -346,13 +351,13 @@ class OverlapMoELayer(MoELayer):
         if not log.isEnabledFor(logging.INFO):
             return
         e, n, k = weight.shape
-        d = group.size() if group is not None else 1
-        if isinstance(tokens_per_expert, torch.Tensor) and tokens_per_expert.is_cuda:
+        d = permuted.group.size() if permuted.group is not None else 1
+        if isinstance(permuted.counts, torch.Tensor) and permuted.counts.is_cuda:
             load = "counts on the device"  # (reading them would sync the host)
         else:
-            counts = host_counts(tokens_per_expert)
+            counts = host_counts(permuted.counts)
             load = f"rows={sum(counts)} max_e={max(counts, default=0)}"
-        sig = f"M={m} N={n} K={k} D={d} E={e} {load}"
+        sig = f"M={permuted.num_tokens} N={n} K={k} D={d} E={e} {load}"
         if plan is None:
             log.info("moe-overlap layer %s: reference backend (not overlapped), %s",
                      self.layer_number, sig)

@@ -4,7 +4,9 @@ A GPT layer or block spec is a tree of ModuleSpecs, functools.partials and submo
 dataclasses. The MoE layer appears as `partial(MoELayer, submodules=MoESubmodules(...))`
 in megatron-core >= 0.18 and as `ModuleSpec(module=MoELayer, submodules=...)` in <= 0.17.
 The helpers walk the whole tree (block -> layer specs -> mlp, MTP blocks, anything nested),
-rebuild only the paths that change, and never modify the spec they are given.
+rebuild only the paths that change, and never modify the spec they are given. The
+dispatcher has no spec entry in megatron-core 0.19 (`MoESubmodules` names the experts,
+shared experts and router): OverlapMoELayer installs its own (`dispatch.py` says how).
 
 For Megatron-LM launch scripts (`pretrain_gpt.py`: core_v0.19's GPTModelBuilder calls the
 object named by `--spec`, older gpt_builders hand it to GPTModel as a block spec;
