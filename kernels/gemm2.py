@@ -149,7 +149,7 @@ def packed_offsets_host(counts: list[int], block_m: int, device) -> tuple[torch.
     memory would make the copy wait for the stream); an int32 `array` read in place by
     `torch.frombuffer` costs a fraction of `torch.tensor` on nested lists (docs/RESULTS.md,
     host steps). The op's default path instead has the routing-table kernel sum the
-    counts into this layout (`OverlapBuffer.route`); this is its copy path."""
+    counts into this layout (`ops.routing.Router.route`); this is its copy path."""
     # (numpy / torch integers work too: `array` takes anything with __index__)
     tiles = list(accumulate([(c + block_m - 1) // block_m for c in counts], initial=0))
     buf = array("i", accumulate(counts, initial=0))

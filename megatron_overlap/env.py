@@ -40,7 +40,7 @@ REMOVED = {
     "MEGATRON_OVERLAP_FAST_LAUNCH": "cached-binary launches are the default and give "
                                     "Triton's own launches' bits; LaunchCache.fast in code",
     "MEGATRON_OVERLAP_MAPPED_OFFSETS": "host counts read in place are the default, with a "
-                                       "copy fallback; OverlapBuffer.mapped_offsets in code",
+                                       "copy fallback; ops.routing.Router.mapped_offsets in code",
     "MEGATRON_OVERLAP_DRIVER_EVENTS": "driver event calls are the default; "
                                       "StreamOps.driver in code",
     "MEGATRON_OVERLAP_INTERPRET_SMS": "the interpreter's virtual device has "

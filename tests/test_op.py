@@ -8,9 +8,11 @@ import torch
 
 from dist_harness import run_ranks
 from megatron_overlap.ops import OverlapConfig, OverlapTimeoutError, gemm2_gather_rs
+from megatron_overlap.ops import groups
 from megatron_overlap.ops import op as op_module
 from megatron_overlap.ops.config import GPU_TILES, INTERPRET_TILES, PARTITION_TILES
-from megatron_overlap.ops.planning import plan_cache_of
+from megatron_overlap.ops import launcher, planning
+from megatron_overlap.ops.routing import Router
 from routing_cases import fp64_rank_partial, rel_err, routed_problem
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU backends")
@@ -71,16 +73,16 @@ def test_narrower_last_split_gives_the_same_bits_and_writes_every_element(splits
     outs = []
     for width in widths:
         out = torch.full((40, 48), float("nan"), dtype=p["x"].dtype)
-        launch.buffer.launch(p["x"], p["weight"], launch.counts_dev, launch.table, None, out,
-                             plan=launch.plan, **{**launch.kwargs, "width": width})
+        launcher.launch(launch.buffer, p["x"], p["weight"], launch.routing, launch.launch_plan,
+                        None, out, width=width)
         launch.buffer.check()
         assert not torch.isnan(out).any()
         outs.append(out)
     assert all(torch.equal(o, outs[0]) for o in outs)
     assert torch.equal(outs[0], call(p, 40, 3, INTERP, splits=splits))
     with pytest.raises(ValueError, match="to the last of"):
-        launch.buffer.launch(p["x"], p["weight"], launch.counts_dev, launch.table, None, out,
-                             plan=launch.plan, **{**launch.kwargs, "width": 48 // splits - 1})
+        launcher.launch(launch.buffer, p["x"], p["weight"], launch.routing, launch.launch_plan,
+                        None, out, width=48 // splits - 1)
 
 
 def test_shared_placement_gives_the_partitions_bits_with_a_comm_cta_on_every_sm():
@@ -102,10 +104,11 @@ def test_shared_placement_gives_the_partitions_bits_with_a_comm_cta_on_every_sm(
 def test_shared_placement_that_does_not_fit_an_sm_plans_the_partition(monkeypatch):
     """Where the compiled kernels do not fit one SM together (the op reads it from the
     binaries on CUDA), the op warns and plans and launches the partition placement."""
-    from megatron_overlap.ops.buffer import OverlapBuffer
+    from megatron_overlap.ops import planning
 
-    monkeypatch.setattr(OverlapBuffer, "_occupancies",
-                        lambda self, *a: (2, 1, "registers"))
+    # (the interpreter has no binary: the residency a misfit's binaries would give)
+    monkeypatch.setattr(planning, "_families", {})
+    monkeypatch.setattr(planning, "_occupancies", lambda *a: (2, 1, "registers", {}))
     p = routed_problem(0, 1, tokens=30, experts=3, topk=2, ffn=16, hidden=32)
     config = dataclasses.replace(SHARED, sm_margin=3)  # (a plan cache of its own)
     with pytest.warns(RuntimeWarning, match="shared placement does not fit one SM"):
@@ -137,9 +140,9 @@ def test_token_major_y_gives_the_bits_of_gemm2_row_order(ep):
     assert rel_err(base, fp64_rank_partial(p, 40, with_probs=True)) < 1e-2
     launch = op_module.prepare(p["x"], p["weight"], p["counts"], p["token_index"], 40, 3,
                                config=INTERP)
-    assert (launch.kwargs["dest"] is not None) == (ep == 1)
+    assert (launch.routing.dest is not None) == (ep == 1)
     # token-major only where T = M k: y has no more rows than GEMM2 has
-    assert launch.kwargs["dest"] is None or launch.table.numel() == p["x"].shape[0]
+    assert launch.routing.dest is None or launch.table.numel() == p["x"].shape[0]
     for c, l in ((1, 1), (3, 4)):
         assert torch.equal(call(p, 40, 3, INTERP, probs=True, comm_ctas=c, splits=l), base)
 
@@ -153,23 +156,23 @@ def test_host_offsets_through_the_pinned_ring_equal_a_copy_for_more_calls_than_s
     from megatron_overlap.ops.counts_ring import OFFSET_SLOTS
 
     buf = OverlapBuffer(None, torch.device("cpu"), "interpret")
+    router = Router(torch.device("cpu"))
     problems = [routed_problem(s, 1, tokens=24, experts=3 + s % 3, topk=2, ffn=16, hidden=16)
                 for s in range(OFFSET_SLOTS + 3)]
     for p in problems:
         counts = p["counts"].tolist()
-        table, (row_start, tile_start), counts_dev, row_tiles, event = buf.route(
-            p["token_index"], counts, 16, 24, 2)
-        assert event is None  # (CPU: no streams to fork)
+        r = router.route(p["token_index"], counts, buf.error, 16, 24, 2)
+        assert r.routed is None  # (CPU: no streams to fork)
         want_rows, want_tiles = gemm2.expert_offsets(p["counts"], 16)
-        assert torch.equal(row_start, want_rows) and torch.equal(tile_start, want_tiles)
-        assert counts_dev.tolist() == counts and row_tiles == int(want_tiles[-1])
-        assert torch.equal(table, rt_combine(p["token_index"], 24, 2))
+        assert torch.equal(r.row_start, want_rows) and torch.equal(r.tile_start, want_tiles)
+        assert r.counts_dev.tolist() == counts and r.row_tiles == int(want_tiles[-1])
+        assert torch.equal(r.table, rt_combine(p["token_index"], 24, 2))
     mapped = [call(p, 24, 2, INTERP) for p in problems[:3]]
-    op_module.OverlapBuffer.get(None, torch.device("cpu"), "interpret").mapped_offsets = False
+    Router.get(torch.device("cpu")).mapped_offsets = False
     try:
         copied = [call(p, 24, 2, INTERP) for p in problems[:3]]
     finally:
-        op_module.OverlapBuffer.get(None, torch.device("cpu"), "interpret").mapped_offsets = True
+        Router.get(torch.device("cpu")).mapped_offsets = True
     assert all(torch.equal(a, b) for a, b in zip(mapped, copied))
 
 
@@ -178,35 +181,35 @@ def test_a_gpu_that_cannot_read_pinned_memory_in_place_falls_back_to_copies(monk
     queued): one warning, the copy path from then on, the same offsets and table; any
     other ValueError still propagates."""
     from megatron_overlap.kernels import gemm2
-    from megatron_overlap.ops import buffer as buffer_module
+    from megatron_overlap.ops import routing as routing_module
     from megatron_overlap.ops.buffer import OverlapBuffer
 
-    real = buffer_module.launch_routing_table
+    real = routing_module.launch_routing_table
 
     def unmappable(*args, from_counts=None, **kw):
         if from_counts is not None:
             raise ValueError("Pointer argument cannot be accessed from Triton (cpu tensor?)")
         return real(*args, **kw)
 
-    monkeypatch.setattr(buffer_module, "launch_routing_table", unmappable)
+    monkeypatch.setattr(routing_module, "launch_routing_table", unmappable)
     buf = OverlapBuffer(None, torch.device("cpu"), "interpret")
+    router = Router(torch.device("cpu"))
     p = routed_problem(1, 1, tokens=24, experts=4, topk=2, ffn=16, hidden=16)
     counts = p["counts"].tolist()
     with pytest.warns(RuntimeWarning, match="cannot read pinned host memory"):
-        table, (row_start, tile_start), counts_dev, row_tiles, _ = buf.route(
-            p["token_index"], counts, 16, 24, 2)
-    assert not buf.mapped_offsets
+        r = router.route(p["token_index"], counts, buf.error, 16, 24, 2)
+    assert not router.mapped_offsets
     want_rows, want_tiles = gemm2.expert_offsets(p["counts"], 16)
-    assert torch.equal(row_start, want_rows) and torch.equal(tile_start, want_tiles)
-    assert torch.equal(table, rt_combine(p["token_index"], 24, 2))
+    assert torch.equal(r.row_start, want_rows) and torch.equal(r.tile_start, want_tiles)
+    assert torch.equal(r.table, rt_combine(p["token_index"], 24, 2))
 
     def other(*args, from_counts=None, **kw):
         raise ValueError("something else")
 
-    monkeypatch.setattr(buffer_module, "launch_routing_table", other)
-    buf.mapped_offsets = True
+    monkeypatch.setattr(routing_module, "launch_routing_table", other)
+    router.mapped_offsets = True
     with pytest.raises(ValueError, match="something else"):
-        buf.route(p["token_index"], counts, 16, 24, 2)
+        router.route(p["token_index"], counts, buf.error, 16, 24, 2)
 
 
 def rt_combine(token_index, tokens, topk):
@@ -275,18 +278,19 @@ def test_device_counts_that_miss_the_rows_raise_at_the_check_and_the_buffer_stay
 
     p = routed_problem(0, 1, tokens=30, experts=3, topk=2, ffn=16, hidden=32)
     buf = OverlapBuffer.get(None, torch.device("cpu"), "interpret")
+    router = Router.get(torch.device("cpu"))
     for bad in (p["counts"] + 1, p["counts"] - 1):
-        buf.route(p["token_index"], bad, 16, 30, 2)
+        router.route(p["token_index"], bad, buf.error, 16, 30, 2)
         with pytest.raises(ValueError, match="does not sum to x's rows"):
             buf.note_launch(None, sync=True)
         assert buf.broken is None and int(buf.error) == 0
-    table, offsets, counts_dev, row_tiles, _ = buf.route(p["token_index"], p["counts"], 16,
-                                                         30, 2)
-    host = buf.route(p["token_index"], p["counts"].tolist(), 16, 30, 2)
+    dev = router.route(p["token_index"], p["counts"], buf.error, 16, 30, 2)
+    host = router.route(p["token_index"], p["counts"].tolist(), buf.error, 16, 30, 2)
     buf.note_launch(None, sync=True)
-    assert row_tiles is None and host[3] == int(offsets[1][-1])
-    assert torch.equal(table, host[0]) and torch.equal(counts_dev, host[2])
-    assert all(torch.equal(a, b) for a, b in zip(offsets, host[1]))
+    assert dev.row_tiles is None and host.row_tiles == int(dev.tile_start[-1])
+    assert torch.equal(dev.table, host.table) and torch.equal(dev.counts_dev, host.counts_dev)
+    assert torch.equal(dev.row_start, host.row_start)
+    assert torch.equal(dev.tile_start, host.tile_start)
 
 
 @pytest.mark.parametrize("config", [INTERP, REF], ids=["interpret", "reference"])
@@ -305,9 +309,12 @@ def test_padding_rows_past_the_counts_change_no_bit_of_the_output(config):
     got = call(pad, 30, 2, config, expected_rows=rows)
     assert torch.equal(got, want)
     buf = OverlapBuffer.get(None, torch.device("cpu"), "interpret")
-    table = buf.route(pad["token_index"], p["counts"], 16, 30, 2, padded=True)[0]
+    router = Router.get(torch.device("cpu"))
+    table = router.route(pad["token_index"], p["counts"], buf.error, 16, 30, 2,
+                         padded=True).table
     buf.note_launch(None, sync=True)  # (raises if the kernel flagged anything)
-    assert torch.equal(table, buf.route(p["token_index"], p["counts"].tolist(), 16, 30, 2)[0])
+    assert torch.equal(table, router.route(p["token_index"], p["counts"].tolist(), buf.error,
+                                           16, 30, 2).table)
     for bad in (-1, rows + 8):
         with pytest.raises(ValueError, match="expected_rows must lie in"):
             call(pad, 30, 2, config, expected_rows=bad)
@@ -373,7 +380,7 @@ def test_captures_that_could_not_replay_raise_a_clear_error(monkeypatch):
         gemm2_gather_rs(x, p["weight"], p["counts"], p["token_index"], 30, 2, config=INTERP)
     assert capture_refusal("triton", None) is None  # device counts (None on the host)
     assert "from the host" in capture_refusal("triton", [10, 20])
-    assert op_module._unprepared(object(), 2, torch.device("cpu"), "interpret") is not None
+    assert groups._unprepared(object(), 2, torch.device("cpu"), "interpret") is not None
 
 
 def test_a_replays_errors_reach_the_host_at_note_replays_and_the_buffer_stays_usable():
@@ -386,13 +393,14 @@ def test_a_replays_errors_reach_the_host_at_note_replays_and_the_buffer_stays_us
     buf = OverlapBuffer.get(None, torch.device("cpu"), "interpret")
     buf.check()
     try:
-        buf.route(p["token_index"], p["counts"] + 1, 16, 30, 2)  # the kernels of a "replay"
+        router = Router.get(torch.device("cpu"))
+        router.route(p["token_index"], p["counts"] + 1, buf.error, 16, 30, 2)  # a "replay"
         buf.note_launch(None, sync=False, captured=True)
         assert buf.captured and buf._pending is None
         with pytest.raises(ValueError, match="does not sum to x's rows"):
             OverlapBuffer.note_replays(torch.device("cpu"))
         assert buf.broken is None and int(buf.error) == 0
-        buf.route(p["token_index"], p["counts"], 16, 30, 2)
+        router.route(p["token_index"], p["counts"], buf.error, 16, 30, 2)
         OverlapBuffer.note_replays("cpu")  # a clean replay raises nothing
         out = call(p, 30, 2, INTERP)  # and eager calls go on
         assert rel_err(out, fp64_rank_partial(p, 30)) < 1e-2
@@ -408,7 +416,7 @@ def test_auto_gemm_kernel_is_the_triton_one_off_cuda():
     x = torch.empty(4, 16, dtype=torch.bfloat16)
     assert GPU_TILES.gemm_impl == "auto" and INTERPRET_TILES.gemm_impl == "triton"
     assert gemm2.resolve_impl("auto", x.device, x.dtype, 128, 128, 4, True) == "triton"
-    assert op_module._resolved(GPU_TILES, x.device, x.dtype).gemm_impl == "triton"
+    assert planning.resolved(GPU_TILES, x.device, x.dtype).gemm_impl == "triton"
     auto = dataclasses.replace(INTERPRET_TILES, gemm_impl="auto")
     p = routed_problem(0, 1, tokens=30, experts=3, topk=2, ffn=16, hidden=32)
     got = call(p, 30, 2, dataclasses.replace(INTERP, tiles=auto))
@@ -422,23 +430,23 @@ def test_auto_takes_the_gluon_kernel_only_where_y_is_token_major(monkeypatch):
     from megatron_overlap.kernels import gemm2
 
     monkeypatch.setattr(gemm2, "_gluon_runs_on", lambda device_index: True)
-    op_module._resolved.cache_clear()
+    planning.resolved.cache_clear()
     cuda, bf16 = torch.device("cuda", 0), torch.bfloat16  # (no tensor is made there)
     try:
-        assert op_module._resolved(GPU_TILES, cuda, bf16).gemm_impl == "gluon"
+        assert planning.resolved(GPU_TILES, cuda, bf16).gemm_impl == "gluon"
         rows = dataclasses.replace(GPU_TILES, token_major=False)
-        assert op_module._resolved(rows, cuda, bf16).gemm_impl == "triton"
-        assert op_module._resolved(GPU_TILES, cuda, torch.float16).gemm_impl == "triton"
+        assert planning.resolved(rows, cuda, bf16).gemm_impl == "triton"
+        assert planning.resolved(GPU_TILES, cuda, torch.float16).gemm_impl == "triton"
         forced = dataclasses.replace(rows, gemm_impl="gluon")
-        assert op_module._resolved(forced, cuda, bf16).gemm_impl == "gluon"
+        assert planning.resolved(forced, cuda, bf16).gemm_impl == "gluon"
         # the shared placement (GPU_TILES) gets the register caps of the kernel chosen
         caps = {impl: (t.gemm_maxnreg, t.comm_maxnreg) for impl, t in (
-            ("gluon", op_module._resolved(GPU_TILES, cuda, bf16)),
-            ("triton", op_module._resolved(rows, cuda, bf16)))}
+            ("gluon", planning.resolved(GPU_TILES, cuda, bf16)),
+            ("triton", planning.resolved(rows, cuda, bf16)))}
         assert caps == {"gluon": (104, 96), "triton": (200, 96)}
-        assert op_module._resolved(PARTITION_TILES, cuda, bf16).gemm_maxnreg is None
+        assert planning.resolved(PARTITION_TILES, cuda, bf16).gemm_maxnreg is None
     finally:
-        op_module._resolved.cache_clear()
+        planning.resolved.cache_clear()
 
 
 def test_tiles_file_named_by_the_environment_gives_from_envs_tiles(tmp_path, monkeypatch):
@@ -492,8 +500,8 @@ def test_tiles_file_named_by_the_environment_gives_from_envs_tiles(tmp_path, mon
 
 
 def test_peerless_group_falls_back_to_reference_with_one_warning(monkeypatch):
-    monkeypatch.setattr(op_module, "_peer_capable", lambda group, world: False)
-    monkeypatch.setattr(op_module, "_fallback_warned", False)
+    monkeypatch.setattr(groups, "_peer_capable", lambda group, world: False)
+    monkeypatch.setattr(groups, "_fallback_warned", False)
     p = routed_problem(0, 1, tokens=20, experts=2, topk=1, ffn=16, hidden=16)
     with pytest.warns(UserWarning, match="reference path"):
         out, plan = call(p, 20, 1, INTERP, return_plan=True)
@@ -677,7 +685,7 @@ def test_planner_sees_the_tail_helpers_and_the_rows_per_token_this_rank_holds(he
     config = OverlapConfig(backend="interpret", preset="h200", tail_helpers=helpers, splits=2)
     launch = op_module.prepare(p["x"], p["weight"], p["counts"], p["token_index"], 64, 4,
                                config=config)
-    cache = plan_cache_of(launch)
+    cache = launch.launch_plan.cache
     assert cache.kernel.tail_helpers is helpers
     local = round(4 * p["x"].shape[0] / 64) / 4
     assert 1.5 <= local <= 2.5
@@ -698,8 +706,8 @@ def test_splits_ranked_without_the_helper_terms_and_c_from_the_full_model():
     config = OverlapConfig(backend="interpret", preset="h200")
     launch = op_module.prepare(p["x"], p["weight"], p["counts"], p["token_index"], 128, 4,
                                config=config)
-    full = plan_cache_of(launch)
-    t = launch.kwargs["tiles"]
+    full = launch.launch_plan.cache
+    t = launch.launch_plan.tiles
 
     def decide(splits, helpers):
         kernel = KernelSpec(t.block_m, t.block_n, *t.comm_shape(4, -(-64 // splits)),
@@ -720,16 +728,13 @@ def test_config_placement_picks_the_default_tiles_of_that_placement():
     MEGATRON_OVERLAP_PLACEMENT through OverlapConfig.from_env) chooses the placement of
     the default tiles: on CUDA the tuned tiles of each (GPU_TILES, PARTITION_TILES),
     under the interpreter its tiles."""
-    from megatron_overlap.ops.buffer import OverlapBuffer
+    from megatron_overlap.ops.planning import default_tiles
 
-    buf = object.__new__(OverlapBuffer)
-    buf.backend = "triton"
-    assert buf.default_tiles() is GPU_TILES
-    assert buf.default_tiles("partition") is PARTITION_TILES
-    assert buf.default_tiles("shared") is GPU_TILES
-    buf.backend = "interpret"
-    assert buf.default_tiles("shared") == dataclasses.replace(INTERPRET_TILES,
-                                                              placement="shared")
+    assert default_tiles("triton") is GPU_TILES
+    assert default_tiles("triton", "partition") is PARTITION_TILES
+    assert default_tiles("triton", "shared") is GPU_TILES
+    assert default_tiles("interpret", "shared") == dataclasses.replace(INTERPRET_TILES,
+                                                                       placement="shared")
     with pytest.raises(ValueError, match="placement must be one of"):
         OverlapConfig(placement="interleaved")
     p = routed_problem(0, 1, tokens=30, experts=3, topk=2, ffn=16, hidden=32)

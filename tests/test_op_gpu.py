@@ -193,9 +193,14 @@ def test_calls_queued_far_ahead_of_the_gpu_give_each_routings_own_output(
     from megatron_overlap.ops import OverlapBuffer, counts_ring
     from megatron_overlap.ops.stream_ops import StreamOps
 
-    monkeypatch.setattr(OverlapBuffer, "_instances", {})  # a fresh buffer with this ring
+    from megatron_overlap.ops import launcher
+    from megatron_overlap.ops.routing import Router
+
+    monkeypatch.setattr(OverlapBuffer, "_instances", {})  # a fresh buffer
+    monkeypatch.setattr(Router, "_instances", {})  # a fresh router with this ring
+    monkeypatch.setattr(launcher._Streams, "_instances", {})  # (and streams, `driver`)
     monkeypatch.setattr(counts_ring, "OFFSET_SLOTS", slots)
-    monkeypatch.setattr(OverlapBuffer, "mapped_offsets", mapped)
+    monkeypatch.setattr(Router, "mapped_offsets", mapped)
     monkeypatch.setattr(StreamOps, "driver", driver)  # (read when the buffer makes its own)
     small = dict(tokens=1024, experts=16, topk=4, ffn=256, hidden=512)
     probs = [routed_problem(0, 1, device="cuda", seed=s, hot=s == 2, empty=(3, 5) if s == 4

@@ -608,7 +608,7 @@ def test_host_steps_time_the_ops_own_steps_in_call_order(monkeypatch):
     at = {(r["step"], r["n"]): r for r in table}
     call = at[("op call", 0)]
     assert all(call["start_us"] <= r["start_us"] <= r["end_us"] <= call["end_us"] for r in table)
-    assert at[("OverlapBuffer.route (offsets, routing table)", 0)]["calls"] == 2
+    assert at[("Router.route (offsets, routing table)", 0)]["calls"] == 2
     order = [at[("CountsRing.write", 0)],
              at[("launch_routing_table", 0)], at[("unpack_offsets", 0)],
              at[("LaunchCache.launch grouped_gemm2_kernel", 0)],

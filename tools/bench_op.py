@@ -40,7 +40,7 @@ from workloads import OpCase, rank_inputs  # noqa: E402
 from megatron_overlap.ops import OverlapConfig, gemm2_gather_rs  # noqa: E402
 from megatron_overlap.ops.capture import CapturedCall  # noqa: E402
 from megatron_overlap.ops.op import prepare  # noqa: E402
-from megatron_overlap.ops.planning import plan_cache_of  # noqa: E402
+from megatron_overlap.ops import launcher  # noqa: E402
 from megatron_overlap.ops.reference import grouped_mm, reference_forward  # noqa: E402
 from megatron_overlap.planner import compute_slots  # noqa: E402
 
@@ -68,7 +68,8 @@ def policies_for(inp: dict, group, c_values, preset: str | None,
     y = torch.randn(inp["x"].shape[0], inp["hidden"], device=inp["x"].device).to(inp["x"].dtype)
     counts_dev = launch.counts_dev
     w_t = inp["weight"].transpose(1, 2)
-    cache = plan_cache_of(launch)
+    lp, routing = launch.launch_plan, launch.routing
+    cache = lp.cache
     all_sms = plan._replace(compute_slots=cache.kernel.o_comp * cache.device.available_sms)
     pol = {
         "reference": op(REFERENCE),
@@ -77,25 +78,22 @@ def policies_for(inp: dict, group, c_values, preset: str | None,
         # for that too (no helper term), so its C can differ
         "planner(no tail helpers)": op(dataclasses.replace(cfg, tail_helpers=False)),
         "gemm2_alone(torch)": lambda: grouped_mm(inp["x"], w_t, counts_dev, inp["counts_list"]),
-        "gemm2_alone(ours,P=all)": lambda: buf.launch(
-            inp["x"], inp["weight"], counts_dev, launch.table, None, out,
-            plan=all_sms, phases=("gemm2",), **launch.kwargs),
+        "gemm2_alone(ours,P=all)": lambda: launcher.launch_gemm2_alone(
+            buf, inp["x"], inp["weight"], routing, dataclasses.replace(lp, plan=all_sms), y),
         # one split: x is read once instead of once per split (what L costs GEMM2)
-        "gemm2_alone(ours,P=all,L=1)": lambda: buf.launch(
-            inp["x"], inp["weight"], counts_dev, launch.table, None, out,
-            plan=all_sms, phases=("gemm2",), **dict(launch.kwargs, splits=1, width=None)),
+        "gemm2_alone(ours,P=all,L=1)": lambda: launcher.launch_gemm2_alone(
+            buf, inp["x"], inp["weight"], routing,
+            dataclasses.replace(lp, plan=all_sms, splits=1), y),
         # The same work with the host's part done once, outside the timed region:
         # what the GPU spends (the whole-op rows above also pay planning, routing table,
         # copies and launches on the host, which a forward pays after every sync).
-        "planner(prepared)": lambda: buf.launch(
-            inp["x"], inp["weight"], counts_dev, launch.table, None, out, plan=plan,
-            **launch.kwargs),
+        "planner(prepared)": lambda: launcher.launch(
+            buf, inp["x"], inp["weight"], routing, lp, None, out),
         "reference(prepared)": lambda: reference_forward(
             inp["x"], inp["weight"], counts_dev, inp["counts_list"], launch.table, None, group,
             launch.world),
-        f"comm_alone(C={plan.comm_ctas})": lambda: buf.launch(
-            inp["x"], inp["weight"], counts_dev, launch.table, None, out, plan=plan,
-            phases=("comm",), y=y, **launch.kwargs),
+        f"comm_alone(C={plan.comm_ctas})": lambda: launcher.launch_comm_alone(
+            buf, y, routing, lp, None, out),
     }
     for c in (3, 28):  # the public A100 COMET path and FLUX's Hopper default
         if compute_slots(c, cache.kernel, cache.device) > 0:
@@ -113,7 +111,7 @@ def policies_for(inp: dict, group, c_values, preset: str | None,
     facts = dict(world=launch.world, comm_ctas=plan.comm_ctas, compute_slots=plan.compute_slots,
                  splits=plan.splits, predicted=plan.curve, w_comp=plan.w_comp,
                  w_comm=plan.w_comm, rho=plan.rho,
-                 resources=getattr(buf, "compiled_resources", None))
+                 resources=lp.family.resources)
     if graphs:
         facts["graphs"] = graph_checks
     return pol, facts

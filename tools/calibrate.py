@@ -50,12 +50,11 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 from benchlib import abba, add_run_args, env_info, smoke_setup, write_json  # noqa: E402
-from tune_tiles import tiles_from_json  # noqa: E402
+from tune_tiles import phase_launch, tiles_from_json  # noqa: E402
 from workloads import OpCase, rank_inputs  # noqa: E402
 
 from megatron_overlap.ops import OverlapConfig  # noqa: E402
 from megatron_overlap.ops.op import prepare  # noqa: E402
-from megatron_overlap.ops.planning import plan_cache_of  # noqa: E402
 from megatron_overlap.planner import (Calibration, KernelSpec, Preset,  # noqa: E402
                                       Workload, plan, preset_for_device)
 from megatron_overlap.planner.model import DeviceSpec, makespan  # noqa: E402
@@ -69,18 +68,15 @@ def phase_timer(inp, group, c: int, phases, splits: int, backend: str, tiles=Non
     out = torch.empty(inp["tokens"] // launch.world, inp["hidden"], dtype=inp["x"].dtype,
                       device=inp["x"].device)
     y = torch.randn(inp["x"].shape[0], inp["hidden"], device=inp["x"].device).to(inp["x"].dtype)
-    fn = lambda: launch.buffer.launch(  # noqa: E731
-        inp["x"], inp["weight"], launch.counts_dev, launch.table, None, out, plan=launch.plan,
-        phases=phases, y=y, **launch.kwargs)
-    return fn, launch
+    return phase_launch(launch, inp, phases, out, y), launch
 
 
 def model_curve(launch, inp, calib) -> dict[int, float]:
     """{C: T(C)} in compute waves under `calib` for a prepared launch's workload, L and
     kernel (tail helpers as the launch runs them)."""
-    cache = plan_cache_of(launch)
+    cache = launch.launch_plan.cache
     w = Workload(inp["tokens"], inp["hidden"], inp["ffn"], launch.world,
-                 launch.kwargs["splits"], inp["counts_list"], topk=inp["topk"],
+                 launch.launch_plan.splits, inp["counts_list"], topk=inp["topk"],
                  local_topk=round(4 * inp["x"].shape[0] / inp["tokens"]) / 4)
     return dict(plan(w, cache.kernel, cache.device, calib).curve)
 
@@ -129,6 +125,8 @@ def fit_overlap_factor(times: dict[int, float], t_comp: float, curve_for,
     for f in grid:
         model = curve_for(f)
         cs = [c for c in times if c in model]  # C past the curve's C_max: not modelled
+        if not cs:
+            continue
         xs = [t_comp * model[c] for c in cs]
         ys = [times[c] for c in cs]
         wts = [1.0 / y ** 2 for y in ys]
@@ -136,6 +134,9 @@ def fit_overlap_factor(times: dict[int, float], t_comp: float, curve_for,
         err = math.sqrt(sum(w * (x + t0 - y) ** 2 for w, x, y in zip(wts, xs, ys)) / len(ys))
         if best is None or err < best[2]:
             best = (f, t0, err)
+    if best is None:
+        raise ValueError(f"no measured C ({sorted(times)}) lies on the model's curve (C up "
+                         f"to the calibration's C_max): nothing to fit the overlap factor to")
     return best
 
 
@@ -203,7 +204,7 @@ def main() -> int:
     per = abba(pol, args.samples, 3, group, progress="calibrate")
     med = {n: statistics.median(v) for n, v in per.items()}
 
-    plan, cache = launch.plan, plan_cache_of(launch)
+    plan, cache = launch.plan, launch.launch_plan.cache
     kernel = cache.kernel
     comp_waves = math.ceil(args.splits * plan.w_comp / plan.compute_slots)
     t_comp = med["comp"] / comp_waves
@@ -229,10 +230,15 @@ def main() -> int:
                         c_max, kernel.comm_tile_m, kernel.comm_tile_n,
                         c_sat if args.with_c_sat else None,
                         None if k_epi is None else round(k_epi, 1), inp["topk"])
-    f_fit, f_t0, f_rms = fit_overlap_factor(
-        {c: med[f"overlap C={c}"] for c in cset}, t_comp,
-        lambda f: model_curve(over[cset[0]][1], inp, dataclasses.replace(calib, overlap_factor=f)))
-    calib = dataclasses.replace(calib, overlap_factor=round(f_fit, 2))
+    try:
+        f_fit, f_t0, f_rms = fit_overlap_factor(
+            {c: med[f"overlap C={c}"] for c in cset}, t_comp,
+            lambda f: model_curve(over[cset[0]][1], inp,
+                                  dataclasses.replace(calib, overlap_factor=f)))
+        calib = dataclasses.replace(calib, overlap_factor=round(f_fit, 2))
+    except ValueError as err:  # (e.g. the interpreter, whose fastest C is 1: C_max = 1)
+        print(f"calibrate: {err}; the calibration gets no overlap factor")
+        f_fit = f_t0 = f_rms = None
     shipped = preset_for_device(cache.device.name)
     preset = Preset(
         name=args.name,
@@ -254,23 +260,26 @@ def main() -> int:
         comm_intercept_us=t0 * 1e3, c_sat=c_sat,
         w_comp=plan.w_comp, w_comm=plan.w_comm, overlap_ms=med["overlap"],
         overlap_waves=t_waves, rho_alone=rho_alone, rho_overlap_fit=rho_overlap_fit,
-        overlap_factor_fit=dict(f=f_fit, t0_us=f_t0 * 1e3, rms_rel_err=f_rms,
+        overlap_factor_fit=dict(f=f_fit, t0_us=None if f_t0 is None else f_t0 * 1e3,
+                                rms_rel_err=f_rms,
                                 splits=args.overlap_splits,
                                 sweep_ms={c: med[f"overlap C={c}"] for c in cset}),
         compute_slots=plan.compute_slots, comm_sweep_ms=times,
         comm_per_wave_us={c: v * 1e3 for c, v in per_wave.items()},
-        resources=getattr(launch.buffer, "compiled_resources", None)), env=env_info(),
+        resources=launch.launch_plan.family.resources), env=env_info(),
         command=" ".join(sys.argv))
     if rank == 0:
         print(f"rho_ref={rho_ref:.3f} (GatherRS alone: t_comm/wave {t_comm * 1e3:.2f} us + "
               f"{t0 * 1e3:.1f} us, C_sat={c_sat}; the overlapped run, {med['overlap']:.3f} ms = "
               f"{t_waves:.1f} compute waves, fits rho={rho_overlap_fit:.3f}; "
               f"t_comp/wave {t_comp * 1e3:.2f} us over {comp_waves} waves; K_epi={k_epi}; "
-              f"overlap factor f={f_fit:.2f} (+{f_t0 * 1e3:.0f} us, rms {f_rms:.1%})), "
+              + ("no overlap factor" if f_fit is None else
+                 f"overlap factor f={f_fit:.2f} (+{f_t0 * 1e3:.0f} us, rms {f_rms:.1%})")
+              + "), "
               f"C_max={c_max}, o_comp={kernel.o_comp}, o_comm={kernel.o_comm}, "
               f"resources={payload['measured']['resources']}")
         print("comm alone vs C (ms):", {c: round(t, 4) for c, t in times.items()})
-        if f_fit <= F_GRID[0]:
+        if f_fit is not None and f_fit <= F_GRID[0]:
             # (measured on one H100: the one-case curve sits below the model's even at f = 1;
             # the shared placement, the default, ranks only L with it: docs/RESULTS.md)
             print(f"calibrate: the overlap factor is at its grid's floor, f = {F_GRID[0]}: "

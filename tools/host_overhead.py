@@ -27,6 +27,7 @@ from megatron_overlap.kernels import routing_table as rt  # noqa: E402
 from megatron_overlap.kernels import gather_rs as grs  # noqa: E402
 from megatron_overlap.kernels import gemm2  # noqa: E402
 from megatron_overlap.ops import OverlapConfig, gemm2_gather_rs  # noqa: E402
+from megatron_overlap.ops import launcher  # noqa: E402
 from megatron_overlap.ops.op import prepare  # noqa: E402
 
 
@@ -66,7 +67,7 @@ def main() -> int:
     for _ in range(3):
         gemm2_gather_rs(**run, config=cfg)
         gemm2_gather_rs(**run, config=ref)
-    buf, kw = launch.buffer, launch.kwargs
+    buf, lp, routing = launch.buffer, launch.launch_plan, launch.routing
     out = torch.empty(inp["tokens"] // launch.world, inp["hidden"], dtype=inp["x"].dtype,
                       device=device)
     counts = inp["counts_list"]
@@ -83,17 +84,14 @@ def main() -> int:
         "combine_table (torch, the reference's)": lambda: rt.combine_table(
             inp["token_index"], inp["tokens"], inp["topk"]),
         "routing_table kernel": lambda: rt.launch_routing_table(
-            inp["token_index"], kw["offsets"][0], inp["tokens"], inp["topk"], buf.error),
+            inp["token_index"], routing.row_start, inp["tokens"], inp["topk"], buf.error),
         "expert_offsets_host": lambda: gemm2.expert_offsets_host(counts, 128, device),
-        "buffer.launch (3 kernels)": lambda: buf.launch(
-            inp["x"], inp["weight"], launch.counts_dev, launch.table, None, out,
-            plan=launch.plan, **kw),
-        "buffer.launch GEMM2 only": lambda: buf.launch(
-            inp["x"], inp["weight"], launch.counts_dev, launch.table, None, out,
-            plan=launch.plan, phases=("gemm2",), **kw),
-        "buffer.launch GatherRS only": lambda: buf.launch(
-            inp["x"], inp["weight"], launch.counts_dev, launch.table, None, out,
-            plan=launch.plan, phases=("comm",), y=y, **kw),
+        "launcher.launch (3 kernels)": lambda: launcher.launch(
+            buf, inp["x"], inp["weight"], routing, lp, None, out),
+        "launcher.launch_gemm2_alone": lambda: launcher.launch_gemm2_alone(
+            buf, inp["x"], inp["weight"], routing, lp, y),
+        "launcher.launch_comm_alone": lambda: launcher.launch_comm_alone(
+            buf, y, routing, lp, None, out),
         "torch.empty": lambda: torch.empty(inp["x"].shape[0], inp["hidden"], device=device),
     }
     if backend == "triton":
@@ -134,12 +132,14 @@ def profile_calls(fn, calls: int, show: bool) -> None:
 def triton_steps(steps, inp, launch, out, y) -> None:
     """Triton's per-call cost: its JIT path up to (not including) the launch, and a small
     kernel launched through the JIT path and through the compiled kernel directly."""
-    buf, kw, t = launch.buffer, launch.kwargs, launch.kwargs["tiles"]
-    gemm_kw = dict(splits=kw["splits"], programs=launch.plan.compute_slots, block_m=t.block_m,
+    buf, lp = launch.buffer, launch.launch_plan
+    t, routing = lp.tiles, launch.routing
+    gemm_kw = dict(splits=lp.splits, programs=launch.plan.compute_slots, block_m=t.block_m,
                    block_n=t.block_n, block_k=t.block_k, num_warps=t.gemm_warps,
                    num_stages=t.gemm_stages)
     steps["GEMM2 JIT path, no launch"] = lambda: gemm2.launch_grouped_gemm2(
-        inp["x"], inp["weight"], y, *kw["offsets"], buf.ready, warmup=True, **gemm_kw)
+        inp["x"], inp["weight"], y, routing.row_start, routing.tile_start, buf.ready,
+        warmup=True, **gemm_kw)
     recv = torch.zeros(launch.world, out.shape[0], out.shape[1], dtype=out.dtype,
                        device=out.device)
     steps["sum_partials JIT launch"] = lambda: grs.launch_sum_partials(recv, out, launch.world)

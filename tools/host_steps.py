@@ -34,7 +34,7 @@ from workloads import OpCase, op_kwargs, rank_inputs  # noqa: E402
 
 from megatron_overlap.kernels import gather_rs, gemm2, launch_cache  # noqa: E402
 from megatron_overlap.ops import (OverlapConfig, buffer, counts_ring,  # noqa: E402
-                                  gemm2_gather_rs, op)
+                                  gemm2_gather_rs, groups, launcher, op, routing)
 
 _record: list | None = None
 
@@ -60,20 +60,22 @@ def _kernel_name(args) -> str:
 
 #: (owner, attribute, label): the op's steps, where the op looks them up
 STEPS = [
+    (op, "_checked_call", "_checked_call (validate, counts, backend)"),
     (op, "validate", "validate"), (op, "host_counts", "host_counts"),
-    (op, "resolve_backend", "resolve_backend"), (op, "_peer_capable", "_peer_capable"),
+    (groups, "resolve_backend", "resolve_backend"), (groups, "_peer_capable", "_peer_capable"),
     (buffer.OverlapBuffer, "check", "OverlapBuffer.check"),
-    (op, "_resolved", "_resolved"),
-    (buffer.OverlapBuffer, "route", "OverlapBuffer.route (offsets, routing table)"),
+    (op, "launch_tiles", "launch_tiles"),
+    (buffer.OverlapBuffer, "ensure", "OverlapBuffer.ensure"),
+    (routing.Router, "route", "Router.route (offsets, routing table)"),
     (counts_ring.CountsRing, "write", "CountsRing.write"),
     (counts_ring.CountsRing, "record", "CountsRing.record"),
     (gemm2, "packed_offsets_host", "packed_offsets_host (copy path)"),
     (gemm2, "unpack_offsets", "unpack_offsets"),
-    (buffer, "launch_routing_table", "launch_routing_table"),
-    (op, "planned", "planned (plan and launch arguments)"),
-    (buffer.OverlapBuffer, "ensure", "OverlapBuffer.ensure"),
+    (routing, "launch_routing_table", "launch_routing_table"),
+    (op, "_plan_request", "_plan_request"),
+    (op, "plan_launch", "plan_launch (the cached plan)"),
     (op, "log_decision", "log_decision"), (op, "_forward", "_forward"),
-    (buffer.OverlapBuffer, "launch", "OverlapBuffer.launch"),
+    (launcher, "launch", "launcher.launch"),
     (gemm2, "grouped_gemm2_launcher", "grouped_gemm2_launcher (GEMM2 args, binary)"),
     (gather_rs, "launch_gather_rs", "launch_gather_rs"),
     (launch_cache.LaunchCache, "compiled", "LaunchCache.compiled (key, lookup)"),
@@ -119,16 +121,19 @@ def steps_of(fn, calls: int, sync) -> list[dict]:
 #: (mapped_offsets, driver stream ops) per arm: the default reads the host's counts in
 #: place from a pinned ring (the routing-table kernel sums them) and records events, waits
 #: and copies the error word through the driver (`ops/stream_ops.py`); the others change
-#: one of the two (`OverlapBuffer.mapped_offsets`, `StreamOps.raw`)
+#: one of the two (`Router.mapped_offsets`, `StreamOps.raw`)
 ARMS = {"default": (True, True), "torch events": (True, False),
         "copied offsets": (False, True)}
 
 
 def set_arm(buf, arm: str, driver_ok: bool) -> None:
     """`driver_ok`: the buffer's own StreamOps.raw (no driver arm where it is False)."""
-    buf.mapped_offsets, raw = ARMS[arm]
-    if buf.stream_ops is not None:
-        buf.stream_ops.raw = raw and driver_ok
+    router = routing.Router.get(buf.device)
+    router.mapped_offsets, raw = ARMS[arm]
+    if buf.stream_ops is not None:  # (the error word's, the ring's, the launcher's)
+        for ops in (buf.stream_ops, router.counts_ring.stream_ops,
+                    launcher._Streams.of(buf).ops):
+            ops.raw = raw and driver_ok
 
 
 def main() -> int:

@@ -39,6 +39,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from benchlib import env_info, write_json  # noqa: E402
 
 from megatron_overlap.ops import OverlapBuffer, OverlapConfig, gemm2_gather_rs  # noqa: E402
+from megatron_overlap.ops import planning  # noqa: E402
 from megatron_overlap.routing import route  # noqa: E402
 
 MIB = 1 << 20
@@ -147,8 +148,7 @@ def sample(calls: int, device) -> dict:
                cuda_allocated=torch.cuda.memory_allocated(device) if device.type == "cuda" else 0,
                cuda_reserved=torch.cuda.memory_reserved(device) if device.type == "cuda" else 0,
                peer_memory=sum(b._memory.local.numel() for b in bufs if b._memory is not None),
-               decisions=sum(len(b.decisions) for b in bufs),
-               plan_caches=sum(len(b._caches) for b in bufs))
+               **planning.cached_counts())
     return out
 
 

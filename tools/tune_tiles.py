@@ -28,8 +28,8 @@ from megatron_overlap.ops import OverlapConfig  # noqa: E402
 from megatron_overlap.ops.config import (INTERPRET_TILES, PARTITION_TILES,  # noqa: E402
                                          TileConfig, load_tiles)
 from megatron_overlap.kernels import routing_table as rt  # noqa: E402
+from megatron_overlap.ops import launcher  # noqa: E402
 from megatron_overlap.ops.op import prepare  # noqa: E402
-from megatron_overlap.ops.planning import plan_cache_of  # noqa: E402
 from megatron_overlap.ops.reference import grouped_mm  # noqa: E402
 
 GEMM_CANDIDATES = [(128, 128, 64, 4, 3, False), (128, 128, 64, 4, 3, True),
@@ -46,21 +46,32 @@ COMM_CANDIDATES = [(256, 1024, 32, True, 1), (128, 1024, 32, True, 1),
                    (128, 512, 32, True, 2), (64, 512, 16, True, 4)]
 
 
+def phase_launch(launch, inp, phases, out, y, launch_plan=None):
+    """A prepared launch's `phases` ("gemm2", "comm" or both) as a callable: one side alone
+    writes into `y` (GEMM2) or reads it (GatherRS, every split ready)."""
+    lp = launch_plan or launch.launch_plan
+    buf, routing = launch.buffer, launch.routing
+    if tuple(phases) == ("gemm2",):
+        return lambda: launcher.launch_gemm2_alone(buf, inp["x"], inp["weight"], routing, lp, y)
+    if tuple(phases) == ("comm",):
+        return lambda: launcher.launch_comm_alone(buf, y, routing, lp, None, out)
+    return lambda: launcher.launch(buf, inp["x"], inp["weight"], routing, lp, None, out)
+
+
 def phase(inp, group, tiles, backend, c, phases, all_sms=True):
     launch = prepare(inp["x"], inp["weight"], inp["counts_list"], inp["token_index"],
                      inp["tokens"], inp["topk"], None, group, comm_ctas=c,
                      config=OverlapConfig.from_env(backend=backend, tiles=tiles))
-    cache = plan_cache_of(launch)
+    cache = launch.launch_plan.cache
     plan = launch.plan
     if phases == ("gemm2",) and all_sms:  # the whole GPU: every SM's o_comp slots
         plan = plan._replace(compute_slots=cache.kernel.o_comp * cache.device.available_sms)
     out = torch.empty(inp["tokens"] // launch.world, inp["hidden"], dtype=inp["x"].dtype,
                       device=inp["x"].device)
     y = torch.randn(inp["x"].shape[0], inp["hidden"], device=inp["x"].device).to(inp["x"].dtype)
-    fn = lambda: launch.buffer.launch(  # noqa: E731
-        inp["x"], inp["weight"], launch.counts_dev, launch.table, None, out, plan=plan,
-        phases=phases, y=y, **launch.kwargs)
-    return fn, dict(getattr(launch.buffer, "compiled_resources", {}) or {},
+    fn = phase_launch(launch, inp, phases, out, y,
+                      dataclasses.replace(launch.launch_plan, plan=plan))
+    return fn, dict(launch.launch_plan.family.resources,
                     o_comp=cache.kernel.o_comp, o_comm=cache.kernel.o_comm,
                     comm_tile=(cache.kernel.comm_tile_m, cache.kernel.comm_tile_n))
 

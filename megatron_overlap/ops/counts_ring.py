@@ -57,7 +57,7 @@ class CountsRing:
 
     def record(self):
         """Record the latest slot's event on the current stream, behind its reader
-        (None on CPU); `OverlapBuffer.launch` also forks GatherRS's stream from it."""
+        (None on CPU); `launcher.launch` also forks GatherRS's stream from it."""
         if self._events is None:
             return None
         event = self._events[self._next]

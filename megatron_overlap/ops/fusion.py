@@ -15,10 +15,9 @@ import torch
 
 from ..planner import Workload, expert_row_tiles
 from ..planner.fusion import FusionDecision, decide_fusion
-from .buffer import OverlapBuffer
 from .config import OverlapConfig, preset_of, resolve_backend
-from .op import _group_size_rank, _resolved
-from .planning import planned, row_order
+from .groups import group_size_rank
+from .planning import PlanRequest, launch_tiles, plan_launch
 from .validation import check_int
 
 #: the answer where the device has no step costs or the backend has no plan (the
@@ -51,23 +50,19 @@ def fusion_decision(*, num_tokens: int, hidden: int, ffn: int, topk: int,
     backend = resolve_backend(config.backend, device)
     if backend == "reference":
         return NO_MODEL
-    world, _ = _group_size_rank(group)
-    buf = OverlapBuffer.get(group, device, backend)
+    world, _ = group_size_rank(group)
     rows = num_tokens * topk * local_experts // experts
-    tiles = config.tiles or buf.default_tiles(config.placement)
-    if tiles.token_major and (padded or rows != num_tokens * topk
-                              or num_tokens * topk >= 1 << 31):
-        tiles = row_order(tiles)  # (as `op.prepare` lays y out)
-    tiles = _resolved(tiles, device, dtype)
+    tiles = launch_tiles(config, backend, device, dtype, token_major=(  # as `op.prepare`
+        not padded and rows == num_tokens * topk and num_tokens * topk < 1 << 31))
     counts = Workload.from_total(tokens=num_tokens, hidden=hidden, ffn=ffn, world=world,
                                  splits=1, total_assignments=rows,
                                  local_experts=local_experts).expert_counts
-    sizes = (num_tokens, hidden, ffn, world)
     local_topk = round(4 * rows / num_tokens) / 4
-    plan, launch = planned(buf, config, tiles, expert_row_tiles(counts, tiles.block_m),
-                           local_experts, sizes, topk, local_topk, config.splits,
-                           config.comm_ctas)
-    cache = buf.plan_cache(config, tiles, launch["comm_tm"], launch["comm_tn"], topk)
+    launch_plan = plan_launch(PlanRequest(
+        config, tiles, device, backend, expert_row_tiles(counts, tiles.block_m),
+        local_experts, num_tokens, hidden, ffn, world, topk, local_topk, config.splits,
+        config.comm_ctas))
+    plan, cache = launch_plan.plan, launch_plan.cache
     preset = preset_of(config, cache.device)
     if preset is None or preset.step_costs is None:
         return NO_MODEL

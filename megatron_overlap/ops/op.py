@@ -1,5 +1,10 @@
 """`gemm2_gather_rs`: grouped GEMM2 + top-k combine + reduce-scatter, overlapped.
 
+The pipeline of section III, one stage per module, typed values between them:
+    check the call (`Call`) -> route (`routing.Routing`: offsets, combine table)
+    -> plan (`planning.LaunchPlan`: C, L, tiles, pure and cached)
+    -> launch (`launcher.launch` on the group's `OverlapBuffer`: peer memory and flags).
+
 Glossary (as in the planner):
     T  rows of the expert-sorted activations (sum of tokens_per_expert)
     K  GEMM2 reduction dim on this rank;  N  hidden size
@@ -28,28 +33,16 @@ import torch.distributed as dist
 from ..kernels import gemm2
 from ..kernels.routing_table import combine_table
 from ..planner import Workload, expert_row_tiles
+from . import launcher
 from .buffer import OverlapBuffer, note_call
-from .config import OverlapConfig, TileConfig, resolve_backend, with_register_caps
-from .planning import log_decision, planned, row_order
+from .groups import call_backend, group_size_rank
+from .config import OverlapConfig
 from .grouped import grouped_mm, grouped_wgrad
+from .planning import LaunchPlan, PlanRequest, launch_tiles, log_decision, plan_launch
+from .routing import Router, Routing
 from .reference import all_gather, reference_forward
 from .validation import (aligned, capture_refusal, capturing, check_int, check_options,
                          expert_count, host_counts, to_device, validate)
-
-_group_sizes: dict[int, tuple] = {}
-
-
-def _group_size_rank(group) -> tuple[int, int]:
-    """(size, rank) of the group; remembered (two torch.distributed queries per call
-    are host time on the launch path). The entry holds the group, so its id stays its."""
-    if group is None or not dist.is_initialized():
-        return 1, 0
-    hit = _group_sizes.get(id(group))
-    if hit is None or hit[0] is not group:
-        hit = _group_sizes[id(group)] = (group, dist.get_world_size(group),
-                                         dist.get_rank(group))
-    return hit[1], hit[2]
-
 
 def _forward(x, weight, probs, counts_dev, table, launch):
     """(out, y) of a prepared launch: the overlapped kernels or the reference path."""
@@ -58,8 +51,8 @@ def _forward(x, weight, probs, counts_dev, table, launch):
         return reference_forward(x[:sum(counts)], weight, counts_dev, counts, table, probs,
                                  group, world)
     out = torch.empty(table.shape[0] // world, weight.shape[1], dtype=x.dtype, device=x.device)
-    y = launch.buffer.launch(aligned(x), aligned(weight), counts_dev, table, probs, out,
-                             plan=launch.plan, fork=launch.routed, **launch.kwargs)
+    y = launcher.launch(launch.buffer, aligned(x), aligned(weight), launch.routing,
+                        launch.launch_plan, probs, out)
     return out, y
 
 
@@ -70,7 +63,7 @@ class _Gemm2GatherRS(torch.autograd.Function):
         out, y = _forward(x, weight, probs, counts_dev, table, launch)
         ctx.meta = (counts, group, world)
         keep_y = probs is not None and probs.requires_grad
-        dest = launch.kwargs.get("dest")
+        dest = None if launch.routing is None else launch.routing.dest
         if keep_y and dest is not None:  # token-major y: back to GEMM2's row order
             y = y[dest.long()]
         ctx.save_for_backward(x, weight, probs, counts_dev, token_index, y if keep_y else None)
@@ -104,28 +97,6 @@ def _gathered_rows(grad_out, token_index, group, world: int) -> torch.Tensor:
         full = grad_out.new_empty(grad_out.shape[0] * world, grad_out.shape[1])
         all_gather(full, grad_out, group=group)
     return full[token_index.long()]
-
-
-_fallback_warned = False
-_peer_capable_cache: dict[int, bool] = {}
-
-
-def _peer_capable(group, world: int) -> bool:
-    """True when every rank of the group is on this host (peer memory can work).
-
-    Collective on the first call for a group (every rank calls the op together), then
-    cached: the launch path must not add a host round trip.
-    """
-    if world == 1:
-        return True
-    known = _peer_capable_cache.get(id(group))
-    if known is None:
-        import socket
-
-        hosts = [None] * world
-        dist.all_gather_object(hosts, socket.gethostname(), group=group)
-        known = _peer_capable_cache[id(group)] = len(set(hosts)) == 1
-    return known
 
 
 def gemm2_gather_rs(
@@ -206,58 +177,58 @@ def gemm2_gather_rs(
     return (out, launch.plan) if return_plan else out
 
 
-def _unprepared(group, world: int, device: torch.device, backend: str) -> str | None:
-    """What a capture would have to set up on the host (None: an eager call of this group
-    did it): the ranks' hosts, gathered by a collective, and the buffer (its peer memory
-    is a collective allocation)."""
-    if (world > 1 and id(group) not in _peer_capable_cache) or not OverlapBuffer.exists(
-            group, device, backend):
-        return ("this group's first call sets up peer memory with collectives; make one "
-                "eager call (of the largest shapes) before capturing")
-    return None
-
-
-@dataclass
-class Launch:
-    """Everything decided before the kernels run: a named handle, not a bare tuple."""
+@dataclass(frozen=True)
+class Call:
+    """One call's checked inputs: the sizes, the group, the backend that will run it, and
+    the counts (on the host, `counts`, or only on the device, `counts_dev`)."""
 
     config: OverlapConfig
     backend: str
     group: object
     world: int
     rank: int
-    counts: list | None  # host counts, None when they live only on the device
+    experts: int
+    counts: list | None
+    counts_dev: torch.Tensor | None
+    token_index: torch.Tensor
+    num_tokens: int
+    topk: int
+    splits: int | None  # explicit L
+    comm_ctas: int | None  # explicit C
+    padded: bool  # x's rows past the counts' sum are padding the device finds
+    expected_rows: int | None
+    captured: bool
+
+
+@dataclass
+class Launch:
+    """A prepared call: its checked inputs and the three stages' values (routing, plan;
+    None on the reference path), launched by `_forward`."""
+
+    call: Call
     counts_dev: torch.Tensor
     table: torch.Tensor  # [M, k] int32 rows of each token
-    buffer: OverlapBuffer | None  # None on the reference path
-    plan: object  # planner.Plan, None on the reference path
-    kwargs: dict  # for OverlapBuffer.launch
-    # the event GatherRS's stream forks from (`OverlapBuffer.route`'s), for this call's
-    # launch only: a tool that relaunches `kwargs` later leaves it out
-    routed: object = None
-    captured: bool = False  # queued into a CUDA graph being captured (`note_launch`)
+    buffer: OverlapBuffer | None = None  # None on the reference path
+    routing: Routing | None = None
+    launch_plan: LaunchPlan | None = None
+
+    @property
+    def plan(self):
+        """The planner's plan (C, P, R, L, predicted T); None on the reference path."""
+        return None if self.launch_plan is None else self.launch_plan.plan
+
+    config = property(lambda self: self.call.config)
+    counts = property(lambda self: self.call.counts)
+    group = property(lambda self: self.call.group)
+    world = property(lambda self: self.call.world)
+    captured = property(lambda self: self.call.captured)
 
 
-@functools.lru_cache(maxsize=64)
-def _resolved(tiles: TileConfig, device: torch.device, dtype: torch.dtype) -> TileConfig:
-    """tiles with gemm_impl "auto" replaced by the kernel `gemm2.resolve_impl` picks for
-    this device, dtype and y layout (and, in the shared placement, that kernel's register
-    caps), so the planner's residency and the launch come from the same binary."""
-    if tiles.gemm_impl == "auto":
-        tiles = dataclasses.replace(tiles, gemm_impl=gemm2.resolve_impl(
-            "auto", device, dtype, tiles.block_m, tiles.block_n, tiles.gemm_warps,
-            tiles.token_major))
-    # the shared placement's register caps, for the kernel just chosen (compiled only)
-    return with_register_caps(tiles) if device.type == "cuda" else tiles
-
-
-def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=None,
-            group=None, *, comm_ctas=None, splits=None, config=None,
-            expected_rows=None) -> Launch:
-    """Validate, choose the backend, plan C and L, and size the workspace (no launch)."""
-    note_call(group)  # (first: a call that raises below still counts, `buffer.note_call`)
+def _checked_call(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs, group,
+                  comm_ctas, splits, config, expected_rows) -> Call:
+    """Validate the call and choose its backend (raises ValueError naming the argument)."""
     config = check_options(config, comm_ctas, splits)
-    world, rank = _group_size_rank(group)
+    world, rank = group_size_rank(group)
     experts = expert_count(x, weight)
     counts, counts_dev = host_counts(tokens_per_expert, x.shape[0], experts)
     padded = expected_rows is not None
@@ -265,85 +236,85 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
         raise ValueError(f"expected_rows must lie in [0, {x.shape[0]}] (x's rows), got "
                          f"{expected_rows}")
     validate(x, weight, counts, token_index, num_tokens, topk, probs, world, padded)
-    backend = resolve_backend(config.backend, x.device)
+    num_splits = splits if splits is not None else config.splits
+    if num_splits is not None and num_splits > weight.shape[1]:
+        raise ValueError(f"splits ({num_splits}) must be <= hidden ({weight.shape[1]})")
     if padded and counts is not None:  # the host knows where the padding starts
         token_index = token_index[:sum(counts)]
         padded = False  # (the rows past the table's are in no expert's: GEMM2 skips them)
-    token_index = token_index.contiguous()  # the kernels index it as a flat array
     captured = capturing(x)
-    if captured:
-        why = capture_refusal(backend, counts) or _unprepared(group, world, x.device, backend)
-        if why is not None:
-            raise RuntimeError(f"gemm2_gather_rs cannot be captured in a CUDA graph here: {why}")
-    if backend != "reference" and not _peer_capable(group, world):
-        global _fallback_warned
-        if not _fallback_warned:
-            _fallback_warned = True
-            warnings.warn("megatron-overlap: the group spans several hosts; peer memory "
-                          "cannot reach every rank, using the reference path")
-        backend = "reference"
-    hidden = weight.shape[1]
-    num_splits = splits if splits is not None else config.splits
-    if num_splits is not None and num_splits > hidden:
-        raise ValueError(f"splits ({num_splits}) must be <= hidden ({hidden})")
-    if backend == "reference":  # the baseline builds its table with torch alone
-        if padded:  # (device counts: it splits the rows on the host anyway)
-            counts = counts_dev.tolist()
-            token_index = token_index[:sum(counts)]
-        table = combine_table(token_index.to(torch.int64), num_tokens, topk)
-        if counts_dev is None:
-            counts_dev = torch.tensor(counts, dtype=torch.int64)
-        return Launch(config, backend, group, world, rank, counts,
-                      to_device(counts_dev, x.device), table, None, None, {})
+    backend = call_backend(config, x, counts, group, world, captured)
+    return Call(config, backend, group, world, rank, experts, counts, counts_dev,
+                token_index.contiguous(),  # (the kernels index it as a flat array)
+                num_tokens, topk, num_splits,
+                comm_ctas if comm_ctas is not None else config.comm_ctas, padded,
+                expected_rows, captured)
+
+
+def _reference_launch(call: Call, device: torch.device) -> Launch:
+    """The baseline's launch: its table built with torch alone (device counts: it splits
+    the rows on the host anyway)."""
+    counts, token_index = call.counts, call.token_index
+    if call.padded:
+        counts = call.counts_dev.tolist()
+        token_index = token_index[:sum(counts)]
+        call = dataclasses.replace(call, counts=counts, token_index=token_index, padded=False)
+    table = combine_table(token_index.to(torch.int64), call.num_tokens, call.topk)
+    counts_dev = (call.counts_dev if call.counts_dev is not None
+                  else torch.tensor(counts, dtype=torch.int64))
+    return Launch(call, to_device(counts_dev, device), table)
+
+
+def _plan_request(call: Call, tiles: TileConfig, routing: Routing, x, hidden: int,
+                  rows: int) -> PlanRequest:
+    """The planner's inputs. W_comp reads only row_tiles = sum_e ceil(M_e / TM) (with host
+    counts it came with the routing); with the counts only on the device: section III-E,
+    the rows spread evenly. local_topk: the rows per token this rank gathers (k under TP,
+    about k / EP under EP), the bytes of a communication tile, in quarters."""
+    row_tiles = routing.row_tiles
+    if row_tiles is None:
+        row_tiles = expert_row_tiles(Workload.from_total(
+            tokens=call.num_tokens, hidden=hidden, ffn=x.shape[1], world=call.world,
+            splits=1, total_assignments=rows, local_experts=call.experts).expert_counts,
+            tiles.block_m)
+    return PlanRequest(call.config, tiles, x.device, call.backend, row_tiles, call.experts,
+                       call.num_tokens, hidden, x.shape[1], call.world, call.topk,
+                       round(4 * rows / call.num_tokens) / 4, call.splits, call.comm_ctas)
+
+
+def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=None,
+            group=None, *, comm_ctas=None, splits=None, config=None,
+            expected_rows=None) -> Launch:
+    """The op's pipeline up to the launch: check the call, route (offsets and combine
+    table on the device), plan (C, L, tiles) and size the buffer's slots."""
+    note_call(group)  # (first: a call that raises below still counts, `buffer.note_call`)
+    call = _checked_call(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs,
+                         group, comm_ctas, splits, config, expected_rows)
+    if call.backend == "reference":
+        return _reference_launch(call, x.device)
     if x.shape[1] * x.element_size() % 16:
-        raise ValueError(f"the {backend} backend needs 16-byte rows for its tensor "
+        raise ValueError(f"the {call.backend} backend needs 16-byte rows for its tensor "
                          f"descriptors: K * itemsize = {x.shape[1]} * {x.element_size()} "
                          f"is not a multiple of 16 (K % 8 == 0 for bf16)")
-    buf = OverlapBuffer.get(group, x.device, backend)
-    if not captured:  # (a capture may not query events; the warm-up call checked)
+    buf = OverlapBuffer.get(group, x.device, call.backend)
+    if not call.captured:  # (a capture may not query events; the warm-up call checked)
         buf.check(sync=False)
-    tiles = config.tiles or buf.default_tiles(config.placement)
-    if tiles.gemm_impl not in ("triton", "auto") and (backend != "triton"
-                                                      or x.dtype != torch.bfloat16):
-        raise ValueError(f"TileConfig.gemm_impl={tiles.gemm_impl!r} is a Gluon kernel for "
-                         f"bf16 on CUDA; got the {backend} backend and {x.dtype} "
-                         f"(gemm_impl='triton' or 'auto' runs everywhere)")
-    # token-major y where every token has its k rows here (T = M k: TP; no token has more
-    # than k rows) and y's row numbers fit int32; else GEMM2's row order
     # (the rows to plan for: the counted ones, or with the counts on the device and x
     # padded, the caller's expectation)
-    rows = expected_rows if padded else token_index.shape[0]
-    if tiles.token_major and (expected_rows is not None or rows != num_tokens * topk
-                              or num_tokens * topk >= 1 << 31):
-        tiles = row_order(tiles)
-    tiles = _resolved(tiles, x.device, x.dtype)
-    dest = (torch.empty(token_index.shape[0], dtype=torch.int32, device=x.device)
+    rows = expected_rows if call.padded else call.token_index.shape[0]
+    m, k = num_tokens, topk  # token-major y only where T = M k (TP) and fits int32
+    tiles = launch_tiles(call.config, call.backend, x.device, x.dtype, token_major=(
+        expected_rows is None and rows == m * k and m * k < 1 << 31))
+    # the receive slots first: growing them queues copies that GatherRS depends on, which
+    # must come before the event it forks from, the routing's
+    hidden = weight.shape[1]
+    buf.ensure(num_tokens // call.world, hidden, call.config.partial_dtype or x.dtype,
+               call.captured)
+    dest = (torch.empty(call.token_index.shape[0], dtype=torch.int32, device=x.device)
             if tiles.token_major else None)
-    # expert row / tile offsets and the combine table, in one kernel that also checks the
-    # row order (with host counts it also brings the offsets to the device)
-    # (the receive slots first: growing them queues copies that GatherRS depends on, which
-    # must come before the event it forks from, `route`'s)
-    buf.ensure(num_tokens // world, hidden, config.partial_dtype or x.dtype, captured)
-    # (device counts the same way, read in place: no host sync, no torch ops)
-    table, offsets, counts_dev, row_tiles, routed = buf.route(
-        token_index, counts if counts is not None else to_device(counts_dev, x.device),
-        tiles.block_m, num_tokens, topk, dest, padded)
-    launch = Launch(config, backend, group, world, rank, counts, counts_dev, table, buf, None, {},
-                    routed, captured)
-    # W_comp reads only row_tiles = sum_e ceil(M_e / TM) (with host counts it came with
-    # the offsets); with counts only on the device: section III-E, the T rows spread evenly.
-    if counts is None:
-        row_tiles = expert_row_tiles(Workload.from_total(
-            tokens=num_tokens, hidden=hidden, ffn=x.shape[1], world=world, splits=1,
-            total_assignments=rows, local_experts=experts).expert_counts, tiles.block_m)
-    sizes = (num_tokens, hidden, x.shape[1], world)
-    # rows per token this rank gathers (k under TP; about k / EP under EP, where a token's
-    # other rows live on other ranks): the bytes of a communication tile. Quarters, so
-    # the decisions stay cacheable.
-    local_topk = round(4 * rows / num_tokens) / 4
-    best = planned(buf, config, tiles, row_tiles, experts, sizes, topk, local_topk,
-                   num_splits, comm_ctas if comm_ctas is not None else config.comm_ctas)
-    launch.plan = best[0]
-    launch.kwargs = dict(best[1], offsets=offsets, dest=dest)
-    log_decision(launch, num_tokens, hidden, x.shape[1])
-    return launch
+    counts = call.counts if call.counts is not None else to_device(call.counts_dev, x.device)
+    routing = Router.get(x.device).route(call.token_index, counts, buf.error, tiles.block_m,
+                                         num_tokens, topk, dest, call.padded)
+    launch_plan = plan_launch(_plan_request(call, tiles, routing, x, hidden, rows))
+    log_decision(launch_plan, num_tokens, hidden, x.shape[1], call.world)
+    return Launch(call, routing.counts_dev, routing.table, buf, routing, launch_plan)

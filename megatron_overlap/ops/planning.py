@@ -1,6 +1,10 @@
-"""The op's planning around the planner: which L to run, the plan and launch arguments of
-an L, and the plan cache a prepared launch used (`op.prepare` calls these; tools read
-the cache). The model itself is `planner/`; this module only chooses among its calls.
+"""The op's second stage: a pure, cached plan of one launch from the planner's model.
+
+`plan_launch(PlanRequest)` -> `LaunchPlan`: which L to run, the plan (C, P, R) at that L
+and the launch's tiles, from a `KernelFamily` (the kernels' tiles and communication tile
+with their compiled residency, read once per family from the binaries). Nothing here
+touches a buffer or the routing: the request holds every input, the answer depends on
+nothing else, so it is cached on the request itself.
 
 In the shared placement (Hopper's default) the plan's C is G for every L, so what is
 decided here per call is L (`rank_splits`) and with it the communication tile
@@ -11,26 +15,205 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import warnings
+from dataclasses import dataclass, field
 
-from ..planner import reservation
-from .config import default_splits
+import torch
+
+from ..kernels import gemm2
+from ..planner import PlanCache, reservation, ranking_calibration
+from .config import (GPU_TILES, INTERPRET_TILES, MAX_SPLITS, OverlapConfig, TileConfig, calibration_for,
+                     default_splits, device_spec, in_placement, kernel_spec,
+                     with_register_caps)
+from .residency import compiled_occupancies
 
 log = logging.getLogger("megatron_overlap")
 
+SPLIT_CANDIDATES = (1, 2, 4)
+#: decisions kept (routing can make many distinct row-tile counts)
+MAX_DECISIONS = 4096
+
+
+def default_tiles(backend: str, placement: str | None = None) -> TileConfig:
+    """The backend's tiles (GPU_TILES on CUDA), in `placement` when given: on CUDA the
+    tuned tiles of that placement (GPU_TILES / PARTITION_TILES)."""
+    return in_placement(INTERPRET_TILES if backend == "interpret" else GPU_TILES, placement)
+
 
 @functools.lru_cache(maxsize=16)  # on the launch path of every EP call: built once
-def row_order(tiles):
+def row_order(tiles: TileConfig) -> TileConfig:
     """The same tiles with y in GEMM2's row order."""
     return dataclasses.replace(tiles, token_major=False)
 
 
-SPLIT_CANDIDATES = (1, 2, 4)
+@functools.lru_cache(maxsize=64)
+def resolved(tiles: TileConfig, device: torch.device, dtype: torch.dtype) -> TileConfig:
+    """tiles with gemm_impl "auto" replaced by the kernel `gemm2.resolve_impl` picks for
+    this device, dtype and y layout (and, in the shared placement, that kernel's register
+    caps), so the planner's residency and the launch come from the same binary."""
+    if tiles.gemm_impl == "auto":
+        tiles = dataclasses.replace(tiles, gemm_impl=gemm2.resolve_impl(
+            "auto", device, dtype, tiles.block_m, tiles.block_n, tiles.gemm_warps,
+            tiles.token_major))
+    # the shared placement's register caps, for the kernel just chosen (compiled only)
+    return with_register_caps(tiles) if device.type == "cuda" else tiles
+
+
+def launch_tiles(config: OverlapConfig, backend: str, device: torch.device,
+                 dtype: torch.dtype, token_major: bool) -> TileConfig:
+    """The tiles a launch runs: the config's or the backend's default, resolved; y
+    token-major only where the caller allows it (every token has its k rows on this rank
+    and y's row numbers fit int32), else in GEMM2's row order."""
+    tiles = config.tiles or default_tiles(backend, config.placement)
+    if tiles.gemm_impl not in ("triton", "auto") and (backend != "triton"
+                                                      or dtype != torch.bfloat16):
+        raise ValueError(f"TileConfig.gemm_impl={tiles.gemm_impl!r} is a Gluon kernel for "
+                         f"bf16 on CUDA; got the {backend} backend and {dtype} "
+                         f"(gemm_impl='triton' or 'auto' runs everywhere)")
+    if tiles.token_major and not token_major:
+        tiles = row_order(tiles)
+    return resolved(tiles, device, dtype)
+
+
+@dataclass(frozen=True)
+class KernelFamily:
+    """The two kernels of a launch as the planner sees them: GEMM2's tiles, GatherRS's
+    communication tile and table slots, and how many CTAs of each fit one SM as compiled
+    (o_comp, o_comm; `misfit`: the resource that keeps the shared placement from fitting
+    one SM, None where it fits)."""
+
+    tiles: TileConfig
+    comm_tm: int
+    comm_tn: int
+    slots: int
+    o_comp: int
+    o_comm: int
+    misfit: str | None
+    #: registers / shared memory / spills / warps of the binaries (empty: interpreter)
+    resources: dict = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def shared(self) -> bool:
+        """GatherRS's CTAs run beside GEMM2's on every SM (R = 0)."""
+        return self.tiles.placement == "shared" and self.misfit is None
+
+
+_families: dict[tuple, KernelFamily] = {}
+
+
+def _occupancies(device: torch.device, backend: str, tiles: TileConfig, comm_tm: int,
+                 comm_tn: int, slots: int) -> tuple[int, int, str | None, dict]:
+    """(o_comp, o_comm, misfit, resources) of the compiled kernels (`residency`), with
+    flags of the launch's dtypes and alignment as the compiles' arguments."""
+    if backend != "triton":
+        return 2, 1, None, {}
+    flags = tuple(torch.zeros(n, dtype=torch.int32, device=device) for n in (MAX_SPLITS, 1, 1))
+    return compiled_occupancies(device, flags, tiles, comm_tm, comm_tn, slots)
+
+
+def kernel_family(device: torch.device, backend: str, tiles: TileConfig, comm_tm: int,
+                  comm_tn: int, slots: int) -> KernelFamily:
+    """The family of these kernels on `device`, compiled once (no launch) to read their
+    residency; the interpreter has no binary (any residency plans correctly there)."""
+    key = (device, backend, tiles, comm_tm, comm_tn, slots)
+    found = _families.get(key)
+    if found is None:
+        o_comp, o_comm, misfit, resources = _occupancies(device, backend, *key[2:])
+        found = _families[key] = KernelFamily(tiles, comm_tm, comm_tn, slots, o_comp, o_comm,
+                                              misfit, resources)
+        if tiles.placement == "shared" and misfit is not None:
+            warnings.warn(f"megatron-overlap: the shared placement does not fit one SM "
+                          f"({misfit}: {resources}); planning and launching the partition "
+                          f"placement instead", RuntimeWarning, stacklevel=3)
+    return found
+
+
+_caches: dict[tuple, PlanCache] = {}
+
+
+def plan_cache(family: KernelFamily, config: OverlapConfig, device: torch.device,
+               ranking: bool = False) -> PlanCache:
+    """The planner's decision cache for one kernel family on one device. `ranking`: the
+    model the op ranks L with (no tail-helper, no overlap-factor term, `plan_launch`)."""
+    helpers = config.tail_helpers and not ranking
+    key = (family, device, config.sm_margin, config.preset, helpers, ranking)
+    cache = _caches.get(key)
+    if cache is None:
+        spec_device = device_spec(device, config.sm_margin)
+        # the model serves the last split as the launch does: with the tail helpers when
+        # they run (KernelSpec.tail_helpers)
+        spec = kernel_spec(family.tiles, family.comm_tm, family.comm_tn, family.o_comp,
+                           family.o_comm, helpers, family.shared)
+        calib = calibration_for(spec_device, config.preset)
+        cache = _caches[key] = PlanCache(spec, spec_device,
+                                         ranking_calibration(calib) if ranking else calib)
+    return cache
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """Everything a launch's plan depends on: the sizes (M tokens, N hidden, K ffn, D
+    ranks), the routing through W_comp's only input, row_tiles = sum_e ceil(M_e / TM),
+    top-k and the rows per token this rank gathers (local_topk, in quarters so decisions
+    stay cacheable), and the caller's explicit L and C (None: the planner's)."""
+
+    config: OverlapConfig
+    tiles: TileConfig
+    device: torch.device
+    backend: str
+    row_tiles: int
+    experts: int
+    num_tokens: int
+    hidden: int
+    ffn: int
+    world: int
+    topk: int
+    local_topk: float
+    splits: int | None
+    comm_ctas: int | None
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """The decision for one launch: the planner's plan (C, P, R, predicted T) at L splits,
+    the kernels' family, and the launch's bounds. Tools relaunch a plan with another C or
+    P as `dataclasses.replace(launch_plan, plan=...)`."""
+
+    plan: object  # planner.Plan
+    family: KernelFamily
+    splits: int
+    tokens_per_rank: int
+    helpers: int  # tail-helper CTAs launched behind GEMM2
+    max_spins: int
+    wait_timeout_s: float
+    cache: PlanCache = field(compare=False, hash=False)  # (tools read its kernel/device)
+
+    @property
+    def tiles(self) -> TileConfig:
+        return self.family.tiles
+
+
+def _at_splits(request: PlanRequest, splits: int, ranking: bool = False) -> LaunchPlan:
+    """The plan at L = `splits` (`ranking`: under the model that ranks L)."""
+    r = request
+    comm_tm, comm_tn = r.tiles.comm_shape(r.topk, -(-r.hidden // splits))
+    family = kernel_family(r.device, r.backend, r.tiles, comm_tm, comm_tn,
+                           gemm2.next_pow2(r.topk))
+    cache = plan_cache(family, r.config, r.device, ranking)
+    plan = cache.decide_tiles(r.row_tiles, r.num_tokens, r.hidden, r.ffn, r.world, splits,
+                              r.experts, comm_ctas=r.comm_ctas, enabled=r.config.planner,
+                              topk=r.topk, local_topk=r.local_topk)
+    # one tail helper per SM that GEMM2 leaves when it ends (the comm CTAs keep theirs)
+    helpers = (cache.device.available_sms - reservation(plan.comm_ctas, cache.kernel)
+               if r.config.tail_helpers else 0)
+    return LaunchPlan(plan, family, splits, r.num_tokens // r.world, max(0, helpers),
+                      r.config.max_spins, r.config.wait_timeout_s, cache)
 
 
 def rank_splits(hidden: int, predicted) -> int:
     """The L the op runs when none is given: of SPLIT_CANDIDATES up to 2 x the default
     (and N), the least `predicted(L)` (compute waves, one unit for every L); ties go to
-    fewer splits. `predicted` is the ranking model's T(C*) at that L (see `prepare`)."""
+    fewer splits. `predicted` is the ranking model's T(C*) at that L."""
     chosen, best = None, None
     for cand in SPLIT_CANDIDATES:
         if cand > min(2 * default_splits(hidden), hidden):
@@ -41,58 +224,44 @@ def rank_splits(hidden: int, predicted) -> int:
     return chosen
 
 
-def plan_splits(buf, config, tiles, row_tiles, experts, sizes, topk, local_topk, splits, c,
-                 ranking=False):
-    """The cached plan for L = `splits` and the launch arguments that go with it
-    (`ranking`: under the model that ranks L, see `prepare`)."""
-    num_tokens, hidden, ffn, world = sizes
-    comm_tm, comm_tn = tiles.comm_shape(topk, -(-hidden // splits))
-    cache = buf.plan_cache(config, tiles, comm_tm, comm_tn, topk, ranking)
-    plan = cache.decide_tiles(row_tiles, num_tokens, hidden, ffn, world, splits, experts,
-                              comm_ctas=c, enabled=config.planner, topk=topk,
-                              local_topk=local_topk)
-    # one tail helper per SM that GEMM2 leaves when it ends (the comm CTAs keep theirs)
-    helpers = (cache.device.available_sms - reservation(plan.comm_ctas, cache.kernel)
-               if config.tail_helpers else 0)
-    return plan, dict(splits=splits, tiles=tiles, comm_tm=comm_tm, comm_tn=comm_tn,
-                      tokens_per_rank=num_tokens // world, max_spins=config.max_spins,
-                      wait_timeout_s=config.wait_timeout_s,
-                      helpers=max(0, helpers))
+_decisions: dict[PlanRequest, LaunchPlan] = {}
 
 
-def planned(buf, config, tiles, row_tiles, experts, sizes, topk, local_topk, splits, c):
-    """(plan, launch arguments) of one launch, remembered per buffer: the decision depends
-    on the counts only through row_tiles (the host runs this after Megatron's sync, while
-    the GPU waits). L unless given: the candidate with the least predicted T (compute
-    waves, the same unit for every L; ties go to fewer splits) under the model without the
-    tail-helper and overlap-factor terms. Those two were fitted and checked on C sweeps at
-    a fixed L; ranking L with them picked one split, no overlap, for almost every
-    workload, measured slower (docs/RESULTS.md). C is then the full model's at that L."""
-    key = (config, tiles, row_tiles, sizes, topk, local_topk, splits, c, experts)
-    best = buf.decisions.get(key)
-    if best is None:
-        chosen = splits or rank_splits(sizes[1], lambda cand: plan_splits(
-            buf, config, tiles, row_tiles, experts, sizes, topk, local_topk, cand, c,
-            ranking=True)[0].predicted)
-        best = plan_splits(buf, config, tiles, row_tiles, experts, sizes, topk, local_topk,
-                           chosen, c)
-        buf.remember(key, best)
-    return best
+def plan_launch(request: PlanRequest) -> LaunchPlan:
+    """The launch's plan, remembered per request: the decision depends on the counts only
+    through row_tiles (the host runs this after Megatron's sync, while the GPU waits).
+    L unless given: the candidate with the least predicted T (compute waves, the same unit
+    for every L; ties go to fewer splits) under the model without the tail-helper and
+    overlap-factor terms. Those two were fitted and checked on C sweeps at a fixed L;
+    ranking L with them picked one split, no overlap, for almost every workload, measured
+    slower (docs/RESULTS.md). C is then the full model's at that L."""
+    found = _decisions.get(request)
+    if found is None:
+        splits = request.splits or rank_splits(request.hidden, lambda cand: _at_splits(
+            request, cand, ranking=True).plan.predicted)
+        found = _at_splits(request, splits)
+        if len(_decisions) >= MAX_DECISIONS:
+            _decisions.clear()
+        _decisions[request] = found
+    return found
 
 
-def plan_cache_of(launch):
-    """The PlanCache a prepared launch was planned with (tools read its kernel/device)."""
-    kw = launch.kwargs
-    return launch.buffer.plan_cache(launch.config, kw["tiles"], kw["comm_tm"], kw["comm_tn"],
-                                    launch.table.shape[1])
+def cached_counts() -> dict[str, int]:
+    """How many kernel families, plan caches and launch decisions are remembered (a long
+    run's memory: `tools/soak.py`)."""
+    return dict(families=len(_families), plan_caches=len(_caches), decisions=len(_decisions))
 
 
-def log_decision(launch, m: int, n: int, k: int) -> None:
-    plan, buf = launch.plan, launch.buffer
-    sig = (plan.comm_ctas, plan.splits, m, n, k, launch.world)
-    if getattr(buf, "_last_logged", None) != sig:
-        buf._last_logged = sig
+_last_logged: tuple | None = None
+
+
+def log_decision(launch_plan: LaunchPlan, m: int, n: int, k: int, world: int) -> None:
+    """A DEBUG line whenever the (C, L, sizes) of the op's decisions change."""
+    global _last_logged
+    plan = launch_plan.plan
+    sig = (plan.comm_ctas, plan.splits, m, n, k, world)
+    if _last_logged != sig:
+        _last_logged = sig
         log.debug("gemm2_gather_rs: C=%d P=%d L=%d T=%.1f (M=%d N=%d K=%d D=%d, %s)",
                   plan.comm_ctas, plan.compute_slots, plan.splits, plan.predicted, m, n, k,
-                  launch.world, plan.source)
-
+                  world, plan.source)

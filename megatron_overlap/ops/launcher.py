@@ -1,0 +1,165 @@
+"""The op's third stage: GEMM2 (P programs) and GatherRS (C programs) of one planned
+launch, overlapped on two streams, then the local sum over ranks.
+
+`launch` is the production path. `launch_gemm2_alone` and `launch_comm_alone` run one
+side by itself, for calibration and benchmarks (the flags preset or cleared around it).
+The buffer lends the flags, the epoch, the error word and the peer slots; the plan
+(`planning.LaunchPlan`) and the routing (`routing.Routing`) are values.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels import gather_rs as grs
+from ..kernels import gemm2
+from .buffer import OverlapBuffer
+from .planning import LaunchPlan
+from .routing import Routing
+from .stream_ops import StreamOps
+
+
+class _Streams:
+    """GatherRS's stream and the fork / join events of one buffer's launches."""
+
+    _instances: "dict[int, _Streams]" = {}
+
+    @classmethod
+    def of(cls, buf: OverlapBuffer) -> "_Streams":
+        found = cls._instances.get(id(buf))
+        if found is None or found.buf is not buf:
+            found = cls._instances[id(buf)] = cls(buf)
+        return found
+
+    def __init__(self, buf: OverlapBuffer):
+        self.buf = buf
+        self.side = torch.cuda.Stream(buf.device)
+        self.ops = StreamOps(buf.device)  # (event records and waits through the driver)
+        self.fork = torch.cuda.Event()  # main -> side before GatherRS
+        self.join = torch.cuda.Event()  # side -> main after it
+
+
+def _gemm2_args(buf: OverlapBuffer, lp: LaunchPlan, hidden: int, width: int, dest) -> dict:
+    t = lp.tiles
+    return dict(splits=lp.splits, programs=lp.plan.compute_slots, block_m=t.block_m,
+                block_n=t.block_n, block_k=t.block_k, num_warps=t.gemm_warps,
+                num_stages=t.gemm_stages, upcast=buf.backend == "interpret",
+                flatten=t.gemm_flatten, dest=dest, impl=t.gemm_impl, maxnreg=t.gemm_maxnreg,
+                width=width)
+
+
+def _launch_comm(buf: OverlapBuffer, lp: LaunchPlan, y, routing: Routing, probs, out,
+                 width: int, helpers: int = 0, **kw) -> None:
+    """GatherRS (or, with `launch_helpers`, its tail helpers) into the buffer's slots."""
+    t, hidden = lp.tiles, out.shape[1]
+    col_tiles, last_col_tiles = gemm2.split_col_tiles(hidden, lp.splits, width, t.block_n)
+    target = buf.comm_target(out)
+    grs.launch_gather_rs(
+        y, routing.table, probs, target.dst, target.signals, buf.ready, buf.done, buf.error,
+        routing.tile_start, tokens_per_rank=lp.tokens_per_rank, splits=lp.splits,
+        rank=buf.rank, world=buf.world, gemm_col_tiles=col_tiles,
+        gemm_last_col_tiles=last_col_tiles, width=width, epoch=buf.epoch,
+        max_spins=lp.max_spins, wait_timeout_s=lp.wait_timeout_s,
+        partial_like=target.partial_like, dst_slot_stride=target.slot_stride,
+        dst_row_stride=target.row_stride, programs=lp.plan.comm_ctas,
+        block_tm=lp.family.comm_tm, block_tn=lp.family.comm_tn, num_warps=t.comm_warps,
+        item_stages=t.comm_stages, slot_loop=t.comm_slot_loop, helpers=helpers,
+        token_major=routing.dest is not None, maxnreg=t.comm_maxnreg, **target.descriptor,
+        **kw)
+
+
+def _overlapped(buf, lp, launch_gemm2, comm) -> None:
+    """GEMM2 on the caller's stream (which already orders the offsets and the routing
+    table before it), GatherRS on the side stream from the same point; the caller's
+    stream then waits for GatherRS. (No `torch.cuda.stream` switch: it costs more than a
+    launch.)"""
+    streams = _Streams.of(buf)
+    side, ops = streams.side, streams.ops
+    fork = comm.fork
+    if fork is None:
+        fork = streams.fork
+        ops.record(fork)
+    if lp.plan.reservation > 0:
+        # The partition: GatherRS's C programs take their R(C) SMs before GEMM2 fills the
+        # rest, so both grids are co-resident (P(C) + R(C) fit by construction).
+        ops.wait(fork, side)
+        with buf.all_or_broken():
+            comm(stream=side)
+            launch_gemm2()
+    else:
+        # The shared placement (R = 0): GatherRS's CTAs fit beside GEMM2's on every SM,
+        # so the order decides no residency, and GEMM2 first starts the GPU one launch
+        # earlier (GatherRS's launch runs on the host while GEMM2 computes split 0, which
+        # GatherRS waits for anyway). It is also the order that cannot deadlock: GEMM2
+        # waits on nothing. (If its launch fails, nothing has touched the flags.)
+        launch_gemm2()
+        ops.wait(fork, side)
+        with buf.all_or_broken():
+            comm(stream=side)
+    if lp.helpers:  # queued behind GEMM2: they start on the SMs it leaves
+        with buf.all_or_broken():
+            comm(launch_helpers=True)
+    ops.record(streams.join, side)
+    ops.wait(streams.join)
+
+
+class _Comm:
+    """GatherRS of one launch, as a callable the stream order above decides on."""
+
+    def __init__(self, buf, lp, y, routing, probs, out, width):
+        self.args = (buf, lp, y, routing, probs, out, width)
+        self.fork = routing.routed
+        self.helpers = lp.helpers
+
+    def __call__(self, **kw) -> None:
+        _launch_comm(*self.args, helpers=self.helpers, **kw)
+
+
+def launch(buf: OverlapBuffer, x, weight, routing: Routing, lp: LaunchPlan, probs, out,
+           y=None, width: int | None = None) -> torch.Tensor:
+    """GEMM2 and GatherRS overlapped, then the local sum over ranks into `out`; returns
+    y (GEMM2's output). `width`: the split width sw (None: ceil(N/L)); a larger one
+    narrows the last split to the N - (L-1) sw columns left (`gemm2.split_col_tiles`)."""
+    buf.wait_bounds = (lp.wait_timeout_s, lp.max_spins)  # (for a time-out's message)
+    hidden = weight.shape[1]
+    width = width or gemm2.split_width(hidden, lp.splits)
+    if y is None:
+        y = torch.empty(x.shape[0], hidden, dtype=out.dtype, device=x.device)
+    gemm_args = _gemm2_args(buf, lp, hidden, width, routing.dest)
+    operands = (x, weight, y, routing.row_start, routing.tile_start, buf.ready)
+    comm = _Comm(buf, lp, y, routing, probs, out, width)
+    if buf.backend == "interpret":
+        # Programs of one launch run one after another here: GEMM2 must finish first.
+        gemm2.launch_grouped_gemm2(*operands, **gemm_args)
+        with buf.all_or_broken():
+            comm()
+            if lp.helpers:
+                comm(launch_helpers=True)
+    else:
+        # GEMM2 compiled and loaded before GatherRS starts spinning on its flags (a JIT
+        # compile or a lazy module load after that would leave it spinning).
+        _overlapped(buf, lp, gemm2.grouped_gemm2_launcher(*operands, **gemm_args), comm)
+    buf.sum_partials(out)
+    return y
+
+
+def launch_gemm2_alone(buf: OverlapBuffer, x, weight, routing: Routing, lp: LaunchPlan,
+                       y, width: int | None = None) -> torch.Tensor:
+    """GEMM2 by itself (calibration, benchmarks): the readiness flags cleared after it."""
+    hidden = weight.shape[1]
+    width = width or gemm2.split_width(hidden, lp.splits)
+    gemm2.launch_grouped_gemm2(x, weight, y, routing.row_start, routing.tile_start, buf.ready,
+                               **_gemm2_args(buf, lp, hidden, width, routing.dest))
+    buf.ready.zero_()
+    return y
+
+
+def launch_comm_alone(buf: OverlapBuffer, y, routing: Routing, lp: LaunchPlan, probs, out,
+                      width: int | None = None) -> None:
+    """GatherRS by itself on a given y (calibration, benchmarks): every split's readiness
+    flag preset, no tail helpers; then the local sum over ranks."""
+    buf.wait_bounds = (lp.wait_timeout_s, lp.max_spins)
+    width = width or gemm2.split_width(out.shape[1], lp.splits)
+    buf.ready[:lp.splits].fill_(1 << 30)
+    _launch_comm(buf, lp, y, routing, probs, out, width)
+    buf.sum_partials(out)
