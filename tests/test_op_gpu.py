@@ -385,6 +385,34 @@ def test_padding_rows_on_device_counts_change_no_bit_and_replay_in_a_graph():
         OverlapBuffer.note_replays()
 
 
+def test_a_prepared_launch_repeated_after_gemm2_alone_waits_for_its_flag_reset():
+    """A routing launched again (benchmarks, calibration) forks GatherRS from an event
+    of its own call: GEMM2 alone's flag reset, queued behind a long kernel, comes first.
+    (Forking from the routing's old event let GatherRS read the flags of GEMM2 alone,
+    and the reset then erased the published splits of the op's own GEMM2: a time-out.)"""
+    import dataclasses
+
+    from megatron_overlap.ops import launcher
+    from megatron_overlap.ops.op import prepare
+
+    p = routed_problem(0, 1, device="cuda", **SHAPE)
+    args = (p["x"], p["weight"], p["counts"].tolist(), p["token_index"], SHAPE["tokens"],
+            SHAPE["topk"], None, None)
+    config = dataclasses.replace(TRITON, wait_timeout_s=5.0)  # (a stale fork times out)
+    want = gemm2_gather_rs(*args, config=config)
+    launch = prepare(*args, config=config)
+    y = torch.empty(p["x"].shape[0], SHAPE["hidden"], dtype=p["x"].dtype, device="cuda")
+    for _ in range(3):
+        torch.cuda._sleep(50_000_000)  # (the main stream far behind the host)
+        launcher.launch_gemm2_alone(launch.buffer, p["x"], p["weight"], launch.routing,
+                                    launch.launch_plan, y)
+        out = torch.full_like(want, float("nan"))
+        launcher.launch(launch.buffer, p["x"], p["weight"], launch.routing,
+                        launch.launch_plan, None, out)
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
+
+
 def test_single_gpu_hot_expert_and_planner_choice():
     p = routed_problem(0, 1, device="cuda", hot=True, **SHAPE)
     out, plan = gemm2_gather_rs(p["x"], p["weight"], p["counts"], p["token_index"],

@@ -205,6 +205,40 @@ for s in "$@"; do
           -m megatron_overlap.mcore.prefill --model $m --tp $1 --ep $2 --batch 4 \
           --seqs ${PREFILL_SEQS:-1024,2048,4096,8192,16384} --iters ${PREFILL_ITERS:-8} --warmup 1 --abba \
           --json "$OUT/prefill_${m}_TP$1EP$2.json"; done; done ;;
+    old_code)  # an older commit's wheel (.whl/old/*.whl) and tools (.whl/old/tools) for the
+      # ab_* stages; without them both arms would import this code: refuse instead
+      compgen -G "$REPO/.whl/old/*.whl" >/dev/null && [ -d "$REPO/.whl/old/tools" ] \
+        && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+          --upgrade --target /tmp/site_old "$REPO"/.whl/old/*.whl >>"$LOG" 2>&1 \
+        && OLD_READY=1 || echo "old_code: no old wheel and tools in .whl/old/" | tee -a "$LOG" ;;
+    ab_op)  # the one-GPU operator (op, torch's GEMM2 alone, reference; CUDA-graph replays)
+      # of the older commit and this one, process order old new new old (a refactor's check)
+      [ "${OLD_READY:-0}" = 1 ] || { echo "ab_op: run old_code first" | tee -a "$LOG"; continue; }
+      for pair in "old TP2EP1" "new TP2EP1" "new TP1EP2" "old TP1EP2"; do set -- $pair
+        if [ $1 = old ]; then path=/tmp/site_old:/tmp/site; tools=$REPO/.whl/old/tools; else path=/tmp/site; tools=$REPO/tools; fi
+        PYTHONPATH=$path stage ab_op_$1_$2 ${BENCH_SECS:-150} torchrun --nproc-per-node 1 \
+          "$tools/bench_op.py" --model granite,qwen,deepseek --layout $2 --seqs 4096,16384 \
+          --routing uniform --cset 132 --samples ${OP_SAMPLES:-10} --warmup 2 --preset h200 \
+          --cuda-graph --json "$OUT/ab_op_$1_$2.json"; done ;;
+    ab_layer)  # the one-GPU MoE layer (stock and overlapped, local experts), old and new
+      [ "${OLD_READY:-0}" = 1 ] || { echo "ab_layer: run old_code first" | tee -a "$LOG"; continue; }
+      for code in old new; do
+        if [ $code = old ]; then path=/tmp/site_old:/tmp/site; tools=$REPO/.whl/old/tools; else path=/tmp/site; tools=$REPO/tools; fi
+        PYTHONPATH=$path stage ab_layer_$code ${LAYER_SECS:-150} torchrun --nproc-per-node 1 \
+          "$tools/bench_layer.py" --models granite,qwen,deepseek --tp 1 --ep 1 \
+          --seqs 4096,16384 --samples 12 --json "$OUT/ab_layer_$code.json"; done ;;
+    op_1gpu)  # the operator with every expert on one GPU (TP1EP1) against torch's GEMM2 alone
+      stage op_1gpu ${BENCH_SECS:-200} torchrun --nproc-per-node 1 "$REPO/tools/bench_op.py" \
+        --model ${OP_MODELS:-granite,qwen,deepseek} --layout TP1EP1 --seqs ${OP_SEQS:-4096,16384} \
+        --routing ${ROUTING:-uniform,p90} --cset 132 --samples ${OP_SAMPLES:-10} --warmup 2 \
+        --preset h200 --cuda-graph --json "$OUT/op_${TAG:-}TP1EP1.json" ;;
+    ncu_phases)  # hardware counters of each phase alone: torch's GEMM2, ours, GatherRS
+      for m in ${NCU_MODELS:-granite qwen}; do for ph in torch_gemm2 gemm2 comm; do
+        stage ncu_${m}_$ph 120 ncu --clock-control none -k "regex:${NCU_KERNELS:-gemm|cutlass|gather_rs}" \
+          -c 1 --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \
+          --section LaunchStats --section Occupancy python3 "$REPO/tools/profile_gather.py" \
+          --model $m --layout ${NCU_LAYOUT:-TP1EP1} --seq ${NCU_SEQ:-4096} --phase $ph \
+          --comm-ctas ${NCU_C:-132}; done; done ;;
     *) echo "unknown stage $s" ;;
   esac
 done

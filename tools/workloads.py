@@ -11,12 +11,15 @@ from megatron_overlap.shapes import BATCH, LAYOUTS, MODELS, MoEShape
 
 #: A shape small enough for the Triton interpreter: `--smoke` runs of the tools on CPU.
 SHAPES = dict(MODELS, tiny=MoEShape("tiny", 64, 32, 8, 2, 2))
+#: (TP, EP) of each layout: the model's, and TP1EP1 (every expert on one GPU: no
+#: reduce-scatter, the combine alone beside GEMM2)
+LAYOUT_SIZES = dict(LAYOUTS, TP1EP1=(1, 1))
 
 
 @dataclass(frozen=True)
 class OpCase:
     model: str  # key of shapes.MODELS
-    layout: str  # key of shapes.LAYOUTS
+    layout: str  # key of LAYOUT_SIZES
     seq: int
     routing: str  # uniform | p50 | p90
     batch: int = BATCH
@@ -36,7 +39,7 @@ def rank_inputs(case: OpCase, rank: int, device, dtype=torch.bfloat16, seed: int
     [e*E/EP, (e+1)*E/EP), every TP rank holds a K/TP shard of them.
     """
     shape = SHAPES[case.model]
-    tp, ep = LAYOUTS[case.layout]
+    tp, ep = LAYOUT_SIZES[case.layout]
     ep_rank = rank // tp
     k_rank = shape.ffn_per_rank(tp)
     e_local = shape.local_experts(ep)

@@ -52,7 +52,7 @@ def _forward(x, weight, probs, counts_dev, table, launch):
                                  group, world)
     out = torch.empty(table.shape[0] // world, weight.shape[1], dtype=x.dtype, device=x.device)
     y = launcher.launch(launch.buffer, aligned(x), aligned(weight), launch.routing,
-                        launch.launch_plan, probs, out)
+                        launch.launch_plan, probs, out, fork=launch.routing.routed)
     return out, y
 
 
