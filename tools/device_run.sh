@@ -211,6 +211,10 @@ for s in "$@"; do
         && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
           --upgrade --target /tmp/site_old "$REPO"/.whl/old/*.whl >>"$LOG" 2>&1 \
         && OLD_READY=1 || echo "old_code: no old wheel and tools in .whl/old/" | tee -a "$LOG" ;;
+    check_op) stage check_op ${CHECK_SECS:-240} python3 "$REPO/tools/check_op.py" ${CHECK_ARGS:-} ;;
+    check_op_old) [ "${OLD_READY:-0}" = 1 ] || { echo "check_op_old: run old_code first" | tee -a "$LOG"; continue; }
+      PYTHONPATH=/tmp/site_old:/tmp/site stage check_op_old ${CHECK_SECS:-240} python3 \
+        "$REPO/tools/check_op.py" ${CHECK_OLD_ARGS:-${CHECK_ARGS:-}} ;;
     ab_op)  # the one-GPU operator (op, torch's GEMM2 alone, reference; CUDA-graph replays)
       # of the older commit and this one, process order old new new old (a refactor's check)
       [ "${OLD_READY:-0}" = 1 ] || { echo "ab_op: run old_code first" | tee -a "$LOG"; continue; }
@@ -248,4 +252,4 @@ if compgen -G "$OUT/*.json" > /dev/null; then
   # one archive per invocation: a later call in the same device run must not replace it
   (cd "$OUT" && tar czf "results_$(date +%H%M%S).tgz" ./*.json && rm -f ./*.json)
 fi
-grep -E "^===|^transformer_engine|^train |skipped|SKIP|^[a-z]+/TP[0-9]EP[0-9]/[0-9]+: GatherRS|^variant |^(rows|tokens)|rho_ref|^comm alone|^[a-z]+/TP|^chosen|^gemm2 |^comm rows|^torch._grouped|^torch gather|^(qwen|granite|deepseek) |^  (host|api |gpu |prof )|^cProfile|^host |^  step |^torch copy|^layer |^prefill|speedup|^moe-overlap|^    [A-Z][a-zA-Z ]+ +[a-z%/]+ +[0-9]|^  (stock|overlap|speedup)|^  (partition|shared|torch)|passed|failed|Error|error" "$LOG" | grep -v Warning | tail -n 80
+grep -E "^===|^check |^transformer_engine|^train |skipped|SKIP|^[a-z]+/TP[0-9]EP[0-9]/[0-9]+: GatherRS|^variant |^(rows|tokens)|rho_ref|^comm alone|^[a-z]+/TP|^chosen|^gemm2 |^comm rows|^torch._grouped|^torch gather|^(qwen|granite|deepseek) |^  (host|api |gpu |prof )|^cProfile|^host |^  step |^torch copy|^layer |^prefill|speedup|^moe-overlap|^    [A-Z][a-zA-Z ]+ +[a-z%/]+ +[0-9]|^  (stock|overlap|speedup)|^  (partition|shared|torch)|passed|failed|Error|error" "$LOG" | grep -v Warning | tail -n 80
