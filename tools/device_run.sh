@@ -215,6 +215,20 @@ for s in "$@"; do
     check_op_old) [ "${OLD_READY:-0}" = 1 ] || { echo "check_op_old: run old_code first" | tee -a "$LOG"; continue; }
       PYTHONPATH=/tmp/site_old:/tmp/site stage check_op_old ${CHECK_SECS:-240} python3 \
         "$REPO/tools/check_op.py" ${CHECK_OLD_ARGS:-${CHECK_ARGS:-}} ;;
+    timeline_1gpu)  # the op's kernels on the GPU's clock (PyTorch profiler): GEMM2 inside
+      # the op against alone, GatherRS inside and alone, the tail after GEMM2
+      stage timeline_1gpu ${TIMELINE_SECS:-200} python3 "$REPO/tools/op_timeline.py" \
+        --models ${OP_MODELS:-granite,qwen,deepseek} --layout ${TIMELINE_LAYOUT:-TP1EP1} \
+        --seqs ${OP_SEQS:-4096,16384} --json "$OUT/timeline_${TAG:-}${TIMELINE_LAYOUT:-TP1EP1}.json" ;;
+    bench_routing)  # the routing stage alone (CUDA-graph replays); BASE=1: also the
+      # wheel in .whl/base/ (an earlier commit of this code), alternating
+      for code in ${ROUTING_CODES:-new}; do
+        if [ $code = base ]; then python3 -m pip install -q --no-index --no-deps --no-compile \
+          --no-cache-dir --upgrade --target /tmp/site_base "$REPO"/.whl/base/*.whl >>"$LOG" 2>&1
+          path=/tmp/site_base:/tmp/site; else path=/tmp/site; fi
+        PYTHONPATH=$path stage bench_routing_$code 120 python3 "$REPO/tools/bench_routing.py" \
+          --models ${OP_MODELS:-granite,qwen,deepseek} --layout ${ROUTING_LAYOUT:-TP1EP1} \
+          --seqs ${OP_SEQS:-4096,16384}; done ;;
     ab_op)  # the one-GPU operator (op, torch's GEMM2 alone, reference; CUDA-graph replays)
       # of the older commit and this one, process order old new new old (a refactor's check)
       [ "${OLD_READY:-0}" = 1 ] || { echo "ab_op: run old_code first" | tee -a "$LOG"; continue; }
@@ -252,4 +266,4 @@ if compgen -G "$OUT/*.json" > /dev/null; then
   # one archive per invocation: a later call in the same device run must not replace it
   (cd "$OUT" && tar czf "results_$(date +%H%M%S).tgz" ./*.json && rm -f ./*.json)
 fi
-grep -E "^===|^check |^transformer_engine|^train |skipped|SKIP|^[a-z]+/TP[0-9]EP[0-9]/[0-9]+: GatherRS|^variant |^(rows|tokens)|rho_ref|^comm alone|^[a-z]+/TP|^chosen|^gemm2 |^comm rows|^torch._grouped|^torch gather|^(qwen|granite|deepseek) |^  (host|api |gpu |prof )|^cProfile|^host |^  step |^torch copy|^layer |^prefill|speedup|^moe-overlap|^    [A-Z][a-zA-Z ]+ +[a-z%/]+ +[0-9]|^  (stock|overlap|speedup)|^  (partition|shared|torch)|passed|failed|Error|error" "$LOG" | grep -v Warning | tail -n 80
+grep -E "^===|^check |^timeline |^routing |^transformer_engine|^train |skipped|SKIP|^[a-z]+/TP[0-9]EP[0-9]/[0-9]+: GatherRS|^variant |^(rows|tokens)|rho_ref|^comm alone|^[a-z]+/TP|^chosen|^gemm2 |^comm rows|^torch._grouped|^torch gather|^(qwen|granite|deepseek) |^  (host|api |gpu |prof )|^cProfile|^host |^  step |^torch copy|^layer |^prefill|speedup|^moe-overlap|^    [A-Z][a-zA-Z ]+ +[a-z%/]+ +[0-9]|^  (stock|overlap|speedup)|^  (partition|shared|torch)|passed|failed|Error|error" "$LOG" | grep -v Warning | tail -n 80
