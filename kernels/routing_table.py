@@ -1,29 +1,39 @@
-"""The combine table in one kernel: for every token, the rows of y that belong to it.
+"""The combine table in two passes over the rows: for every token, the rows of y that
+belong to it.
 
     table[t, :] = the rows j with token_index[j] == t, in ascending j, -1 padded to top-k
 
 GEMM2's rows come grouped by local expert (rows [row_start[e], row_start[e+1]) belong
 to expert e) and, inside an expert, in ascending token order: the order of
 Megatron-Core's `permute` (a masked_select over the [experts, tokens] routing map).
-A token has at most one row per expert, so each of its rows is found by a binary
-search of the token in one expert's segment: program p takes BLOCK_T tokens x every
-local expert, narrows each segment to the window of its tokens, searches all of them
-at once inside their windows, and a running count over the experts gives each found
-row its slot. Expert order is row order, so the slots come out in ascending
-row order: the same table as `combine_table` below (the pure-torch reference, an
-argsort) and therefore the same fp32 sum order in GatherRS.
+A token has at most one row per expert, and expert order is row order, so a row's slot
+among its token's rows is the number of the token's experts below its own:
 
-With `dest` it also writes the inverse, dest[table[t, s]] = t * k + s: where GEMM2
-stores each row for a token-major y (`gemm2.py`, `gather_rs.py`).
+  1. marks (`routing_marks_kernel`, one program per BLOCK_R rows): each row sets bit e
+     of its token's expert mask, marks[t, e // 32] |= 1 << (e % 32) (an atomic OR: the
+     result does not depend on the order the rows arrive in); the same programs fill
+     the table with -1 and check the row order;
+  2. slots (`routing_slots_kernel`): each row counts the bits of its token's mask below
+     its expert (a popcount), slot s, and stores table[t, s] = row.
 
-One launch instead of the reference's ten small torch ops, and no host sync: this
-runs on the host's critical path after the dispatcher's sync in every MoE layer.
+Worked example, k = 2, experts 0..3: token 5 has rows in experts 1 and 3 (rows 40 and
+97): its mask is 0b1010, row 40 counts 0 bits below bit 1 (slot 0), row 97 one bit
+below bit 3 (slot 1): table[5] = [40, 97], the same table as `combine_table` below (the
+pure-torch reference, an argsort), and therefore the same fp32 sum order in GatherRS.
 
-The order is the kernel's input contract; the same program also checks it for a
-slice of the rows (token_index[j] < token_index[j+1] inside every segment) and
-records ERR_UNSORTED in the error word on a violation (ERR_TOPK for a token with more
-than k rows, whose extra rows no slot would hold; ERR_COUNTS for expert counts that do
-not sum to the rows), which the host raises as a ValueError at its next check: a wrong
+With `dest` the slots pass also writes the inverse, dest[table[t, s]] = t * k + s:
+where GEMM2 stores each row for a token-major y (`gemm2.py`, `gather_rs.py`).
+
+O(T) loads and atomics, where a search of every token in every expert's segment is
+O(M E log): on one H200 that search took 30-129 us per call at the three models'
+shapes (tools/bench_routing.py), on the critical path before GEMM2 of every call. No
+host sync: this runs after the dispatcher's sync in every MoE layer.
+
+The order is the kernels' input contract; the marks pass also checks it (token_index[j]
+in [0, M) and < token_index[j+1] inside every segment) and records ERR_UNSORTED in the
+error word on a violation; the slots pass records ERR_TOPK for a token with more than k
+rows (whose extra rows no slot holds), the marks pass ERR_COUNTS for expert counts that
+do not sum to the rows; the host raises them as a ValueError at its next check: a wrong
 order cannot pass silently. Rows past the counts' sum may be padding (`padded`: the
 layer's bound of the rows under EP), which no segment holds and nothing checks.
 """
@@ -44,114 +54,156 @@ ERR_TOPK = 4
 ERR_COUNTS = 5
 
 
-@triton.jit(do_not_specialize=["num_rows", "num_tokens", "topk", "num_experts"])
-def routing_table_kernel(
-    token_index_ptr, offsets_ptr, table_ptr, dest_ptr, error_ptr, packed_ptr,
-    num_rows, num_tokens, topk, num_experts, block_m,
-    BLOCK_T: tl.constexpr, EXPERTS_POW2: tl.constexpr, SEARCH_STEPS: tl.constexpr,
-    TOPK_POW2: tl.constexpr, CHECK_ROWS: tl.constexpr, CHECK_CHUNK: tl.constexpr,
-    WINDOW_STEPS: tl.constexpr, WRITE_DEST: tl.constexpr, FROM_COUNTS: tl.constexpr,
+@triton.jit
+def _popcount(x):
+    """Set bits of each uint32 (SWAR: pairs, nibbles, bytes, then their sum)."""
+    x = x - ((x >> 1) & 0x55555555)
+    x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
+    x = (x + (x >> 4)) & 0x0F0F0F0F
+    return ((x * 0x01010101) >> 24) & 0x3F
+
+
+@triton.jit
+def _row_experts(rows, end, experts, known, BLOCK_R: tl.constexpr, SPAN: tl.constexpr):
+    """(expert of each row, whether the next row starts another segment): the expert is
+    the number of segments that end at or before the row (num_experts past the last).
+    A block's rows are consecutive, so they usually cross few segment ends: those
+    (fewer than SPAN) are picked out of the registers once per program and each row
+    compares with them alone; a block crossing more compares with every end."""
+    ends = tl.where(known, end, 2147483647)  # (unknown experts end past every row)
+    r0 = tl.min(rows, axis=0)
+    e_lo = tl.sum((ends <= r0).to(tl.int32), axis=0)
+    # (the ends a row of the block, or the row after it, can meet)
+    crossed = tl.sum((ends <= r0 + BLOCK_R).to(tl.int32), axis=0) - e_lo
+    if crossed < SPAN:
+        j = tl.arange(0, SPAN)
+        picked = tl.sum(tl.where(experts[None, :] == (e_lo + j)[:, None], ends[None, :], 0),
+                        axis=1)
+        picked = tl.where(j < crossed, picked, 2147483647)
+        expert = e_lo + tl.sum((picked[None, :] <= rows[:, None]).to(tl.int32), axis=1)
+        boundary = tl.max((picked[None, :] == rows[:, None] + 1).to(tl.int32), axis=1) > 0
+    else:
+        expert = tl.sum((ends[None, :] <= rows[:, None]).to(tl.int32), axis=1)
+        boundary = tl.max((ends[None, :] == rows[:, None] + 1).to(tl.int32), axis=1) > 0
+    return expert, boundary
+
+
+@triton.jit
+def _segments_from_counts(counts_ptr, packed_ptr, error_ptr, experts, known, num_rows,
+                          num_experts, block_m, PADDED: tl.constexpr):
+    """The end of every expert's rows from the counts, which every program sums
+    itself (the host's in mapped pinned memory, or the device's); program 0 stores the
+    packed device offsets [row_start (E+1) | tile_start (E+1) | counts (E)] that GEMM2,
+    GatherRS and the slots pass read. Counts that do not sum to the rows (the host
+    checks its own; device counts cannot be) are clamped into [0, rows] so that no
+    kernel reads or writes past x or y, and recorded as ERR_COUNTS."""
+    raw = tl.load(counts_ptr + experts, mask=known, other=0).to(tl.int32)
+    count = tl.maximum(raw, 0)
+    total = tl.cumsum(count, axis=0)
+    end = tl.minimum(total, num_rows)
+    begin = tl.minimum(total - count, num_rows)
+    count = end - begin
+    if PADDED:  # the rows past the counts' sum are padding (no segment holds them)
+        missed = tl.max(total, axis=0) > num_rows
+    else:
+        missed = tl.max(total, axis=0) != num_rows
+    if tl.program_id(0) == 0:
+        if missed | (tl.min(raw, axis=0) < 0):
+            tl.atomic_cas(error_ptr, 0, 5 << 24)  # ERR_COUNTS (jit code sees no globals)
+        tile_end = tl.cumsum((count + block_m - 1) // block_m, axis=0)
+        tl.store(packed_ptr + experts * 0, 0, mask=experts == 0)
+        tl.store(packed_ptr + num_experts + 1 + experts * 0, 0, mask=experts == 0)
+        tl.store(packed_ptr + 1 + experts, end, mask=known)
+        tl.store(packed_ptr + num_experts + 2 + experts, tile_end, mask=known)
+        tl.store(packed_ptr + 2 * num_experts + 2 + experts, count, mask=known)
+    return end
+
+
+@triton.jit(do_not_specialize=["num_rows", "num_tokens", "topk", "num_experts", "words",
+                               "fill_per_program"])
+def routing_marks_kernel(
+    token_index_ptr, offsets_ptr, table_ptr, marks_ptr, error_ptr, packed_ptr,
+    num_rows, num_tokens, topk, num_experts, words, block_m, fill_per_program,
+    BLOCK_R: tl.constexpr, EXPERTS_POW2: tl.constexpr, TOPK_POW2: tl.constexpr,
+    FILL_CHUNK: tl.constexpr, SPAN: tl.constexpr, FROM_COUNTS: tl.constexpr,
     PADDED: tl.constexpr,
 ):
+    """Pass 1: each row's bit in its token's expert mask (marks [M, words] int32, zero
+    before), the table's -1 padding for fill_per_program tokens, the order check."""
     pid = tl.program_id(0)
-    tokens = pid * BLOCK_T + tl.arange(0, BLOCK_T)
     experts = tl.arange(0, EXPERTS_POW2)
     known = experts < num_experts
     if FROM_COUNTS:
-        # offsets_ptr holds the counts (the host's in mapped pinned memory, or the
-        # device's): every program sums them itself, and program 0 stores the packed
-        # device offsets [row_start (E+1) | tile_start (E+1) | counts (E)] that GEMM2
-        # and GatherRS read
-        raw = tl.load(offsets_ptr + experts, mask=known, other=0).to(tl.int32)
-        # counts that do not sum to the rows (the host checks its own; device counts
-        # cannot be): clamped into [0, rows] so that no kernel reads or writes past x or
-        # y, and recorded as ERR_COUNTS
-        count = tl.maximum(raw, 0)
-        total = tl.cumsum(count, axis=0)
-        end = tl.minimum(total, num_rows)
-        begin = tl.minimum(total - count, num_rows)
-        count = end - begin
-        # PADDED: the rows past the counts' sum are padding (no segment holds them)
-        counted = tl.max(end, axis=0)
-        if PADDED:
-            missed = tl.max(total, axis=0) > num_rows
-        else:
-            missed = tl.max(total, axis=0) != num_rows
-        if pid == 0:
-            if missed | (tl.min(raw, axis=0) < 0):
-                tl.atomic_cas(error_ptr, 0, 5 << 24)  # ERR_COUNTS
-            tile_end = tl.cumsum((count + block_m - 1) // block_m, axis=0)
-            tl.store(packed_ptr + experts * 0, 0, mask=experts == 0)
-            tl.store(packed_ptr + num_experts + 1 + experts * 0, 0, mask=experts == 0)
-            tl.store(packed_ptr + 1 + experts, end, mask=known)
-            tl.store(packed_ptr + num_experts + 2 + experts, tile_end, mask=known)
-            tl.store(packed_ptr + 2 * num_experts + 2 + experts, count, mask=known)
+        end = _segments_from_counts(offsets_ptr, packed_ptr, error_ptr, experts, known,
+                                    num_rows, num_experts, block_m, PADDED)
     else:
-        begin = tl.load(offsets_ptr + experts, mask=known, other=0)
         end = tl.load(offsets_ptr + experts + 1, mask=known, other=0)
-        counted = num_rows
-    # This program's tokens [t0, t0 + BLOCK_T) occupy a window [lb, ub) of each expert's
-    # segment (at most one row per token and expert, so ub - lb <= BLOCK_T): two
-    # searches per expert, then every [T, E] search runs inside its window, in
-    # WINDOW_STEPS instead of SEARCH_STEPS steps (a third of the loads at T = 64k).
-    t0 = pid * BLOCK_T
-    lb, lb_hi = begin, end
-    ub, ub_hi = begin, end
-    for _ in range(SEARCH_STEPS):
-        act = lb < lb_hi
-        mid = (lb + lb_hi) // 2
-        seen = tl.load(token_index_ptr + mid, mask=act, other=0)
-        lb = tl.where(act & (seen < t0), mid + 1, lb)
-        lb_hi = tl.where(act & (seen >= t0), mid, lb_hi)
-        act = ub < ub_hi
-        mid = (ub + ub_hi) // 2
-        seen = tl.load(token_index_ptr + mid, mask=act, other=0)
-        ub = tl.where(act & (seen < t0 + BLOCK_T), mid + 1, ub)
-        ub_hi = tl.where(act & (seen >= t0 + BLOCK_T), mid, ub_hi)
-    want = tokens[:, None] + experts[None, :] * 0  # [T, E]
-    lo = lb[None, :] + want * 0
-    hi = ub[None, :] + want * 0
-    # lower_bound of each token in its window, all [T, E] searches in step
-    for _ in range(WINDOW_STEPS):
-        active = lo < hi
-        mid = (lo + hi) // 2
-        seen = tl.load(token_index_ptr + mid, mask=active, other=0)
-        right = active & (seen < want)
-        lo = tl.where(right, mid + 1, lo)
-        hi = tl.where(active & (seen >= want), mid, hi)
-    inside = lo < ub[None, :]
-    found = inside & (tl.load(token_index_ptr + lo, mask=inside, other=-1) == want)
-    slot = tl.cumsum(found.to(tl.int32), axis=1) - 1  # rank among the token's rows
-    ok = tokens < num_tokens
-    for s in tl.static_range(TOPK_POW2):
-        row = tl.max(tl.where(found & (slot == s), lo, -1), axis=1)
-        tl.store(table_ptr + tokens.to(tl.int64) * topk + s, row, mask=ok & (s < topk))
-        if WRITE_DEST:  # the inverse: where GEMM2 stores row `row` (token-major y)
-            tl.store(dest_ptr + row, tokens * topk + s, mask=ok & (s < topk) & (row >= 0))
+    slots = tl.arange(0, TOPK_POW2)
+    for f0 in range(0, fill_per_program, FILL_CHUNK):
+        chunk = f0 + tl.arange(0, FILL_CHUNK)
+        tokens = pid * fill_per_program + chunk
+        fill = (chunk < fill_per_program) & (tokens < num_tokens)
+        tl.store(table_ptr + tokens.to(tl.int64)[:, None] * topk + slots[None, :], -1,
+                 mask=fill[:, None] & (slots[None, :] < topk))
+    rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    expert, boundary = _row_experts(rows, end, experts, known, BLOCK_R, SPAN)
+    real = (expert < num_experts) & (rows < num_rows)
+    tok = tl.load(token_index_ptr + rows, mask=real, other=0)
+    in_range = (tok >= 0) & (tok < num_tokens)
+    e = tl.where(real, expert, 0)
+    bit = tl.full([BLOCK_R], 1, tl.uint32) << (e % 32).to(tl.uint32)
+    tl.atomic_or(marks_ptr + tok.to(tl.int64) * words + e // 32, bit.to(tl.int32, bitcast=True),
+                 mask=real & in_range, sem="relaxed")
+    # the contract: tokens in [0, M), strictly ascending inside each expert's segment
+    pair = real & ~boundary & (rows + 1 < num_rows)
+    nxt = tl.load(token_index_ptr + rows + 1, mask=pair, other=0)
+    bad = (real & ~in_range) | (pair & (tok >= nxt))
+    if tl.max(bad.to(tl.int32), axis=0) > 0:
+        tl.atomic_cas(error_ptr, 0, 3 << 24)  # ERR_UNSORTED
+
+
+@triton.jit(do_not_specialize=["num_rows", "num_tokens", "topk", "num_experts", "words"])
+def routing_slots_kernel(
+    token_index_ptr, row_start_ptr, table_ptr, dest_ptr, marks_ptr, error_ptr,
+    num_rows, num_tokens, topk, num_experts, words,
+    BLOCK_R: tl.constexpr, EXPERTS_POW2: tl.constexpr, WORDS_POW2: tl.constexpr,
+    SPAN: tl.constexpr, WRITE_DEST: tl.constexpr,
+):
+    """Pass 2: each row's slot, the bits of its token's mask below its expert; the
+    table entry (and with WRITE_DEST the inverse, dest[row] = t * k + slot)."""
+    experts = tl.arange(0, EXPERTS_POW2)
+    known = experts < num_experts
+    end = tl.load(row_start_ptr + experts + 1, mask=known, other=0)
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    expert, _ = _row_experts(rows, end, experts, known, BLOCK_R, SPAN)
+    real = (expert < num_experts) & (rows < num_rows)
+    tok = tl.load(token_index_ptr + rows, mask=real, other=0)
+    ok = real & (tok >= 0) & (tok < num_tokens)
+    w = tl.arange(0, WORDS_POW2)
+    mask = tl.load(marks_ptr + tok.to(tl.int64)[:, None] * words + w[None, :],
+                   mask=ok[:, None] & (w[None, :] < words), other=0).to(tl.uint32, bitcast=True)
+    e = tl.where(real, expert, 0)
+    one = tl.full([BLOCK_R], 1, tl.uint32)
+    below_bit = (one << (e % 32).to(tl.uint32)) - one  # the bits of lower experts in e's word
+    mine = w[None, :] == (e // 32)[:, None]
+    below = tl.where(w[None, :] < (e // 32)[:, None], mask,
+                     tl.where(mine, mask & below_bit[:, None], 0))
+    slot = tl.sum(_popcount(below), axis=1).to(tl.int32)
+    total = tl.sum(_popcount(mask), axis=1).to(tl.int32)
+    keep = ok & (slot < topk)
+    tl.store(table_ptr + tok.to(tl.int64) * topk + slot, rows, mask=keep)
+    if WRITE_DEST:  # the inverse: where GEMM2 stores the row (token-major y)
+        tl.store(dest_ptr + rows, tok * topk + slot, mask=keep)
     # more rows than top-k for a token: its extra rows would be dropped
-    if tl.max(tl.where(ok, tl.sum(found.to(tl.int32), axis=1), 0), axis=0) > topk:
+    if tl.max((ok & (total > topk)).to(tl.int32), axis=0) > 0:
         tl.atomic_cas(error_ptr, 0, 4 << 24)  # ERR_TOPK
-    # the contract, for this program's share of the rows: tokens in [0, M), strictly
-    # ascending inside each expert's segment
-    # ascending, in chunks; row+1 starts a segment iff it equals some row_start[e], found
-    # against the starts already in registers (row_start may be host memory: no
-    # dependent loads of it)
-    any_bad = pid * 0
-    for c0 in tl.static_range(0, CHECK_ROWS, CHECK_CHUNK):
-        rows = pid * CHECK_ROWS + c0 + tl.arange(0, CHECK_CHUNK)
-        real = rows < counted
-        pair = rows + 1 < counted
-        a = tl.load(token_index_ptr + rows, mask=real, other=0)
-        b = tl.load(token_index_ptr + rows + 1, mask=pair, other=num_tokens)
-        hit = (rows[:, None] + 1 == begin[None, :]) & known[None, :]
-        starts = tl.max(hit.to(tl.int32), axis=1) > 0
-        bad = (real & ((a < 0) | (a >= num_tokens))) | (pair & (a >= b) & ~starts)
-        any_bad = tl.maximum(any_bad, tl.max(bad.to(tl.int32), axis=0))
-    if any_bad > 0:
-        tl.atomic_cas(error_ptr, 0, 3 << 24)  # ERR_UNSORTED (jit code sees no globals)
 
 
-_ROUTING_TABLE = LaunchCache(routing_table_kernel)
+#: segment ends a block of rows may cross and still compare with those alone
+SPAN = 8
+
+_MARKS = LaunchCache(routing_marks_kernel)
+_SLOTS = LaunchCache(routing_slots_kernel)
 
 
 def launch_routing_table(token_index: torch.Tensor, row_start: torch.Tensor, num_tokens: int,
@@ -193,27 +245,36 @@ def launch_routing_table(token_index: torch.Tensor, row_start: torch.Tensor, num
             counts = row_start.to(packed.device, non_blocking=True)
             packed.copy_(torch.cat(expert_offsets(counts, from_counts[1]) + (counts,)))
         return table if num_tokens == 0 else table.fill_(-1)
-    grid, meta = _routing_grid_meta(rows, num_tokens, topk, experts, dest is not None,
-                                    from_counts is not None, padded)
-    _ROUTING_TABLE.launch(grid, (token_index, row_start, table, table if dest is None else dest,
-                                 error, packed, rows, num_tokens, topk, experts,
-                                 from_counts[1] if from_counts else 1), meta)
+    words = triton.cdiv(experts, 32)
+    marks = torch.zeros(num_tokens * words, dtype=torch.int32, device=token_index.device)
+    grid, fill, marks_meta, slots_meta = _routing_grid_meta(
+        rows, num_tokens, topk, experts, dest is not None, from_counts is not None, padded)
+    _MARKS.launch(grid, (token_index, row_start, table, marks, error, packed, rows,
+                         num_tokens, topk, experts, words,
+                         from_counts[1] if from_counts else 1, fill), marks_meta)
+    _SLOTS.launch((triton.cdiv(rows, slots_meta["BLOCK_R"]),),
+                  (token_index, packed, table, table if dest is None else dest, marks, error,
+                   rows, num_tokens, topk, experts, words), slots_meta)
     return table
 
 
 @functools.lru_cache(maxsize=256)  # on the launch path of every call: computed once
 def _routing_grid_meta(rows: int, num_tokens: int, topk: int, experts: int, write_dest: bool,
-                       from_counts: bool, padded: bool = False) -> tuple[tuple, dict]:
+                       from_counts: bool, padded: bool = False) -> tuple:
+    """(marks grid, tokens each marks program fills, marks meta, slots meta): BLOCK_R
+    rows x every expert in registers, about 8K elements per program."""
     experts_pow2 = next_pow2(experts)
-    block_t = max(1, min(128, 4096 // experts_pow2))
-    programs = triton.cdiv(num_tokens, block_t)
-    check_rows = next_pow2(triton.cdiv(rows, programs))
-    return (programs,), dict(
-        BLOCK_T=block_t, EXPERTS_POW2=experts_pow2, SEARCH_STEPS=rows.bit_length(),
-        TOPK_POW2=next_pow2(topk), CHECK_ROWS=check_rows,
-        CHECK_CHUNK=min(check_rows, max(1, 4096 // experts_pow2)),
-        WINDOW_STEPS=block_t.bit_length(), WRITE_DEST=write_dest, FROM_COUNTS=from_counts,
-        PADDED=padded, num_warps=4)
+    topk_pow2 = next_pow2(topk)
+    block_r = max(16, min(1024, 8192 // experts_pow2))
+    fill_chunk = max(16, 1024 // topk_pow2)
+    programs = max(triton.cdiv(rows, block_r), triton.cdiv(num_tokens, fill_chunk))
+    marks = dict(BLOCK_R=block_r, EXPERTS_POW2=experts_pow2, TOPK_POW2=topk_pow2,
+                 FILL_CHUNK=fill_chunk, SPAN=SPAN, FROM_COUNTS=from_counts, PADDED=padded,
+                 num_warps=4)
+    slots = dict(BLOCK_R=block_r, EXPERTS_POW2=experts_pow2,
+                 WORDS_POW2=next_pow2(triton.cdiv(experts, 32)), SPAN=SPAN,
+                 WRITE_DEST=write_dest, num_warps=4)
+    return (programs,), triton.cdiv(num_tokens, programs), marks, slots
 
 
 def combine_table(token_index: torch.Tensor, num_tokens: int, topk: int) -> torch.Tensor:

@@ -321,6 +321,21 @@ def test_routing_table_kernel_over_many_token_blocks(local):
     assert int(error) == 0
 
 
+@pytest.mark.parametrize("tokens", [40, 2000])
+def test_routing_table_rows_crossing_few_or_many_segment_ends(tokens):
+    """64 experts, 128 rows per program: with 2000 tokens a block of rows crosses a few
+    segment ends (compared with those alone), with 40 it crosses dozens (compared with
+    every end); both give the reference's table and inverse and flag nothing."""
+    token_index, counts = _megatron_rows(11, tokens, 64, 64, 6)
+    row_start, _, _ = gemm2.expert_offsets_host(counts, 16, "cpu")
+    error = torch.zeros(1, dtype=torch.int32)
+    dest = torch.full((token_index.numel(),), -7, dtype=torch.int32)
+    table = rt.launch_routing_table(token_index, row_start, tokens, 6, error, dest)
+    assert int(error) == 0
+    assert torch.equal(table, rt.combine_table(token_index, tokens, 6))
+    assert torch.equal(dest, token_major_rows(table, token_index.numel()))
+
+
 @pytest.mark.parametrize("damage", ["swap", "out_of_range", "duplicate"])
 def test_routing_table_kernel_flags_rows_out_of_megatron_order(damage):
     token_index, counts = _megatron_rows(3, 30, 6, 6, 2)

@@ -131,19 +131,23 @@ def kernels():
             yield (f"{name} H={h}", getattr(module, f"{name}_kernel"),
                    _signature(pointers, {"rows": "i32"}, meta), meta, dict(num_warps=4),
                    {(i,): [["tt.divisibility", 16]] for i in aligned})
-    for dest, from_counts, padded in ((False, False, False), (True, True, False),
-                                      (False, True, True)):
-        meta = dict(BLOCK_T=64, EXPERTS_POW2=64, SEARCH_STEPS=17, TOPK_POW2=4, CHECK_ROWS=256,
-                    CHECK_CHUNK=64, WINDOW_STEPS=7, WRITE_DEST=dest, FROM_COUNTS=from_counts,
-                    PADDED=padded)
-        yield (f"routing_table dest={dest} from_counts={from_counts}" + " padded" * padded,
-               rt.routing_table_kernel,
-               _signature({"token_index_ptr": "*i64", "offsets_ptr": "*i32",
-                           "table_ptr": "*i32", "dest_ptr": "*i32", "error_ptr": "*i32",
-                           "packed_ptr": "*i32"},
-                          {n: "i32" for n in ("num_rows", "num_tokens", "topk", "num_experts",
-                                              "block_m")},
-                          meta), meta, dict(num_warps=4), None)
+    marks_ptrs = {"token_index_ptr": "*i64", "offsets_ptr": "*i32", "table_ptr": "*i32",
+                  "marks_ptr": "*i32", "error_ptr": "*i32", "packed_ptr": "*i32"}
+    for from_counts, padded in ((False, False), (True, True)):
+        meta = dict(BLOCK_R=128, EXPERTS_POW2=64, TOPK_POW2=4, FILL_CHUNK=256, SPAN=8,
+                    FROM_COUNTS=from_counts, PADDED=padded)
+        yield (f"routing_table marks from_counts={from_counts}" + " padded" * padded,
+               rt.routing_marks_kernel,
+               _signature(marks_ptrs, {n: "i32" for n in (
+                   "num_rows", "num_tokens", "topk", "num_experts", "words", "block_m",
+                   "fill_per_program")}, meta), meta, dict(num_warps=4), None)
+    meta = dict(BLOCK_R=128, EXPERTS_POW2=64, WORDS_POW2=2, SPAN=8, WRITE_DEST=True)
+    yield ("routing_table slots dest=True", rt.routing_slots_kernel,
+           _signature({"token_index_ptr": "*i64", "row_start_ptr": "*i32", "table_ptr": "*i32",
+                       "dest_ptr": "*i32", "marks_ptr": "*i32", "error_ptr": "*i32"},
+                      {n: "i32" for n in ("num_rows", "num_tokens", "topk", "num_experts",
+                                          "words")},
+                      meta), meta, dict(num_warps=4), None)
 
 
 def main() -> int:

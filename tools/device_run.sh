@@ -220,12 +220,16 @@ for s in "$@"; do
       stage timeline_1gpu ${TIMELINE_SECS:-200} python3 "$REPO/tools/op_timeline.py" \
         --models ${OP_MODELS:-granite,qwen,deepseek} --layout ${TIMELINE_LAYOUT:-TP1EP1} \
         --seqs ${OP_SEQS:-4096,16384} --json "$OUT/timeline_${TAG:-}${TIMELINE_LAYOUT:-TP1EP1}.json" ;;
-    bench_routing)  # the routing stage alone (CUDA-graph replays); BASE=1: also the
-      # wheel in .whl/base/ (an earlier commit of this code), alternating
-      for code in ${ROUTING_CODES:-new}; do
-        if [ $code = base ]; then python3 -m pip install -q --no-index --no-deps --no-compile \
-          --no-cache-dir --upgrade --target /tmp/site_base "$REPO"/.whl/base/*.whl >>"$LOG" 2>&1
-          path=/tmp/site_base:/tmp/site; else path=/tmp/site; fi
+    base_code)  # an earlier commit of this code (.whl/base/*.whl) for the stages that
+      # take CODES="base new ...": the same tools, that code's package
+      compgen -G "$REPO/.whl/base/*.whl" >/dev/null && python3 -m pip install -q --no-index \
+        --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site_base \
+        "$REPO"/.whl/base/*.whl >>"$LOG" 2>&1 && BASE_READY=1 \
+        || echo "base_code: no wheel in .whl/base/" | tee -a "$LOG" ;;
+    bench_routing)  # the routing stage alone (CUDA-graph replays), per code in CODES
+      for code in ${CODES:-new}; do
+        [ $code = base ] && [ "${BASE_READY:-0}" != 1 ] && { echo "run base_code first" | tee -a "$LOG"; continue; }
+        path=/tmp/site; [ $code = base ] && path=/tmp/site_base:/tmp/site
         PYTHONPATH=$path stage bench_routing_$code 120 python3 "$REPO/tools/bench_routing.py" \
           --models ${OP_MODELS:-granite,qwen,deepseek} --layout ${ROUTING_LAYOUT:-TP1EP1} \
           --seqs ${OP_SEQS:-4096,16384}; done ;;
@@ -245,11 +249,16 @@ for s in "$@"; do
         PYTHONPATH=$path stage ab_layer_$code ${LAYER_SECS:-150} torchrun --nproc-per-node 1 \
           "$tools/bench_layer.py" --models granite,qwen,deepseek --tp 1 --ep 1 \
           --seqs 4096,16384 --samples 12 --json "$OUT/ab_layer_$code.json"; done ;;
-    op_1gpu)  # the operator with every expert on one GPU (TP1EP1) against torch's GEMM2 alone
-      stage op_1gpu ${BENCH_SECS:-200} torchrun --nproc-per-node 1 "$REPO/tools/bench_op.py" \
-        --model ${OP_MODELS:-granite,qwen,deepseek} --layout TP1EP1 --seqs ${OP_SEQS:-4096,16384} \
-        --routing ${ROUTING:-uniform,p90} --cset 132 --samples ${OP_SAMPLES:-10} --warmup 2 \
-        --preset h200 --cuda-graph --json "$OUT/op_${TAG:-}TP1EP1.json" ;;
+    op_1gpu)  # the operator with every expert on one GPU (TP1EP1) against torch's GEMM2
+      # alone, per code in CODES (base: the wheel of base_code)
+      for code in ${CODES:-new}; do
+        [ $code = base ] && [ "${BASE_READY:-0}" != 1 ] && { echo "run base_code first" | tee -a "$LOG"; continue; }
+        path=/tmp/site; [ $code = base ] && path=/tmp/site_base:/tmp/site
+        PYTHONPATH=$path stage op_1gpu_$code ${BENCH_SECS:-200} torchrun --nproc-per-node 1 \
+          "$REPO/tools/bench_op.py" --model ${OP_MODELS:-granite,qwen,deepseek} --layout TP1EP1 \
+          --seqs ${OP_SEQS:-4096,16384} --routing ${ROUTING:-uniform,p90} --cset 132 \
+          --samples ${OP_SAMPLES:-10} --warmup 2 --preset h200 --cuda-graph \
+          --json "$OUT/op_${TAG:-}${code}_TP1EP1.json"; done ;;
     ncu_phases)  # hardware counters of each phase alone: torch's GEMM2, ours, GatherRS
       for m in ${NCU_MODELS:-granite qwen}; do for ph in torch_gemm2 gemm2 comm; do
         stage ncu_${m}_$ph 120 ncu --clock-control none -k "regex:${NCU_KERNELS:-gemm|cutlass|gather_rs}" \

@@ -70,8 +70,13 @@ def figure(rows: list[dict], tflops: float, tbs: float, path: str) -> None:
     ax.plot(xs, [min(tflops, x * tbs) for x in xs], "k-", lw=1, label="roof (790 TFLOP/s, 4.3 TB/s)")
     for name, marker, key in (("torch GEMM2 alone", "s", GEMM2), ("op (fused combine)", "o", OP)):
         pts = [(bounds(r, tflops, tbs), r["stats"][key]["median"]) for r in rows]
-        ax.scatter([b["flops"] / b["bytes_fused"] for b, _ in pts],
-                   [b["flops"] / t / 1e9 for b, t in pts], marker=marker, label=name)
+        xs_, ys_ = ([b["flops"] / b["bytes_fused"] for b, _ in pts],
+                    [b["flops"] / t / 1e9 for b, t in pts])
+        ax.scatter(xs_, ys_, marker=marker, label=name)
+        if key == OP:  # (which workload each pair is)
+            for r, x, y in zip(rows, xs_, ys_):
+                ax.annotate(f"{r['model']} {r['seq'] // 1024}k", (x, y), fontsize=7,
+                            textcoords="offset points", xytext=(4, -10))
     ax.set_xscale("log", base=2)
     ax.set_xlabel("GEMM2 FLOP per byte the op must move (y on chip)")
     ax.set_ylabel("GEMM2 TFLOP/s achieved")
