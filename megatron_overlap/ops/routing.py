@@ -2,10 +2,11 @@
 kernels read (`Routing`): the expert row / tile offsets, the combine table (the rows of
 each token) and, where y is token-major, each row's place in it.
 
-One kernel (`kernels/routing_table.py`) builds all of it and checks the row order as it
-runs. Host counts go into the next pinned slot of a ring (`counts_ring`), which that
-kernel reads in place (mapped): it sums them and writes the offsets into a fresh device
-tensor. No pinned allocation, copy or prefix sum of their own on the launch path, which
+Two passes over the rows (`kernels/routing_table.py`: each row marks its expert in its
+token's mask, then counts the marks below it for its slot) build all of it and check the
+row order as they run. Host counts go into the next pinned slot of a ring
+(`counts_ring`), which the first pass reads in place (mapped): it sums them and writes
+the offsets into a fresh device tensor. No pinned allocation, copy or prefix sum of their own on the launch path, which
 runs after Megatron's sync while the GPU waits. Where the GPU cannot read pinned memory
 in place the offsets are built on the host and copied (`Router.mapped_offsets`).
 """
