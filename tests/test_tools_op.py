@@ -1,0 +1,68 @@
+"""The one-GPU operator's diagnosis tools: the roofline table, the kernel timeline's
+summary and the correctness sweep's fp64 reference (their CPU parts)."""
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
+
+import check_op  # noqa: E402
+import op_timeline  # noqa: E402
+import roofline  # noqa: E402
+from megatron_overlap.ops import OverlapConfig, gemm2_gather_rs  # noqa: E402
+
+RECORDED = os.path.join(os.path.dirname(__file__), "..", "docs", "data",
+                        "op_h200_tp1ep1_graph_TP1EP1.json")
+
+
+def test_roofline_counts_granites_flops_and_bytes_and_bounds_by_the_larger():
+    """Granite TP1EP1 S=4096: T = 16384 x 8 rows, K = 512, N = 1024, 32 experts."""
+    row = dict(model="granite", layout="TP1EP1", seq=4096,
+               gemm_flops=2 * 131072 * 1024 * 512)
+    b = roofline.bounds(row, tflops=790.0, tbs=4.3)
+    fused = 2 * (131072 * 512 + 32 * 1024 * 512 + 16384 * 1024)  # x, W, out (bf16)
+    assert b["bytes_fused"] == fused
+    assert b["bytes_today"] == fused + 2 * 2 * 131072 * 1024  # + y written, read back
+    assert b["bound_fused_ms"] == pytest.approx(b["flops"] / 790e9)  # FLOP-bound
+    slow_memory = roofline.bounds(row, tflops=790.0, tbs=1.0)
+    assert slow_memory["bound_today_ms"] == pytest.approx(b["bytes_today"] / 1e9)
+
+
+def test_roofline_table_has_a_row_per_recorded_workload_with_the_ops_ratio():
+    import json
+    rows = json.load(open(RECORDED))["results"]
+    lines = roofline.table(rows, 790.0, 4.3)
+    assert len(lines) == 2 + len(rows)
+    first = rows[0]["stats"]
+    ratio = first[roofline.OP]["median"] / first[roofline.GEMM2]["median"]
+    assert f"| {ratio:.2f} |" in lines[2]
+
+
+def test_timeline_summary_separates_gemm2_in_the_op_the_tail_and_each_side_alone():
+    op = [("grouped_gemm2_ws_kernel", 0, 100), ("gather_rs_kernel", 1, 120),
+          ("gather_rs_kernel", 100, 130)]  # GatherRS, then its tail helpers
+    spans = {"op": [op, op], "torch_gemm2": [[("cutlass_kernel", 0, 90)]],
+             "gemm2_alone": [[("grouped_gemm2_ws_kernel", 0, 80), ("fill", 80, 81)]],
+             "comm_alone": [[("fill", 0, 1), ("gather_rs_kernel", 1, 60)]]}
+    got = op_timeline.summarize(spans)
+    assert got["gemm2_in_op"] == 100 and got["gemm2_alone"] == 80
+    assert got["comm_in_op"] == 119 and got["comm_alone"] == 59
+    assert got["tail_after_gemm2"] == 30 and got["op_span"] == 130
+
+
+def test_check_op_reference_is_the_ops_sum_over_each_tokens_rows():
+    g = torch.Generator().manual_seed(0)
+    token_index = torch.tensor([0, 2, 3, 1, 2, 0, 1, 3])  # experts of 3, 2, 3 rows
+    counts = [3, 2, 3]
+    x = torch.randn(8, 16, generator=g)
+    w = torch.randn(3, 8, 16, generator=g)
+    inp = dict(x=x, weight=w, counts_list=counts, token_index=token_index, tokens=4)
+    want = gemm2_gather_rs(x, w, counts, token_index, 4, 3,
+                           config=OverlapConfig(backend="reference"))
+    got = check_op.fp64_reference(inp)
+    assert got.dtype == torch.float64
+    assert torch.allclose(got.float(), want, rtol=1e-5, atol=1e-5)
+    assert check_op.rel_err(want, got) < 1e-6
