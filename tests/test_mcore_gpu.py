@@ -25,8 +25,11 @@ def _two_gpu(rank, world):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from megatron_overlap.mcore.layer import OverlapMoELayer
+    from megatron_overlap.mcore.policy import LayerPolicy
     from megatron_overlap.mcore.spec import with_grouped_experts, with_overlap_moe
     from megatron_overlap.ops import OverlapConfig
+
+    ALWAYS = LayerPolicy(fuse="always")  # the fused op at every size (the sizes here)
 
     torch.cuda.set_device(rank)
     results = {}
@@ -50,11 +53,10 @@ def _two_gpu(rank, world):
             runs = []
             # thresholds 0: this size (2048 tokens x 2048) is below the H200 calibration's
             # thresholds, where the layer would run the stock path
-            for overlap in (None, OverlapConfig(backend="triton", sync_errors=True,
-                                                fuse="always")):
+            for overlap in (None, OverlapConfig(backend="triton", sync_errors=True)):
                 model_parallel_cuda_manual_seed(7, force_reset_rng=True)
                 torch.manual_seed(7)  # the router draws its weight on the CPU
-                build = spec if overlap is None else with_overlap_moe(spec, overlap)
+                build = spec if overlap is None else with_overlap_moe(spec, overlap, ALWAYS)
                 layer = build(config=config)
                 xi = x.clone().requires_grad_(True)
                 out, _ = layer(xi)
@@ -128,8 +130,11 @@ def _one_gpu_inference(rank, world):
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     import megatron_overlap.mcore.layer as layer_module
+    from megatron_overlap.mcore.policy import LayerPolicy
     from megatron_overlap.mcore.spec import with_grouped_experts, with_overlap_moe
     from megatron_overlap.ops import OverlapConfig
+
+    ALWAYS = LayerPolicy(fuse="always")
 
     real_deferred = layer_module.deferred_postprocess
     real_gated_add, gated_adds = layer_module.add_gated_shared_, []
@@ -141,22 +146,22 @@ def _one_gpu_inference(rank, world):
     x = torch.randn(2048, 2, 2048, device="cuda", generator=g).bfloat16()
     results = {}
     # thresholds 0: the overlapped path at this size too
-    always = dict(backend="triton", sync_errors=True, fuse="always")
+    always = dict(backend="triton", sync_errors=True)
     for fusion in (True, False):
         gated_adds.clear()
         config = _qwen_like_config(bias_activation_fusion=fusion)
         spec = with_grouped_experts(get_gpt_layer_local_spec(num_experts=16).submodules.mlp)
         outs, syncs = {}, {}
-        for name, overlap in (("stock", None),
-                              ("overlap", OverlapConfig(**always)),
-                              ("host counts", OverlapConfig(host_counts=True, **always)),
-                              ("one sync", OverlapConfig(**always))):
+        for name, overlap, policy in (
+                ("stock", None, None), ("overlap", OverlapConfig(**always), ALWAYS),
+                ("host counts", OverlapConfig(**always), LayerPolicy("always", host_counts=True)),
+                ("one sync", OverlapConfig(**always), ALWAYS)):
             # "one sync": the postprocess that waits for the counts before FC1
             layer_module.deferred_postprocess = (
                 (lambda *args, **kwargs: None) if name == "one sync" else real_deferred)
             model_parallel_cuda_manual_seed(7, force_reset_rng=True)
             torch.manual_seed(7)
-            layer = (spec if overlap is None else with_overlap_moe(spec, overlap))(
+            layer = (spec if overlap is None else with_overlap_moe(spec, overlap, policy))(
                 config=config).cuda().eval()  # (the shared expert's gate is built on the CPU)
             with torch.no_grad():
                 torch.cuda.synchronize()
@@ -199,17 +204,19 @@ def _one_gpu_training(spec, config, x):
     gradients: input and expert-weight gradients against the stock layer's."""
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+    from megatron_overlap.mcore.policy import LayerPolicy
     from megatron_overlap.mcore.spec import with_overlap_moe
     from megatron_overlap.ops import OverlapConfig
+
+    ALWAYS = LayerPolicy(fuse="always")
 
     grad = torch.randn(x.shape, device="cuda", generator=torch.Generator(
         device="cuda").manual_seed(5)).bfloat16()
     runs = []
-    for overlap in (None, OverlapConfig(backend="triton", sync_errors=True,
-                                        fuse="always")):
+    for overlap in (None, OverlapConfig(backend="triton", sync_errors=True)):
         model_parallel_cuda_manual_seed(7, force_reset_rng=True)
         torch.manual_seed(7)
-        layer = (spec if overlap is None else with_overlap_moe(spec, overlap))(
+        layer = (spec if overlap is None else with_overlap_moe(spec, overlap, ALWAYS))(
             config=config).cuda()
         xi = x.clone().requires_grad_(True)
         out, _ = layer(xi)
@@ -240,14 +247,15 @@ def _one_gpu_graph(rank, world):
     """The Qwen-like TP1EP1 layer's inference forward captured into a CUDA graph with the
     default thresholds (this size runs stock eagerly), replayed on other tokens; against
     eager fused calls (thresholds 0) on the same tokens; and the stock layer's capture."""
-    import dataclasses
-
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+    from megatron_overlap.mcore.policy import LayerPolicy
     from megatron_overlap.mcore.spec import with_grouped_experts, with_overlap_moe
     from megatron_overlap.ops import OverlapBuffer, OverlapConfig
+
+    ALWAYS = LayerPolicy(fuse="always")
 
     torch.cuda.set_device(0)
     ps.destroy_model_parallel()
@@ -266,10 +274,9 @@ def _one_gpu_graph(rank, world):
     with torch.no_grad():
         eager_default = layer(xs[0])[0].clone()
         res["eager_default_fused"] = layer._routed_by_op
-        layer.overlap_config = dataclasses.replace(shipped, fuse="always")
-        layer._fusion = {}
+        layer.policy, layer._fusion = ALWAYS, {}
         want = [layer(x)[0].clone() for x in xs]
-        layer.overlap_config, layer._fusion = shipped, {}
+        layer.policy, layer._fusion = LayerPolicy(), {}
         static = xs[0].clone()
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()

@@ -259,22 +259,21 @@ def _redo_equal(layer, x):
     (a gradient flows) the layer redoes it with the counts. Both give the exact path's
     output. With the counts kept on the device (the default where every expert is
     local) the op sees counts short of the rows: a clear error, not a wrong output."""
-    import dataclasses
-
     import megatron_overlap.mcore.layer as layer_module
+    from megatron_overlap.mcore.policy import LayerPolicy
 
-    real, config = layer_module.deferred_postprocess, layer.overlap_config
+    real, policy = layer_module.deferred_postprocess, layer.policy
     short = lambda d, h, p, k, pad=False, **kw: real(d, h, p, k + 1, pad=pad, **kw)  # noqa: E731
     with torch.no_grad():
         want = layer(x)[0]
         got, error = {}, None
-        layer.overlap_config = dataclasses.replace(config, host_counts=True)
+        layer.policy = LayerPolicy(host_counts=True)
         try:
             for pad in (True, False):
                 layer_module.deferred_postprocess = (
                     lambda *a, pad=pad, **kw: short(*a, **dict(kw, pad=pad)))
                 got[pad] = layer(x)[0]
-            layer.overlap_config = config
+            layer.policy = policy
             layer_module.deferred_postprocess = short
             try:
                 layer(x)
@@ -282,7 +281,7 @@ def _redo_equal(layer, x):
                 error = str(err)
         finally:
             layer_module.deferred_postprocess = real
-            layer.overlap_config = config
+            layer.policy = policy
     local = layer.num_local_experts == layer.config.num_moe_experts
     return (torch.equal(got[True], want) and torch.equal(got[False], want)
             and (error is not None and "sums to" in error) == local)
@@ -292,11 +291,10 @@ def _counts_on_device(layer, x):
     """In inference the layer never waits for the host counts: the op gets them as the
     device tensor (`last_rows`), with the bits of the path that waits for them
     (`host_counts=True`); under EP with the rows padded to their bound."""
-    import dataclasses
-
     from megatron_overlap.mcore import dispatch
+    from megatron_overlap.mcore.policy import LayerPolicy
 
-    real, config, waits = dispatch.Deferred.tokens_per_expert, layer.overlap_config, []
+    real, policy, waits = dispatch.Deferred.tokens_per_expert, layer.policy, []
 
     def counted(self):
         waits.append(1)
@@ -307,11 +305,11 @@ def _counts_on_device(layer, x):
         with torch.no_grad():
             kept = layer(x)[0]
             kept_waits, kept_rows = len(waits), layer.last_rows
-            layer.overlap_config = dataclasses.replace(config, host_counts=True)
+            layer.policy = LayerPolicy(host_counts=True)
             host = layer(x)[0]
     finally:
         dispatch.Deferred.tokens_per_expert = real
-        layer.overlap_config = config
+        layer.policy = policy
     return dict(equal=torch.equal(kept, host), waits=kept_waits,
                 host_waits=len(waits) - kept_waits, rows=int(sum(kept_rows)))
 
@@ -325,7 +323,7 @@ def _captured(layer, stock, x):
 
     import megatron_overlap.mcore.layer as layer_module
 
-    config, real = layer.overlap_config, layer_module.capturing
+    config, policy, real = layer.overlap_config, layer.policy, layer_module.capturing
     noted = layer.last_plan, layer.last_rows, layer._last_key  # (what later checks read)
     with torch.no_grad():
         fused, want_stock = layer(x)[0], stock(x)[0]
@@ -336,7 +334,8 @@ def _captured(layer, stock, x):
         layer.overlap_enabled = False
         with layer_module.fused_at_every_size(layer):  # a capture's eager reference
             everywhere = layer(x)[0], layer._routed_by_op
-        restored = layer.overlap_enabled is False and layer.overlap_config is small
+        restored = (layer.overlap_enabled is False and layer.overlap_config is small
+                    and layer.policy is policy)
         layer.overlap_enabled = True
         layer_module.capturing = lambda t: True
         try:
@@ -358,13 +357,12 @@ def _fc1_before_the_counts(layer, stock, x):
     rows, whose outputs the activation skips and the layer trims. Against stock."""
     import megatron_overlap.mcore.experts as experts_module
     import megatron_overlap.mcore.layer as layer_module
-
-    import dataclasses
+    from megatron_overlap.mcore.policy import LayerPolicy
 
     real, real_deferred = experts_module._grouped_mm_ok, layer_module.deferred_postprocess
     experts_module._grouped_mm_ok = lambda t: hasattr(torch, "_grouped_mm")
-    config = layer.overlap_config  # (the redo below needs the host counts)
-    layer.overlap_config = dataclasses.replace(config, host_counts=True)
+    policy = layer.policy  # (the redo below needs the host counts)
+    layer.policy = LayerPolicy(host_counts=True)
     try:
         with torch.no_grad():
             want = stock(x)[0]
@@ -377,7 +375,7 @@ def _fc1_before_the_counts(layer, stock, x):
     finally:
         experts_module._grouped_mm_ok = real
         layer_module.deferred_postprocess = real_deferred
-        layer.overlap_config = config
+        layer.policy = policy
 
 
 def _bf16_case(tp, ep, x, grad):
@@ -536,6 +534,7 @@ def _toggle_and_fallback(config, x, grad):
     from megatron_overlap.mcore.layer import set_overlap_enabled
     from megatron_overlap.mcore.spec import with_overlap_moe
     from megatron_overlap.ops import OverlapConfig
+    from megatron_overlap.mcore.policy import LayerPolicy
 
     spec = _moe_spec("sequential")
     torch.manual_seed(1234)
@@ -548,10 +547,11 @@ def _toggle_and_fallback(config, x, grad):
     # the planner's fuse-or-not: H200's step costs say stock at these sizes; "always"
     # fuses; without step costs (the interpreter's device, no preset) it fuses
     small = {}
-    for key, extra in (("model: stock", dict(preset="h200")),
-                       ("always", dict(preset="h200", fuse="always")), ("no step costs", {})):
+    for key, extra, policy in (("model: stock", dict(preset="h200"), None),
+                               ("always", dict(preset="h200"), LayerPolicy(fuse="always")),
+                               ("no step costs", {}, None)):
         torch.manual_seed(1234)
-        layer_t = with_overlap_moe(spec, OverlapConfig(backend="interpret", **extra))(
+        layer_t = with_overlap_moe(spec, OverlapConfig(backend="interpret", **extra), policy)(
             config=config)
         run_t = _run(layer_t, x, grad)
         small[key] = dict(

@@ -85,17 +85,20 @@ def _module_spec_form(mc, block):
 
 
 def test_spec_helper_handles_the_module_spec_form(mc):
-    cfg = mc.OverlapConfig(backend="reference")
+    from megatron_overlap.mcore import LayerPolicy
+
+    cfg, policy = mc.OverlapConfig(backend="reference"), LayerPolicy(fuse="always")
     for name, config, block in _builder_specs(mc):
         layers = _module_spec_form(mc, block)
-        swapped = mc.spec.with_overlap_moe(layers, cfg)
+        swapped = mc.spec.with_overlap_moe(layers, cfg, policy)
         grouped = mc.spec.with_grouped_experts(layers)
         moe = [i for i, layer in enumerate(layers)
                if isinstance(layer.submodules.mlp, mc.ModuleSpec)]
         assert moe, name
         for i in moe:
             new = swapped[i].submodules.mlp
-            assert new.module is mc.OverlapMoELayer and new.params == {"overlap_config": cfg}
+            assert new.module is mc.OverlapMoELayer
+            assert new.params == {"overlap_config": cfg, "policy": policy}
             assert grouped[i].submodules.mlp.submodules.experts is mc.GroupedGemmExperts
             assert layers[i].submodules.mlp.module in (mc.MoELayer, MOE_PATH)
 
@@ -140,8 +143,9 @@ def _parse(argv):
     return add_moe_overlap_args(argparse.ArgumentParser()).parse_args(argv)
 
 
-def test_flags_parse_into_the_overlap_config(tmp_path):
-    from megatron_overlap.mcore import overlap_config_from_args
+def test_flags_parse_into_the_overlap_config_and_the_layer_policy(tmp_path):
+    from megatron_overlap.mcore import (LayerPolicy, layer_policy_from_args,
+                                        overlap_config_from_args)
     from megatron_overlap.ops import OverlapConfig
 
     cal = tmp_path / "h200.json"
@@ -152,15 +156,18 @@ def test_flags_parse_into_the_overlap_config(tmp_path):
     assert (cfg.comm_ctas, cfg.splits, cfg.backend, cfg.preset) == (8, None, "reference", str(cal))
     auto = overlap_config_from_args(_parse(["--moe-overlap"]))
     assert (auto.comm_ctas, auto.splits, auto.backend, auto.preset) == (None, None, "auto", None)
-    assert auto.fuse == "auto"  # the planner decides per size
-    always = overlap_config_from_args(_parse(["--moe-overlap", "--moe-overlap-fuse", "always"]))
-    assert always.fuse == "always"
-    assert always.tail_helpers == OverlapConfig().tail_helpers
+    # the layer's own choices: a LayerPolicy beside the op's config
+    assert layer_policy_from_args(_parse(["--moe-overlap"])) == LayerPolicy()
+    assert LayerPolicy().fuse == "auto"  # the planner decides per size
+    always = _parse(["--moe-overlap", "--moe-overlap-fuse", "always"])
+    assert layer_policy_from_args(always).fuse == "always"
+    assert overlap_config_from_args(always) == auto  # (the op's config does not change)
     plain = overlap_config_from_args(_parse(["--moe-overlap", "--moe-overlap-no-tail-helpers"]))
     assert plain.tail_helpers is False
-    assert auto.host_counts is False  # the counts stay on the device where they can
-    assert overlap_config_from_args(_parse(["--moe-overlap", "--moe-overlap-host-counts"])
-                                    ).host_counts is True
+    assert LayerPolicy().host_counts is False  # the counts stay on the device where they can
+    assert layer_policy_from_args(_parse(["--moe-overlap", "--moe-overlap-host-counts"])
+                                  ).host_counts is True
+    assert layer_policy_from_args(argparse.Namespace()) == LayerPolicy()
     assert auto.placement == OverlapConfig().placement  # "auto": the device default
     part = overlap_config_from_args(_parse(["--moe-overlap", "--moe-overlap-placement",
                                             "partition"]))
@@ -176,6 +183,15 @@ def test_bad_flag_values_are_rejected_by_the_parser(argv, capsys):
     with pytest.raises(SystemExit):
         _parse(argv)
     assert "moe-overlap" in capsys.readouterr().err
+
+
+def test_layer_policy_names_the_bad_field():
+    from megatron_overlap.mcore import LayerPolicy
+
+    with pytest.raises(ValueError, match="LayerPolicy.fuse"):
+        LayerPolicy(fuse="never")
+    with pytest.raises(ValueError, match="LayerPolicy.host_counts must be a bool"):
+        LayerPolicy(host_counts="yes")
 
 
 def test_missing_calibration_file_raises_value_error(tmp_path):
@@ -272,7 +288,7 @@ def _model_scenarios(rank, world, json_path):
                                            normalization="RMSNorm"))
     off = gpt(spec_mod.gpt_block_spec_from_args(_megatron_lm_args([]), config))
     argv = ["--moe-overlap", "--moe-overlap-backend", "reference", "--moe-overlap-comm-ctas", "7",
-            "--moe-overlap-splits", "2"]
+            "--moe-overlap-splits", "2", "--moe-overlap-fuse", "always"]
     lazy = spec_mod._ArgsBlockSpec()
     spec_mod._megatron_args_and_config = lambda: (_megatron_lm_args(argv), config)
     on = gpt(lazy)
@@ -285,6 +301,7 @@ def _model_scenarios(rank, world, json_path):
     layers = [m for m in on.modules() if isinstance(m, OverlapMoELayer)]
     res["on"] = dict(layers=len(layers), configs=[
         (c.backend, c.comm_ctas, c.splits) for c in (m.overlap_config for m in layers)],
+        fuse=[m.policy.fuse for m in layers],
         rel=_rel(_logits(on, rank), _logits(stock, rank)))
 
     # the prefill launcher, ABBA on the same weights, tiny
@@ -326,6 +343,7 @@ def test_flags_reach_every_moe_layer_through_the_spec(model_runs):
     for res in model_runs[0]:
         on = res["on"]
         assert on["layers"] == 2 and set(on["configs"]) == {("reference", 7, 2)}
+        assert on["fuse"] == ["always", "always"]  # the layer's own flag, its LayerPolicy
         assert on["rel"] < 1e-5
 
 

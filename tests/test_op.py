@@ -350,8 +350,8 @@ def test_bad_sizes_and_backends_raise_clear_errors():
         OverlapConfig(backend="cuda")
     with pytest.raises(ValueError, match="tail_helpers must be a bool"):
         OverlapConfig(tail_helpers=1)
-    with pytest.raises(ValueError, match="host_counts must be a bool"):
-        OverlapConfig(host_counts="yes")
+    with pytest.raises(ValueError, match="tail_helpers must be a bool"):
+        OverlapConfig(tail_helpers="yes")
     with pytest.raises(ValueError, match="gemm_impl must be one of"):
         dataclasses.replace(INTERPRET_TILES, gemm_impl="cutlass")
     with pytest.raises(ValueError, match="128 x"):  # the Gluon kernel's one tile shape

@@ -29,6 +29,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from benchlib import abba, env_info, summarize, write_json  # noqa: E402
 
 from megatron_overlap.mcore import prefill  # noqa: E402
+from megatron_overlap.mcore.policy import LayerPolicy  # noqa: E402
 from megatron_overlap.mcore.layer import (OverlapMoELayer, fused_at_every_size,  # noqa: E402
                                            set_overlap_enabled)
 from megatron_overlap.ops.capture import CapturedCall  # noqa: E402
@@ -62,10 +63,10 @@ def build_case(model_name, tp, ep, seq, batch, args, device, impl: str = "local"
                                             impl=impl)[0].num_layers):
         raise ValueError(f"--input-layer {input_layer}: {model_name} has {depth} layers")
     depth = input_layer or _first_moe_layer(model_name)
-    config = OverlapConfig.from_env(backend=args.backend, **fuse_kwargs(args))
+    config = OverlapConfig.from_env(backend=args.backend)
     fusion = {"bias_activation_fusion": False} if args.no_bias_swiglu_fusion else {}
-    model = build_model(model_name, tp, ep, depth, overlap=config, tiny=args.tiny, impl=impl,
-                        **fusion).to(device).eval()
+    model = build_model(model_name, tp, ep, depth, overlap=config, policy=layer_policy(args),
+                        tiny=args.tiny, impl=impl, **fusion).to(device).eval()
     layer = [m for m in model.modules() if isinstance(m, OverlapMoELayer)][-1]
     if not input_layer:
         dp = ps.get_data_parallel_world_size()
@@ -105,15 +106,16 @@ def add_input_layer_arg(ap) -> None:
 
 
 def add_fuse_arg(ap, default: str = "always") -> None:
-    """The layer's fuse-or-not policy (OverlapConfig.fuse). The layer tools default to
+    """The layer's fuse-or-not policy (LayerPolicy.fuse). The layer tools default to
     "always": the fused layer at every size (what it can give); the prefill tools to
     "auto", the product's (the planner decides per size)."""
     ap.add_argument("--fuse", choices=("auto", "always"), default=default,
-                    help=f"OverlapConfig.fuse (default: {default})")
+                    help=f"LayerPolicy.fuse (default: {default})")
 
 
-def fuse_kwargs(args) -> dict:
-    return dict(fuse=args.fuse)
+def layer_policy(args, **fields) -> LayerPolicy:
+    """The layers' LayerPolicy from the `--fuse` flag (and `fields`)."""
+    return LayerPolicy(fuse=args.fuse, **fields)
 
 
 def routing_skew(layer, hidden) -> dict:

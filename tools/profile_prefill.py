@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
-from bench_layer import add_fuse_arg, fuse_kwargs  # noqa: E402
+from bench_layer import add_fuse_arg, layer_policy  # noqa: E402
 from benchlib import env_info, write_json  # noqa: E402
 from profile_layer import kind_of  # noqa: E402
 
@@ -286,7 +286,7 @@ def main() -> int:
     ap.add_argument("--warmup", type=int, default=2)
     add_fuse_arg(ap, default="auto")  # the product's prefill: the planner decides
     ap.add_argument("--host-counts", action="store_true",
-                    help="OverlapConfig(host_counts=True): the layers wait for their counts")
+                    help="LayerPolicy(host_counts=True): the layers wait for their counts")
     ap.add_argument("--cprofile", action="store_true",
                     help="also one forward per arm under cProfile (the host's functions)")
     ap.add_argument("--sampled-forwards", type=int, default=3,
@@ -299,8 +299,8 @@ def main() -> int:
         ap.error(f"--sampled-forwards must be >= 1, got {args.sampled_forwards}")
     setup = argparse.Namespace(tp=1, ep=1, seed=0, preload=None, batch=args.batch)
     device = prefill._setup(setup)
-    model = build_model(args.model, 1, 1, overlap=OverlapConfig.from_env(
-        host_counts=args.host_counts, **fuse_kwargs(args))).to(
+    model = build_model(args.model, 1, 1, overlap=OverlapConfig.from_env(),
+                        policy=layer_policy(args, host_counts=args.host_counts)).to(
         device).eval()
     _mark_moe_layers(model)
     results = []

@@ -6,7 +6,7 @@ Importing this package imports megatron.core (the rest of megatron_overlap does 
         with_overlap_moe
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False)
     spec = with_grouped_experts(spec)  # non-TE grouped experts (else SequentialMLP)
-    spec = with_overlap_moe(spec, overlap_config_from_args(args))
+    spec = with_overlap_moe(spec, overlap_config_from_args(args), layer_policy_from_args(args))
 
 or, in a Megatron-LM launch: `--spec megatron_overlap.mcore moe_overlap_gpt_spec --moe-overlap`
 with `extra_args_provider=moe_overlap_args_provider(its_own_provider_or_None)`;
@@ -15,15 +15,18 @@ unmodified Megatron-LM script (recipes/). `load_hf_checkpoint(folder, tp, ep, ov
 builds the same models from a local Hugging Face checkpoint (hf.py).
 """
 
-from .args import add_moe_overlap_args, moe_overlap_args_provider, overlap_config_from_args
+from .args import (add_moe_overlap_args, layer_policy_from_args, moe_overlap_args_provider,
+                   overlap_config_from_args)
 from .experts import GroupedGemmExperts
 from .hf import load_hf_checkpoint
 from .layer import OverlapMoELayer
 from .models import build_deepseek, build_granite, build_model, build_qwen
+from .policy import LayerPolicy
 from .spec import moe_overlap_gpt_spec, with_grouped_experts, with_overlap_moe
 
 __all__ = [
-    "GroupedGemmExperts", "OverlapMoELayer", "add_moe_overlap_args", "build_deepseek",
+    "GroupedGemmExperts", "LayerPolicy", "OverlapMoELayer", "add_moe_overlap_args",
+    "build_deepseek", "layer_policy_from_args",
     "build_granite", "build_model", "build_qwen", "load_hf_checkpoint", "moe_overlap_args_provider",
     "moe_overlap_gpt_spec", "overlap_config_from_args", "with_grouped_experts",
     "with_overlap_moe",

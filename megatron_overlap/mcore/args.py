@@ -15,9 +15,9 @@ import os
 from collections.abc import Callable
 
 from ..ops import OverlapConfig
+from .policy import FUSE_CHOICES, LayerPolicy
 
 BACKEND_CHOICES = ("auto", "triton", "interpret", "reference")
-FUSE_CHOICES = ("auto", "always")  # OverlapConfig.fuse
 
 
 def _auto_or_positive_int(text: str) -> int | None:
@@ -119,10 +119,15 @@ def overlap_config_from_args(args) -> OverlapConfig | None:
         comm_ctas=getattr(args, "moe_overlap_comm_ctas", None),
         splits=getattr(args, "moe_overlap_splits", None),
         preset=calibration,
-        fuse=getattr(args, "moe_overlap_fuse", "auto"),
         **({"placement": placement} if (placement := getattr(
             args, "moe_overlap_placement", "auto")) != "auto" else {}),
         **({"tail_helpers": False} if getattr(args, "moe_overlap_no_tail_helpers", False)
            else {}),
-        host_counts=getattr(args, "moe_overlap_host_counts", False),
     )
+
+
+def layer_policy_from_args(args) -> LayerPolicy:
+    """The layers' LayerPolicy from parsed `--moe-overlap-fuse` / `--moe-overlap-host-counts`
+    flags (missing attributes: the defaults)."""
+    return LayerPolicy(fuse=getattr(args, "moe_overlap_fuse", "auto"),
+                       host_counts=getattr(args, "moe_overlap_host_counts", False))

@@ -38,6 +38,7 @@ import torch
 
 from ..ops import OverlapConfig
 from .models import CONFIGS, IMPLS, ModelCard, gpt_model, model_spec
+from .policy import LayerPolicy
 
 #: config.json model_type -> (models.py name, transformers' config class name)
 ARCHITECTURES = {"granitemoe": ("granite", "GraniteMoeConfig"),
@@ -410,12 +411,13 @@ def load_hf_checkpoint(path: str, tp: int = 1, ep: int = 1, *,
                        overlap: OverlapConfig | None = None, impl: str = "local",
                        num_layers: int | None = None, dtype: torch.dtype | None = None,
                        experts: str = "grouped", attention: str = "sdpa",
-                       device: torch.device | str | None = None, **overrides):
+                       device: torch.device | str | None = None,
+                       policy: LayerPolicy | None = None, **overrides):
     """GPTModel of the Hugging Face model in folder `path`, with its weights, for TP x EP.
 
     num_layers: None = all (config.json num_hidden_layers); fewer keeps the first ones.
     dtype: parameter dtype (None: bf16 on CUDA, fp32 on CPU, as the builders). impl,
-    experts, overlap, attention: as `build_model`. overrides: TransformerConfig fields.
+    experts, overlap, policy, attention: as `build_model`. overrides: TransformerConfig fields.
     device: where the model is returned (None: the current CUDA device where there is
     one, as Megatron-LM's get_model moves it, else the CPU; Megatron builds some
     parameters, the shared-expert gate among them, on the CPU whatever its config says).
@@ -427,7 +429,8 @@ def load_hf_checkpoint(path: str, tp: int = 1, ep: int = 1, *,
         overrides.setdefault("moe_grouped_gemm", experts == "grouped")
     arch, config, card = hf_model_config(hf, tp, ep, num_layers, impl=impl, dtype=dtype,
                                          **overrides)
-    spec = model_spec(config, experts=experts, overlap=overlap, attention=attention)
+    spec = model_spec(config, experts=experts, overlap=overlap, attention=attention,
+                      policy=policy)
     if device is None:
         device = (torch.device("cuda", torch.cuda.current_device())
                   if torch.cuda.is_available() else torch.device("cpu"))

@@ -11,7 +11,7 @@ runs, the layer also leaves the GPU idle less often: its dispatcher
 (`dispatch.OverlapAllGatherDispatcher`, installed over Megatron's allgather one) syncs
 the host once instead of three times (same rows, same bits), or never where every
 expert is local or, in inference under EP, the rows are padded to a bound: the op takes
-the expert counts on the device and skips the padding (`OverlapConfig.host_counts`
+the expert counts on the device and skips the padding (`LayerPolicy.host_counts`
 waits for them instead). In inference (eval mode, no gradient) the weighted SwiGLU is
 one Triton pass, and a gated shared expert's gate and add into the routed output are
 one more (`kernels/gated_add.py`). Router, dispatch and shared experts are Megatron's.
@@ -44,6 +44,7 @@ from .dispatch import Deferred, OverlapAllGatherDispatcher, Permuted, rows_bound
 from .experts import host_counts, in_inference, needs_host_counts, te_fc1_is_grouped
 from .fc2_operands import (FC2Operands, OperandStacks, fc2_operands, pack_expert_weights,
                            unsupported_experts)
+from .policy import LayerPolicy
 
 log = logging.getLogger("megatron_overlap.mcore")
 _warned: set[str] = set()
@@ -67,6 +68,8 @@ class OverlapMoELayer(MoELayer):
         overlap_config: the OverlapConfig every launch of this layer uses (backend,
             explicit C / L, calibration preset); None = OverlapConfig() (planner, auto
             backend). The spec helpers put it here from the `--moe-overlap-*` flags.
+        policy: the layer's own LayerPolicy (fuse or not per size, host counts); None =
+            LayerPolicy().
 
     Attributes:
         overlap_enabled: set False to run the stock path (same weights), e.g. for A/B runs.
@@ -74,24 +77,28 @@ class OverlapMoELayer(MoELayer):
             backend, on the stock path or before the first launch).
         last_rows: the counts (rows per local expert) of the latest fused launch: on the
             host, or a device tensor where the layer kept them there
-            (`OverlapConfig.host_counts`).
+            (`LayerPolicy.host_counts`).
         last_fusion: the planner's fuse-or-not answer for the latest call
             (`ops.fusion_decision`: both predicted times), None before the first or with
-            `OverlapConfig.fuse = "always"`.
+            `LayerPolicy.fuse = "always"`.
         decisions: how many distinct (C, L) or stock-path decisions this layer has logged.
 
     Before the first call of each size, the layer asks the planner whether the fused op
     beats the stock steps it replaces there (`ops.fusion_decision`, from the device
-    calibration's `step_costs`) and runs the path predicted faster; `OverlapConfig.fuse
-    = "always"` fuses at every size.
+    calibration's `step_costs`) and runs the path predicted faster; `LayerPolicy.fuse =
+    "always"` fuses at every size.
     """
 
-    def __init__(self, *args, overlap_config: OverlapConfig | None = None, **kwargs):
+    def __init__(self, *args, overlap_config: OverlapConfig | None = None,
+                 policy: LayerPolicy | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         if overlap_config is not None and not isinstance(overlap_config, OverlapConfig):
             raise ValueError("overlap_config must be an OverlapConfig, got "
                              f"{type(overlap_config).__name__}")
+        if policy is not None and not isinstance(policy, LayerPolicy):
+            raise ValueError(f"policy must be a LayerPolicy, got {type(policy).__name__}")
         self.overlap_config = overlap_config or OverlapConfig()
+        self.policy = policy or LayerPolicy()
         self.overlap_enabled = True
         self.last_plan = None
         self.last_rows = None
@@ -150,7 +157,7 @@ class OverlapMoELayer(MoELayer):
             # fused at every size: the stock path (it syncs the host) cannot be captured,
             # and a replay has no host work to save
             return True
-        if self.overlap_config.fuse == "always":
+        if self.policy.fuse == "always":
             return True
         self.last_fusion = self._fusion_for(hidden_states)
         if not self.last_fusion.fuse:  # the model says the stock path is faster here
@@ -204,8 +211,8 @@ class OverlapMoELayer(MoELayer):
             return "TE's fused permute or a capacity factor (the rows are split on the host)"
         if needs_host_counts(self.experts, hidden_states):
             return f"{type(self.experts).__name__} experts (they split the rows on the host)"
-        if self.overlap_config.host_counts:
-            return "OverlapConfig.host_counts"
+        if self.policy.host_counts:
+            return "LayerPolicy.host_counts"
         return None
 
     def _note_stock(self, tokens: int, decision) -> None:
@@ -223,7 +230,7 @@ class OverlapMoELayer(MoELayer):
         """The dispatched rows sorted by local expert: Megatron's postprocess where TE
         permutes; else, where the rows are known or (in inference) bounded without the
         counts, one not waiting for them (`Deferred`), which keeps them on the device
-        where FC1 runs on device offsets, `OverlapConfig.host_counts` is off and every
+        where FC1 runs on device offsets, `LayerPolicy.host_counts` is off and every
         expert is local (M x top-k rows) or the rows are padded; else one sync."""
         disp, c = self.token_dispatcher, self.config
         if c.moe_permute_fusion:
@@ -231,7 +238,7 @@ class OverlapMoELayer(MoELayer):
         pad = in_inference(self, chain((hidden_states, probs), self.experts.parameters()))
         # (the permuted rows have hidden_states' dtype and device, and rows iff it has)
         on_device = (not needs_host_counts(self.experts, hidden_states)
-                     and not self.overlap_config.host_counts
+                     and not self.policy.host_counts
                      and (self.num_local_experts == c.num_moe_experts or pad))
         deferred = deferred_postprocess(disp, hidden_states, probs, c.moe_router_topk,
                                         pad=pad, host_copy=not on_device)
@@ -386,12 +393,12 @@ def fused_at_every_size(model):
     """Every OverlapMoELayer in `model` overlapped and runs the fused op whatever its size,
     as a CUDA-graph capture runs them: the eager forward a replay is checked against."""
     layers = overlap_layers(model)
-    enabled = [(layer.overlap_enabled, layer.overlap_config) for layer in layers]
+    enabled = [(layer.overlap_enabled, layer.policy) for layer in layers]
     for layer in layers:
         layer.overlap_enabled = True
-        layer.overlap_config = dataclasses.replace(layer.overlap_config, fuse="always")
+        layer.policy = dataclasses.replace(layer.policy, fuse="always")
     try:
         yield
     finally:
-        for layer, (on, config) in zip(layers, enabled):
-            layer.overlap_enabled, layer.overlap_config = on, config
+        for layer, (on, policy) in zip(layers, enabled):
+            layer.overlap_enabled, layer.policy = on, policy

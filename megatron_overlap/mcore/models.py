@@ -36,6 +36,7 @@ from ..optional import te_available
 from ..shapes import MODELS
 from .architectures import ScaledGPTModel, with_latent_kv_norm_where_needed
 from .modules import SDPAttention, SequenceParallelNorm
+from .policy import LayerPolicy
 from .spec import with_grouped_experts, with_overlap_moe
 
 
@@ -226,7 +227,8 @@ def model_config(name: str, tp: int = 1, ep: int = 1, num_layers: int | None = N
 
 
 def model_spec(config, *, experts: str = "grouped", overlap: OverlapConfig | None = None,
-               attention: str = "sdpa", pp_rank: int | None = None):
+               attention: str = "sdpa", pp_rank: int | None = None,
+               policy: LayerPolicy | None = None):
     """The block spec the builders use. config.transformer_impl "transformer_engine":
     Megatron's TE GPT block spec as Megatron-LM builds it (TE attention and norms,
     TEGroupedMLP experts, or TE SequentialMLP with experts="sequential"). "local": its
@@ -247,7 +249,7 @@ def model_spec(config, *, experts: str = "grouped", overlap: OverlapConfig | Non
         spec = get_gpt_decoder_block_spec(config, use_transformer_engine=True,
                                           normalization=config.normalization, pp_rank=pp_rank)
         spec = with_latent_kv_norm_where_needed(config, spec)
-        return spec if overlap is None else with_overlap_moe(spec, overlap)
+        return spec if overlap is None else with_overlap_moe(spec, overlap, policy)
     if attention not in ("sdpa", "local"):
         raise ValueError(f"attention must be 'sdpa' or 'local', got {attention!r}")
     if attention == "local" and config.multi_latent_attention:
@@ -259,20 +261,22 @@ def model_spec(config, *, experts: str = "grouped", overlap: OverlapConfig | Non
         config, with_local_modules(spec, sdpa=attention == "sdpa"))
     if experts == "grouped":
         spec = with_grouped_experts(spec)
-    return spec if overlap is None else with_overlap_moe(spec, overlap)
+    return spec if overlap is None else with_overlap_moe(spec, overlap, policy)
 
 
 def build_model(name: str, tp: int = 1, ep: int = 1, num_layers: int | None = None, *,
                 experts: str = "grouped", overlap: OverlapConfig | None = None,
                 attention: str = "sdpa", tiny: bool = False, vocab_size: int | None = None,
-                impl: str = "local", **overrides) -> GPTModel:
+                impl: str = "local", policy: LayerPolicy | None = None,
+                **overrides) -> GPTModel:
     """GPTModel of `name` ("granite", "qwen", "deepseek") for a TP x EP layout.
 
     num_layers: None = the published depth. impl: "local" (Megatron's local modules) or
     "te" (Transformer Engine throughout, as Megatron-LM's default builds it: core-TE).
     experts: "grouped" (GroupedGemmExperts; TEGroupedMLP with impl="te") or "sequential"
     (Megatron's SequentialMLP). overlap: None = stock MoELayer; an
-    OverlapConfig installs OverlapMoELayer with it. attention: "sdpa" (SDPAttention) or
+    OverlapConfig installs OverlapMoELayer with it (and `policy`, the layers' LayerPolicy;
+    None = its defaults). attention: "sdpa" (SDPAttention) or
     "local" (Megatron's DotProductAttention; not for MLA, which it cannot run in 0.19).
     tiny: CPU-sized widths (TINY). vocab_size: None = published (256 when tiny), padded
     to a multiple of 128 * TP. overrides: TransformerConfig fields. Parameters are on
@@ -281,7 +285,8 @@ def build_model(name: str, tp: int = 1, ep: int = 1, num_layers: int | None = No
     if impl == "te":
         overrides.setdefault("moe_grouped_gemm", experts == "grouped")
     config, card = model_config(name, tp, ep, num_layers, tiny=tiny, impl=impl, **overrides)
-    spec = model_spec(config, experts=experts, overlap=overlap, attention=attention)
+    spec = model_spec(config, experts=experts, overlap=overlap, attention=attention,
+                      policy=policy)
     vocab = vocab_size or (TINY_VOCAB if tiny else card.vocab_size)
     return gpt_model(config, card, spec, vocab)
 

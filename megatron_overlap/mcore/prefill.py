@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from ..stats import bootstrap_ci
 from ..ops import CapturedCall
-from .args import add_moe_overlap_args, overlap_config_from_args
+from .args import add_moe_overlap_args, layer_policy_from_args, overlap_config_from_args
 from .host_costs import measure_host_costs
 from .layer import fused_at_every_size, overlap_layers, set_overlap_enabled
 from .models import CONFIGS, IMPLS, build_model
@@ -242,20 +242,22 @@ def _inference_rng_tracker(args, device) -> None:
 
 def run_all(args) -> list[dict]:
     device = _setup(args)
-    overlap = overlap_config_from_args(args)
+    overlap, policy = overlap_config_from_args(args), layer_policy_from_args(args)
     fusion = {"bias_activation_fusion": False} if args.no_bias_swiglu_fusion else {}
     if args.cuda_graph:
         _inference_rng_tracker(args, device)
     if args.hf:
         from .hf import load_hf_checkpoint
 
-        model = load_hf_checkpoint(args.hf, args.tp, args.ep, overlap=overlap, impl=args.impl,
+        model = load_hf_checkpoint(args.hf, args.tp, args.ep, overlap=overlap, policy=policy,
+                                   impl=args.impl,
                                    num_layers=args.layers, experts=args.experts,
                                    **fusion).to(device)
         args.model = model.hf_arch  # (the report's name)
     else:
         model = build_model(args.model, args.tp, args.ep, args.layers, experts=args.experts,
-                            overlap=overlap, tiny=args.tiny, impl=args.impl, **fusion).to(device)
+                            overlap=overlap, policy=policy, tiny=args.tiny, impl=args.impl,
+                            **fusion).to(device)
     model.train(args.train)
     results = []
     for seq in args.seq_list:

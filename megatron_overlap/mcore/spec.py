@@ -40,7 +40,8 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 
 from ..ops import OverlapConfig
 from .architectures import with_latent_kv_norm_where_needed
-from .args import overlap_config_from_args
+from .args import layer_policy_from_args, overlap_config_from_args
+from .policy import LayerPolicy
 from .experts import GroupedGemmExperts
 from .layer import OverlapMoELayer
 
@@ -111,8 +112,10 @@ def _swap(node, cls, extra: dict, submodules_fn=None):
     return new
 
 
-def with_overlap_moe(spec, overlap_config: OverlapConfig | None = None):
-    """A copy of `spec` whose MoE layers are OverlapMoELayer(overlap_config=overlap_config).
+def with_overlap_moe(spec, overlap_config: OverlapConfig | None = None,
+                     policy: LayerPolicy | None = None):
+    """A copy of `spec` whose MoE layers are OverlapMoELayer(overlap_config=overlap_config,
+    policy=policy): the op's configuration, and the layer's own (fuse or not, host counts).
 
     spec: any GPT layer spec (ModuleSpec), block spec (TransformerBlockSubmodules), list of
     layer specs, or MoE spec itself, in the partial form (>= 0.18) or ModuleSpec form
@@ -123,13 +126,16 @@ def with_overlap_moe(spec, overlap_config: OverlapConfig | None = None):
     if overlap_config is not None and not isinstance(overlap_config, OverlapConfig):
         raise ValueError("overlap_config must be an OverlapConfig, got "
                          f"{type(overlap_config).__name__}")
+    if policy is not None and not isinstance(policy, LayerPolicy):
+        raise ValueError(f"policy must be a LayerPolicy, got {type(policy).__name__}")
 
     def swap(node):
         cls = _moe_class(node)
         if cls is not MoELayer and not issubclass(cls, OverlapMoELayer):
             raise ValueError(f"cannot install OverlapMoELayer over the custom MoE class "
                              f"{cls.__qualname__}; only megatron.core MoELayer is swapped")
-        return _swap(node, OverlapMoELayer, {"overlap_config": overlap_config})
+        return _swap(node, OverlapMoELayer, {"overlap_config": overlap_config,
+                                              "policy": policy})
 
     return _rewrite(spec, swap, {})
 
@@ -200,7 +206,8 @@ def gpt_block_spec_from_args(args, config, vp_stage: int | None = None):
     # also norming the query input (architectures.py): the stock arm of this spec too
     spec = with_latent_kv_norm_where_needed(config, spec)
     overlap = overlap_config_from_args(args)
-    return spec if overlap is None else with_overlap_moe(spec, overlap)
+    return (spec if overlap is None
+            else with_overlap_moe(spec, overlap, layer_policy_from_args(args)))
 
 
 def _megatron_args():

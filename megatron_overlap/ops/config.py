@@ -20,7 +20,6 @@ log = logging.getLogger("megatron_overlap")
 
 BACKENDS = ("auto", "triton", "interpret", "reference")
 PLACEMENTS = ("partition", "shared")  # TileConfig.placement
-FUSE_CHOICES = ("auto", "always")  # OverlapConfig.fuse
 
 
 #: dtypes the pushed partial sums may have (OverlapConfig.partial_dtype)
@@ -68,19 +67,6 @@ class OverlapConfig:
     placement: where the communication CTAs run when `tiles` is None (TileConfig.placement):
         "shared" (one beside GEMM2's on every SM; the Hopper default), "partition" (SMs
         of their own, the paper's scheme), or None (the default tiles' own).
-    fuse: read by OverlapMoELayer, not by the op. "auto" (the default): before each
-        call of a new size the layer asks the planner whether the fused op beats the
-        stock path it replaces (`planner.fusion`, priced with the device calibration's
-        `step_costs`; a device without them fuses), and runs the one predicted faster;
-        "always": the fused op at every size (tests, the eager reference of a capture).
-    host_counts: read by OverlapMoELayer, not by the op. False (the default): where the
-        rows are known without the expert counts (every expert on the rank, no token
-        dropped: M x top-k) and FC1 runs on device offsets, the layer hands the op the
-        counts on the device and the host never waits for them, so no MoE layer
-        synchronizes the host and it can queue later layers while the GPU runs this one
-        (the planner then reads the load as uniform; GEMM2's row tiles barely depend on
-        the skew). True brings them to the host first: exact planning, one host sync per
-        layer (after FC1 is queued).
     """
 
     backend: str = "auto"
@@ -94,10 +80,8 @@ class OverlapConfig:
     partial_dtype: torch.dtype | None = None
     sync_errors: bool = False
     tiles: "TileConfig | None" = None
-    fuse: str = "auto"
     tail_helpers: bool = True
     placement: str | None = None
-    host_counts: bool = False
     # (last: a field added after the others keeps positional construction working)
     wait_timeout_s: float = WAIT_TIMEOUT_S
 
@@ -145,13 +129,9 @@ class OverlapConfig:
         if self.partial_dtype not in (None,) + PARTIAL_DTYPES:
             raise ValueError(f"OverlapConfig.partial_dtype must be None or one of "
                              f"{PARTIAL_DTYPES}, got {self.partial_dtype!r}")
-        for name in ("tail_helpers", "host_counts"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"OverlapConfig.{name} must be a bool, got "
-                                 f"{getattr(self, name)!r}")
-        if self.fuse not in FUSE_CHOICES:
-            raise ValueError(f"OverlapConfig.fuse must be one of {FUSE_CHOICES}, got "
-                             f"{self.fuse!r}")
+        if not isinstance(self.tail_helpers, bool):
+            raise ValueError(f"OverlapConfig.tail_helpers must be a bool, got "
+                             f"{self.tail_helpers!r}")
 
 
 @dataclass(frozen=True)

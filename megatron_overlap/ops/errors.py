@@ -81,7 +81,7 @@ def describe_error(code: int, rank: int, expected: int | None = None,
                 f"(with expected_rows: sums past them) or has a negative entry; that call's "
                 f"output is wrong (a router that "
                 f"gives some token fewer than top-k experts needs the host counts: "
-                f"OverlapConfig(host_counts=True))")
+                f"the layer's LayerPolicy(host_counts=True), --moe-overlap-host-counts)")
     if kind == grs.ERR_MISMATCH:
         return f"GatherRS on rank {rank}: rank {value} launched another call (see the record)"
     if kind == grs.ERR_BARRIER_TIMEOUT:
