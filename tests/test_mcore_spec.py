@@ -192,6 +192,10 @@ def test_layer_policy_names_the_bad_field():
         LayerPolicy(fuse="never")
     with pytest.raises(ValueError, match="LayerPolicy.host_counts must be a bool"):
         LayerPolicy(host_counts="yes")
+    from megatron_overlap.mcore import with_overlap_moe
+
+    with pytest.raises(ValueError, match="policy must be a LayerPolicy, got str"):
+        with_overlap_moe([], None, "always")
 
 
 def test_missing_calibration_file_raises_value_error(tmp_path):
