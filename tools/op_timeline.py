@@ -66,7 +66,8 @@ def kernel_spans(fn, reps: int) -> list[list[tuple[str, float, float]]]:
                 fn()
                 torch.cuda.synchronize()
     names = {f"rep{i}" for i in range(reps)}
-    kernels = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA),
+    kernels = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA
+                      and e.name not in names),  # (the ranges' own GPU-side records)
                      key=lambda e: e.time_range.start)
     reps_cpu = sorted((e for e in prof.events() if e.name in names
                        and e.device_type == DeviceType.CPU), key=lambda e: e.time_range.start)
