@@ -741,3 +741,18 @@ def test_config_placement_picks_the_default_tiles_of_that_placement():
     _, plan = call(p, 30, 2, OverlapConfig(backend="interpret", placement="shared"),
                    return_plan=True)
     assert plan.reservation == 0
+
+
+def test_the_planned_splits_are_the_least_of_the_models_predictions_it_reports():
+    p = routed_problem(0, 1, tokens=40, experts=4, topk=2, ffn=16, hidden=64)
+    launch = op_module.prepare(p["x"], p["weight"], p["counts"], p["token_index"], 40, 2,
+                               config=INTERP)
+    lp = launch.launch_plan
+    assert lp.request is not None
+    predicted = planning.split_predictions(lp.request, (1, 2, 4, 8))
+    assert set(predicted) == {1, 2, 4, 8} and all(t > 0 for t in predicted.values())
+    ranked = {l: predicted[l] for l in planning.split_candidates(64)}
+    assert planning.split_candidates(64) == (1, 2)  # up to 2 x max(1, N // 1024)
+    assert lp.splits == min(ranked, key=lambda l: (ranked[l], l))
+    # past N there is no such split, and the model is not asked
+    assert set(planning.split_predictions(lp.request, (1, 128))) == {1}

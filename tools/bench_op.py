@@ -40,6 +40,7 @@ from workloads import OpCase, rank_inputs  # noqa: E402
 from megatron_overlap.ops import OverlapConfig, gemm2_gather_rs  # noqa: E402
 from megatron_overlap.ops.capture import CapturedCall  # noqa: E402
 from megatron_overlap.ops.op import prepare  # noqa: E402
+from megatron_overlap.ops.planning import SPLIT_CANDIDATES, split_predictions  # noqa: E402
 from megatron_overlap.ops import launcher  # noqa: E402
 from megatron_overlap.ops.reference import grouped_mm, reference_forward  # noqa: E402
 from megatron_overlap.planner import compute_slots  # noqa: E402
@@ -108,8 +109,11 @@ def policies_for(inp: dict, group, c_values, preset: str | None,
                                                     c_values if graph_sweep else (),
                                                     l_values if graph_sweep else ())
         pol.update(pol_graph)
+    ls = sorted({*l_values, *SPLIT_CANDIDATES})
     facts = dict(world=launch.world, comm_ctas=plan.comm_ctas, compute_slots=plan.compute_slots,
                  splits=plan.splits, predicted=plan.curve, w_comp=plan.w_comp,
+                 # the model that ranks L, at each L (compute waves): what the choice compared
+                 predicted_by_splits=split_predictions(lp.request, ls),
                  w_comm=plan.w_comm, rho=plan.rho,
                  resources=lp.family.resources)
     if graphs:

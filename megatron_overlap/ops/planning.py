@@ -187,6 +187,8 @@ class LaunchPlan:
     max_spins: int
     wait_timeout_s: float
     cache: PlanCache = field(compare=False, hash=False)  # (tools read its kernel/device)
+    #: what it was planned from (tools ask the model about other L: `split_predictions`)
+    request: "PlanRequest | None" = field(default=None, compare=False, hash=False)
 
     @property
     def tiles(self) -> TileConfig:
@@ -207,7 +209,13 @@ def _at_splits(request: PlanRequest, splits: int, ranking: bool = False) -> Laun
     helpers = (cache.device.available_sms - reservation(plan.comm_ctas, cache.kernel)
                if r.config.tail_helpers else 0)
     return LaunchPlan(plan, family, splits, r.num_tokens // r.world, max(0, helpers),
-                      r.config.max_spins, r.config.wait_timeout_s, cache)
+                      r.config.max_spins, r.config.wait_timeout_s, cache, request)
+
+
+def split_candidates(hidden: int) -> tuple[int, ...]:
+    """The L the op ranks for a hidden size N: SPLIT_CANDIDATES up to 2 x the default
+    (and N)."""
+    return tuple(c for c in SPLIT_CANDIDATES if c <= min(2 * default_splits(hidden), hidden))
 
 
 def rank_splits(hidden: int, predicted) -> int:
@@ -215,13 +223,18 @@ def rank_splits(hidden: int, predicted) -> int:
     (and N), the least `predicted(L)` (compute waves, one unit for every L); ties go to
     fewer splits. `predicted` is the ranking model's T(C*) at that L."""
     chosen, best = None, None
-    for cand in SPLIT_CANDIDATES:
-        if cand > min(2 * default_splits(hidden), hidden):
-            continue
+    for cand in split_candidates(hidden):
         t = predicted(cand)
         if best is None or t < best * (1 - 1e-9):
             chosen, best = cand, t
     return chosen
+
+
+def split_predictions(request: PlanRequest, candidates=SPLIT_CANDIDATES) -> dict[int, float]:
+    """The ranking model's T(C*) at each L of `candidates` (up to N): what `rank_splits`
+    compares, in compute waves, for tools that set it beside measured times."""
+    return {cand: _at_splits(request, cand, ranking=True).plan.predicted
+            for cand in candidates if cand <= request.hidden}
 
 
 _decisions: dict[PlanRequest, LaunchPlan] = {}
