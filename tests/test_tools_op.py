@@ -12,6 +12,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
 import check_op  # noqa: E402
 import op_timeline  # noqa: E402
 import roofline  # noqa: E402
+import split_sweep  # noqa: E402
 from megatron_overlap.ops import OverlapConfig, gemm2_gather_rs  # noqa: E402
 
 RECORDED = os.path.join(os.path.dirname(__file__), "..", "docs", "data",
@@ -66,3 +67,36 @@ def test_check_op_reference_is_the_ops_sum_over_each_tokens_rows():
     assert got.dtype == torch.float64
     assert torch.allclose(got.float(), want, rtol=1e-5, atol=1e-5)
     assert check_op.rel_err(want, got) < 1e-6
+
+
+def _swept(case, model, chosen, ms, predicted, planner_ms):
+    stats = {f"graph L={l}": {"median": v} for l, v in ms.items()}
+    stats[split_sweep.OP] = {"median": planner_ms}
+    stats[split_sweep.GEMM2] = {"median": 1.0}
+    return dict(case=case, model=model, splits=chosen, stats=stats,
+                predicted_by_splits={str(l): t for l, t in predicted.items()})
+
+
+def test_split_sweep_regret_is_the_planners_l_against_the_fastest_swept_l():
+    right = split_sweep.sweep_row(_swept("a", "granite", 2, {1: 1.1, 2: 1.0, 4: 1.2},
+                                         {1: 30.0, 2: 29.0, 4: 28.0}, 0.99))
+    wrong = split_sweep.sweep_row(_swept("b", "qwen", 4, {1: 1.3, 2: 1.0, 4: 1.1},
+                                         {1: 30.0, 2: 29.0, 4: 28.0}, 1.12))
+    assert (right["best"], right["chosen"]) == (2, 2)
+    assert right["regret"] == pytest.approx(-0.01)  # two captures of one L: noise
+    assert right["sweep_regret"] == 0.0
+    assert wrong["best"] == 2 and wrong["regret"] == pytest.approx(0.12)
+    assert wrong["sweep_regret"] == pytest.approx(0.1)
+    assert right["candidates"] == (1, 2) and wrong["candidates"] == (1, 2, 4)  # N 1024, 2048
+    s = split_sweep.summary([right, wrong])
+    assert s["chosen_is_best"] == 1 and s["max_regret"] == pytest.approx(0.12)
+    assert s["mean_sweep_regret"] == pytest.approx(0.05)
+    lines = split_sweep.table([right, wrong])
+    assert len(lines) == 4 and "+12.0% (10.0%)" in lines[3]
+    assert "1.034 / 1.000 / 0.966" in lines[2]  # the model's T(L) over its T at L* = 2
+
+
+def test_split_sweep_refuses_a_run_without_a_captured_l_sweep():
+    row = _swept("c", "granite", 2, {}, {}, 1.0)
+    with pytest.raises(ValueError, match="--graph-sweep"):
+        split_sweep.sweep_row(row)
