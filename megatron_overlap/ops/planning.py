@@ -217,7 +217,7 @@ def split_candidates(hidden: int) -> tuple[int, ...]:
     (and N), so every split keeps at least 512 columns (four 128-wide GEMM2 column tiles
     share each row tile of x while it is in L2). The ranking model has no term for what
     a split re-reads (its T(L) only falls with L); past this bound the captured sweep
-    measured 1.06x-1.92x the fastest L (docs/RESULTS.md, "The planner's L")."""
+    measured 1.03x-1.92x the fastest L (docs/RESULTS.md, "The planner's L")."""
     return tuple(c for c in SPLIT_CANDIDATES if c <= min(2 * default_splits(hidden), hidden))
 
 
