@@ -236,8 +236,12 @@ def rank_splits(hidden: int, predicted) -> int:
 def split_predictions(request: PlanRequest, candidates=SPLIT_CANDIDATES) -> dict[int, float]:
     """The ranking model's T(C*) at each L of `candidates` (up to N): what `rank_splits`
     compares, in compute waves, for tools that set it beside measured times."""
-    return {cand: _at_splits(request, cand, ranking=True).plan.predicted
-            for cand in candidates if cand <= request.hidden}
+    return {cand: _ranked_t(request, cand) for cand in candidates if cand <= request.hidden}
+
+
+def _ranked_t(request: PlanRequest, splits: int) -> float:
+    """T(C*) at L = `splits` under the model that ranks L."""
+    return _at_splits(request, splits, ranking=True).plan.predicted
 
 
 _decisions: dict[PlanRequest, LaunchPlan] = {}
@@ -253,8 +257,8 @@ def plan_launch(request: PlanRequest) -> LaunchPlan:
     slower (docs/RESULTS.md). C is then the full model's at that L."""
     found = _decisions.get(request)
     if found is None:
-        splits = request.splits or rank_splits(request.hidden, lambda cand: _at_splits(
-            request, cand, ranking=True).plan.predicted)
+        splits = request.splits or rank_splits(
+            request.hidden, functools.partial(_ranked_t, request))
         found = _at_splits(request, splits)
         if len(_decisions) >= MAX_DECISIONS:
             _decisions.clear()
