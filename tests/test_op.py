@@ -10,7 +10,7 @@ from dist_harness import run_ranks
 from megatron_overlap.ops import OverlapConfig, OverlapTimeoutError, gemm2_gather_rs
 from megatron_overlap.ops import groups
 from megatron_overlap.ops import op as op_module
-from megatron_overlap.ops.config import GPU_TILES, INTERPRET_TILES, PARTITION_TILES
+from megatron_overlap.ops.config import GPU_TILES, INTERPRET_SMS, INTERPRET_TILES, PARTITION_TILES
 from megatron_overlap.ops import launcher, planning
 from megatron_overlap.ops.routing import Router
 from routing_cases import fp64_rank_partial, rel_err, routed_problem
@@ -114,6 +114,26 @@ def test_shared_placement_that_does_not_fit_an_sm_plans_the_partition(monkeypatc
     with pytest.warns(RuntimeWarning, match="shared placement does not fit one SM"):
         out, plan = call(p, 30, 2, config, return_plan=True)
     assert plan.reservation >= 1 and plan.comm_ctas < 17
+    assert rel_err(out, fp64_rank_partial(p, 30)) < 1e-2
+
+
+def test_a_partition_of_small_comm_ctas_reserves_one_sm_per_cta(monkeypatch):
+    """The block scheduler spreads GatherRS's CTAs over the SMs, so a partition of small
+    CTAs (a shared placement that does not fit, o_comm = 5) must reserve one SM per CTA:
+    at C = G packed planning left GEMM2 no SM and GatherRS waited for it until its
+    time-out on an H200. Now C = G is refused and every C leaves GEMM2 G - C SMs."""
+    monkeypatch.setattr(planning, "_families", {})
+    monkeypatch.setattr(planning, "_occupancies", lambda *a: (1, 5, "registers", {}))
+    p = routed_problem(0, 1, tokens=30, experts=3, topk=2, ffn=16, hidden=32)
+    config = dataclasses.replace(SHARED, sm_margin=4)  # (a plan cache of its own)
+    with pytest.warns(RuntimeWarning, match="shared placement does not fit one SM"):
+        out, plan = call(p, 30, 2, config, return_plan=True)
+        for c in (1, 7, INTERPRET_SMS - 5):
+            _, at_c = call(p, 30, 2, config, comm_ctas=c, return_plan=True)
+            assert (at_c.reservation, at_c.compute_slots) == (c, INTERPRET_SMS - 4 - c)
+        with pytest.raises(ValueError):
+            call(p, 30, 2, config, comm_ctas=INTERPRET_SMS - 4)
+    assert plan.compute_slots == INTERPRET_SMS - 4 - plan.reservation >= 1
     assert rel_err(out, fp64_rank_partial(p, 30)) < 1e-2
 
 

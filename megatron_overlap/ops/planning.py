@@ -128,6 +128,18 @@ def kernel_family(device: torch.device, backend: str, tiles: TileConfig, comm_tm
     return found
 
 
+def partition_o_comm(family: KernelFamily) -> int:
+    """o_comm as the partition's reservation R(C) = ceil(C / o_comm) must count it: 1.
+    The block scheduler spreads a grid's CTAs over the SMs; nothing packs o_comm
+    GatherRS CTAs onto one SM. Planned packed, C small CTAs that cannot share an SM with
+    GEMM2 (a shared placement that does not fit, launched as the partition) take up to C
+    SMs where R(C) counted C / o_comm: at C = G no GEMM2 CTA could start and GatherRS
+    waited for it until its time-out (one H200, 4-warp GatherRS CTAs, o_comm = 5).
+    Counted one SM each, P(C) = o_comp (G - C) GEMM2 CTAs always find SMs. (Shared
+    placement: R = 0 whatever o_comm is.)"""
+    return family.o_comm if family.shared else 1
+
+
 _caches: dict[tuple, PlanCache] = {}
 
 
@@ -143,7 +155,7 @@ def plan_cache(family: KernelFamily, config: OverlapConfig, device: torch.device
         # the model serves the last split as the launch does: with the tail helpers when
         # they run (KernelSpec.tail_helpers)
         spec = kernel_spec(family.tiles, family.comm_tm, family.comm_tn, family.o_comp,
-                           family.o_comm, helpers, family.shared)
+                           partition_o_comm(family), helpers, family.shared)
         calib = calibration_for(spec_device, config.preset)
         cache = _caches[key] = PlanCache(spec, spec_device,
                                          ranking_calibration(calib) if ranking else calib)
