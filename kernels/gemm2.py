@@ -41,8 +41,7 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 # (ops/buffer.py and the tests also read the split geometry here, as `gemm2.split_width`)
-from .gemm2_layout import (column_alignment, gluon_tile_problem, next_pow2, operands,
-                           split_col_tiles, split_width)
+from .gemm2_layout import column_alignment, next_pow2, operands, split_col_tiles, split_width
 from .launch_cache import LaunchCache, descriptor
 
 
@@ -263,14 +262,13 @@ IMPLS = ("triton", "gluon", "gluon_inline_publish")
 def resolve_impl(impl: str, device: torch.device, dtype: torch.dtype, block_m: int,
                  block_n: int, num_warps: int, scatter: bool) -> str:
     """`impl`, or for "auto" the Gluon kernel where it runs and measured faster: bf16 on a
-    Hopper GPU with a tile it runs (`gemm2_layout.gluon_tile_problem`), storing a token-major y (`scatter`, the TP
+    Hopper GPU with its one tile shape, storing a token-major y (`scatter`, the TP
     layouts: 4-12% faster overlapped; in GEMM2's row order, under EP, no gain measured;
     docs/RESULTS.md, "Kernel choices measured"); else Triton's."""
     if impl != "auto":
         return impl
-    ok = (scatter and device.type == "cuda" and dtype == torch.bfloat16
-          and gluon_tile_problem(block_m, block_n, 16, num_warps) is None
-          and _gluon_runs_on(device.index or 0))
+    ok = (scatter and device.type == "cuda" and dtype == torch.bfloat16 and block_m == 128
+          and block_n <= 128 and num_warps == 4 and _gluon_runs_on(device.index or 0))
     return "gluon" if ok else "triton"
 
 

@@ -33,29 +33,6 @@ def column_alignment(hidden: int, splits: int, width: int | None = None) -> int:
     return min(16, both & -both)
 
 
-#: Accumulator fp32 values per thread the Gluon GEMM2's wgmma tile may hold (128: half the
-#: 255-register limit, what CUTLASS's 128 x 256 cooperative tile keeps per thread)
-GLUON_ACC_PER_THREAD = 128
-
-
-def gluon_tile_problem(block_m: int, block_n: int, block_k: int, num_warps: int) -> str | None:
-    """Why the warp-specialized Gluon GEMM2 cannot run this tile (None: it can). Its
-    consumer is one or two warpgroups (4 or 8 warps) whose wgmma cover BLOCK_M rows, 64
-    per warpgroup at a time, and BLOCK_N <= 256 columns (the instruction's widest N);
-    the accumulator must stay in registers."""
-    if num_warps not in (4, 8):
-        return f"its consumer is one or two warpgroups (4 or 8 warps), got {num_warps} warps"
-    if block_m % (16 * num_warps) or block_m > 256:
-        return (f"BLOCK_M must be a multiple of {16 * num_warps} (16 rows per warp) and at "
-                f"most 256, got {block_m}")
-    if block_n % 16 or not 16 <= block_n <= 256 or block_k % 16:
-        return f"BLOCK_N must be 16..256 and BLOCK_K a multiple of 16, got {block_n}, {block_k}"
-    if block_m * block_n > GLUON_ACC_PER_THREAD * 32 * num_warps:
-        return (f"a {block_m} x {block_n} fp32 accumulator is over {GLUON_ACC_PER_THREAD} "
-                f"registers per thread on {num_warps} warps")
-    return None
-
-
 def next_pow2(n: int) -> int:
     """The smallest power of two >= n (>= 1); plain Python: it runs on the launch path,
     where `triton.next_power_of_2` costs a few microseconds per call."""

@@ -31,16 +31,12 @@ from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, war
                                                                warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .gemm2_layout import column_alignment, gluon_tile_problem, operands
+from .gemm2_layout import column_alignment, operands
 from .launch_cache import LaunchCache, descriptor
 
 # (Triton 3.6 names the partition-wide barrier thread_barrier, 3.7 barrier)
 _barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
 MAXNREG = 128  # 2 CTAs of (4 + 4 rounded-up loader) warps per SM: 2 * 256 * 128 = 64K
-#: The two-warpgroup consumer (8 warps, 128 x 256 tiles): one CTA of 8 + 4 warps per SM,
-#: the rest of the register file for a GatherRS CTA beside it (12 * 32 * 168 = 64.5K alone;
-#: setmaxnreg then gives the 8 consumer warps (12 * 168 - 4 * 24) / 8 = 240 registers)
-MAXNREG_TWO_WARPGROUPS = 168
 
 
 @gluon.jit
@@ -143,16 +139,14 @@ def _publish_partition(descs, bufs, bars, ptrs, sizes, BLOCK_M: gl.constexpr,
 def _mma_partition(bufs, bars, ptrs, sizes, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                    BLOCK_K: gl.constexpr, SEARCH_STEPS: gl.constexpr, STAGES: gl.constexpr,
                    SLOTS: gl.constexpr, COL_ALIGN: gl.constexpr, SCATTER: gl.constexpr,
-                   PUBLISHER: gl.constexpr, WARPS: gl.constexpr):
-    """One or two warpgroups (WARPS = 4 or 8): wgmma over the ring, then the epilogue (a
-    layout change through shared memory for row-contiguous 16-byte stores) and the
-    tile's publication. With two, warpgroup w owns rows [64 w, 64 w + 64) of every 128
-    (the wgmma layout's warps run down the rows) and both read the same B tile: at
-    128 x 256 a K-step reads 1.33x fewer shared-memory bytes per FLOP than 128 x 128."""
+                   PUBLISHER: gl.constexpr):
+    """One warpgroup: wgmma over the ring, then the epilogue (a layout change through
+    shared memory for row-contiguous 16-byte stores) and the tile's publication."""
     a_bufs, b_bufs = bufs
     ready_bars, empty_bars, stored_bars, free_bars = bars
     y_ptr, dest_ptr, ready_ptr, row_start_ptr, tile_start_ptr = ptrs
     num_experts, K, N, split_width, num_splits, dest_rows, stride_ym, stride_yn = sizes
+    WARPS: gl.constexpr = 4
     tiles_per_split, total, last_cols = _tile_counts(tile_start_ptr, num_experts, N,
                                                      split_width, num_splits, BLOCK_N)
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(
@@ -210,7 +204,7 @@ def grouped_gemm2_ws_kernel(
     num_experts, K, N, split_width, num_splits, dest_rows, stride_ym, stride_yn,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
     SEARCH_STEPS: gl.constexpr, STAGES: gl.constexpr, COL_ALIGN: gl.constexpr,
-    SCATTER: gl.constexpr, PUBLISHER: gl.constexpr, WARPS: gl.constexpr,
+    SCATTER: gl.constexpr, PUBLISHER: gl.constexpr,
 ):
     SLOTS: gl.constexpr = 4  # stored tiles the publisher may lag behind
     a_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape,
@@ -236,7 +230,7 @@ def grouped_gemm2_ws_kernel(
     if PUBLISHER:
         gl.warp_specialize([
             (_mma_partition, (bufs, bars, ptrs, sizes, BLOCK_M, BLOCK_N, BLOCK_K,
-                              SEARCH_STEPS, STAGES, SLOTS, COL_ALIGN, SCATTER, True, WARPS)),
+                              SEARCH_STEPS, STAGES, SLOTS, COL_ALIGN, SCATTER, True)),
             (_load_partition, (descs, bufs, bars, ptrs, sizes, BLOCK_M, BLOCK_N, BLOCK_K,
                                SEARCH_STEPS, STAGES, SLOTS)),
             (_publish_partition, (descs, bufs, bars, ptrs, sizes, BLOCK_M, BLOCK_N, BLOCK_K,
@@ -245,7 +239,7 @@ def grouped_gemm2_ws_kernel(
     else:
         gl.warp_specialize([
             (_mma_partition, (bufs, bars, ptrs, sizes, BLOCK_M, BLOCK_N, BLOCK_K,
-                              SEARCH_STEPS, STAGES, SLOTS, COL_ALIGN, SCATTER, False, WARPS)),
+                              SEARCH_STEPS, STAGES, SLOTS, COL_ALIGN, SCATTER, False)),
             (_load_partition, (descs, bufs, bars, ptrs, sizes, BLOCK_M, BLOCK_N, BLOCK_K,
                                SEARCH_STEPS, STAGES, SLOTS)),
         ], [1], [24])
@@ -257,13 +251,8 @@ def _smem_layout(rows: int, cols: int):
     return gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16)
 
 
-def default_maxnreg(num_warps: int) -> int:
-    """The register cap per thread of a CTA with `num_warps` consumer warps, alone."""
-    return MAXNREG if num_warps == 4 else MAXNREG_TWO_WARPGROUPS
-
-
 def _ws_args(x, weight, y, row_start, tile_start, ready, splits, block_m, block_n, block_k,
-             stages, dest, publisher, maxnreg=None, width=None, num_warps=4):
+             stages, dest, publisher, maxnreg=None, width=None):
     num_experts, hidden, k = weight.shape
     a_layout, b_layout = _smem_layout(block_m, block_k), _smem_layout(block_n, block_k)
     x_desc = descriptor(TensorDescriptor, x, (block_m, block_k), a_layout)
@@ -274,17 +263,17 @@ def _ws_args(x, weight, y, row_start, tile_start, ready, splits, block_m, block_
     meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                 SEARCH_STEPS=(num_experts - 1).bit_length(), STAGES=stages,
                 COL_ALIGN=column_alignment(hidden, splits, width), SCATTER=dest is not None,
-                PUBLISHER=publisher, WARPS=num_warps, num_warps=num_warps,
-                maxnreg=default_maxnreg(num_warps) if maxnreg is None else maxnreg)
+                PUBLISHER=publisher, num_warps=4,
+                maxnreg=MAXNREG if maxnreg is None else maxnreg)
     return args, meta
 
 
 def check_shapes(block_m: int, block_n: int, block_k: int, num_warps: int) -> None:
     """The tile shapes this kernel is written for (ValueError otherwise)."""
-    problem = gluon_tile_problem(block_m, block_n, block_k, num_warps)
-    if problem:
-        raise ValueError(f"the Gluon GEMM2 cannot run {block_m} x {block_n} x {block_k} "
-                         f"tiles on {num_warps} warps: {problem}")
+    if block_m != 128 or block_n > 128 or block_n % 16 or block_k % 16 or num_warps != 4:
+        raise ValueError(f"the Gluon GEMM2 runs 128 x (16..128) x 16k tiles on one "
+                         f"warpgroup (4 warps), got {block_m} x {block_n} x {block_k}, "
+                         f"{num_warps} warps")
 
 
 def launch_grouped_gemm2_ws(x, weight, y, row_start, tile_start, ready, *, splits: int,
@@ -303,8 +292,7 @@ def launch_grouped_gemm2_ws(x, weight, y, row_start, tile_start, ready, *, split
     if x.shape[0] == 0:
         return (lambda stream=None: None) if launcher else None
     args, meta = _ws_args(x, weight, y, row_start, tile_start, ready, splits, block_m,
-                          block_n, block_k, num_stages, dest, publisher, maxnreg, width,
-                          num_warps)
+                          block_n, block_k, num_stages, dest, publisher, maxnreg, width)
     if warmup:
         return grouped_gemm2_ws_kernel.warmup(*args, grid=(1,), **meta)
     if launcher:

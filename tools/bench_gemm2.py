@@ -5,7 +5,8 @@
         --layout TP1EP1 --seqs 4096,16384 --json out/gemm2.json
 
 A variant is `impl:MxNxK:warps:stages` (impl triton, gluon or auto); the default list is
-the shipped tile and the two-warpgroup Gluon tile (128 x 256 on 8 warps). Each variant's
+the shipped tile (the Gluon kernel where y is token-major) and Triton's kernel on it and
+on 128 x 256 tiles of 8 warps. Each variant's
 y is checked against torch's product (both bf16 out of an fp32 accumulator) before it
 is timed; a variant that does not build or launch is reported, not fatal. The op's
 own routing places y's rows (token-major where every token has its k rows here).
@@ -33,7 +34,7 @@ from megatron_overlap.ops.config import (GPU_TILES, INTERPRET_TILES, TileConfig,
 from megatron_overlap.ops.op import prepare  # noqa: E402
 from megatron_overlap.ops.reference import grouped_mm  # noqa: E402
 
-DEFAULT_VARIANTS = "auto:128x128x64:4:3,gluon:128x256x64:8:3,triton:128x256x64:8:3"
+DEFAULT_VARIANTS = "auto:128x128x64:4:3,triton:128x128x64:4:3,triton:128x256x64:8:3"
 
 
 def parse_variant(text: str, base: TileConfig) -> TileConfig:

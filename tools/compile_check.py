@@ -23,10 +23,9 @@ def _signature(pointers: dict, scalars: dict, constexprs: dict) -> dict:
     return sig
 
 
-def _gemm2_signature(desc: str, constexprs: dict, w_desc: str | None = None) -> dict:
-    """Both GEMM2 kernels' argument list (x and weight descriptors of type `desc`, or
-    `w_desc` for the weight's where its box differs)."""
-    return _signature({"x_desc": desc, "w_desc": w_desc or desc, "y_ptr": "*bf16",
+def _gemm2_signature(desc: str, constexprs: dict) -> dict:
+    """Both GEMM2 kernels' argument list (x and weight descriptors of type `desc`)."""
+    return _signature({"x_desc": desc, "w_desc": desc, "y_ptr": "*bf16",
                        "row_start_ptr": "*i32", "tile_start_ptr": "*i32",
                        "ready_ptr": "*i32", "dest_ptr": "*i32"},
                       {n: "i32" for n in ("num_experts", "K", "N", "split_width",
@@ -68,8 +67,7 @@ def kernels():
         yield (name, grs.gather_rs_kernel, _signature(comm_ptrs, comm_ints, meta), meta,
                dict(num_warps=32), attrs)
     # the shared placement's small CTA beside GEMM2's (4 warps, capped registers)
-    from megatron_overlap.ops.config import (SHARED_COMM_MAXNREG, SHARED_GEMM_MAXNREG,
-                                             SHARED_GEMM_MAXNREG_TWO_WARPGROUPS)
+    from megatron_overlap.ops.config import SHARED_COMM_MAXNREG, SHARED_GEMM_MAXNREG
 
     meta = dict(BLOCK_TM=8, BLOCK_TN=512, TOPK_POW2=4, HAS_PROBS=False, COL_ALIGN=16,
                 SLOT_LOOP=True, ITEM_STAGES=1, TOKEN_MAJOR=True, stride_yn=1)
@@ -97,20 +95,14 @@ def kernels():
     from triton.experimental.gluon import language as gl
 
     layout = repr(gl.NVMMASharedLayout.get_default_for([128, 64], gl.bfloat16))
-    b_layout = repr(gl.NVMMASharedLayout.get_default_for([256, 64], gl.bfloat16))
-    for publisher, maxnreg, warps, block_n in (
-            (True, gemm2_ws.MAXNREG, 4, 128), (False, gemm2_ws.MAXNREG, 4, 128),
-            (True, SHARED_GEMM_MAXNREG["gluon"], 4, 128),
-            (True, gemm2_ws.MAXNREG_TWO_WARPGROUPS, 8, 256),
-            (True, SHARED_GEMM_MAXNREG_TWO_WARPGROUPS, 8, 256)):
-        meta = dict(BLOCK_M=128, BLOCK_N=block_n, BLOCK_K=64, SEARCH_STEPS=6, STAGES=3,
-                    COL_ALIGN=16, SCATTER=True, PUBLISHER=publisher, WARPS=warps)
-        w_layout = layout if block_n == 128 else b_layout
-        yield (f"grouped_gemm2_ws {block_n} cols {warps} warps publisher={publisher} "
-               f"maxnreg={maxnreg}", gemm2_ws.grouped_gemm2_ws_kernel,
-               _gemm2_signature(f"tensordesc<bf16[128,64],{layout}>", meta,
-                                f"tensordesc<bf16[{block_n},64],{w_layout}>"), meta,
-               dict(num_warps=warps, maxnreg=maxnreg), None)
+    for publisher, maxnreg in ((True, gemm2_ws.MAXNREG), (False, gemm2_ws.MAXNREG),
+                               (True, SHARED_GEMM_MAXNREG["gluon"])):
+        meta = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, SEARCH_STEPS=6, STAGES=3,
+                    COL_ALIGN=16, SCATTER=True, PUBLISHER=publisher)
+        yield (f"grouped_gemm2_ws publisher={publisher} maxnreg={maxnreg}",
+               gemm2_ws.grouped_gemm2_ws_kernel,
+               _gemm2_signature(f"tensordesc<bf16[128,64],{layout}>", meta), meta,
+               dict(num_warps=4, maxnreg=maxnreg), None)
     from megatron_overlap.kernels import swiglu
 
     for k in (1408, 512):
@@ -182,8 +174,7 @@ def main() -> int:
             continue
         meta = compiled.metadata
         async_copies = compiled.asm["ttgir"].count("async_copy_global_to_local")
-        print(f"ok {name}: {time.perf_counter() - t0:.1f} s, {meta.num_warps} warps, "
-              f"shared {meta.shared} B, "
+        print(f"ok {name}: {time.perf_counter() - t0:.1f} s, shared {meta.shared} B, "
               f"{len(compiled.asm['cubin'])} B cubin, {async_copies} async copies")
     return 1 if failed else 0
 

@@ -265,10 +265,6 @@ for s in "$@"; do
           "$REPO/tools/bench_gemm2.py" --model ${OP_MODELS:-granite,qwen,deepseek} --layout $lay \
           --seqs ${OP_SEQS:-4096,16384} ${GEMM_VARIANTS:+--variants $GEMM_VARIANTS} \
           --samples ${OP_SAMPLES:-10} --json "$OUT/gemm2_${TAG:-}$lay.json"; done ;;
-    wide_tiles)  # later stages run GEMM2 on 128 x 256 tiles, two consumer warpgroups (Gluon)
-      python3 -c "import json; json.dump({'best': {'gemm': [128, 256, 64, 8, ${WIDE_STAGES:-3}, False, 'gluon'],
-          'comm': [32, 512, 4, True, 1, True], 'placement': '${WIDE_PLACEMENT:-shared}'}}, open('$OUT/tiles_wide.json', 'w'))"
-      export MEGATRON_OVERLAP_TILES=$OUT/tiles_wide.json TAG=wide_ ;;
     ncu_phases)  # hardware counters of each phase alone: torch's GEMM2, ours, GatherRS
       for m in ${NCU_MODELS:-granite qwen}; do for ph in torch_gemm2 gemm2 comm; do
         stage ncu_${m}_$ph 120 ncu --clock-control none -k "regex:${NCU_KERNELS:-gemm|cutlass|gather_rs}" \

@@ -193,18 +193,16 @@ class TileConfig:
 
     def __post_init__(self) -> None:
         from ..kernels.gemm2 import IMPLS
-        from ..kernels.gemm2_layout import gluon_tile_problem
 
         self._check_shapes()
         if self.gemm_impl not in ("auto",) + IMPLS:
             raise ValueError(f"TileConfig.gemm_impl must be one of {('auto',) + IMPLS}, "
                              f"got {self.gemm_impl!r}")
-        problem = gluon_tile_problem(self.block_m, self.block_n, self.block_k,
-                                     self.gemm_warps)
-        if self.gemm_impl not in ("triton", "auto") and problem:
-            raise ValueError(f"TileConfig.gemm_impl={self.gemm_impl!r} cannot run "
-                             f"{self.block_m} x {self.block_n} x {self.block_k} tiles on "
-                             f"{self.gemm_warps} warps: {problem}")
+        if self.gemm_impl not in ("triton", "auto") and (self.block_m != 128 or self.block_n > 128
+                                           or self.gemm_warps != 4):
+            raise ValueError(f"TileConfig.gemm_impl={self.gemm_impl!r} runs 128 x (<= 128) "
+                             f"tiles on 4 warps, got {self.block_m} x {self.block_n}, "
+                             f"{self.gemm_warps} warps")
         if self.placement not in PLACEMENTS:
             raise ValueError(f"TileConfig.placement must be one of {PLACEMENTS}, got "
                              f"{self.placement!r}")
@@ -256,18 +254,7 @@ GPU_TILES = TileConfig(128, 128, 64, 4, 3, 32, 512, 4, placement="shared")
 #: = 65536; Triton: 2 x 4 x 32 x 200 + 12288 = 63488). Compiled without spills on sm_90
 #: (the Gluon kernel's MMA warpgroup still gets 184 after the workers give theirs back).
 SHARED_GEMM_MAXNREG = {"triton": 200, "gluon": 104, "gluon_inline_publish": 104}
-#: The Gluon kernel's two-warpgroup consumer (8 warps): one CTA of 8 + 4 warps per SM
-#: beside the GatherRS CTA, 12 x 32 x 136 + 12288 = 64512 (the consumer warps get
-#: (12 x 136 - 4 x 24) / 8 = 192 after setmaxnreg: a 128 x 256 accumulator is 128)
-SHARED_GEMM_MAXNREG_TWO_WARPGROUPS = 160
 SHARED_COMM_MAXNREG = 96
-
-
-def shared_gemm_maxnreg(tiles: "TileConfig") -> int:
-    """GEMM2's register cap per thread in the shared placement, for its kernel and warps."""
-    if tiles.gemm_impl != "triton" and tiles.gemm_warps == 8:
-        return SHARED_GEMM_MAXNREG_TWO_WARPGROUPS
-    return SHARED_GEMM_MAXNREG[tiles.gemm_impl]
 
 
 @functools.lru_cache(maxsize=8)  # read once: the default is looked up on every launch
@@ -386,5 +373,5 @@ def with_register_caps(tiles: TileConfig) -> TileConfig:
     if tiles.placement != "shared":
         return tiles
     return dataclasses.replace(
-        tiles, gemm_maxnreg=tiles.gemm_maxnreg or shared_gemm_maxnreg(tiles),
+        tiles, gemm_maxnreg=tiles.gemm_maxnreg or SHARED_GEMM_MAXNREG[tiles.gemm_impl],
         comm_maxnreg=tiles.comm_maxnreg or SHARED_COMM_MAXNREG)
