@@ -84,16 +84,14 @@ from .launch_cache import LaunchCache
 @triton.jit(do_not_specialize=["tokens_per_rank", "num_splits", "rank", "world", "topk",
                                "num_experts", "gemm_col_tiles", "gemm_last_col_tiles",
                                "max_spins", "timeout_us", "pid_base", "comm_programs",
-                               "helpers", "call_no", "dtype_code", "tail_bands"])
+                               "helpers", "call_no", "dtype_code"])
 def gather_rs_kernel(
-    # pointers (band_start_ptr: the last split's first row tile of each token band,
-    # `tail_bands.TailOrder.band_start`; read only with tail_bands > 1)
+    # pointers
     y_ptr, table_ptr, prob_ptr, dst_ptrs, signal_ptrs, ready_ptr, done_ptr, error_ptr,
-    tile_start_ptr, partial_like_ptr, epoch_ptr, record_ptr, band_start_ptr,
+    tile_start_ptr, partial_like_ptr, epoch_ptr, record_ptr,
     # sizes and protocol values (call_no, dtype_code: this launch's descriptor)
     tokens_per_rank, N, split_width, num_splits, rank, world, topk, num_experts,
     gemm_col_tiles, gemm_last_col_tiles, max_spins, timeout_us, call_no, dtype_code,
-    tail_bands,
     # programs: [0, comm_programs) launched before GEMM2; [comm_programs, + helpers) by a
     # second launch after it (pid_base = comm_programs), for the last split only
     pid_base, comm_programs, helpers,
@@ -132,14 +130,11 @@ def gather_rs_kernel(
         # idle: its items are shared by the communication CTAs and the tail helpers.
         stride = tl.where(last, all_programs, comm_programs)
         first = tl.where(pid < stride, pid, items)  # helpers skip the earlier splits
-        # the last split in token bands: each item waits for its band (below) instead
-        banded = last & (tail_bands > 1)
-        if (first < items) & (alive == 1) & (banded == 0):
+        if (first < items) & (alive == 1):
             ok = wait_at_least(ready_ptr + split, expected, max_spins, timeout_ns, "gpu")
             if ok == 0:
                 tl.atomic_cas(error_ptr, 0, (1 << 24) | split)
                 alive = alive * 0
-        waited = pid * 0 - 1  # bands of the last split waited for: 0..waited
         end_col = tl.multiple_of(tl.minimum(N, (split + 1) * split_width), COL_ALIGN)
         # ITEM_STAGES > 1: Triton's pipeliner turns the table and y gathers of the next
         # ITEM_STAGES - 1 items into cp.async copies into shared memory, so a CTA keeps
@@ -150,18 +145,6 @@ def gather_rs_kernel(
             rest = item // world
             col_block = rest % col_blocks
             token_block = rest // col_blocks
-            if banded:
-                # every band up to this item's: a row tile holding a row of band b is in
-                # a band <= b (tail_bands.py), so bands 0..b cover the item's rows
-                band = token_block * tail_bands // token_blocks
-                while (waited < band) & (alive == 1):
-                    waited += 1
-                    tiles = tl.load(band_start_ptr + waited + 1) - tl.load(band_start_ptr + waited)
-                    ok = wait_at_least(ready_ptr + split + waited, tiles * gemm_last_col_tiles,
-                                       max_spins, timeout_ns, "gpu")
-                    if ok == 0:
-                        tl.atomic_cas(error_ptr, 0, (1 << 24) | (split + waited))
-                        alive = alive * 0
             local = token_block * BLOCK_TM + tl.arange(0, BLOCK_TM)  # row in dst's slice
             cols = split * split_width + col_block * BLOCK_TN + tl.arange(0, BLOCK_TN)
             tok_ok = local < tokens_per_rank
@@ -229,8 +212,8 @@ def gather_rs_kernel(
             # every program of the call has read the epoch (each added to `done` after)
             tl.store(epoch_ptr, epoch)
         tl.store(done_ptr, 0)
-        for word in range(num_splits - 1 + tail_bands):  # the splits' and the bands' words
-            tl.store(ready_ptr + word, 0)
+        for split in range(num_splits):
+            tl.store(ready_ptr + split, 0)
 
 
 @triton.jit(do_not_specialize=["numel"])
@@ -282,7 +265,7 @@ def launch_gather_rs(
     token_major: bool = False, maxnreg: int | None = None,
     width: int | None = None, gemm_last_col_tiles: int | None = None,
     wait_timeout_s: float = WAIT_TIMEOUT_S, record: torch.Tensor | None = None,
-    call_no: int = 0, dtype_code: int = 0, band_start: torch.Tensor | None = None,
+    call_no: int = 0, dtype_code: int = 0,
 ):
     """Launch exactly `programs` communication CTAs. y [T, N] in GEMM2's row order, or
     with `token_major` [M * k, N] with slot j of token t at row t * k + j, which needs
@@ -300,9 +283,7 @@ def launch_gather_rs(
     `dst_ptrs` then holds both parities' tables, [2, world]); `call_no`, `dtype_code`:
     this launch's descriptor beside M and N, agreed on at the barrier, and `record`
     (int32 [RECORD_WORDS], default `error`'s word, where world 1 never writes it) where
-    a mismatch is recorded; `band_start`: the last split's token bands
-    (`tail_bands.TailOrder.band_start`, B + 1 words; None: one band), whose readiness
-    words follow the splits' (ready[L - 1 + b]) and are waited for band by band."""
+    a mismatch is recorded."""
     if token_major and not slot_loop:
         raise ValueError("a token-major y is gathered one slot at a time (slot_loop=True)")
     hidden = y.shape[1]
@@ -313,12 +294,11 @@ def launch_gather_rs(
     probs = probs.contiguous() if has_probs else y
     args = (y, table, probs, dst_ptrs, signal_ptrs, ready, done,
             error, tile_start, partial_like, epoch, error if record is None else record,
-            tile_start if band_start is None else band_start, tokens_per_rank, hidden,
+            tokens_per_rank, hidden,
             width or split_width(hidden, splits), splits, rank, world, table.shape[1],
             tile_start.numel() - 1, gemm_col_tiles,
             gemm_col_tiles if gemm_last_col_tiles is None else gemm_last_col_tiles,
             max_spins, timeout_us(wait_timeout_s), call_no, dtype_code,
-            1 if band_start is None else band_start.numel() - 1,
             programs if launch_helpers else 0, programs, helpers,
             y.stride(0), y.stride(1), dst_slot_stride, dst_row_stride)
     meta = dict(BLOCK_TM=block_tm, BLOCK_TN=block_tn, TOPK_POW2=slots,

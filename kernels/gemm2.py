@@ -45,16 +45,13 @@ from .gemm2_layout import column_alignment, next_pow2, operands, split_col_tiles
 from .launch_cache import LaunchCache, descriptor
 
 
-@triton.jit(do_not_specialize=["num_experts", "K", "num_splits", "dest_rows", "tail_bands"])
+@triton.jit(do_not_specialize=["num_experts", "K", "num_splits", "dest_rows"])
 def grouped_gemm2_kernel(
-    # tensor descriptors (TMA on Hopper) and pointers; tail_order / tail_band: the last
-    # split's row tiles in band order and their bands (`tail_bands.py`)
+    # tensor descriptors (TMA on Hopper) and pointers
     x_desc, w_desc, y_ptr, row_start_ptr, tile_start_ptr, ready_ptr, dest_ptr,
-    tail_order_ptr, tail_band_ptr,
     # sizes (N and split_width are specialized: their divisibility lets the stores
-    # vectorize; they change only with the model); dest_rows: rows of y when SCATTER;
-    # tail_bands: the last split's token bands (1: none)
-    num_experts, K, N, split_width, num_splits, dest_rows, tail_bands,
+    # vectorize; they change only with the model); dest_rows: rows of y when SCATTER
+    num_experts, K, N, split_width, num_splits, dest_rows,
     # strides
     stride_ym, stride_yn,
     # meta-parameters
@@ -83,8 +80,6 @@ def grouped_gemm2_kernel(
         cols_here = tl.where(split == num_splits - 1, last_cols, col_tiles)
         row_tile = in_split // cols_here
         col_tile = in_split - row_tile * cols_here
-        row_tile, flag = tail_position(split, row_tile, num_splits, tail_bands,
-                                       tail_order_ptr, tail_band_ptr)
         # the expert of a row tile: the number of experts whose tiles end before it
         expert = tl.sum((tile_end <= row_tile).to(tl.int32))
         mine = experts == expert
@@ -118,20 +113,7 @@ def grouped_gemm2_kernel(
         tl.store(y_tile, acc.to(y_ptr.dtype.element_ty),
                  mask=row_ok[:, None] & (cols < end_col)[None, :])
         tl.debug_barrier()  # every thread's stores are issued before the release below
-        tl.atomic_add(ready_ptr + flag, 1, sem="release", scope="gpu")
-
-
-@triton.jit
-def tail_position(split, row_tile, num_splits, tail_bands, tail_order_ptr, tail_band_ptr):
-    """(row tile, readiness word) of position `row_tile` of `split`: in the last split
-    with bands, the row tile at that position of the band order and its band's word
-    (L - 1 + band); else the same row tile and the split's word. (The loads always run,
-    at position 0 outside the banded split: no branch in front of the tile's loads.)"""
-    banded = (split == num_splits - 1) & (tail_bands > 1)
-    at = tl.where(banded, row_tile, 0)
-    band = tl.load(tail_band_ptr + at)
-    tile = tl.where(banded, tl.load(tail_order_ptr + at).to(tl.int32), row_tile)
-    return tile, split + tl.where(banded, band, 0)
+        tl.atomic_add(ready_ptr + split, 1, sem="release", scope="gpu")
 
 
 def expert_offsets(counts: torch.Tensor, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -181,13 +163,13 @@ def packed_offsets_host(counts: list[int], block_m: int, device) -> tuple[torch.
 
 def _gemm2_args(x, weight, y, row_start, tile_start, ready, splits, block_m, block_n,
                 block_k, num_warps, num_stages, upcast, flatten, dest=None, maxnreg=None,
-                width=None, tail=None):
+                width=None):
     num_experts, hidden, k = weight.shape
     x_desc = descriptor(TensorDescriptor, x, (block_m, block_k))
     w_desc = descriptor(TensorDescriptor, weight.view(num_experts * hidden, k),
                         (block_n, block_k))
     args = (x_desc, w_desc) + operands(weight, y, row_start, tile_start, ready, splits, dest,
-                                       width, tail)
+                                       width)
     meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                 EXPERTS_POW2=next_pow2(num_experts), UPCAST=upcast,
                 COL_ALIGN=column_alignment(hidden, splits, width), FLATTEN=flatten,
@@ -204,7 +186,6 @@ def launch_grouped_gemm2(
     kernel=grouped_gemm2_kernel, upcast: bool = False, warmup: bool = False,
     flatten: bool = False, dest: torch.Tensor | None = None, impl: str = "triton",
     launcher: bool = False, maxnreg: int | None = None, width: int | None = None,
-    tail=None,
 ):
     """Launch with exactly `programs` persistent CTAs. x [T, K], weight [E, N, K]; y [T, N],
     or with `dest` ([T] int32) any [R, N] with row j of the product stored at y[dest[j]]
@@ -217,8 +198,7 @@ def launch_grouped_gemm2(
     caps the registers per thread (None: the compiler's choice; the Gluon kernel's
     `gemm2_ws.MAXNREG`), so that other kernels' CTAs fit beside two of these per SM.
     `width`: the split width sw (default ceil(N/L); a larger one narrows the last split,
-    `split_col_tiles`). `tail`: the last split's token bands (`tail_bands.TailOrder`;
-    None: one), its row tiles then taken in band order and published per band.
+    `split_col_tiles`).
     """
     if width is not None:
         split_col_tiles(weight.shape[1], splits, width, block_n)  # (raises if it does not fit)
@@ -230,15 +210,14 @@ def launch_grouped_gemm2(
                             programs=programs, block_m=block_m, block_n=block_n,
                             block_k=block_k, num_warps=num_warps, num_stages=num_stages,
                             dest=dest, publisher=impl != "gluon_inline_publish",
-                            warmup=warmup, launcher=launcher, maxnreg=maxnreg, width=width,
-                            tail=tail)
+                            warmup=warmup, launcher=launcher, maxnreg=maxnreg, width=width)
     if launcher:
         raise ValueError("launcher=True is for the Gluon kernels: use grouped_gemm2_launcher")
     if x.shape[0] == 0:
         return None  # no rows, no tiles: every split is ready with zero tiles
     args, meta = _gemm2_args(x, weight, y, row_start, tile_start, ready, splits, block_m,
                              block_n, block_k, num_warps, num_stages, upcast, flatten, dest,
-                             maxnreg, width, tail)
+                             maxnreg, width)
     if warmup:
         return kernel.warmup(*args, grid=(1,), **meta)
     if kernel is grouped_gemm2_kernel:
@@ -251,7 +230,7 @@ def grouped_gemm2_launcher(x, weight, y, row_start, tile_start, ready, *, splits
                            num_warps: int = 4, num_stages: int = 3, upcast: bool = False,
                            flatten: bool = False, dest: torch.Tensor | None = None,
                            impl: str = "triton", maxnreg: int | None = None,
-                           width: int | None = None, tail=None):
+                           width: int | None = None):
     """A callable `launch(stream=None)` that launches GEMM2 (as `launch_grouped_gemm2`),
     with its kernel compiled and loaded now: launched after GatherRS, GEMM2 must not wait
     for a JIT compile or a lazy module load while communication CTAs spin on its flags."""
@@ -261,13 +240,13 @@ def grouped_gemm2_launcher(x, weight, y, row_start, tile_start, ready, *, splits
                                     splits=splits, programs=programs, block_m=block_m,
                                     block_n=block_n, block_k=block_k, num_warps=num_warps,
                                     num_stages=num_stages, dest=dest, impl=impl,
-                                    launcher=True, maxnreg=maxnreg, width=width, tail=tail)
+                                    launcher=True, maxnreg=maxnreg, width=width)
     _check_dest(x, dest)
     if x.shape[0] == 0:
         return lambda stream=None: None
     args, meta = _gemm2_args(x, weight, y, row_start, tile_start, ready, splits, block_m,
                              block_n, block_k, num_warps, num_stages, upcast, flatten, dest,
-                             maxnreg, width, tail)
+                             maxnreg, width)
     hit = _GEMM2.compiled(args, meta)
     return lambda stream=None: _GEMM2.launch((programs,), args, meta, hit, stream=stream)
 

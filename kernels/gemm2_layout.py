@@ -39,14 +39,10 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def operands(weight, y, row_start, tile_start, ready, splits, dest, width=None,
-             tail=None) -> tuple:
+def operands(weight, y, row_start, tile_start, ready, splits, dest, width=None) -> tuple:
     """Both GEMM2 kernels' arguments after the two tensor descriptors (`width`: the
-    split width, default ceil(N/L); `tail`: the last split's band order,
-    `tail_bands.TailOrder`, or None for one band)."""
+    split width, default ceil(N/L))."""
     num_experts, hidden, k = weight.shape
-    order, band, bands = (tail.order, tail.band, tail.bands) if tail is not None \
-        else (row_start, row_start, 1)  # (one band: never read)
     return (y, row_start, tile_start, ready, dest if dest is not None else row_start,
-            order, band, num_experts, k, hidden, width or split_width(hidden, splits),
-            splits, y.shape[0], bands, y.stride(0), y.stride(1))
+            num_experts, k, hidden, width or split_width(hidden, splits), splits, y.shape[0],
+            y.stride(0), y.stride(1))

@@ -40,38 +40,18 @@ MAXNREG = 128  # 2 CTAs of (4 + 4 rounded-up loader) warps per SM: 2 * 256 * 128
 
 
 @gluon.jit
-def _split_position(tile, tiles_per_split, col_tiles, last_cols, num_splits):
-    """(split, position of the row tile in it, column tile) of a tile."""
+def _tile_of(tile, tiles_per_split, col_tiles, last_cols, num_splits, split_width,
+             row_start_ptr, tile_start_ptr, num_experts, BLOCK_M: gl.constexpr,
+             BLOCK_N: gl.constexpr, SEARCH_STEPS: gl.constexpr):
+    """(split, expert, first row, end row of the expert, first column) of a tile, in the
+    Triton kernel's order. The expert is found by a binary search over tile_start
+    (scalar loads that stay in L1): Triton 3.6 cannot build a reduction inside a
+    warp-specialized partition, which the Triton kernel's register-table lookup needs."""
     split = gl.minimum(tile // tiles_per_split, num_splits - 1)
     in_split = tile - split * tiles_per_split
     cols_here = gl.where(split == num_splits - 1, last_cols, col_tiles)
     row_tile = in_split // cols_here
-    return split, row_tile, in_split - row_tile * cols_here
-
-
-@gluon.jit
-def _tail_position(split, row_tile, num_splits, tail_bands, tail_order_ptr, tail_band_ptr):
-    """(row tile, readiness word): `gemm2.tail_position`, the last split in band order."""
-    banded = (split == num_splits - 1) & (tail_bands > 1)
-    at = gl.where(banded, row_tile, 0)
-    band = gl.load(tail_band_ptr + at)
-    tile = gl.where(banded, gl.load(tail_order_ptr + at).to(gl.int32), row_tile)
-    return tile, split + gl.where(banded, band, 0)
-
-
-@gluon.jit
-def _tile_of(tile, tiles_per_split, col_tiles, last_cols, num_splits, split_width,
-             row_start_ptr, tile_start_ptr, num_experts, tail, BLOCK_M: gl.constexpr,
-             BLOCK_N: gl.constexpr, SEARCH_STEPS: gl.constexpr):
-    """(split, expert, first row, end row of the expert, first column, readiness word) of
-    a tile, in the Triton kernel's order (`tail`: the band order's pointers and bands). The expert is found by a binary search over tile_start
-    (scalar loads that stay in L1): Triton 3.6 cannot build a reduction inside a
-    warp-specialized partition, which the Triton kernel's register-table lookup needs."""
-    split, row_tile, col_tile = _split_position(tile, tiles_per_split, col_tiles, last_cols,
-                                                num_splits)
-    tail_order_ptr, tail_band_ptr, tail_bands = tail
-    row_tile, flag = _tail_position(split, row_tile, num_splits, tail_bands, tail_order_ptr,
-                                    tail_band_ptr)
+    col_tile = in_split - row_tile * cols_here
     lo = 0  # the expert (the last one starting at or before row_tile) lies in [lo, hi)
     hi = num_experts
     for _ in gl.static_range(SEARCH_STEPS):
@@ -83,7 +63,7 @@ def _tile_of(tile, tiles_per_split, col_tiles, last_cols, num_splits, split_widt
         + (row_tile - gl.load(tile_start_ptr + expert)) * BLOCK_M
     end_row = gl.load(row_start_ptr + expert + 1)
     col0 = split * split_width + col_tile * BLOCK_N
-    return split, expert, first_row, end_row, col0, flag
+    return split, expert, first_row, end_row, col0
 
 
 @gluon.jit
@@ -106,17 +86,16 @@ def _load_partition(descs, bufs, bars, ptrs, sizes, BLOCK_M: gl.constexpr,
     x_desc, w_desc = descs
     a_bufs, b_bufs = bufs
     ready_bars, empty_bars, stored_bars, free_bars = bars
-    y_ptr, dest_ptr, ready_ptr, row_start_ptr, tile_start_ptr, tail_order_ptr, tail_band_ptr = ptrs
-    num_experts, K, N, split_width, num_splits, dest_rows, tail_bands, stride_ym, stride_yn = sizes
-    tail = (tail_order_ptr, tail_band_ptr, tail_bands)
+    y_ptr, dest_ptr, ready_ptr, row_start_ptr, tile_start_ptr = ptrs
+    num_experts, K, N, split_width, num_splits, dest_rows, stride_ym, stride_yn = sizes
     tiles_per_split, total, last_cols = _tile_counts(tile_start_ptr, num_experts, N,
                                                      split_width, num_splits, BLOCK_N)
     nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes
     count = 0
     for tile in range(gl.program_id(0), total, gl.num_programs(0)):
-        split, expert, first_row, end_row, col0, flag = _tile_of(
+        split, expert, first_row, end_row, col0 = _tile_of(
             tile, tiles_per_split, gl.cdiv(split_width, BLOCK_N), last_cols, num_splits,
-            split_width, row_start_ptr, tile_start_ptr, num_experts, tail, BLOCK_M, BLOCK_N,
+            split_width, row_start_ptr, tile_start_ptr, num_experts, BLOCK_M, BLOCK_N,
             SEARCH_STEPS)
         for k0 in range(0, K, BLOCK_K):
             slot = count % STAGES
@@ -142,21 +121,16 @@ def _publish_partition(descs, bufs, bars, ptrs, sizes, BLOCK_M: gl.constexpr,
     its arrive on stored[s] (release, CTA scope), this warp's wait (acquire, CTA scope),
     then the atomic (release, GPU scope: cumulative over what this warp has observed)."""
     ready_bars, empty_bars, stored_bars, free_bars = bars
-    y_ptr, dest_ptr, ready_ptr, row_start_ptr, tile_start_ptr, tail_order_ptr, tail_band_ptr = ptrs
-    num_experts, K, N, split_width, num_splits, dest_rows, tail_bands, stride_ym, stride_yn = sizes
-    tail = (tail_order_ptr, tail_band_ptr, tail_bands)
+    y_ptr, dest_ptr, ready_ptr, row_start_ptr, tile_start_ptr = ptrs
+    num_experts, K, N, split_width, num_splits, dest_rows, stride_ym, stride_yn = sizes
     tiles_per_split, total, last_cols = _tile_counts(tile_start_ptr, num_experts, N,
                                                      split_width, num_splits, BLOCK_N)
     i = 0
     for tile in range(gl.program_id(0), total, gl.num_programs(0)):
         slot = i % SLOTS
-        split, row_tile, _ = _split_position(tile, tiles_per_split,
-                                             gl.cdiv(split_width, BLOCK_N), last_cols,
-                                             num_splits)
-        _, flag = _tail_position(split, row_tile, num_splits, tail_bands, tail_order_ptr,
-                                 tail_band_ptr)  # (loaded before the wait: off its path)
         mbarrier.wait(stored_bars.index(slot), (i // SLOTS) & 1)
-        gl.atomic_add(ready_ptr + flag, 1, sem="release", scope="gpu")
+        split = gl.minimum(tile // tiles_per_split, num_splits - 1)
+        gl.atomic_add(ready_ptr + split, 1, sem="release", scope="gpu")
         mbarrier.arrive(free_bars.index(slot))
         i += 1
 
@@ -170,9 +144,8 @@ def _mma_partition(bufs, bars, ptrs, sizes, BLOCK_M: gl.constexpr, BLOCK_N: gl.c
     shared memory for row-contiguous 16-byte stores) and the tile's publication."""
     a_bufs, b_bufs = bufs
     ready_bars, empty_bars, stored_bars, free_bars = bars
-    y_ptr, dest_ptr, ready_ptr, row_start_ptr, tile_start_ptr, tail_order_ptr, tail_band_ptr = ptrs
-    num_experts, K, N, split_width, num_splits, dest_rows, tail_bands, stride_ym, stride_yn = sizes
-    tail = (tail_order_ptr, tail_band_ptr, tail_bands)
+    y_ptr, dest_ptr, ready_ptr, row_start_ptr, tile_start_ptr = ptrs
+    num_experts, K, N, split_width, num_splits, dest_rows, stride_ym, stride_yn = sizes
     WARPS: gl.constexpr = 4
     tiles_per_split, total, last_cols = _tile_counts(tile_start_ptr, num_experts, N,
                                                      split_width, num_splits, BLOCK_N)
@@ -184,9 +157,9 @@ def _mma_partition(bufs, bars, ptrs, sizes, BLOCK_M: gl.constexpr, BLOCK_N: gl.c
     count = 0
     i = 0
     for tile in range(gl.program_id(0), total, gl.num_programs(0)):
-        split, expert, first_row, end_row, col0, flag = _tile_of(
+        split, expert, first_row, end_row, col0 = _tile_of(
             tile, tiles_per_split, gl.cdiv(split_width, BLOCK_N), last_cols, num_splits,
-            split_width, row_start_ptr, tile_start_ptr, num_experts, tail, BLOCK_M, BLOCK_N,
+            split_width, row_start_ptr, tile_start_ptr, num_experts, BLOCK_M, BLOCK_N,
             SEARCH_STEPS)
         rows = first_row + gl.arange(0, BLOCK_M, layout=row_layout)
         if SCATTER:  # issued before the K loop, which hides its latency
@@ -221,15 +194,14 @@ def _mma_partition(bufs, bars, ptrs, sizes, BLOCK_M: gl.constexpr, BLOCK_N: gl.c
             mbarrier.wait(free_bars.index(slot), ((i // SLOTS) & 1) ^ 1)
             mbarrier.arrive(stored_bars.index(slot))
         else:
-            gl.atomic_add(ready_ptr + flag, 1, sem="release", scope="gpu")
+            gl.atomic_add(ready_ptr + split, 1, sem="release", scope="gpu")
         i += 1
 
 
-@gluon.jit(do_not_specialize=["num_experts", "K", "num_splits", "dest_rows", "tail_bands"])
+@gluon.jit(do_not_specialize=["num_experts", "K", "num_splits", "dest_rows"])
 def grouped_gemm2_ws_kernel(
     x_desc, w_desc, y_ptr, row_start_ptr, tile_start_ptr, ready_ptr, dest_ptr,
-    tail_order_ptr, tail_band_ptr,
-    num_experts, K, N, split_width, num_splits, dest_rows, tail_bands, stride_ym, stride_yn,
+    num_experts, K, N, split_width, num_splits, dest_rows, stride_ym, stride_yn,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
     SEARCH_STEPS: gl.constexpr, STAGES: gl.constexpr, COL_ALIGN: gl.constexpr,
     SCATTER: gl.constexpr, PUBLISHER: gl.constexpr,
@@ -252,10 +224,8 @@ def grouped_gemm2_ws_kernel(
     descs = (x_desc, w_desc)
     bufs = (a_bufs, b_bufs)
     bars = (ready_bars, empty_bars, stored_bars, free_bars)
-    ptrs = (y_ptr, dest_ptr, ready_ptr, row_start_ptr, tile_start_ptr, tail_order_ptr,
-            tail_band_ptr)
-    sizes = (num_experts, K, N, split_width, num_splits, dest_rows, tail_bands, stride_ym,
-             stride_yn)
+    ptrs = (y_ptr, dest_ptr, ready_ptr, row_start_ptr, tile_start_ptr)
+    sizes = (num_experts, K, N, split_width, num_splits, dest_rows, stride_ym, stride_yn)
     # (constexprs passed one by one: a tuple of them would lose their constexpr-ness)
     if PUBLISHER:
         gl.warp_specialize([
@@ -282,14 +252,14 @@ def _smem_layout(rows: int, cols: int):
 
 
 def _ws_args(x, weight, y, row_start, tile_start, ready, splits, block_m, block_n, block_k,
-             stages, dest, publisher, maxnreg=None, width=None, tail=None):
+             stages, dest, publisher, maxnreg=None, width=None):
     num_experts, hidden, k = weight.shape
     a_layout, b_layout = _smem_layout(block_m, block_k), _smem_layout(block_n, block_k)
     x_desc = descriptor(TensorDescriptor, x, (block_m, block_k), a_layout)
     w_desc = descriptor(TensorDescriptor, weight.view(num_experts * hidden, k),
                         (block_n, block_k), b_layout)
     args = (x_desc, w_desc) + operands(weight, y, row_start, tile_start, ready, splits, dest,
-                                       width, tail)
+                                       width)
     meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                 SEARCH_STEPS=(num_experts - 1).bit_length(), STAGES=stages,
                 COL_ALIGN=column_alignment(hidden, splits, width), SCATTER=dest is not None,
@@ -311,8 +281,7 @@ def launch_grouped_gemm2_ws(x, weight, y, row_start, tile_start, ready, *, split
                             num_warps: int = 4, num_stages: int = 3,
                             dest: torch.Tensor | None = None, publisher: bool = True,
                             warmup: bool = False, launcher: bool = False,
-                            maxnreg: int | None = None, width: int | None = None,
-                            tail=None):
+                            maxnreg: int | None = None, width: int | None = None):
     """`gemm2.launch_grouped_gemm2`'s contract (x [T, K] and weight [E, N, K] in bf16, y,
     offsets, ready flags, optional dest) with the warp-specialized kernel. With `warmup`
     it returns the compiled kernel; with `launcher` a `launch(stream=None)` callable whose
@@ -323,8 +292,7 @@ def launch_grouped_gemm2_ws(x, weight, y, row_start, tile_start, ready, *, split
     if x.shape[0] == 0:
         return (lambda stream=None: None) if launcher else None
     args, meta = _ws_args(x, weight, y, row_start, tile_start, ready, splits, block_m,
-                          block_n, block_k, num_stages, dest, publisher, maxnreg, width,
-                          tail)
+                          block_n, block_k, num_stages, dest, publisher, maxnreg, width)
     if warmup:
         return grouped_gemm2_ws_kernel.warmup(*args, grid=(1,), **meta)
     if launcher:

@@ -34,7 +34,6 @@ VARIABLES = {
     "MEGATRON_OVERLAP_TAIL_HELPERS": "tail_helpers",
     "MEGATRON_OVERLAP_WAIT_TIMEOUT_S": "wait_timeout_s",
     "MEGATRON_OVERLAP_MAX_SPINS": "max_spins",
-    "MEGATRON_OVERLAP_TAIL_BANDS": "tail_bands",
 }
 #: variables earlier versions read deep in the op, and why none reads them now
 REMOVED = {

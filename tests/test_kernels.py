@@ -369,7 +369,7 @@ def test_every_kernel_compiles_for_hopper_without_a_gpu():
     done = subprocess.run([sys.executable, str(tool)], env=env, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count("ok ") == 25, done.stdout  # every listed kernel and mode
+    assert done.stdout.count("ok ") == 24, done.stdout  # every listed kernel and mode
     for name in ("gemm2", "gather_rs", "routing_table", "weighted_swiglu", "gather_rows",
                  "gated_add"):
         assert f"ok {name}" in done.stdout or f"ok grouped_{name}" in done.stdout, name
@@ -447,7 +447,7 @@ def test_launch_cache_keys_descriptors_on_layout_not_on_row_count(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     cache = LaunchCache(_RecordedTriton(JITFunction(
         gemm2.grouped_gemm2_kernel.fn,
-        do_not_specialize=["num_experts", "K", "num_splits", "dest_rows", "tail_bands"])))
+        do_not_specialize=["num_experts", "K", "num_splits", "dest_rows"])))
     w = torch.zeros(4 * 64, 32, dtype=torch.bfloat16)
     meta = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, EXPERTS_POW2=4, UPCAST=False,
                 COL_ALIGN=16, FLATTEN=False, SCATTER=False, num_warps=4, num_stages=3)
@@ -457,7 +457,7 @@ def test_launch_cache_keys_descriptors_on_layout_not_on_row_count(monkeypatch):
         y = torch.zeros(rows, 64, dtype=torch.bfloat16)
         idx = torch.zeros(5, dtype=torch.int32)
         return (TensorDescriptor.from_tensor(x, [16, 16]), TensorDescriptor.from_tensor(w, [16, 16]),
-                y, idx, idx, idx, idx, idx, idx, 4, 32, 64, 64, 1, rows, 1, 64, 1)
+                y, idx, idx, idx, idx, 4, 32, 64, 64, 1, rows, 64, 1)
 
     for rows in (32, 48, 40):  # row counts that keep / break divisibility by 16
         cache.launch((8,), args(rows), meta)

@@ -537,7 +537,7 @@ def test_missing_producer_raises_timeout_naming_split_and_rank(monkeypatch):
     p = routed_problem(0, 1, tokens=20, experts=2, topk=1, ffn=16, hidden=32)
     group_cfg = OverlapConfig(backend="interpret", max_spins=50)
     monkeypatch.setattr(gemm2, "launch_grouped_gemm2", lambda *a, **k: None)
-    with pytest.raises(OverlapTimeoutError, match=r"rank 0 timed out waiting for readiness word 0"):
+    with pytest.raises(OverlapTimeoutError, match=r"rank 0 timed out waiting for split 0"):
         call(p, 20, 1, group_cfg, splits=2)
     monkeypatch.undo()
     _refused_until_reset(p, group_cfg, "rebuilt")

@@ -27,11 +27,10 @@ def _gemm2_signature(desc: str, constexprs: dict) -> dict:
     """Both GEMM2 kernels' argument list (x and weight descriptors of type `desc`)."""
     return _signature({"x_desc": desc, "w_desc": desc, "y_ptr": "*bf16",
                        "row_start_ptr": "*i32", "tile_start_ptr": "*i32",
-                       "ready_ptr": "*i32", "dest_ptr": "*i32", "tail_order_ptr": "*i64",
-                       "tail_band_ptr": "*i32"},
+                       "ready_ptr": "*i32", "dest_ptr": "*i32"},
                       {n: "i32" for n in ("num_experts", "K", "N", "split_width",
-                                          "num_splits", "dest_rows", "tail_bands",
-                                          "stride_ym", "stride_yn")}, constexprs)
+                                          "num_splits", "dest_rows", "stride_ym",
+                                          "stride_yn")}, constexprs)
 
 
 def kernels():
@@ -43,13 +42,12 @@ def kernels():
     flags = {n: "*i32" for n in ("ready_ptr", "done_ptr", "error_ptr", "tile_start_ptr")}
     comm_ptrs = {"y_ptr": "*bf16", "table_ptr": "*i32", "prob_ptr": "*bf16",
                  "dst_ptrs": "*i64", "signal_ptrs": "*i64", **flags,
-                 "partial_like_ptr": "*bf16", "epoch_ptr": "*i32", "record_ptr": "*i32",
-                 "band_start_ptr": "*i32"}
+                 "partial_like_ptr": "*bf16", "epoch_ptr": "*i32", "record_ptr": "*i32"}
     comm_ints = {n: "i32" for n in ("tokens_per_rank", "N", "split_width", "num_splits", "rank",
                                     "world", "topk", "num_experts", "gemm_col_tiles",
                                     "gemm_last_col_tiles",
                                     "max_spins", "timeout_us", "call_no", "dtype_code",
-                                    "tail_bands", "pid_base", "comm_programs", "helpers",
+                                    "pid_base", "comm_programs", "helpers",
                                     "stride_ym", "stride_yn")}
     comm_ints.update(dst_slot_stride="i64", dst_row_stride="i32")
     comm_ints.pop("stride_yn")  # y is row-major: Triton specializes a stride of 1
@@ -143,14 +141,6 @@ def kernels():
                _signature(marks_ptrs, {n: "i32" for n in (
                    "num_rows", "num_tokens", "topk", "num_experts", "words", "block_m",
                    "fill_per_program")}, meta), meta, dict(num_warps=4), None)
-    from megatron_overlap.kernels import tail_bands
-
-    meta = dict(BLOCK_M=128, BLOCK_TM=8, EXPERTS_POW2=64)
-    yield ("tile_bands", tail_bands.tile_bands_kernel,
-           _signature({"token_ptr": "*i64", "row_start_ptr": "*i32", "tile_start_ptr": "*i32",
-                       "band_ptr": "*i32"}, {n: "i32" for n in (
-                           "num_experts", "tokens_per_rank", "token_blocks", "bands")}, meta),
-           meta, dict(num_warps=4), None)
     meta = dict(BLOCK_R=128, EXPERTS_POW2=64, WORDS_POW2=2, SPAN=8, WRITE_DEST=True)
     yield ("routing_table slots dest=True", rt.routing_slots_kernel,
            _signature({"token_index_ptr": "*i64", "row_start_ptr": "*i32", "table_ptr": "*i32",

@@ -43,8 +43,6 @@ for s in "$@"; do
     te_gpu_tests) stage te_gpu_tests ${TE_TEST_SECS:-300} python3 -m pytest -q -m gpu -p no:cacheprovider \
         --rootdir "$REPO" -c "$REPO/pyproject.toml" -rs "$REPO/tests/test_mcore_te_gpu.py" \
         "$REPO/tests/test_megatron_lm_launch_gpu.py" ;;
-    bands_gpu) stage bands_gpu ${BANDS_TEST_SECS:-150} python3 -m pytest -q -m gpu -p no:cacheprovider \
-        --rootdir "$REPO" -c "$REPO/pyproject.toml" -rs "$REPO/tests/test_tail_bands_gpu.py" ;;
     hf_gpu) stage hf_gpu ${HF_SECS:-240} python3 -m pytest -q -m gpu -p no:cacheprovider \
         --rootdir "$REPO" -c "$REPO/pyproject.toml" -rs "$REPO/tests/test_hf_checkpoint.py" ;;
     layers_te) stage layer_te_TP1EP1 ${LAYER_SECS:-240} torchrun --nproc-per-node 1 \
@@ -267,21 +265,6 @@ for s in "$@"; do
           "$REPO/tools/bench_gemm2.py" --model ${OP_MODELS:-granite,qwen,deepseek} --layout $lay \
           --seqs ${OP_SEQS:-4096,16384} ${GEMM_VARIANTS:+--variants $GEMM_VARIANTS} \
           --samples ${OP_SAMPLES:-10} --json "$OUT/gemm2_${TAG:-}$lay.json"; done ;;
-    bands_diag)  # one workload with bands, bounded waits short, Python stacks on a hang
-      cd "$OUT" && RANK=0 WORLD_SIZE=1 LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=29517 \
-        PYTHONFAULTHANDLER=1 MEGATRON_OVERLAP_TAIL_BANDS=${DIAG_BANDS:-2} MEGATRON_OVERLAP_WAIT_TIMEOUT_S=10 \
-        stage bands_diag ${DIAG_SECS:-120} timeout -s ABRT $(( ${DIAG_SECS:-120} - 10 )) python3 \
-        "$REPO/tools/bench_op.py" --model granite --layout TP1EP1 --seqs 4096 --routing uniform \
-        --cset 132 --lset 1,2,4 --samples 4 --warmup 1 --preset h200 --cuda-graph --graph-sweep \
-        --json "$OUT/op_bands_diag.json"; cd /tmp ;;
-    bands_sweep)  # the one-GPU op with the last split in B token bands, per B in BANDS,
-      # its L swept too (CUDA-graph replays beside torch's GEMM2 alone)
-      for b in ${BANDS:-1 2 4 8}; do
-        MEGATRON_OVERLAP_TAIL_BANDS=$b stage bands_${b}_TP1EP1 ${BENCH_SECS:-200} torchrun \
-          --nproc-per-node 1 "$REPO/tools/bench_op.py" --model ${OP_MODELS:-granite,qwen,deepseek} \
-          --layout ${BANDS_LAYOUT:-TP1EP1} --seqs ${OP_SEQS:-4096,16384} --routing ${ROUTING:-uniform} \
-          --cset 132 --lset ${LSET:-1,2,4} --samples ${OP_SAMPLES:-10} --warmup 2 --preset h200 \
-          --cuda-graph --graph-sweep --json "$OUT/op_bands${b}_${BANDS_LAYOUT:-TP1EP1}.json"; done ;;
     ncu_phases)  # hardware counters of each phase alone: torch's GEMM2, ours, GatherRS
       for m in ${NCU_MODELS:-granite qwen}; do for ph in torch_gemm2 gemm2 comm; do
         stage ncu_${m}_$ph 120 ncu --clock-control none -k "regex:${NCU_KERNELS:-gemm|cutlass|gather_rs}" \

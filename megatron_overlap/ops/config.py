@@ -12,7 +12,6 @@ import torch
 
 from ..planner import (A100_PAPER, Calibration, DeviceSpec, KernelSpec, Preset, get_preset,
                        preset_for_device)
-from ..kernels.tail_bands import MAX_TAIL_BANDS
 from ..planner.presets import MAX_SPLITS  # (the readiness flags: one word per split)
 from .. import env
 from ..kernels.gather_rs import MAX_WAIT_TIMEOUT_S, WAIT_TIMEOUT_S
@@ -65,9 +64,6 @@ class OverlapConfig:
     tail_helpers: when GEMM2 ends, launch one more GatherRS CTA per SM it leaves, to
         share the last split (which becomes ready only then) with the C communication
         CTAs; False leaves the last split to the C CTAs, as the paper's model assumes.
-    tail_bands: B, token bands of the last split (`kernels/tail_bands.py`): GEMM2 takes
-        the last split's row tiles in band order and GatherRS combines band b as soon as
-        bands 0..b are stored, so only the last band's combine follows GEMM2. None: 1.
     placement: where the communication CTAs run when `tiles` is None (TileConfig.placement):
         "shared" (one beside GEMM2's on every SM; the Hopper default), "partition" (SMs
         of their own, the paper's scheme), or None (the default tiles' own).
@@ -88,7 +84,6 @@ class OverlapConfig:
     placement: str | None = None
     # (last: a field added after the others keeps positional construction working)
     wait_timeout_s: float = WAIT_TIMEOUT_S
-    tail_bands: int | None = None
 
     @classmethod
     def from_env(cls, **overrides) -> "OverlapConfig":
@@ -96,7 +91,7 @@ class OverlapConfig:
         `overrides` win (a field given there is not read from its variable):
         MEGATRON_OVERLAP_TILES (a `tools/tune_tiles.py` JSON: tiles, in `placement` where
         that is set too), _PLACEMENT (shared | partition), _TAIL_HELPERS (0/1, false/true,
-        no/yes, off/on), _WAIT_TIMEOUT_S (seconds), _MAX_SPINS, _TAIL_BANDS, each setting the field of
+        no/yes, off/on), _WAIT_TIMEOUT_S (seconds), _MAX_SPINS, each setting the field of
         its name. Unset or empty: the default. A bad value raises ValueError naming the
         variable; any other MEGATRON_OVERLAP_* set draws a warning (megatron_overlap/env.py)."""
         fields = env.fields_from_env({  # (each field's bounds are OverlapConfig's)
@@ -105,7 +100,6 @@ class OverlapConfig:
             "tail_helpers": lambda n: env.env_bool(n, True),
             "wait_timeout_s": lambda n: env.env_float(n, WAIT_TIMEOUT_S, MAX_WAIT_TIMEOUT_S),
             "max_spins": lambda n: env.env_int(n, MAX_SPINS, 1, MAX_SPINS),
-            "tail_bands": lambda n: env.env_int(n, 1, 1, MAX_TAIL_BANDS),
         }, overrides)
         if "tiles" not in overrides and fields.get("tiles") is not None:
             # a tiles file in the placement asked for, as the default tiles are
@@ -125,8 +119,6 @@ class OverlapConfig:
                 raise ValueError(f"OverlapConfig.{name} must be an int in [1, {most}] or None, "
                                  f"got {value!r}")
         _check_int("sm_margin", self.sm_margin, 0, MAX_SMS - 1)
-        if self.tail_bands is not None:
-            _check_int("tail_bands", self.tail_bands, 1, MAX_TAIL_BANDS)
         # (GatherRS counts its polls in int32: a larger bound would never be reached)
         _check_int("max_spins", self.max_spins, 1, MAX_SPINS)
         t = self.wait_timeout_s

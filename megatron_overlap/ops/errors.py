@@ -67,9 +67,8 @@ def describe_error(code: int, rank: int, expected: int | None = None,
     kind, value = code >> 24, code & 0xFFFFFF
     if kind == grs.ERR_READY_TIMEOUT:
         more = f" (expected {expected} GEMM2 tiles)" if expected is not None else ""
-        return (f"GatherRS on rank {rank} timed out waiting for readiness word {value} (split "
-                f"{value}; with token bands, words L - 1 on are the last split's bands) "
-                f"to become ready{more}{_waited(bounds)}: a GEMM2 producer never published it")
+        return (f"GatherRS on rank {rank} timed out waiting for split {value} to become "
+                f"ready{more}{_waited(bounds)}: a GEMM2 producer never published it")
     if kind == ERR_UNSORTED:
         return (f"token_index on rank {rank} is not in Megatron-Core's permutation order "
                 f"(rows grouped by local expert, tokens strictly ascending inside each, all "

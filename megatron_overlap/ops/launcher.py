@@ -39,13 +39,12 @@ class _Streams:
         self.join = torch.cuda.Event()  # side -> main after it
 
 
-def _gemm2_args(buf: OverlapBuffer, lp: LaunchPlan, hidden: int, width: int,
-                routing: Routing) -> dict:
+def _gemm2_args(buf: OverlapBuffer, lp: LaunchPlan, hidden: int, width: int, dest) -> dict:
     t = lp.tiles
-    return dict(splits=lp.splits, dest=routing.dest, tail=routing.tail, programs=lp.plan.compute_slots, block_m=t.block_m,
+    return dict(splits=lp.splits, programs=lp.plan.compute_slots, block_m=t.block_m,
                 block_n=t.block_n, block_k=t.block_k, num_warps=t.gemm_warps,
                 num_stages=t.gemm_stages, upcast=buf.backend == "interpret",
-                flatten=t.gemm_flatten, impl=t.gemm_impl, maxnreg=t.gemm_maxnreg,
+                flatten=t.gemm_flatten, dest=dest, impl=t.gemm_impl, maxnreg=t.gemm_maxnreg,
                 width=width)
 
 
@@ -66,7 +65,7 @@ def _launch_comm(buf: OverlapBuffer, lp: LaunchPlan, y, routing: Routing, probs,
         block_tm=lp.family.comm_tm, block_tn=lp.family.comm_tn, num_warps=t.comm_warps,
         item_stages=t.comm_stages, slot_loop=t.comm_slot_loop, helpers=helpers,
         token_major=routing.dest is not None, maxnreg=t.comm_maxnreg, **target.descriptor,
-        band_start=None if routing.tail is None else routing.tail.band_start, **kw)
+        **kw)
 
 
 def _overlapped(buf, lp, launch_gemm2, comm) -> None:
@@ -132,7 +131,7 @@ def launch(buf: OverlapBuffer, x, weight, routing: Routing, lp: LaunchPlan, prob
     width = width or gemm2.split_width(hidden, lp.splits)
     if y is None:
         y = torch.empty(x.shape[0], hidden, dtype=out.dtype, device=x.device)
-    gemm_args = _gemm2_args(buf, lp, hidden, width, routing)
+    gemm_args = _gemm2_args(buf, lp, hidden, width, routing.dest)
     operands = (x, weight, y, routing.row_start, routing.tile_start, buf.ready)
     comm = _Comm(buf, lp, y, routing, probs, out, width, fork)
     if buf.backend == "interpret":
@@ -156,7 +155,7 @@ def launch_gemm2_alone(buf: OverlapBuffer, x, weight, routing: Routing, lp: Laun
     hidden = weight.shape[1]
     width = width or gemm2.split_width(hidden, lp.splits)
     gemm2.launch_grouped_gemm2(x, weight, y, routing.row_start, routing.tile_start, buf.ready,
-                               **_gemm2_args(buf, lp, hidden, width, routing))
+                               **_gemm2_args(buf, lp, hidden, width, routing.dest))
     buf.ready.zero_()
     return y
 
@@ -167,6 +166,6 @@ def launch_comm_alone(buf: OverlapBuffer, y, routing: Routing, lp: LaunchPlan, p
     flag preset, no tail helpers; then the local sum over ranks."""
     buf.wait_bounds = (lp.wait_timeout_s, lp.max_spins)
     width = width or gemm2.split_width(out.shape[1], lp.splits)
-    buf.ready[:lp.splits - 1 + (routing.tail.bands if routing.tail else 1)].fill_(1 << 30)
+    buf.ready[:lp.splits].fill_(1 << 30)
     _launch_comm(buf, lp, y, routing, probs, out, width)
     buf.sum_partials(out)

@@ -39,7 +39,7 @@ from .groups import call_backend, group_size_rank
 from .config import OverlapConfig
 from .grouped import grouped_mm, grouped_wgrad
 from .planning import LaunchPlan, PlanRequest, launch_tiles, log_decision, plan_launch
-from .routing import Router, Routing, with_tail_bands
+from .routing import Router, Routing
 from .reference import all_gather, reference_forward
 from .validation import (aligned, capture_refusal, capturing, check_int, check_options,
                          expert_count, host_counts, to_device, validate)
@@ -316,8 +316,5 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
     routing = Router.get(x.device).route(call.token_index, counts, buf.error, tiles.block_m,
                                          num_tokens, topk, dest, call.padded)
     launch_plan = plan_launch(_plan_request(call, tiles, routing, x, hidden, rows))
-    routing = with_tail_bands(routing, call.token_index, bands=launch_plan.bands,
-                              tokens_per_rank=launch_plan.tokens_per_rank,
-                              block_m=tiles.block_m, block_tm=launch_plan.family.comm_tm)
     log_decision(launch_plan, num_tokens, hidden, x.shape[1], call.world)
     return Launch(call, routing.counts_dev, routing.table, buf, routing, launch_plan)

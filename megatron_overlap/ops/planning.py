@@ -201,8 +201,6 @@ class LaunchPlan:
     cache: PlanCache = field(compare=False, hash=False)  # (tools read its kernel/device)
     #: what it was planned from (tools ask the model about other L: `split_predictions`)
     request: "PlanRequest | None" = field(default=None, compare=False, hash=False)
-    #: the last split's token bands (`kernels/tail_bands.py`; 1: none)
-    bands: int = 1
 
     @property
     def tiles(self) -> TileConfig:
@@ -223,17 +221,7 @@ def _at_splits(request: PlanRequest, splits: int, ranking: bool = False) -> Laun
     helpers = (cache.device.available_sms - reservation(plan.comm_ctas, cache.kernel)
                if r.config.tail_helpers else 0)
     return LaunchPlan(plan, family, splits, r.num_tokens // r.world, max(0, helpers),
-                      r.config.max_spins, r.config.wait_timeout_s, cache, request,
-                      tail_bands(r.config, r.tiles, splits))
-
-
-def tail_bands(config: OverlapConfig, tiles: TileConfig, splits: int) -> int:
-    """B, the last split's token bands: the config's (default 1), within the readiness
-    words the splits leave, and 1 where GatherRS pipelines its items (its prefetch of the
-    next items' rows would run ahead of their band's wait)."""
-    if tiles.comm_stages > 1:
-        return 1
-    return max(1, min(config.tail_bands or 1, MAX_SPLITS - splits + 1))
+                      r.config.max_spins, r.config.wait_timeout_s, cache, request)
 
 
 def split_candidates(hidden: int) -> tuple[int, ...]:

@@ -13,7 +13,6 @@ in place the offsets are built on the host and copied (`Router.mapped_offsets`).
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from dataclasses import dataclass
 
@@ -21,7 +20,6 @@ import torch
 
 from ..kernels import gemm2
 from ..kernels.routing_table import launch_routing_table
-from ..kernels.tail_bands import TailOrder, tail_order
 from ..planner import expert_row_tiles
 from .counts_ring import CountsRing
 from .stream_ops import StreamOps
@@ -36,8 +34,6 @@ class Routing:
     counts_dev: [E] int32 device counts.
     row_tiles: sum_e ceil(M_e / TM), W_comp's one input (None: counts only on the device).
     dest: [T] int32, row j of GEMM2 at y[dest[j]] (token-major y), or None (row order).
-    tail: the last split's row tiles in token-band order (`with_tail_bands`; None: one
-        band).
     routed: an event recorded right after the routing-table kernel (None on CPU, on the
         copy path and with device counts): GatherRS's stream forks from it (valid while
         nothing GatherRS depends on is queued between the two; the op queues nothing).
@@ -50,7 +46,6 @@ class Routing:
     row_tiles: int | None
     dest: torch.Tensor | None = None
     routed: object = None
-    tail: TailOrder | None = None
 
 
 class Router:
@@ -115,18 +110,3 @@ class Router:
         return Routing(table, row_start, tile_start, counts_dev,
                        None if on_device else expert_row_tiles(counts, block_m), dest,
                        None if on_device else self.counts_ring.record())
-
-
-def with_tail_bands(routing: Routing, token_index: torch.Tensor, *, bands: int,
-                    tokens_per_rank: int, block_m: int, block_tm: int) -> Routing:
-    """`routing` with its last split's band order (`kernels/tail_bands.py`): bands of
-    `block_tm` tokens (GatherRS's item) of each destination's `tokens_per_rank`. The
-    same routing where bands is 1."""
-    if bands == 1:
-        return routing
-    tail = tail_order(token_index, routing.row_start, routing.tile_start,
-                      tokens_per_rank=tokens_per_rank, bands=bands, block_m=block_m,
-                      block_tm=block_tm)
-    # (no `routed` event: GatherRS reads band_start, queued after it, so its stream must
-    # fork after these kernels; the launch records a fork event of its own)
-    return dataclasses.replace(routing, tail=tail, routed=None)
