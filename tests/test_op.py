@@ -101,16 +101,20 @@ def test_shared_placement_gives_the_partitions_bits_with_a_comm_cta_on_every_sm(
         call(p, 40, 3, SHARED, comm_ctas=INTERPRET_SMS + 1)
 
 
+def _planned_as_misfit(monkeypatch, o_comp: int, o_comm: int, sm_margin: int):
+    """A problem and a shared-placement config whose kernels plan as compiled binaries
+    that do not fit one SM together (the interpreter has none: their residency given),
+    in a plan cache of its own (`sm_margin`)."""
+    monkeypatch.setattr(planning, "_families", {})
+    monkeypatch.setattr(planning, "_occupancies", lambda *a: (o_comp, o_comm, "registers", {}))
+    p = routed_problem(0, 1, tokens=30, experts=3, topk=2, ffn=16, hidden=32)
+    return p, dataclasses.replace(SHARED, sm_margin=sm_margin)
+
+
 def test_shared_placement_that_does_not_fit_an_sm_plans_the_partition(monkeypatch):
     """Where the compiled kernels do not fit one SM together (the op reads it from the
     binaries on CUDA), the op warns and plans and launches the partition placement."""
-    from megatron_overlap.ops import planning
-
-    # (the interpreter has no binary: the residency a misfit's binaries would give)
-    monkeypatch.setattr(planning, "_families", {})
-    monkeypatch.setattr(planning, "_occupancies", lambda *a: (2, 1, "registers", {}))
-    p = routed_problem(0, 1, tokens=30, experts=3, topk=2, ffn=16, hidden=32)
-    config = dataclasses.replace(SHARED, sm_margin=3)  # (a plan cache of its own)
+    p, config = _planned_as_misfit(monkeypatch, o_comp=2, o_comm=1, sm_margin=3)
     with pytest.warns(RuntimeWarning, match="shared placement does not fit one SM"):
         out, plan = call(p, 30, 2, config, return_plan=True)
     assert plan.reservation >= 1 and plan.comm_ctas < 17
@@ -122,10 +126,7 @@ def test_a_partition_of_small_comm_ctas_reserves_one_sm_per_cta(monkeypatch):
     CTAs (a shared placement that does not fit, o_comm = 5) must reserve one SM per CTA:
     at C = G packed planning left GEMM2 no SM and GatherRS waited for it until its
     time-out on an H200. Now C = G is refused and every C leaves GEMM2 G - C SMs."""
-    monkeypatch.setattr(planning, "_families", {})
-    monkeypatch.setattr(planning, "_occupancies", lambda *a: (1, 5, "registers", {}))
-    p = routed_problem(0, 1, tokens=30, experts=3, topk=2, ffn=16, hidden=32)
-    config = dataclasses.replace(SHARED, sm_margin=4)  # (a plan cache of its own)
+    p, config = _planned_as_misfit(monkeypatch, o_comp=1, o_comm=5, sm_margin=4)
     with pytest.warns(RuntimeWarning, match="shared placement does not fit one SM"):
         out, plan = call(p, 30, 2, config, return_plan=True)
         for c in (1, 7, INTERPRET_SMS - 5):
