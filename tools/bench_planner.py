@@ -5,7 +5,7 @@
 Three planner configurations, each on the three models (B=4, S=4096, TP2, D=2, p90-like
 routing, every expert local):
   * a100-paper: the paper's preset, partition placement (16 candidates of C);
-  * h200 op: what the op plans every launch with on an H200 (ops.buffer.plan_cache):
+  * h200 op: what the op plans every launch with on an H200 (ops.planning.plan_cache):
     the shipped calibration (overlap factor f included), GPU_TILES' shared placement
     (KernelSpec.shared_sms: C = 1..132) with the tail helpers, each L's own comm tile
     (TileConfig.comm_shape), local_topk = k (TP), at the L the op ranks best;
@@ -13,14 +13,19 @@ routing, every expert local):
 Cold: `plan()` on a validated Workload (the solver, as the CLI's `solver_us`), and end
 to end from a list of per-expert counts (validation + tile reduction + solve). Cached:
 `PlanCache.decide_tiles` (the look-up the op does once it holds the row-tile count) and
-`PlanCache.decide` from raw counts (adds the O(E) reduction of the counts). op_miss (h200
-op only): what a launch plans when every cache misses (ops.planning.planned):
-`rank_splits` over L = 1, 2, 4 under the ranking model, then the chosen L under the full
-one, each through a new PlanCache's `decide_tiles` (the op's caches persist: a new one
-costs about 0.5 us more than the op pays).
-Each figure is the median over 21 batches of 2000 calls (min in brackets): this machine
-is shared and noisy, so the median of batch means is the stable number. Before timing,
-each configuration's curve is checked against the literal recurrence (`makespan`).
+`PlanCache.decide` from raw counts (adds the O(E) reduction of the counts). h200 op only,
+the op's own `ops.planning.plan_launch` (on this CPU: the interpreter's backend, GPU_TILES'
+shared placement, the shipped h200 calibration, and the H200's DeviceSpec in place of the
+interpreter's virtual device), each call a launch whose every decision cache misses:
+op_miss, a routing not seen before (row_tiles new each call) at sizes seen before, what
+the op pays when its routing changes (ranking L = 1, 2, 4, then the chosen L);
+op_new_sizes, also M not seen before (a new token count each call, as batches of varying
+length give: a new launch shape, whose ranking builds its predictors). Kernel families
+and plan caches persist, as in the op.
+Each figure is the median over 21 batches of 2000 calls (500 for the op's launches; min
+in brackets): this machine is shared and noisy, so the median of batch means is the
+stable number. Before timing, each configuration's curve is checked against the literal
+recurrence (`makespan`).
 
 Then the CLI: `solver_us` as `python -m megatron_overlap plan ... --json` reports it, one
 fresh interpreter per run (median [min] over --cli-runs runs).
@@ -39,8 +44,11 @@ import sys
 import time
 from dataclasses import dataclass
 
-from megatron_overlap.ops.config import GPU_TILES, kernel_spec
-from megatron_overlap.ops.planning import rank_splits
+import torch
+
+from megatron_overlap.ops import planning
+from megatron_overlap.ops.config import GPU_TILES, OverlapConfig, kernel_spec
+from megatron_overlap.ops.planning import PlanRequest, plan_launch, rank_splits
 from megatron_overlap.planner import (A100_PAPER, Calibration, DeviceSpec, KernelSpec,
                                       PlanCache, Workload, compute_slots, expert_row_tiles,
                                       get_preset, makespan, plan, ranking_calibration,
@@ -122,15 +130,6 @@ def bench_row(cfg: Config, ranking: Config, shape) -> dict:
 
     row_tiles = expert_row_tiles(counts, GPU_TILES.block_m)
 
-    def op_miss() -> int:  # ops.planning.planned where every cache misses
-        def decide(c: Config, splits: int):  # plan_splits: a (new) cache per kernel
-            return PlanCache(c.kernel_at(shape.hidden, topk, splits), c.device, c.calib
-                             ).decide_tiles(row_tiles, TOKENS, shape.hidden, k, WORLD, splits,
-                                            len(counts), topk=topk, local_topk=local_topk)
-
-        chosen = rank_splits(shape.hidden, lambda cand: decide(ranking, cand).predicted)
-        return decide(cfg, chosen).comm_ctas
-
     splits = ranked_splits() if cfg.op else shape.default_splits
     kernel, device, calib = cfg.kernel_at(shape.hidden, topk, splits), cfg.device, cfg.calib
     w = workload(splits)
@@ -151,8 +150,26 @@ def bench_row(cfg: Config, ranking: Config, shape) -> dict:
             TOKENS, shape.hidden, k, WORLD, splits, counts, **decide)),
     }
     if cfg.name == "h200 op":
-        row["op_miss_us"] = per_call_us(op_miss, calls=500)
+        for name, new_sizes in (("op_miss_us", False), ("op_new_sizes_us", True)):
+            launches = iter(op_requests(shape, row_tiles, new_sizes))
+            row[name] = per_call_us(lambda: plan_launch(next(launches)), calls=500)
     return row
+
+
+def op_requests(shape, row_tiles: int, new_sizes: bool, count: int = 21 * 500 + 1):
+    """The op's PlanRequests for `count` launches of `shape` (TP2, every expert local) on
+    the H200, each with a row_tiles not planned before (and a new M where `new_sizes`),
+    after one launch that plans the shape's kernels and caches."""
+    h200 = get_preset("h200").device  # (before the op's first plan cache on this device)
+    planning.device_spec = lambda device, sm_margin: DeviceSpec(h200.name, h200.sms, sm_margin)
+    config, device, k = OverlapConfig(preset="h200"), torch.device("cpu"), shape.topk
+    ffn = shape.ffn_per_rank(TP)
+    plan_launch(PlanRequest(config, GPU_TILES, device, "interpret", 0, shape.experts, TOKENS,
+                            shape.hidden, ffn, WORLD, k, float(k), None, None))
+    return [PlanRequest(config, GPU_TILES, device, "interpret", row_tiles + 1 + i,
+                        shape.experts, TOKENS + WORLD * (i + 1 if new_sizes else 0),
+                        shape.hidden, ffn, WORLD, k, float(k), None, None)
+            for i in range(count)]
 
 
 CLI_CASES = {  # the README's example, and the h200 preset with the op's tail helpers
@@ -183,7 +200,7 @@ def main() -> int:
     cpu = platform.processor() or platform.machine()
     print(f"python {sys.version.split()[0]} on {cpu}; median [min] us per decision")
     cols = ["cold_solver_us", "cold_from_counts_us", "cached_tiles_us",
-            "cached_from_counts_us", "op_miss_us"]
+            "cached_from_counts_us", "op_miss_us", "op_new_sizes_us"]
     print("| config | model | E | L | C* | " + " | ".join(c.removesuffix("_us") for c in cols)
           + " |")
     print("|---|---|---|---|---|" + "---|" * len(cols))

@@ -17,6 +17,7 @@ import functools
 import logging
 import warnings
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -207,13 +208,71 @@ class LaunchPlan:
         return self.family.tiles
 
 
-def _at_splits(request: PlanRequest, splits: int, ranking: bool = False) -> LaunchPlan:
-    """The plan at L = `splits` (`ranking`: under the model that ranks L)."""
+#: per kernels (config, tiles, device, backend, N, k): at each L the kernels' family and
+#: the caches that rank and plan it
+_kernels: dict[tuple, dict[int, tuple[KernelFamily, PlanCache, PlanCache]]] = {}
+#: per launch shape (a PlanRequest but its row_tiles and L): its kernels' entry above,
+#: and at each L the family, the cache that plans it and `ranked(row_tiles)`, the ranking
+#: model's T(C*) there (`PlanCache.predictor`)
+_shapes: dict[tuple, tuple[dict, dict[int, tuple[KernelFamily, PlanCache, Callable]]]] = {}
+
+
+def _shape(request: PlanRequest) -> tuple[dict, dict]:
+    """The request's (kernels, {L: (family, cache, ranked)}), filled as L are asked for:
+    a launch that misses looks it up once for all its L."""
     r = request
-    comm_tm, comm_tn = r.tiles.comm_shape(r.topk, -(-r.hidden // splits))
-    family = kernel_family(r.device, r.backend, r.tiles, comm_tm, comm_tn,
-                           gemm2.next_pow2(r.topk))
-    cache = plan_cache(family, r.config, r.device, ranking)
+    key = (r.config, r.tiles, r.device, r.backend, r.experts, r.num_tokens, r.hidden, r.ffn,
+           r.world, r.topk, r.local_topk, r.comm_ctas)
+    found = _shapes.get(key)
+    if found is None:
+        if len(_shapes) >= MAX_DECISIONS:
+            _shapes.clear()
+        kernels_key = (r.config, r.tiles, r.device, r.backend, r.hidden, r.topk)
+        kernels = _kernels.get(kernels_key)
+        if kernels is None:
+            if len(_kernels) >= MAX_DECISIONS:
+                _kernels.clear()
+            kernels = _kernels[kernels_key] = {}
+        found = _shapes[key] = (kernels, {})
+    return found
+
+
+def _at(request: PlanRequest, splits: int,
+        shape: tuple | None = None) -> tuple[KernelFamily, PlanCache, Callable[[int], float]]:
+    """(family, cache, ranked) at L = `splits`; `shape`: the request's `_shape`, where
+    held."""
+    r = request
+    kernels, at = _shape(r) if shape is None else shape
+    found = at.get(splits)
+    if found is None:
+        family, ranking, cache = _caches_at(r, splits, kernels)
+        ranked = ranking.predictor(r.num_tokens, r.hidden, r.ffn, r.world, splits, r.experts,
+                                   comm_ctas=r.comm_ctas, enabled=r.config.planner,
+                                   topk=r.topk, local_topk=r.local_topk)
+        found = at[splits] = (family, cache, ranked)
+    return found
+
+
+def _caches_at(request: PlanRequest, splits: int,
+               kernels: dict | None = None) -> tuple[KernelFamily, PlanCache, PlanCache]:
+    """(family, ranking cache, cache) at L = `splits`; `kernels`: the request's entry of
+    `_kernels`, where held."""
+    r = request
+    kernels = _shape(r)[0] if kernels is None else kernels
+    found = kernels.get(splits)
+    if found is None:
+        comm_tm, comm_tn = r.tiles.comm_shape(r.topk, -(-r.hidden // splits))
+        family = kernel_family(r.device, r.backend, r.tiles, comm_tm, comm_tn,
+                               gemm2.next_pow2(r.topk))
+        found = kernels[splits] = (family, plan_cache(family, r.config, r.device, True),
+                                   plan_cache(family, r.config, r.device))
+    return found
+
+
+def _at_splits(request: PlanRequest, splits: int, shape: tuple | None = None) -> LaunchPlan:
+    """The launch's plan at L = `splits`."""
+    r = request
+    family, cache, _ = _at(request, splits, shape)
     plan = cache.decide_tiles(r.row_tiles, r.num_tokens, r.hidden, r.ffn, r.world, splits,
                               r.experts, comm_ctas=r.comm_ctas, enabled=r.config.planner,
                               topk=r.topk, local_topk=r.local_topk)
@@ -224,6 +283,7 @@ def _at_splits(request: PlanRequest, splits: int, ranking: bool = False) -> Laun
                       r.config.max_spins, r.config.wait_timeout_s, cache, request)
 
 
+@functools.lru_cache(maxsize=64)
 def split_candidates(hidden: int) -> tuple[int, ...]:
     """The L the op ranks for a hidden size N: SPLIT_CANDIDATES up to 2 x the default
     (and N), so every split keeps at least 512 columns (four 128-wide GEMM2 column tiles
@@ -251,9 +311,9 @@ def split_predictions(request: PlanRequest, candidates=SPLIT_CANDIDATES) -> dict
     return {cand: _ranked_t(request, cand) for cand in candidates if cand <= request.hidden}
 
 
-def _ranked_t(request: PlanRequest, splits: int) -> float:
-    """T(C*) at L = `splits` under the model that ranks L."""
-    return _at_splits(request, splits, ranking=True).plan.predicted
+def _ranked_t(request: PlanRequest, splits: int, shape: tuple | None = None) -> float:
+    """T(C*) at L = `splits` under the model that ranks L (no plan kept for it)."""
+    return _at(request, splits, shape)[2](request.row_tiles)
 
 
 _decisions: dict[PlanRequest, LaunchPlan] = {}
@@ -269,9 +329,10 @@ def plan_launch(request: PlanRequest) -> LaunchPlan:
     slower (docs/RESULTS.md). C is then the full model's at that L."""
     found = _decisions.get(request)
     if found is None:
+        shape = _shape(request)
         splits = request.splits or rank_splits(
-            request.hidden, functools.partial(_ranked_t, request))
-        found = _at_splits(request, splits)
+            request.hidden, lambda cand: _ranked_t(request, cand, shape))
+        found = _at_splits(request, splits, shape)
         if len(_decisions) >= MAX_DECISIONS:
             _decisions.clear()
         _decisions[request] = found
@@ -281,7 +342,8 @@ def plan_launch(request: PlanRequest) -> LaunchPlan:
 def cached_counts() -> dict[str, int]:
     """How many kernel families, plan caches and launch decisions are remembered (a long
     run's memory: `tools/soak.py`)."""
-    return dict(families=len(_families), plan_caches=len(_caches), decisions=len(_decisions))
+    return dict(families=len(_families), plan_caches=len(_caches), decisions=len(_decisions),
+                kernels=len(_kernels), shapes=len(_shapes))
 
 
 _last_logged: tuple | None = None

@@ -10,7 +10,8 @@ tools/tune_tiles.py). Whether to fuse at all, per call size: `fusion.py`.
 
 The model, in the order of section III (its glossary: `model.py`'s docstring): the
 inputs (`inputs.py`, `calibration.py`), the named quantities (`quantities.py`), T(C) for
-every C (`curve.py`), Algorithm 1 and the Plan (`search.py`); `cache.py` memoizes it.
+every C (`curve.py`), the C that can be C* (`bounds.py`), Algorithm 1 and the Plan
+(`search.py`); `cache.py` memoizes it.
 """
 
 from . import model  # (the glossary; tools/ import its former names from there)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from typing import Callable
+
 from .calibration import Calibration
-from .inputs import DeviceSpec, KernelSpec, Workload
-from .quantities import expert_row_tiles
-from .search import Plan, plan
+from .inputs import DeviceSpec, KernelSpec, Sizes, Workload, plainly_valid
+from .quantities import (comm_col_tiles, comm_row_tiles, expert_row_tiles, service_ratio,
+                         split_col_tiles)
+from .search import Plan, plan, plan_tiles, routing_t
 
 
 class PlanCache:
@@ -22,6 +25,8 @@ class PlanCache:
         self.kernel, self.device, self.calib = kernel, device, calib
         self.max_entries = max_entries
         self._plans: dict[tuple, Plan] = {}
+        #: per sizes but M (N, K, D, L, g, k, local k): what `decide_tiles` reuses
+        self._sized: dict[tuple, tuple[int, int, float]] = {}
         self.hits = 0
         self.misses = 0
 
@@ -40,7 +45,8 @@ class PlanCache:
         if found is None:
             workload = Workload(tokens, hidden, ffn, world, splits, expert_counts, groups,
                                 topk, local_topk)
-            found = self._store(key, workload)
+            found = self._store(key, plan(workload, self.kernel, self.device, self.calib,
+                                          comm_ctas=comm_ctas, enabled=enabled))
         else:
             self.hits += 1
         return found
@@ -60,20 +66,65 @@ class PlanCache:
                comm_ctas, enabled)
         found = self._plans.get(key)
         if found is None:
-            if row_tiles < 0 or local_experts < 1:
-                raise ValueError("row_tiles must be >= 0 and local_experts >= 1")
-            workload = Workload(tokens, hidden, ffn, world, splits,
-                                (row_tiles * self.kernel.tile_m,), groups, topk, local_topk)
-            found = self._store(key, workload)
+            sizes = (tokens, hidden, ffn, world, splits, groups, topk, local_topk)
+            found = self._store(key, plan_tiles(*self._tiles(row_tiles, sizes, local_experts),
+                                                splits, self.kernel, self.device, self.calib,
+                                                comm_ctas, enabled))
         else:
             self.hits += 1
         return found
 
-    def _store(self, key: tuple, workload: Workload) -> Plan:
-        comm_ctas, enabled = key[-2], key[-1]
+    def predictor(
+        self, tokens: int, hidden: int, ffn: int, world: int, splits: int, local_experts: int,
+        groups: int = 1, comm_ctas: int | None = None, enabled: bool = True,
+        topk: int | None = None, local_topk: float | None = None,
+    ) -> Callable[[int], float]:
+        """`decide_tiles(row_tiles, ...).predicted`, T(C*), as a function of row_tiles
+        alone at these sizes, without building or keeping a plan: what ranking L reads for
+        every new routing (`ops.planning` keeps one per launch shape and L). The sizes are
+        checked, and what does not read the routing computed (`search.routing_t`), here."""
+        if comm_ctas is not None or not enabled:  # (T at the given C: the plan's own)
+            if local_experts < 1:
+                raise ValueError("row_tiles must be >= 0 and local_experts >= 1")
+            return lambda row_tiles: self.decide_tiles(
+                row_tiles, tokens, hidden, ffn, world, splits, local_experts, groups,
+                comm_ctas, enabled, topk, local_topk).predicted
+        sizes = (tokens, hidden, ffn, world, splits, groups, topk, local_topk)
+        per_row, w_comm, rho = self._tiles(1, sizes, local_experts)  # (W_comp at 1 tile)
+        return routing_t(per_row, w_comm, rho, splits, self.kernel, self.device, self.calib)
+
+    def _tiles(self, row_tiles: int, sizes: tuple, local_experts: int) -> tuple[int, int, float]:
+        """(W_comp, W_comm, rho) at these sizes (M, N, K, D, L, g, k, local k). Of what
+        they read, only the routing and M change from one call of a layer to the next:
+        the rest, and the checks of the other sizes, come from `_sized`."""
+        if row_tiles < 0 or local_experts < 1:
+            raise ValueError("row_tiles must be >= 0 and local_experts >= 1")
+        tokens = sizes[0]
+        plain = type(row_tiles) is int and type(tokens) is int and tokens >= 1
+        sized = self._sized.get(sizes[1:]) if plain else None
+        if sized is None:
+            sized = self._size(sizes, row_tiles)
+        col_tiles, comm_cols, rho = sized
+        return (sizes[5] * row_tiles * col_tiles,
+                comm_row_tiles(tokens, sizes[3], self.kernel) * comm_cols, rho)
+
+    def _size(self, sizes: tuple, row_tiles: int) -> tuple[int, int, float]:
+        """(ceil(ceil(N/L) / TN), ceil(ceil(N/L) / TNc), rho) at these sizes, checked as a
+        Workload of one expert with row_tiles * TM rows is, and kept (less M)."""
+        if not plainly_valid(sizes, (row_tiles,)):
+            tokens, hidden, ffn, world, splits, groups, topk, local_topk = sizes
+            Workload(tokens, hidden, ffn, world, splits, (row_tiles * self.kernel.tile_m,),
+                     groups, topk, local_topk)  # (raises what is wrong)
+        named = Sizes(*sizes)
+        sized = (split_col_tiles(named, self.kernel), comm_col_tiles(named, self.kernel),
+                 service_ratio(named, self.kernel, self.calib))
+        if len(self._sized) >= self.max_entries:
+            self._sized.clear()
+        self._sized[sizes[1:]] = sized
+        return sized
+
+    def _store(self, key: tuple, result: Plan) -> Plan:
         self.misses += 1
-        result = plan(workload, self.kernel, self.device, self.calib,
-                      comm_ctas=comm_ctas, enabled=enabled)
         if len(self._plans) >= self.max_entries:
             self._plans.clear()  # shapes churn rarely; a full reset keeps this O(1)
         self._plans[key] = result

@@ -9,9 +9,11 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 #: The largest C_max a calibration may name (C never exceeds the SMs of a device).
 MAX_C = 4096
+_INT = {int}
 
 
 def require_int(obj: object, name: str, minimum: int) -> None:
@@ -40,6 +42,32 @@ def require_real(obj: object, name: str, minimum: float, strict: bool = False,
                          f"{' or None' if optional else ''}, got {value!r}")
 
 
+class Sizes(NamedTuple):
+    """A Workload's sizes without its routing: all that W_comm and rho read (a Workload
+    reads as these too: quantities.comm_tiles, service_ratio take either)."""
+
+    tokens: int  # M
+    hidden: int  # N
+    ffn: int  # K
+    world: int  # D
+    splits: int  # L
+    groups: int = 1  # g
+    topk: int | None = None  # k
+    local_topk: float | None = None
+
+
+def plainly_valid(sizes: tuple, counts: tuple) -> bool:
+    """Sizes (in the order of `Sizes`) and counts as Workload wants them, by a few
+    C-speed passes (False: let Workload's own checks say what is wrong, or pass what
+    this is too strict for)."""
+    ints, topk, local_topk = sizes[:6], sizes[6], sizes[7]
+    return (set(map(type, ints)) == _INT and min(ints) >= 1 and sizes[4] <= sizes[1]
+            and (topk is None or (type(topk) is int and topk >= 1))
+            and (local_topk is None
+                 or (type(local_topk) is float and 0 <= local_topk < math.inf))
+            and bool(counts) and set(map(type, counts)) == _INT and min(counts) >= 0)
+
+
 @dataclass(frozen=True)
 class Workload:
     """One GEMM2+GatherRS invocation, as the planner sees it."""
@@ -57,6 +85,13 @@ class Workload:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "expert_counts", tuple(self.expert_counts))
+        sizes = (self.tokens, self.hidden, self.ffn, self.world, self.splits, self.groups,
+                 self.topk, self.local_topk)
+        if not plainly_valid(sizes, self.expert_counts):  # (the common case first)
+            self._check()
+
+    def _check(self) -> None:
+        """Each field's check, raising a ValueError that names the field."""
         for name in ("tokens", "hidden", "ffn", "world", "splits", "groups"):
             require_int(self, name, 1)
         if self.topk is not None:

@@ -75,8 +75,10 @@ module re-exports the ones it defined before the split, for tools that import th
     calibration.py   Calibration (rho_ref and the terms above), ranking_calibration
     quantities.py    R, P, W_comp, W_comm, rho, q, and T(C) by the recurrence (makespan),
                      tail_ctas
-    curve.py         T(C) for every C at once, in closed form; the curve a Plan holds
+    curve.py         T(C) in closed form, at one C or every C; the curve a Plan holds
+    bounds.py        the C that can be C* (a bound on T below each C; one T per stretch)
     search.py        Algorithm 1: C* and its ties (solve, plan, timed_plan), Plan
+    cache.py         PlanCache: plans, and what does not read the routing, per sizes
 """
 
 from __future__ import annotations

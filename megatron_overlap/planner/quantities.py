@@ -18,7 +18,7 @@ C at once in closed form and is tested against it. The glossary: `model.py`'s do
 from __future__ import annotations
 
 from .calibration import Calibration
-from .inputs import DeviceSpec, KernelSpec, Workload
+from .inputs import DeviceSpec, KernelSpec, Sizes, Workload
 
 
 def _ceil(a: int, b: int) -> int:
@@ -38,9 +38,14 @@ def compute_slots(c: int, kernel: KernelSpec, device: DeviceSpec) -> int:
 
 def compute_tiles(w: Workload, kernel: KernelSpec) -> int:
     """W_comp = g * sum_e ceil(M_e / TM) * ceil(ceil(N/L) / TN) (eq. 6)."""
-    return w.groups * expert_row_tiles(w.expert_counts, kernel.tile_m) * _ceil(
-        _ceil(w.hidden, w.splits), kernel.tile_n
-    )
+    return w.groups * expert_row_tiles(w.expert_counts, kernel.tile_m) * split_col_tiles(
+        w, kernel)
+
+
+def split_col_tiles(w: Workload | Sizes, kernel: KernelSpec) -> int:
+    """ceil(ceil(N/L) / TN): the compute tiles across one split's columns."""
+    width = -(-w.hidden // w.splits)  # ceil(N/L) (ceil(a / b) = -(-a // b))
+    return -(-width // kernel.tile_n)
 
 
 def expert_row_tiles(expert_counts, tile_m: int) -> int:
@@ -49,14 +54,25 @@ def expert_row_tiles(expert_counts, tile_m: int) -> int:
     return sum([(c + tm1) // tile_m for c in expert_counts])
 
 
-def comm_tiles(w: Workload, kernel: KernelSpec) -> int:
+def comm_tiles(w: Workload | Sizes, kernel: KernelSpec) -> int:
     """W_comm = ceil(ceil(M/D) / TMc) * ceil(ceil(N/L) / TNc) (eq. 8)."""
-    return _ceil(_ceil(w.tokens, w.world), kernel.comm_tile_m) * _ceil(
-        _ceil(w.hidden, w.splits), kernel.comm_tile_n
-    )
+    return comm_row_tiles(w.tokens, w.world, kernel) * comm_col_tiles(w, kernel)
 
 
-def service_ratio(w: Workload, kernel: KernelSpec, calib: Calibration) -> float:
+def comm_row_tiles(tokens: int, world: int, kernel: KernelSpec) -> int:
+    """ceil(ceil(M/D) / TMc): W_comm's tiles down a split (of the sizes, M alone changes
+    from one call of a layer to the next: `PlanCache` keeps the rest)."""
+    rows = -(-tokens // world)  # ceil(M/D) (ceil(a / b) = -(-a // b))
+    return -(-rows // kernel.comm_tile_m)
+
+
+def comm_col_tiles(w: Workload | Sizes, kernel: KernelSpec) -> int:
+    """ceil(ceil(N/L) / TNc): W_comm's tiles across a split."""
+    width = -(-w.hidden // w.splits)  # ceil(N/L)
+    return -(-width // kernel.comm_tile_n)
+
+
+def service_ratio(w: Workload | Sizes, kernel: KernelSpec, calib: Calibration) -> float:
     """rho = rho_ref (K_ref/K) (TM_ref TN_ref)/(TM TN) (D/D_ref) (eq. 15), times
     (TMc TNc)/(TMc_ref TNc_ref) when the calibration records its comm tile. Calibrated
     K_epi replaces K_ref/K by (K_ref + K_epi)/(K + K_epi); a calibrated topk_ref (and a

@@ -12,17 +12,17 @@ from __future__ import annotations
 import functools
 import math
 import time
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 from .calibration import Calibration
-from .curve import Curve, partition_ts, shared_ts
+from .bounds import TIE_RTOL, contenders
+from .curve import Curve, curve_ts, shared_q, shared_t, shared_ts, t_at
 from .inputs import DeviceSpec, KernelSpec, Workload
 from .quantities import (comm_tiles, compute_slots, compute_tiles, makespan, reservation,
                          service_ratio, tail_ctas)
 
 #: The fixed communication-CTA count of the public COMET A100 path; what "disabled" returns.
 DEFAULT_COMM_CTAS = 3
-_TIE_RTOL = 1e-9
 
 
 class _PlanFields(NamedTuple):
@@ -57,10 +57,9 @@ class Plan(_PlanFields):
         return {**super()._asdict(), "curve": self.curve}
 
 
-def _finite_min(ts: list[float], rho: float) -> float:
-    """min T(C); a ValueError where it is not finite (a calibration whose rho overflows:
-    no C could be compared with another)."""
-    t_min = min(ts)
+def _finite(t_min: float, rho: float) -> float:
+    """The least T(C); a ValueError where it is not finite (a calibration whose rho
+    overflows: no C could be compared with another)."""
     if not math.isfinite(t_min):
         raise ValueError(f"the model's T(C) is not finite (rho = {rho!r}): the calibration's "
                          f"rho_ref, k_epi, c_sat or overlap_factor is out of range")
@@ -69,30 +68,29 @@ def _finite_min(ts: list[float], rho: float) -> float:
 
 def _solve(w_comp: int, w_comm: int, rho: float, splits: int, kernel: KernelSpec,
            device: DeviceSpec, c_max: int, c_sat: float | None = None,
-           overlap: float | None = None) -> tuple[int, float, Curve]:
-    """Algorithm 1 on precomputed tile counts: C*, T(C*) and the T(C) curve."""
+           overlap: float | None = None) -> tuple[int, float]:
+    """Algorithm 1 on precomputed tile counts: C* and T(C*) (a launch reads nothing else
+    of the curve; a Plan's curve is `curve.curve_ts`, computed when read)."""
     g, o_comp, o_comm = device.available_sms, kernel.o_comp, kernel.o_comm
-    args = (w_comp, w_comm, rho, splits, kernel, device)
     if kernel.shared_sms:
         # P = o_comp G for every C, and q(C), q_tail(C) never rise with C, nor then does
         # T(C) (max and + round monotonically): T(G) is the least, ties go to the larger
         # C, so C* = G. The other T(C) are computed only if the curve is read.
-        t_best = _finite_min(shared_ts((g,), *args, c_max, c_sat, overlap), rho)
-        return g, t_best, Curve(functools.partial(
-            shared_ts, range(1, g + 1), *args, c_max, c_sat, overlap))
+        return g, _finite(shared_t(g, w_comp, w_comm, rho, splits, kernel, device, c_max,
+                                   c_sat, overlap), rho)
     c_top = min(c_max, o_comm * (g - 1))  # the largest C with P(C) > 0
     if c_top < 1:
         raise ValueError(
             f"DeviceSpec.sms: no legal C in 1..{c_max}: P(C) = {o_comp} * "
             f"({g} - R(C)) <= 0 for every C (G={g}, o_comm={o_comm})"
         )
-    ts, ps = partition_ts(*args, c_top, c_max, c_sat, overlap)
-    t_min = _finite_min(ts, rho)
-    tol = _TIE_RTOL * t_min
-    tied = [c for c, t in enumerate(ts, 1) if t - t_min <= tol]
+    found = contenders(w_comp, w_comm, rho, splits, kernel, device, c_top, c_max, c_sat,
+                       overlap)
+    t_min = _finite(min([t for _, _, t in found]), rho)
+    tol = TIE_RTOL * t_min
     # ties: the least Delta_comp = V_comp P - W_comp = (-W_comp) mod P (eq. 18), then C
-    best = tied[0] if len(tied) == 1 else min(tied, key=lambda c: (-w_comp % ps[c - 1], c))
-    return best, ts[best - 1], Curve(ts)
+    _, best, t_best = min((-w_comp % p, c, t) for c, p, t in found if t - t_min <= tol)
+    return best, t_best
 
 
 def solve(
@@ -101,9 +99,41 @@ def solve(
     overlap: float | None = None,
 ) -> tuple[int, tuple[tuple[int, float], ...]]:
     """Algorithm 1 on precomputed tile counts: C* and the T(C) curve."""
-    best, _, curve = _solve(w_comp, w_comm, rho, splits, kernel, device, c_max, c_sat,
-                            overlap)
-    return best, curve.points
+    args = (w_comp, w_comm, rho, splits, kernel, device, c_max, c_sat, overlap)
+    return _solve(*args)[0], Curve(curve_ts, args).points
+
+
+def routing_t(per_row: int, w_comm: int, rho: float, splits: int, kernel: KernelSpec,
+              device: DeviceSpec, calib: Calibration) -> Callable[[int], float]:
+    """T(C*) as a function of the routing's row tiles alone, W_comp = per_row x row
+    tiles (per_row = g ceil(ceil(N/L) / TN)), at sizes whose W_comm and rho are these
+    (what ranking L reads for every new routing). In the shared placement C* = G and
+    q(G), q_tail(G) do not read the routing: computed once, here."""
+    if kernel.shared_sms:
+        g = device.available_sms
+        q, q_tail = shared_q(g, w_comm, rho, kernel, device, calib.c_max, calib.c_sat,
+                             calib.overlap_factor)
+        return functools.partial(_shared_routing_t, per_row, splits, kernel.o_comp * g, q,
+                                 q_tail, rho)
+    return functools.partial(_routing_t, per_row, w_comm, rho, splits, kernel, device, calib)
+
+
+def _shared_routing_t(per_row: int, splits: int, p: int, q: float, q_tail: float, rho: float,
+                      row_tiles: int) -> float:
+    _check_row_tiles(row_tiles)
+    return _finite(t_at(per_row * row_tiles, splits, p, q, q_tail), rho)
+
+
+def _routing_t(per_row: int, w_comm: int, rho: float, splits: int, kernel: KernelSpec,
+               device: DeviceSpec, calib: Calibration, row_tiles: int) -> float:
+    _check_row_tiles(row_tiles)
+    return _solve(per_row * row_tiles, w_comm, rho, splits, kernel, device, calib.c_max,
+                  calib.c_sat, calib.overlap_factor)[1]
+
+
+def _check_row_tiles(row_tiles: int) -> None:
+    if type(row_tiles) is not int or row_tiles < 0:
+        raise ValueError(f"row_tiles must be an int >= 0, got {row_tiles!r}")
 
 
 def plan(
@@ -121,19 +151,28 @@ def plan(
     An explicit `comm_ctas` has priority; `enabled=False` returns `default_comm_ctas`
     (the upstream fixed configuration). Both still report the model's T(C) curve.
     """
-    w_comp = compute_tiles(workload, kernel)
-    w_comm = comm_tiles(workload, kernel)
-    rho = service_ratio(workload, kernel, calib)
-    best, predicted, curve = _solve(w_comp, w_comm, rho, workload.splits, kernel, device,
-                                    calib.c_max, calib.c_sat, calib.overlap_factor)
+    return plan_tiles(compute_tiles(workload, kernel), comm_tiles(workload, kernel),
+                      service_ratio(workload, kernel, calib), workload.splits, kernel, device,
+                      calib, comm_ctas, enabled, default_comm_ctas)
+
+
+def plan_tiles(w_comp: int, w_comm: int, rho: float, splits: int, kernel: KernelSpec,
+               device: DeviceSpec, calib: Calibration, comm_ctas: int | None = None,
+               enabled: bool = True, default_comm_ctas: int = DEFAULT_COMM_CTAS) -> Plan:
+    """`plan` on W_comp, W_comm and rho already computed (`PlanCache` keeps the last two
+    per workload size: they do not depend on the routing)."""
+    args = (w_comp, w_comm, rho, splits, kernel, device, calib.c_max, calib.c_sat,
+            calib.overlap_factor)
+    best, predicted = _solve(*args)
+    curve = Curve(curve_ts, args)  # (computed when read)
     source = "model"
     if comm_ctas is not None or not enabled:
         source = "user" if comm_ctas is not None else "disabled"
         best = comm_ctas if comm_ctas is not None else default_comm_ctas
-        predicted = _chosen_t(best, w_comp, w_comm, rho, workload.splits, kernel, device,
-                              calib, curve)
+        predicted = _chosen_t(best, w_comp, w_comm, rho, splits, kernel, device, calib,
+                              curve)
     return Plan(best, reservation(best, kernel), compute_slots(best, kernel, device),
-                workload.splits, predicted, curve, w_comp, w_comm, rho, source)
+                splits, predicted, curve, w_comp, w_comm, rho, source)
 
 
 def _chosen_t(c: int, w_comp: int, w_comm: int, rho: float, splits: int, kernel: KernelSpec,

@@ -1,0 +1,170 @@
+"""The planner's fast paths decide exactly as the straightforward planner does
+(`tests/planner_reference.py`: T(C) at every legal C, Algorithm 1's ties, L ranked from
+fresh plans): the same C*, T(C*) (bit for bit), L and curve, over random workloads,
+kernels, devices and calibrations, the shipped presets, the cache's reuse of what does
+not read the routing, and the op's own `plan_launch`."""
+
+import dataclasses
+import itertools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from megatron_overlap.ops import planning
+from megatron_overlap.ops.config import GPU_TILES, PARTITION_TILES, OverlapConfig
+from megatron_overlap.planner import (Calibration, DeviceSpec, KernelSpec, PlanCache, Workload,
+                                      get_preset, plan, ranking_calibration, solve)
+from planner_reference import reference_curve, reference_plan, reference_solve
+
+workloads = st.builds(
+    Workload,
+    tokens=st.integers(1, 1 << 17),
+    hidden=st.sampled_from([64, 1000, 1024, 2048, 4096, 7168]),
+    ffn=st.integers(1, 4096),
+    world=st.integers(1, 8),
+    splits=st.sampled_from([1, 2, 3, 4, 5, 8, 16, 64]),
+    expert_counts=st.lists(st.one_of(st.just(0), st.integers(0, 20000)), min_size=1,
+                           max_size=64).map(tuple),
+    groups=st.integers(1, 2),
+    topk=st.one_of(st.none(), st.integers(1, 8)),
+    local_topk=st.one_of(st.none(), st.sampled_from([0.25, 2.0, 6.0])),
+).filter(lambda w: w.splits <= w.hidden)
+kernels = st.builds(KernelSpec, st.sampled_from([16, 64, 128]), st.sampled_from([16, 128, 256]),
+                    st.sampled_from([1, 8, 64, 128]), st.sampled_from([16, 512, 1024]),
+                    st.integers(1, 3), st.integers(1, 4), st.booleans(), st.booleans())
+calibrations = st.builds(
+    Calibration,
+    rho_ref=st.one_of(st.sampled_from([0.5, 1.59, 10.05, 1e-300, 1e290, 1e300]),
+                      st.floats(0.01, 60)),
+    k_ref=st.sampled_from([352, 704]), tm_ref=st.just(128), tn_ref=st.just(128),
+    d_ref=st.integers(1, 4), c_max=st.integers(1, 200),
+    tmc_ref=st.one_of(st.none(), st.just(64)), tnc_ref=st.one_of(st.none(), st.just(1024)),
+    c_sat=st.one_of(st.none(), st.floats(0.5, 80)),
+    k_epi=st.one_of(st.none(), st.just(971.4)),
+    topk_ref=st.one_of(st.none(), st.just(4)),
+    overlap_factor=st.one_of(st.none(), st.sampled_from([1.0, 1.7]), st.floats(0.3, 3)))
+
+
+def same_or_both_raise(fast, slow):
+    """fast() == slow(), or both raise ValueError (no legal C, T(C) not finite)."""
+    try:
+        want = slow()
+    except ValueError:
+        with pytest.raises(ValueError):
+            fast()
+        return None
+    assert fast() == want
+    return want
+
+
+def decision(d) -> tuple:
+    return d.comm_ctas, d.predicted, d.w_comp, d.w_comm, d.rho
+
+
+@settings(max_examples=1500, deadline=None)
+@given(workloads, kernels, st.integers(2, 200), st.integers(0, 8), calibrations)
+def test_plan_decides_as_the_whole_curve(w, kernel, sms, margin, calib):
+    """C*, T(C*) (bit for bit), the tile counts and rho, and every T(C) of the curve."""
+    device = DeviceSpec("d", sms, min(margin, sms - 1))
+    d = same_or_both_raise(lambda: decision(plan(w, kernel, device, calib)),
+                           lambda: reference_plan(w, kernel, device, calib))
+    if d is not None:
+        got = plan(w, kernel, device, calib)
+        cs, ts, _ = reference_curve(d[2], d[3], d[4], w.splits, kernel, device, calib)
+        assert got.curve == tuple(zip(cs, ts))
+        assert (got.reservation, got.compute_slots) == (
+            (0, kernel.o_comp * device.available_sms) if kernel.shared_sms else
+            (-(-got.comm_ctas // kernel.o_comm),
+             kernel.o_comp * (device.available_sms - -(-got.comm_ctas // kernel.o_comm))))
+
+
+@settings(max_examples=600, deadline=None)
+@given(workloads, st.sampled_from(["a100-paper", "h200", "h100"]), st.booleans(),
+       st.booleans(), st.integers(0, 40))
+def test_shipped_presets_decide_as_the_whole_curve(w, name, helpers, shared, margin):
+    """The paper's preset and the shipped calibrations, in both placements, with and
+    without tail helpers, at the op's ranking calibration too."""
+    preset = get_preset(name).with_sm_margin(margin)
+    kernel = dataclasses.replace(preset.kernel, tail_helpers=helpers, shared_sms=shared)
+    for calib in (preset.calibration, ranking_calibration(preset.calibration)):
+        same_or_both_raise(lambda: decision(plan(w, kernel, preset.device, calib)),
+                           lambda: reference_plan(w, kernel, preset.device, calib))
+
+
+@settings(max_examples=300, deadline=None)
+@given(workloads, kernels, st.integers(2, 200), calibrations,
+       st.lists(st.integers(0, 5000), min_size=1, max_size=6))
+def test_the_caches_reuse_of_sizes_decides_as_a_fresh_plan(w, kernel, sms, calib, routings):
+    """decide_tiles at sizes seen before (W_comm, rho and the checks reused) and the
+    ranking's predictor (T(C*) as a function of row_tiles) give a fresh plan's numbers."""
+    device = DeviceSpec("d", sms)
+    cache = PlanCache(kernel, device, calib)
+    sizes = (w.tokens, w.hidden, w.ffn, w.world, w.splits)
+    extra = dict(groups=w.groups, topk=w.topk, local_topk=w.local_topk)
+    for row_tiles in routings:
+        one = dataclasses.replace(w, expert_counts=(row_tiles * kernel.tile_m,))
+        want = same_or_both_raise(
+            lambda: decision(cache.decide_tiles(row_tiles, *sizes, 3, **extra)),
+            lambda: reference_plan(one, kernel, device, calib))
+        if want is not None:
+            assert cache.predictor(*sizes, 3, **extra)(row_tiles) == want[1]
+
+
+def reference_launch(request):
+    """The op's decision the straightforward way: each L of split_candidates ranked by a
+    fresh plan under the ranking model (ties: fewer splits), then a fresh plan at that L
+    under the full model, with the kernels, device and calibration the op's caches hold."""
+    r = request
+
+    def fresh(cache, splits):
+        w = Workload(r.num_tokens, r.hidden, r.ffn, r.world, splits,
+                     (r.row_tiles * cache.kernel.tile_m,), topk=r.topk,
+                     local_topk=r.local_topk)
+        return reference_plan(w, cache.kernel, cache.device, cache.calib)
+
+    splits, best = r.splits, None
+    for cand in (() if splits else planning.split_candidates(r.hidden)):
+        t = fresh(planning._caches_at(r, cand)[1], cand)[1]
+        if best is None or t < best * (1 - 1e-9):
+            splits, best = cand, t
+    c, t, *_ = fresh(planning._caches_at(r, splits)[2], splits)
+    return splits, c, t
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from([None, "h200", "h100", "a100-paper"]),
+       st.sampled_from([GPU_TILES, PARTITION_TILES]), st.booleans(),
+       st.sampled_from([1024, 2048, 4096, 7168]), st.sampled_from([128, 704, 1408]),
+       st.sampled_from([1, 2, 4, 8]), st.sampled_from([2, 4, 6, 8]),
+       st.lists(st.integers(0, 4000), min_size=1, max_size=4), st.integers(1, 8))
+def test_plan_launch_ranks_and_plans_as_fresh_plans(preset, tiles, helpers, hidden, ffn,
+                                                    world, topk, routings, batches):
+    """The op's plan_launch (L ranked by the cached predictors, C by the cache at that L)
+    against fresh plans, for routings new to it and sizes seen before or not."""
+    config = OverlapConfig(backend="interpret", preset=preset, tail_helpers=helpers)
+    tokens = 1024 * batches
+    for row_tiles, m in itertools.product(routings, (tokens, tokens + world)):
+        request = planning.PlanRequest(config, tiles, torch.device("cpu"), "interpret",
+                                       row_tiles, 16, m, hidden, ffn, world, topk,
+                                       float(topk), None, None)
+        got = planning.plan_launch(request)
+        assert (got.splits, got.plan.comm_ctas, got.plan.predicted) == reference_launch(request)
+
+
+def test_reference_and_fast_ties_on_hand_cases():
+    """Shared placement: C* = G. Partition: ties to the least (-W_comp) mod P, then the
+    smaller C; a flat curve (W_comp = W_comm = 0: T = 0 at every C) to C = 1."""
+    h200 = get_preset("h200")
+    shared = dataclasses.replace(h200.kernel, shared_sms=True)
+    assert reference_solve(1000, 64, 1.0, 2, shared, h200.device, h200.calibration)[0] == 132
+    kernel, device = KernelSpec(128, 128, 64, 1024, 1, 1), DeviceSpec("d", 10)
+    flat = Calibration(1.0, 704, 128, 128, 2, 8)
+    assert reference_solve(0, 0, 1.0, 1, kernel, device, flat) == (1, 0.0)
+    assert solve(0, 0, 1.0, 1, kernel, device, flat.c_max)[0] == 1
+    # W_comp = 600 over P(C) = 9 - C: T = ceil(600 / P) + ceil(4 / C) at L = 1; the least
+    # T ties at C = 4, 5 (124 + 1, 120 + 1 ... ) where the reference's order decides
+    for splits in (1, 2, 3, 7):
+        want = reference_solve(600, 4, 1.0, splits, kernel, device, flat)
+        assert (solve(600, 4, 1.0, splits, kernel, device, flat.c_max)[0], ) == want[:1]
