@@ -25,6 +25,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(__file__))
 from benchlib import (abba, add_run_args, env_info, smoke_setup,  # noqa: E402
                       summarize, without_samples, write_json)
+from tune_tiles import on_every_sm  # noqa: E402
 from workloads import OpCase, rank_inputs  # noqa: E402
 
 from megatron_overlap.ops import OverlapConfig, launcher  # noqa: E402
@@ -65,15 +66,12 @@ def gemm2_alone(inp, group, tiles: TileConfig, backend: str):
     launch = prepare(inp["x"], inp["weight"], inp["counts_list"], inp["token_index"],
                      inp["tokens"], inp["topk"], None, group,
                      config=OverlapConfig.from_env(backend=backend, tiles=tiles))
-    cache = launch.launch_plan.cache
-    slots = cache.kernel.o_comp * cache.device.available_sms
-    lp = dataclasses.replace(launch.launch_plan,
-                             plan=launch.plan._replace(compute_slots=slots))
+    lp = on_every_sm(launch)
     y = torch.empty(inp["x"].shape[0], inp["hidden"], dtype=inp["x"].dtype,
                     device=inp["x"].device)
     call = lambda: launcher.launch_gemm2_alone(  # noqa: E731
         launch.buffer, inp["x"], inp["weight"], launch.routing, lp, y)
-    facts = dict(launch.launch_plan.family.resources, programs=slots,
+    facts = dict(launch.launch_plan.family.resources, programs=lp.plan.compute_slots,
                  gemm_impl=lp.tiles.gemm_impl, placement_fits=lp.family.misfit is None)
     return call, launch.routing.dest, facts
 

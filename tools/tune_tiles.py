@@ -63,17 +63,24 @@ def phase(inp, group, tiles, backend, c, phases, all_sms=True):
                      inp["tokens"], inp["topk"], None, group, comm_ctas=c,
                      config=OverlapConfig.from_env(backend=backend, tiles=tiles))
     cache = launch.launch_plan.cache
-    plan = launch.plan
-    if phases == ("gemm2",) and all_sms:  # the whole GPU: every SM's o_comp slots
-        plan = plan._replace(compute_slots=cache.kernel.o_comp * cache.device.available_sms)
+    launch_plan = launch.launch_plan
+    if phases == ("gemm2",) and all_sms:
+        launch_plan = on_every_sm(launch)
     out = torch.empty(inp["tokens"] // launch.world, inp["hidden"], dtype=inp["x"].dtype,
                       device=inp["x"].device)
     y = torch.randn(inp["x"].shape[0], inp["hidden"], device=inp["x"].device).to(inp["x"].dtype)
-    fn = phase_launch(launch, inp, phases, out, y,
-                      dataclasses.replace(launch.launch_plan, plan=plan))
+    fn = phase_launch(launch, inp, phases, out, y, launch_plan)
     return fn, dict(launch.launch_plan.family.resources,
                     o_comp=cache.kernel.o_comp, o_comm=cache.kernel.o_comm,
                     comm_tile=(cache.kernel.comm_tile_m, cache.kernel.comm_tile_n))
+
+
+def on_every_sm(launch):
+    """The launch's plan with GEMM2 on the whole GPU: every SM's o_comp slots."""
+    cache = launch.launch_plan.cache
+    slots = cache.kernel.o_comp * cache.device.available_sms
+    return dataclasses.replace(launch.launch_plan,
+                               plan=launch.plan._replace(compute_slots=slots))
 
 
 def gemm_name(t: TileConfig) -> str:

@@ -238,11 +238,10 @@ def _shape(request: PlanRequest) -> tuple[dict, dict]:
 
 
 def _at(request: PlanRequest, splits: int,
-        shape: tuple | None = None) -> tuple[KernelFamily, PlanCache, Callable[[int], float]]:
-    """(family, cache, ranked) at L = `splits`; `shape`: the request's `_shape`, where
-    held."""
+        shape: tuple) -> tuple[KernelFamily, PlanCache, Callable[[int], float]]:
+    """(family, cache, ranked) at L = `splits`; `shape`: the request's `_shape`."""
     r = request
-    kernels, at = _shape(r) if shape is None else shape
+    kernels, at = shape
     found = at.get(splits)
     if found is None:
         family, ranking, cache = _caches_at(r, splits, kernels)
@@ -269,7 +268,7 @@ def _caches_at(request: PlanRequest, splits: int,
     return found
 
 
-def _at_splits(request: PlanRequest, splits: int, shape: tuple | None = None) -> LaunchPlan:
+def _at_splits(request: PlanRequest, splits: int, shape: tuple) -> LaunchPlan:
     """The launch's plan at L = `splits`."""
     r = request
     family, cache, _ = _at(request, splits, shape)
@@ -308,10 +307,12 @@ def rank_splits(hidden: int, predicted) -> int:
 def split_predictions(request: PlanRequest, candidates=SPLIT_CANDIDATES) -> dict[int, float]:
     """The ranking model's T(C*) at each L of `candidates` (up to N): what `rank_splits`
     compares, in compute waves, for tools that set it beside measured times."""
-    return {cand: _ranked_t(request, cand) for cand in candidates if cand <= request.hidden}
+    shape = _shape(request)
+    return {cand: _ranked_t(request, cand, shape) for cand in candidates
+            if cand <= request.hidden}
 
 
-def _ranked_t(request: PlanRequest, splits: int, shape: tuple | None = None) -> float:
+def _ranked_t(request: PlanRequest, splits: int, shape: tuple) -> float:
     """T(C*) at L = `splits` under the model that ranks L (no plan kept for it)."""
     return _at(request, splits, shape)[2](request.row_tiles)
 
