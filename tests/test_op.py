@@ -718,13 +718,21 @@ def test_planner_sees_the_tail_helpers_and_the_rows_per_token_this_rank_holds(he
     assert all_rows.predicted != want.predicted  # the term is live with this calibration
 
 
-def test_splits_ranked_without_the_helper_terms_and_c_from_the_full_model():
+def test_splits_ranked_without_the_helper_terms_and_c_from_the_full_model(tmp_path):
     import dataclasses
+    import json
 
-    from megatron_overlap.planner import KernelSpec, Workload, plan
+    from megatron_overlap.planner import KernelSpec, Workload, get_preset, plan
 
     p = routed_problem(0, 1, tokens=128, experts=8, topk=4, ffn=32, hidden=64)
-    config = OverlapConfig(backend="interpret", preset="h200")
+    # the H200's calibration without the splits' roofline (tests/test_roofline.py): the
+    # wave model alone ranks L here
+    h200 = get_preset("h200")
+    waves_only = dataclasses.replace(h200, calibration=dataclasses.replace(
+        h200.calibration, hbm_balance=None))
+    path = tmp_path / "h200_waves.json"
+    path.write_text(json.dumps(waves_only.to_json()))
+    config = OverlapConfig(backend="interpret", preset=str(path))
     launch = op_module.prepare(p["x"], p["weight"], p["counts"], p["token_index"], 128, 4,
                                config=config)
     full = launch.launch_plan.cache

@@ -6,6 +6,7 @@ not read the routing, and the op's own `plan_launch`."""
 
 import dataclasses
 import itertools
+import math
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from megatron_overlap.ops import planning
+from megatron_overlap.planner import roofline
 from megatron_overlap.ops.config import GPU_TILES, PARTITION_TILES, OverlapConfig
 from megatron_overlap.planner import (Calibration, DeviceSpec, KernelSpec, PlanCache, Workload,
                                       get_preset, plan, ranking_calibration, solve)
@@ -112,6 +114,18 @@ def test_the_caches_reuse_of_sizes_decides_as_a_fresh_plan(w, kernel, sms, calib
             assert cache.predictor(*sizes, 3, **extra)(row_tiles) == want[1]
 
 
+def roofline_t(r, splits, cache):
+    """T_mem(L) of `planner.roofline` at the request's sizes, GEMM2 on all o_comp G slots."""
+    kernel, calib = cache.kernel, cache.calib
+    slots = kernel.o_comp * cache.device.available_sms
+    per_row = math.ceil(math.ceil(r.hidden / splits) / kernel.tile_n)
+    traffic = roofline.split_bytes(r.num_tokens, r.hidden, r.ffn, splits, r.experts,
+                                   kernel.tile_m)
+    phi = roofline.wave_bytes(slots, kernel.tile_m, kernel.tile_n, r.ffn, calib.hbm_k_epi,
+                              calib.hbm_balance)
+    return roofline.memory_t(per_row * r.row_tiles, slots, splits, traffic, phi, r.row_tiles)
+
+
 def reference_launch(request):
     """The op's decision the straightforward way: each L of split_candidates ranked by a
     fresh plan under the ranking model (ties: fewer splits), then a fresh plan at that L
@@ -125,8 +139,13 @@ def reference_launch(request):
         return reference_plan(w, cache.kernel, cache.device, cache.calib)
 
     splits, best = r.splits, None
-    for cand in (() if splits else planning.split_candidates(r.hidden)):
-        t = fresh(planning._caches_at(r, cand)[1], cand)[1]
+    ranking = planning._caches_at(r, 1)[1]
+    tile_n = ranking.kernel.tile_n if ranking.calib.hbm_balance is not None else None
+    for cand in (() if splits else planning.split_candidates(r.hidden, tile_n)):
+        cache = planning._caches_at(r, cand)[1]
+        t = fresh(cache, cand)[1]
+        if tile_n:  # the splits' roofline, from its own module (tests/test_roofline.py)
+            t = max(t, roofline_t(r, cand, cache))
         if best is None or t < best * (1 - 1e-9):
             splits, best = cand, t
     c, t, *_ = fresh(planning._caches_at(r, splits)[2], splits)

@@ -22,7 +22,7 @@ from typing import Callable
 import torch
 
 from ..kernels import gemm2
-from ..planner import PlanCache, reservation, ranking_calibration
+from ..planner import PlanCache, reservation, ranking_calibration, roofline
 from .config import (GPU_TILES, INTERPRET_TILES, MAX_SPLITS, OverlapConfig, TileConfig, calibration_for,
                      default_splits, device_spec, in_placement, kernel_spec,
                      with_register_caps)
@@ -31,6 +31,8 @@ from .residency import compiled_occupancies
 log = logging.getLogger("megatron_overlap")
 
 SPLIT_CANDIDATES = (1, 2, 4)
+#: the L ranked where the calibration prices the splits' HBM traffic (`hbm_balance`)
+ROOFLINE_CANDIDATES = (1, 2, 4, 8)
 #: decisions kept (routing can make many distinct row-tile counts)
 MAX_DECISIONS = 4096
 
@@ -248,8 +250,30 @@ def _at(request: PlanRequest, splits: int,
         ranked = ranking.predictor(r.num_tokens, r.hidden, r.ffn, r.world, splits, r.experts,
                                    comm_ctas=r.comm_ctas, enabled=r.config.planner,
                                    topk=r.topk, local_topk=r.local_topk)
+        if ranking.calib.hbm_balance is not None:
+            ranked = _with_roofline(ranked, r, splits, ranking)
         found = at[splits] = (family, cache, ranked)
     return found
+
+
+def _with_roofline(ranked: Callable[[int], float], request: PlanRequest, splits: int,
+                   ranking: PlanCache) -> Callable[[int], float]:
+    """max(T_wave, T_mem) as a function of the row tiles: the wave model's T(C*) and the
+    splits' roofline (`planner.roofline`, bf16 bytes), GEMM2 on all o_comp G slots; its
+    bytes per row tile and Phi computed once per launch shape and L."""
+    r, kernel, calib = request, ranking.kernel, ranking.calib
+    slots = kernel.o_comp * ranking.device.available_sms
+    per_row = -(-(-(-r.hidden // splits)) // kernel.tile_n)  # ceil(ceil(N/L) / TN)
+    traffic = roofline.split_bytes(r.num_tokens, r.hidden, r.ffn, splits, r.experts,
+                                   kernel.tile_m)
+    phi = roofline.wave_bytes(slots, kernel.tile_m, kernel.tile_n, r.ffn, calib.hbm_k_epi,
+                              calib.hbm_balance)
+
+    def t(row_tiles: int) -> float:
+        wave = ranked(row_tiles)
+        mem = roofline.memory_t(per_row * row_tiles, slots, splits, traffic, phi, row_tiles)
+        return wave if wave > mem else mem
+    return t
 
 
 def _caches_at(request: PlanRequest, splits: int,
@@ -283,25 +307,38 @@ def _at_splits(request: PlanRequest, splits: int, shape: tuple) -> LaunchPlan:
 
 
 @functools.lru_cache(maxsize=64)
-def split_candidates(hidden: int) -> tuple[int, ...]:
-    """The L the op ranks for a hidden size N: SPLIT_CANDIDATES up to 2 x the default
-    (and N), so every split keeps at least 512 columns (four 128-wide GEMM2 column tiles
-    share each row tile of x while it is in L2). The ranking model has no term for what
-    a split re-reads (its T(L) only falls with L); past this bound the captured sweep
-    measured 1.03x-1.92x the fastest L (docs/RESULTS.md, "The planner's L")."""
+def split_candidates(hidden: int, roofline_tile_n: int | None = None) -> tuple[int, ...]:
+    """The L the op ranks for a hidden size N. With the splits' roofline
+    (`roofline_tile_n`: GEMM2's column tile TN, where the calibration has `hbm_balance`)
+    ROOFLINE_CANDIDATES down to one column tile per split: the roofline prices what a
+    split re-reads. Without it SPLIT_CANDIDATES up to 2 x the default (and N), so every
+    split keeps at least 512 columns (four 128-wide column tiles share each row tile of x
+    while it is in L2): the wave model alone has no such term (its T(L) only falls with
+    L), and past this bound the captured sweep measured 1.03x-1.92x the fastest L
+    (docs/RESULTS.md, "The planner's L")."""
+    if roofline_tile_n:
+        return tuple(c for c in ROOFLINE_CANDIDATES if c * roofline_tile_n <= hidden) or (1,)
     return tuple(c for c in SPLIT_CANDIDATES if c <= min(2 * default_splits(hidden), hidden))
 
 
-def rank_splits(hidden: int, predicted) -> int:
-    """The L the op runs when none is given: of SPLIT_CANDIDATES up to 2 x the default
-    (and N), the least `predicted(L)` (compute waves, one unit for every L); ties go to
-    fewer splits. `predicted` is the ranking model's T(C*) at that L."""
+def rank_splits(hidden: int, predicted, candidates: tuple[int, ...] | None = None) -> int:
+    """The L the op runs when none is given: of `candidates` (`split_candidates(hidden)`
+    by default), the least `predicted(L)` (compute waves, one unit for every L); ties go
+    to fewer splits. `predicted` is the ranking model's T at that L."""
     chosen, best = None, None
-    for cand in split_candidates(hidden):
+    for cand in candidates or split_candidates(hidden):
         t = predicted(cand)
         if best is None or t < best * (1 - 1e-9):
             chosen, best = cand, t
     return chosen
+
+
+def _candidates(request: PlanRequest, shape: tuple) -> tuple[int, ...]:
+    """The L `plan_launch` ranks: down to one column tile where the ranking prices the
+    splits' HBM traffic (`split_candidates`); `shape`: the request's `_shape`."""
+    ranking = _caches_at(request, 1, shape[0])[1]
+    roof = ranking.calib.hbm_balance is not None
+    return split_candidates(request.hidden, ranking.kernel.tile_n if roof else None)
 
 
 def split_predictions(request: PlanRequest, candidates=SPLIT_CANDIDATES) -> dict[int, float]:
@@ -332,7 +369,8 @@ def plan_launch(request: PlanRequest) -> LaunchPlan:
     if found is None:
         shape = _shape(request)
         splits = request.splits or rank_splits(
-            request.hidden, lambda cand: _ranked_t(request, cand, shape))
+            request.hidden, lambda cand: _ranked_t(request, cand, shape),
+            _candidates(request, shape))
         found = _at_splits(request, splits, shape)
         if len(_decisions) >= MAX_DECISIONS:
             _decisions.clear()

@@ -37,10 +37,20 @@ class Calibration:
     topk_ref: int | None = None
     # f: waves of the splits served while GEMM2 runs take f rho (model.py); None: rho.
     overlap_factor: float | None = None
+    # The splits' roofline (roofline.py). beta: GEMM2's FLOP per byte of HBM traffic at
+    # the rates GEMM2 and GatherRS sustain side by side, a tile's FLOP counted at
+    # K + hbm_k_epi (the fixed part of a tile's time, in K, of the GEMM2 kernel beta was
+    # fitted with: the kernel of today, where k_epi above is the rho fit's). Set, the op
+    # ranks L by the roofline as well and runs splits down to one column tile. None: no
+    # such term (the candidates keep >= 512 columns per split).
+    hbm_balance: float | None = None
+    hbm_k_epi: float = 0.0
 
     def __post_init__(self) -> None:
         require_real(self, "c_sat", 0, strict=True)
         require_real(self, "overlap_factor", 0, strict=True)
+        require_real(self, "hbm_balance", 0, strict=True)
+        require_real(self, "hbm_k_epi", 0, optional=False)
         require_real(self, "k_epi", 0)
         require_real(self, "rho_ref", 0, strict=True, optional=False)
         for name in ("k_ref", "tm_ref", "tn_ref", "d_ref", "c_max"):

@@ -1,0 +1,71 @@
+"""The splits' roofline: what ranks L where the wave model alone cannot (stdlib only).
+
+The wave model (eqs. 10-13) prices a split by its compute waves and its communication
+service q, so its T(L) only falls as L grows: more splits, less communication exposed
+after GEMM2. What it leaves out is that GEMM2 and GatherRS share one HBM. Every split
+re-reads all of x (a row tile of x is reused only by the column tiles of one split),
+writes its slice of y, and overlaps the combine of the split before it, which reads that
+slice of y back and writes the output. Past a few splits the bytes of a split outgrow
+its compute: on one H200 the captured sweep of L = 1, 2, 4, 8 has its optimum inside,
+at 512 columns per split, in every workload (docs/RESULTS.md, "The planner's L").
+
+Quantities, in compute waves like the rest of the model (e: bytes of an element):
+
+    |x| = R K e, |W| = E N K e, |y| = R N e, |out| = M N e      (R = row tiles x TM)
+    B_0 = |x| + (|W| + |y|) / L                 split 0: GEMM2 alone
+    B_s = B_0 + (|y| + |out|) / L, s >= 1       beside the combine of split s - 1
+    B_t = (|y| + |out|) / L                     the combine of the last split, alone
+    Phi = P 2 TM TN (K + K_epi) / beta          bytes HBM moves in one compute wave
+    T_mem(L) = max(A_{L-1}, sum_s B_s / Phi) + B_t / Phi
+
+GEMM2 ends no earlier than its compute waves (A_{L-1}, eq. 10) nor than the HBM can move
+its splits' bytes; the splits are not barriers (a CTA done with split s goes on to s + 1),
+so the bound is on the sums, not split by split. (Summing max(c_s, m_s) per split
+instead double-counts each split's last partial wave: on the fresh S = 1024 / 2048 sweep
+it picked L = 1 for Qwen at S = 1024, 5.6% slower than L = 2.)
+
+beta (`Calibration.hbm_balance`) is GEMM2's FLOP per byte of HBM traffic at the rates the
+two sustain side by side, counting a tile's FLOP at K + K_epi (`Calibration.hbm_k_epi`:
+the fixed part of a tile's time, as eq. 15 scales a wave's time with K). The op ranks L
+by max(T_wave(L), T_mem(L)): each is a time the launch cannot beat.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+
+class SplitBytes(NamedTuple):
+    """B_s per row tile and fixed, so that T_mem is a few operations per routing:
+    B = fixed + per_row_tile x row_tiles, for split 0, the later splits, and the tail."""
+
+    first: tuple[float, float]
+    later: tuple[float, float]
+    tail: tuple[float, float]
+
+
+def split_bytes(tokens: int, hidden: int, ffn: int, splits: int, local_experts: int,
+                tile_m: int, element_bytes: int = 2) -> SplitBytes:
+    """B_0, B_s (s >= 1) and B_t at L = `splits`, as (fixed, per row tile) pairs."""
+    e = element_bytes
+    x_row, y_row = tile_m * ffn * e, tile_m * hidden * e  # |x|, |y| per row tile
+    weights, out = local_experts * hidden * ffn * e, tokens * hidden * e
+    first = (weights / splits, x_row + y_row / splits)
+    tail = (out / splits, y_row / splits)
+    return SplitBytes(first, (first[0] + tail[0], first[1] + tail[1]), tail)
+
+
+def wave_bytes(compute_slots: int, tile_m: int, tile_n: int, ffn: int, k_epi: float,
+               balance: float) -> float:
+    """Phi: the HBM bytes of one compute wave's time (P tiles of 2 TM TN (K + K_epi))."""
+    return compute_slots * 2 * tile_m * tile_n * (ffn + k_epi) / balance
+
+
+def memory_t(w_comp: int, compute_slots: int, splits: int, traffic: SplitBytes,
+             phi: float, row_tiles: int) -> float:
+    """T_mem(L): GEMM2 ends no earlier than its compute waves A_{L-1} and than the bytes of
+    all its splits, then the last split's combine moves its bytes (module doc)."""
+    (f0, r0), (f1, r1), (ft, rt) = traffic
+    a_last = -(-splits * w_comp // compute_slots)  # A_{L-1}
+    bytes_gemm = f0 + r0 * row_tiles + (splits - 1) * (f1 + r1 * row_tiles)
+    return max(a_last, bytes_gemm / phi) + (ft + rt * row_tiles) / phi
