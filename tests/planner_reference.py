@@ -76,3 +76,19 @@ def reference_plan(workload: Workload, kernel, device, calib) -> tuple[int, floa
     rho = service_ratio(workload, kernel, calib)
     best, t = reference_solve(w_comp, w_comm, rho, workload.splits, kernel, device, calib)
     return best, t, w_comp, w_comm, rho
+
+
+def reference_memory_t(tokens, hidden, ffn, splits, local_experts, tile_m, row_tiles, w_comp,
+                       slots, phi, element_bytes=2) -> float:
+    """T_mem(L) of the splits' roofline (`planner.roofline`'s doc) at M = `tokens`, its
+    bytes computed whole at that M, as the roofline was first written (the op passes M
+    to it per launch instead)."""
+    e = element_bytes
+    x_row, y_row = tile_m * ffn * e, tile_m * hidden * e  # |x|, |y| per row tile
+    weights, out = local_experts * hidden * ffn * e, tokens * hidden * e
+    f0, r0 = weights / splits, x_row + y_row / splits  # B_0
+    ft, rt = out / splits, y_row / splits  # B_t
+    f1, r1 = f0 + ft, r0 + rt  # B_s, s >= 1
+    a_last = -(-splits * w_comp // slots)  # A_{L-1}
+    bytes_gemm = f0 + r0 * row_tiles + (splits - 1) * (f1 + r1 * row_tiles)
+    return max(a_last, bytes_gemm / phi) + (ft + rt * row_tiles) / phi

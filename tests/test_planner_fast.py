@@ -18,7 +18,8 @@ from megatron_overlap.planner import roofline
 from megatron_overlap.ops.config import GPU_TILES, PARTITION_TILES, OverlapConfig
 from megatron_overlap.planner import (Calibration, DeviceSpec, KernelSpec, PlanCache, Workload,
                                       get_preset, plan, ranking_calibration, solve)
-from planner_reference import reference_curve, reference_plan, reference_solve
+from planner_reference import (reference_curve, reference_memory_t, reference_plan,
+                               reference_solve)
 
 workloads = st.builds(
     Workload,
@@ -97,58 +98,115 @@ def test_shipped_presets_decide_as_the_whole_curve(w, name, helpers, shared, mar
 
 @settings(max_examples=300, deadline=None)
 @given(workloads, kernels, st.integers(2, 200), calibrations,
-       st.lists(st.integers(0, 5000), min_size=1, max_size=6))
-def test_the_caches_reuse_of_sizes_decides_as_a_fresh_plan(w, kernel, sms, calib, routings):
+       st.lists(st.tuples(st.sampled_from([0, 0, 1, 333, 1 << 15]), st.integers(0, 5000)),
+                min_size=1, max_size=6))
+def test_the_caches_reuse_of_sizes_decides_as_a_fresh_plan(w, kernel, sms, calib, launches):
     """decide_tiles at sizes seen before (W_comm, rho and the checks reused) and the
-    ranking's predictor (T(C*) as a function of row_tiles) give a fresh plan's numbers."""
+    ranking's predictor, T(C*) as a function of (M, row_tiles), one built for every M
+    (q kept from one call to the next at the same M), give a fresh plan's numbers, at M
+    repeated, changed and back."""
     device = DeviceSpec("d", sms)
     cache = PlanCache(kernel, device, calib)
-    sizes = (w.tokens, w.hidden, w.ffn, w.world, w.splits)
+    sizes = (w.hidden, w.ffn, w.world, w.splits)
     extra = dict(groups=w.groups, topk=w.topk, local_topk=w.local_topk)
-    for row_tiles in routings:
-        one = dataclasses.replace(w, expert_counts=(row_tiles * kernel.tile_m,))
+    predictor = cache.predictor(*sizes, 3, **extra)
+    for more_tokens, row_tiles in launches:
+        tokens = w.tokens + more_tokens
+        one = dataclasses.replace(w, tokens=tokens, expert_counts=(row_tiles * kernel.tile_m,))
         want = same_or_both_raise(
-            lambda: decision(cache.decide_tiles(row_tiles, *sizes, 3, **extra)),
+            lambda: decision(cache.decide_tiles(row_tiles, tokens, *sizes, 3, **extra)),
             lambda: reference_plan(one, kernel, device, calib))
-        if want is not None:
-            assert cache.predictor(*sizes, 3, **extra)(row_tiles) == want[1]
+        same_or_both_raise(lambda: predictor(tokens, row_tiles),
+                           lambda: reference_plan(one, kernel, device, calib)[1])
+        assert want is None or predictor(tokens, row_tiles) == want[1]
+
+
+@settings(max_examples=300, deadline=None)
+@given(workloads, kernels, st.integers(2, 200), calibrations,
+       st.sampled_from([None, None, 1, 7, 300]), st.booleans(),
+       st.lists(st.tuples(st.sampled_from([0, 0, 1, 333, 1 << 15]), st.integers(0, 5000)),
+                min_size=1, max_size=4))
+def test_the_caches_planner_plans_as_decide_tiles_at_every_m(w, kernel, sms, calib, comm_ctas,
+                                                             enabled, launches):
+    """PlanCache.planner (the op's plan at its L: one built for every M, no memo) gives
+    decide_tiles' Plan, curve included, at the model's C, an explicit C and disabled, and
+    the predictor there the Plan's T."""
+    device = DeviceSpec("d", sms)
+    cache = PlanCache(kernel, device, calib)
+    sizes = (w.hidden, w.ffn, w.world, w.splits)
+    extra = dict(groups=w.groups, comm_ctas=comm_ctas, enabled=enabled, topk=w.topk,
+                 local_topk=w.local_topk)
+    planned, predictor = cache.planner(*sizes, 3, **extra), cache.predictor(*sizes, 3, **extra)
+    for more_tokens, row_tiles in launches:
+        tokens = w.tokens + more_tokens
+        want = same_or_both_raise(lambda: planned(tokens, row_tiles), lambda: PlanCache(
+            kernel, device, calib).decide_tiles(row_tiles, tokens, *sizes, 3, **extra))
+        assert want is None or predictor(tokens, row_tiles) == want.predicted
+
+
+def test_the_predictor_checks_m_as_a_workload_does():
+    """M is no part of what a predictor is built at: every call checks it (an int >= 1),
+    an M equal to the one it holds q for too."""
+    h200 = get_preset("h200")
+    for shared in (True, False):
+        kernel = dataclasses.replace(h200.kernel, shared_sms=shared)
+        cache = PlanCache(kernel, h200.device, h200.calibration)
+        predictor = cache.predictor(2048, 704, 2, 2, 16)
+        want = cache.decide_tiles(100, 16384, 2048, 704, 2, 2, 16).predicted
+        assert predictor(16384, 100) == want
+        for bad in (16384.0, 0, -1, True, None):
+            with pytest.raises(ValueError):
+                predictor(bad, 100)
+        assert predictor(16384, 100) == want
 
 
 def roofline_t(r, splits, cache):
-    """T_mem(L) of `planner.roofline` at the request's sizes, GEMM2 on all o_comp G slots."""
+    """T_mem(L) at the request's sizes, GEMM2 on all o_comp G slots, the bytes computed
+    whole at its M (`reference_memory_t`; Phi from `planner.roofline`)."""
     kernel, calib = cache.kernel, cache.calib
     slots = kernel.o_comp * cache.device.available_sms
     per_row = math.ceil(math.ceil(r.hidden / splits) / kernel.tile_n)
-    traffic = roofline.split_bytes(r.num_tokens, r.hidden, r.ffn, splits, r.experts,
-                                   kernel.tile_m)
     phi = roofline.wave_bytes(slots, kernel.tile_m, kernel.tile_n, r.ffn, calib.hbm_k_epi,
                               calib.hbm_balance)
-    return roofline.memory_t(per_row * r.row_tiles, slots, splits, traffic, phi, r.row_tiles)
+    return reference_memory_t(r.num_tokens, r.hidden, r.ffn, splits, r.experts, kernel.tile_m,
+                              r.row_tiles, per_row * r.row_tiles, slots, phi)
+
+
+def fresh_plan(request, cache, splits):
+    """A fresh plan of the request at L = `splits` with the kernels, device and calibration
+    of one of the op's caches."""
+    r = request
+    w = Workload(r.num_tokens, r.hidden, r.ffn, r.world, splits,
+                 (r.row_tiles * cache.kernel.tile_m,), topk=r.topk, local_topk=r.local_topk)
+    return reference_plan(w, cache.kernel, cache.device, cache.calib)
+
+
+def reference_ranked(request) -> dict[int, float]:
+    """The T the op ranks each L of split_candidates by, the straightforward way: a fresh
+    plan's T(C*) under the ranking model, and its max with the splits' roofline where the
+    calibration has one."""
+    r = request
+    ranking = planning._caches_at(r, 1)[1]
+    tile_n = ranking.kernel.tile_n if ranking.calib.hbm_balance is not None else None
+    ranked = {}
+    for cand in planning.split_candidates(r.hidden, tile_n):
+        cache = planning._caches_at(r, cand)[1]
+        t = fresh_plan(r, cache, cand)[1]
+        if tile_n:  # the splits' roofline, from its own module (tests/test_roofline.py)
+            t = max(t, roofline_t(r, cand, cache))
+        ranked[cand] = t
+    return ranked
 
 
 def reference_launch(request):
-    """The op's decision the straightforward way: each L of split_candidates ranked by a
-    fresh plan under the ranking model (ties: fewer splits), then a fresh plan at that L
-    under the full model, with the kernels, device and calibration the op's caches hold."""
-    r = request
-
-    def fresh(cache, splits):
-        w = Workload(r.num_tokens, r.hidden, r.ffn, r.world, splits,
-                     (r.row_tiles * cache.kernel.tile_m,), topk=r.topk,
-                     local_topk=r.local_topk)
-        return reference_plan(w, cache.kernel, cache.device, cache.calib)
-
-    splits, best = r.splits, None
-    ranking = planning._caches_at(r, 1)[1]
-    tile_n = ranking.kernel.tile_n if ranking.calib.hbm_balance is not None else None
-    for cand in (() if splits else planning.split_candidates(r.hidden, tile_n)):
-        cache = planning._caches_at(r, cand)[1]
-        t = fresh(cache, cand)[1]
-        if tile_n:  # the splits' roofline, from its own module (tests/test_roofline.py)
-            t = max(t, roofline_t(r, cand, cache))
+    """The op's decision the straightforward way: each L of split_candidates ranked by
+    `reference_ranked` (ties: fewer splits), then a fresh plan at that L under the full
+    model, with the kernels, device and calibration the op's caches hold."""
+    splits, best = request.splits, None
+    for cand, t in (() if splits else reference_ranked(request).items()):
         if best is None or t < best * (1 - 1e-9):
             splits, best = cand, t
-    c, t, *_ = fresh(planning._caches_at(r, splits)[2], splits)
+    c, t, *_ = fresh_plan(request, planning._caches_at(request, splits)[2], splits)
     return splits, c, t
 
 
@@ -161,15 +219,21 @@ def reference_launch(request):
 def test_plan_launch_ranks_and_plans_as_fresh_plans(preset, tiles, helpers, hidden, ffn,
                                                     world, topk, routings, batches):
     """The op's plan_launch (L ranked by the cached predictors, C by the cache at that L)
-    against fresh plans, for routings new to it and sizes seen before or not."""
+    against fresh plans, for routings new to it at sizes seen before or not: the
+    predictors are kept per launch shape less M, so a new M at a known shape, several
+    routings at one M, and an M again after another all go through them."""
     config = OverlapConfig(backend="interpret", preset=preset, tail_helpers=helpers)
     tokens = 1024 * batches
-    for row_tiles, m in itertools.product(routings, (tokens, tokens + world)):
+    launches = itertools.chain(itertools.product((tokens, tokens + world), routings),
+                               ((tokens, row_tiles + 1) for row_tiles in routings))
+    for m, row_tiles in launches:
         request = planning.PlanRequest(config, tiles, torch.device("cpu"), "interpret",
                                        row_tiles, 16, m, hidden, ffn, world, topk,
                                        float(topk), None, None)
         got = planning.plan_launch(request)
         assert (got.splits, got.plan.comm_ctas, got.plan.predicted) == reference_launch(request)
+        ranked = reference_ranked(request)  # (the T of every L, not only the least)
+        assert planning.split_predictions(request, tuple(ranked)) == ranked
 
 
 def test_reference_and_fast_ties_on_hand_cases():

@@ -26,10 +26,10 @@ def t_mem(model: str, tp: int, ep: int, seq: int, splits: int, row_tiles: int | 
     n, k, e, m = shape.hidden, shape.expert_ffn // tp, shape.experts // ep, 4 * seq
     if row_tiles is None:  # uniform routing
         row_tiles = e * math.ceil(m * shape.topk // ep / e / 128)
-    traffic = roofline.split_bytes(m, n, k, splits, e, 128)
+    traffic = roofline.split_bytes(n, k, splits, e, 128)
     phi = roofline.wave_bytes(SLOTS, 128, 128, k, calib.hbm_k_epi, calib.hbm_balance)
     w_comp = row_tiles * math.ceil(math.ceil(n / splits) / 128)
-    return roofline.memory_t(w_comp, SLOTS, splits, traffic, phi, row_tiles)
+    return roofline.memory_t(w_comp, SLOTS, splits, traffic, phi, row_tiles, m)
 
 
 @pytest.mark.parametrize("model,best", [("granite", 2), ("qwen", 4), ("deepseek", 4)])
@@ -49,11 +49,11 @@ def test_the_roofline_is_compute_waves_where_bytes_are_few():
 
 
 def test_split_bytes_count_x_once_per_split_and_y_twice():
-    one, four = (roofline.split_bytes(1000, 256, 64, splits, 3, 128) for splits in (1, 4))
+    one, four = (roofline.split_bytes(256, 64, splits, 3, 128) for splits in (1, 4))
     x_row, y_row = 128 * 64 * 2, 128 * 256 * 2
     assert one.first == (3 * 256 * 64 * 2, x_row + y_row)  # |W| + (|x| + |y|) per row tile
     assert four.later[1] == x_row + 2 * y_row / 4  # x whole, y written and read back
-    assert four.tail == (1000 * 256 * 2 / 4, y_row / 4)
+    assert four.tail == (0.0, y_row / 4) and four.out_token == 256 * 2  # (+ M N e / L)
 
 
 @pytest.mark.parametrize("value", [0, -1.0, float("inf"), float("nan"), True, "230"])

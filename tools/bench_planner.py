@@ -18,10 +18,11 @@ the op's own `ops.planning.plan_launch` (on this CPU: the interpreter's backend,
 shared placement, the shipped h200 calibration, and the H200's DeviceSpec in place of the
 interpreter's virtual device), each call a launch whose every decision cache misses:
 op_miss, a routing not seen before (row_tiles new each call) at sizes seen before, what
-the op pays when its routing changes (ranking L = 1, 2, 4, then the chosen L);
-op_new_sizes, also M not seen before (a new token count each call, as batches of varying
-length give: a new launch shape, whose ranking builds its predictors). Kernel families
-and plan caches persist, as in the op.
+the op pays when its routing changes (ranking its candidates of L, L = 1, 2, 4, 8 with
+the splits' roofline, then the chosen L); op_new_sizes, also M not seen before (a new
+token count each call, as batches of varying length give: the shape's predictors are
+kept without M, so each call recomputes what reads M at every L). Kernel families and
+plan caches persist, as in the op.
 Each figure is the median over 21 batches of 2000 calls (500 for the op's launches; min
 in brackets): this machine is shared and noisy, so the median of batch means is the
 stable number. Before timing, each configuration's curve is checked against the literal

@@ -213,18 +213,31 @@ class LaunchPlan:
 #: per kernels (config, tiles, device, backend, N, k): at each L the kernels' family and
 #: the caches that rank and plan it
 _kernels: dict[tuple, dict[int, tuple[KernelFamily, PlanCache, PlanCache]]] = {}
-#: per launch shape (a PlanRequest but its row_tiles and L): its kernels' entry above,
-#: and at each L the family, the cache that plans it and `ranked(row_tiles)`, the ranking
-#: model's T(C*) there (`PlanCache.predictor`)
-_shapes: dict[tuple, tuple[dict, dict[int, tuple[KernelFamily, PlanCache, Callable]]]] = {}
 
 
-def _shape(request: PlanRequest) -> tuple[dict, dict]:
-    """The request's (kernels, {L: (family, cache, ranked)}), filled as L are asked for:
-    a launch that misses looks it up once for all its L."""
+class _Shape:
+    """A launch shape less M (a PlanRequest but its row_tiles, num_tokens and L): its
+    kernels' entry of `_kernels`; at each L (family, cache, ranked, planned): the kernels'
+    family, the cache that plans it, the ranking model's T (`PlanCache.predictor`, and the
+    splits' roofline where calibrated) and the full model's Plan (`PlanCache.planner`),
+    both functions of (tokens, row_tiles); and the L it ranks (`_candidates`). M is no
+    part of it: a batch of a new length finds it all built (M sets W_comm and |out|)."""
+
+    __slots__ = ("kernels", "at", "candidates")
+
+    def __init__(self, kernels: dict):
+        self.kernels, self.at, self.candidates = kernels, {}, None
+
+
+_shapes: dict[tuple, _Shape] = {}
+
+
+def _shape(request: PlanRequest) -> _Shape:
+    """The request's launch shape, its L filled as they are asked for: a launch that
+    misses looks it up once for all its L."""
     r = request
-    key = (r.config, r.tiles, r.device, r.backend, r.experts, r.num_tokens, r.hidden, r.ffn,
-           r.world, r.topk, r.local_topk, r.comm_ctas)
+    key = (r.config, r.tiles, r.device, r.backend, r.experts, r.hidden, r.ffn, r.world,
+           r.topk, r.local_topk, r.comm_ctas)
     found = _shapes.get(key)
     if found is None:
         if len(_shapes) >= MAX_DECISIONS:
@@ -235,45 +248,29 @@ def _shape(request: PlanRequest) -> tuple[dict, dict]:
             if len(_kernels) >= MAX_DECISIONS:
                 _kernels.clear()
             kernels = _kernels[kernels_key] = {}
-        found = _shapes[key] = (kernels, {})
+        found = _shapes[key] = _Shape(kernels)
     return found
 
 
-def _at(request: PlanRequest, splits: int,
-        shape: tuple) -> tuple[KernelFamily, PlanCache, Callable[[int], float]]:
-    """(family, cache, ranked) at L = `splits`; `shape`: the request's `_shape`."""
+def _at(request: PlanRequest, splits: int, shape: _Shape) -> tuple:
+    """(family, cache, ranked, planned) at L = `splits`; `shape`: the request's `_shape`.
+    A term the ranking adds is a function of (M, row_tiles) per shape and L, as the
+    splits' roofline (`planner.roofline.ranking_t`)."""
     r = request
-    kernels, at = shape
-    found = at.get(splits)
+    found = shape.at.get(splits)
     if found is None:
-        family, ranking, cache = _caches_at(r, splits, kernels)
-        ranked = ranking.predictor(r.num_tokens, r.hidden, r.ffn, r.world, splits, r.experts,
+        family, ranking, cache = _caches_at(r, splits, shape.kernels)
+        ranked = ranking.predictor(r.hidden, r.ffn, r.world, splits, r.experts,
                                    comm_ctas=r.comm_ctas, enabled=r.config.planner,
                                    topk=r.topk, local_topk=r.local_topk)
-        if ranking.calib.hbm_balance is not None:
-            ranked = _with_roofline(ranked, r, splits, ranking)
-        found = at[splits] = (family, cache, ranked)
+        if ranking.calib.hbm_balance is not None:  # max(T_wave, T_mem)
+            ranked = roofline.ranking_t(ranked, r.hidden, r.ffn, splits, r.experts,
+                                        ranking.kernel, ranking.device, ranking.calib)
+        planned = cache.planner(r.hidden, r.ffn, r.world, splits, r.experts,
+                                comm_ctas=r.comm_ctas, enabled=r.config.planner,
+                                topk=r.topk, local_topk=r.local_topk)
+        found = shape.at[splits] = (family, cache, ranked, planned)
     return found
-
-
-def _with_roofline(ranked: Callable[[int], float], request: PlanRequest, splits: int,
-                   ranking: PlanCache) -> Callable[[int], float]:
-    """max(T_wave, T_mem) as a function of the row tiles: the wave model's T(C*) and the
-    splits' roofline (`planner.roofline`, bf16 bytes), GEMM2 on all o_comp G slots; its
-    bytes per row tile and Phi computed once per launch shape and L."""
-    r, kernel, calib = request, ranking.kernel, ranking.calib
-    slots = kernel.o_comp * ranking.device.available_sms
-    per_row = -(-(-(-r.hidden // splits)) // kernel.tile_n)  # ceil(ceil(N/L) / TN)
-    traffic = roofline.split_bytes(r.num_tokens, r.hidden, r.ffn, splits, r.experts,
-                                   kernel.tile_m)
-    phi = roofline.wave_bytes(slots, kernel.tile_m, kernel.tile_n, r.ffn, calib.hbm_k_epi,
-                              calib.hbm_balance)
-
-    def t(row_tiles: int) -> float:
-        wave = ranked(row_tiles)
-        mem = roofline.memory_t(per_row * row_tiles, slots, splits, traffic, phi, row_tiles)
-        return wave if wave > mem else mem
-    return t
 
 
 def _caches_at(request: PlanRequest, splits: int,
@@ -281,7 +278,7 @@ def _caches_at(request: PlanRequest, splits: int,
     """(family, ranking cache, cache) at L = `splits`; `kernels`: the request's entry of
     `_kernels`, where held."""
     r = request
-    kernels = _shape(r)[0] if kernels is None else kernels
+    kernels = _shape(r).kernels if kernels is None else kernels
     found = kernels.get(splits)
     if found is None:
         comm_tm, comm_tn = r.tiles.comm_shape(r.topk, -(-r.hidden // splits))
@@ -292,13 +289,11 @@ def _caches_at(request: PlanRequest, splits: int,
     return found
 
 
-def _at_splits(request: PlanRequest, splits: int, shape: tuple) -> LaunchPlan:
+def _at_splits(request: PlanRequest, splits: int, shape: _Shape) -> LaunchPlan:
     """The launch's plan at L = `splits`."""
     r = request
-    family, cache, _ = _at(request, splits, shape)
-    plan = cache.decide_tiles(r.row_tiles, r.num_tokens, r.hidden, r.ffn, r.world, splits,
-                              r.experts, comm_ctas=r.comm_ctas, enabled=r.config.planner,
-                              topk=r.topk, local_topk=r.local_topk)
+    family, cache, _, planned = shape.at.get(splits) or _at(request, splits, shape)
+    plan = planned(r.num_tokens, r.row_tiles)
     # one tail helper per SM that GEMM2 leaves when it ends (the comm CTAs keep theirs)
     helpers = (cache.device.available_sms - reservation(plan.comm_ctas, cache.kernel)
                if r.config.tail_helpers else 0)
@@ -333,25 +328,33 @@ def rank_splits(hidden: int, predicted, candidates: tuple[int, ...] | None = Non
     return chosen
 
 
-def _candidates(request: PlanRequest, shape: tuple) -> tuple[int, ...]:
+def _candidates(request: PlanRequest, shape: _Shape) -> tuple[int, ...]:
     """The L `plan_launch` ranks: down to one column tile where the ranking prices the
-    splits' HBM traffic (`split_candidates`); `shape`: the request's `_shape`."""
-    ranking = _caches_at(request, 1, shape[0])[1]
-    roof = ranking.calib.hbm_balance is not None
-    return split_candidates(request.hidden, ranking.kernel.tile_n if roof else None)
+    splits' HBM traffic (`split_candidates`); `shape`: the request's `_shape`, which
+    keeps them."""
+    if shape.candidates is None:
+        ranking = _caches_at(request, 1, shape.kernels)[1]
+        roof = ranking.calib.hbm_balance is not None
+        shape.candidates = split_candidates(request.hidden,
+                                            ranking.kernel.tile_n if roof else None)
+    return shape.candidates
 
 
 def split_predictions(request: PlanRequest, candidates=SPLIT_CANDIDATES) -> dict[int, float]:
     """The ranking model's T(C*) at each L of `candidates` (up to N): what `rank_splits`
     compares, in compute waves, for tools that set it beside measured times."""
-    shape = _shape(request)
-    return {cand: _ranked_t(request, cand, shape) for cand in candidates
-            if cand <= request.hidden}
+    ranked = _ranked(request, _shape(request))
+    return {cand: ranked(cand) for cand in candidates if cand <= request.hidden}
 
 
-def _ranked_t(request: PlanRequest, splits: int, shape: tuple) -> float:
-    """T(C*) at L = `splits` under the model that ranks L (no plan kept for it)."""
-    return _at(request, splits, shape)[2](request.row_tiles)
+def _ranked(request: PlanRequest, shape: _Shape) -> Callable[[int], float]:
+    """L -> T at L under the model that ranks L, for this request (no plan kept for it):
+    each L's `ranked` at the request's M and row tiles."""
+    at, tokens, row_tiles = shape.at, request.num_tokens, request.row_tiles
+
+    def t(splits: int) -> float:
+        return (at.get(splits) or _at(request, splits, shape))[2](tokens, row_tiles)
+    return t
 
 
 _decisions: dict[PlanRequest, LaunchPlan] = {}
@@ -368,9 +371,8 @@ def plan_launch(request: PlanRequest) -> LaunchPlan:
     found = _decisions.get(request)
     if found is None:
         shape = _shape(request)
-        splits = request.splits or rank_splits(
-            request.hidden, lambda cand: _ranked_t(request, cand, shape),
-            _candidates(request, shape))
+        splits = request.splits or rank_splits(request.hidden, _ranked(request, shape),
+                                               _candidates(request, shape))
         found = _at_splits(request, splits, shape)
         if len(_decisions) >= MAX_DECISIONS:
             _decisions.clear()

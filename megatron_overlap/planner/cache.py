@@ -8,7 +8,7 @@ from .calibration import Calibration
 from .inputs import DeviceSpec, KernelSpec, Sizes, Workload, plainly_valid
 from .quantities import (comm_col_tiles, comm_row_tiles, expert_row_tiles, service_ratio,
                          split_col_tiles)
-from .search import Plan, plan, plan_tiles, routing_t
+from .search import Plan, plan, plan_tiles, routing_plan, routing_t
 
 
 class PlanCache:
@@ -75,23 +75,44 @@ class PlanCache:
         return found
 
     def predictor(
-        self, tokens: int, hidden: int, ffn: int, world: int, splits: int, local_experts: int,
+        self, hidden: int, ffn: int, world: int, splits: int, local_experts: int,
         groups: int = 1, comm_ctas: int | None = None, enabled: bool = True,
         topk: int | None = None, local_topk: float | None = None,
-    ) -> Callable[[int], float]:
-        """`decide_tiles(row_tiles, ...).predicted`, T(C*), as a function of row_tiles
-        alone at these sizes, without building or keeping a plan: what ranking L reads for
-        every new routing (`ops.planning` keeps one per launch shape and L). The sizes are
-        checked, and what does not read the routing computed (`search.routing_t`), here."""
+    ) -> Callable[[int, int], float]:
+        """`decide_tiles(row_tiles, tokens, ...).predicted`, T(C*), as a function of
+        (tokens, row_tiles) at these other sizes, without building or keeping a plan: what
+        ranking L reads for every launch (`ops.planning` keeps one per launch shape less M
+        and L). The sizes but M are checked, and what reads neither M nor the routing
+        computed (`search.routing_t`), here; M is checked per call."""
         if comm_ctas is not None or not enabled:  # (T at the given C: the plan's own)
-            if local_experts < 1:
-                raise ValueError("row_tiles must be >= 0 and local_experts >= 1")
-            return lambda row_tiles: self.decide_tiles(
-                row_tiles, tokens, hidden, ffn, world, splits, local_experts, groups,
-                comm_ctas, enabled, topk, local_topk).predicted
-        sizes = (tokens, hidden, ffn, world, splits, groups, topk, local_topk)
-        per_row, w_comm, rho = self._tiles(1, sizes, local_experts)  # (W_comp at 1 tile)
-        return routing_t(per_row, w_comm, rho, splits, self.kernel, self.device, self.calib)
+            planned = self.planner(hidden, ffn, world, splits, local_experts, groups,
+                                   comm_ctas, enabled, topk, local_topk)
+            return lambda tokens, row_tiles: planned(tokens, row_tiles).predicted
+        return routing_t(*self._less_m(hidden, ffn, world, splits, local_experts, groups,
+                                       topk, local_topk), splits, self.kernel, self.device,
+                         self.calib)
+
+    def planner(
+        self, hidden: int, ffn: int, world: int, splits: int, local_experts: int,
+        groups: int = 1, comm_ctas: int | None = None, enabled: bool = True,
+        topk: int | None = None, local_topk: float | None = None,
+    ) -> Callable[[int, int], Plan]:
+        """`decide_tiles(row_tiles, tokens, ...)` as a function of (tokens, row_tiles) at
+        these other sizes, without its memo: for a caller that keeps its decisions itself
+        (`ops.planning` keeps each launch's). Checked and computed as `predictor`."""
+        return routing_plan(*self._less_m(hidden, ffn, world, splits, local_experts, groups,
+                                          topk, local_topk), splits, self.kernel, self.device,
+                            self.calib, comm_ctas, enabled)
+
+    def _less_m(self, hidden: int, ffn: int, world: int, splits: int, local_experts: int,
+                groups: int, topk: int | None,
+                local_topk: float | None) -> tuple[int, int, int, float]:
+        """(W_comp per row tile, W_comm per row of comm tiles, D, rho) at these sizes,
+        checked: all that the model reads but the routing and M (`search.routing_t`)."""
+        # at one row tile W_comp is per_row, and at M = 1 W_comm is one row of comm tiles
+        sizes = (1, hidden, ffn, world, splits, groups, topk, local_topk)
+        per_row, comm_cols, rho = self._tiles(1, sizes, local_experts)
+        return per_row, comm_cols, world, rho
 
     def _tiles(self, row_tiles: int, sizes: tuple, local_experts: int) -> tuple[int, int, float]:
         """(W_comp, W_comm, rho) at these sizes (M, N, K, D, L, g, k, local k). Of what

@@ -32,27 +32,33 @@ by max(T_wave(L), T_mem(L)): each is a time the launch cannot beat.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Callable, NamedTuple
+
+from .calibration import Calibration
+from .inputs import DeviceSpec, KernelSpec
 
 
 class SplitBytes(NamedTuple):
-    """B_s per row tile and fixed, so that T_mem is a few operations per routing:
-    B = fixed + per_row_tile x row_tiles, for split 0, the later splits, and the tail."""
+    """B_s of one launch shape and L, so that T_mem is a few operations per launch:
+    B = fixed + per_row_tile x row_tiles for split 0, the later splits and the tail, and
+    for the last two |out| / L, the one count that reads M, which `memory_t` adds from M
+    (`out_token` = N e), as it takes the row tiles."""
 
     first: tuple[float, float]
-    later: tuple[float, float]
-    tail: tuple[float, float]
+    later: tuple[float, float]  # (less |out| / L)
+    tail: tuple[float, float]  # (less |out| / L)
+    out_token: int
 
 
-def split_bytes(tokens: int, hidden: int, ffn: int, splits: int, local_experts: int,
-                tile_m: int, element_bytes: int = 2) -> SplitBytes:
-    """B_0, B_s (s >= 1) and B_t at L = `splits`, as (fixed, per row tile) pairs."""
+def split_bytes(hidden: int, ffn: int, splits: int, local_experts: int, tile_m: int,
+                element_bytes: int = 2) -> SplitBytes:
+    """B_0, B_s (s >= 1) and B_t at L = `splits`, as (fixed, per row tile) pairs, the
+    last two less |out| / L (any M)."""
     e = element_bytes
     x_row, y_row = tile_m * ffn * e, tile_m * hidden * e  # |x|, |y| per row tile
-    weights, out = local_experts * hidden * ffn * e, tokens * hidden * e
-    first = (weights / splits, x_row + y_row / splits)
-    tail = (out / splits, y_row / splits)
-    return SplitBytes(first, (first[0] + tail[0], first[1] + tail[1]), tail)
+    first = (local_experts * hidden * ffn * e / splits, x_row + y_row / splits)
+    tail = (0.0, y_row / splits)
+    return SplitBytes(first, (first[0], first[1] + tail[1]), tail, hidden * e)
 
 
 def wave_bytes(compute_slots: int, tile_m: int, tile_n: int, ffn: int, k_epi: float,
@@ -62,10 +68,31 @@ def wave_bytes(compute_slots: int, tile_m: int, tile_n: int, ffn: int, k_epi: fl
 
 
 def memory_t(w_comp: int, compute_slots: int, splits: int, traffic: SplitBytes,
-             phi: float, row_tiles: int) -> float:
+             phi: float, row_tiles: int, tokens: int) -> float:
     """T_mem(L): GEMM2 ends no earlier than its compute waves A_{L-1} and than the bytes of
     all its splits, then the last split's combine moves its bytes (module doc)."""
-    (f0, r0), (f1, r1), (ft, rt) = traffic
+    (f0, r0), (f1, r1), (ft, rt), out_token = traffic
+    out = tokens * out_token / splits  # |out| / L (M N e / L)
     a_last = -(-splits * w_comp // compute_slots)  # A_{L-1}
-    bytes_gemm = f0 + r0 * row_tiles + (splits - 1) * (f1 + r1 * row_tiles)
-    return max(a_last, bytes_gemm / phi) + (ft + rt * row_tiles) / phi
+    gemm = (f0 + r0 * row_tiles + (splits - 1) * (f1 + out + r1 * row_tiles)) / phi
+    return (a_last if a_last > gemm else gemm) + (ft + out + rt * row_tiles) / phi
+
+
+def ranking_t(wave: Callable[[int, int], float], hidden: int, ffn: int, splits: int,
+              local_experts: int, kernel: KernelSpec, device: DeviceSpec,
+              calib: Calibration) -> Callable[[int, int], float]:
+    """max(T_wave, T_mem), what the op ranks L by, as a function of (M, row tiles) at one
+    launch shape and L: `wave` the wave model's T(C*) (`PlanCache.predictor`), T_mem in
+    bf16 bytes with GEMM2 on all o_comp G slots; the bytes per row tile and Phi computed
+    once, here."""
+    slots = kernel.o_comp * device.available_sms
+    per_row = -(-(-(-hidden // splits)) // kernel.tile_n)  # ceil(ceil(N/L) / TN)
+    traffic = split_bytes(hidden, ffn, splits, local_experts, kernel.tile_m)
+    phi = wave_bytes(slots, kernel.tile_m, kernel.tile_n, ffn, calib.hbm_k_epi,
+                     calib.hbm_balance)
+
+    def t(tokens: int, row_tiles: int) -> float:
+        t_wave = wave(tokens, row_tiles)  # (M and row_tiles checked)
+        t_mem = memory_t(per_row * row_tiles, slots, splits, traffic, phi, row_tiles, tokens)
+        return t_wave if t_wave > t_mem else t_mem
+    return t

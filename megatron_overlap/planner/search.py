@@ -9,17 +9,17 @@ and the rest of the curve is computed only if it is read.
 
 from __future__ import annotations
 
-import functools
 import math
 import time
+from math import isfinite
 from typing import Callable, NamedTuple
 
 from .calibration import Calibration
 from .bounds import TIE_RTOL, contenders
 from .curve import Curve, curve_ts, shared_q, shared_t, shared_ts, t_at
 from .inputs import DeviceSpec, KernelSpec, Workload
-from .quantities import (comm_tiles, compute_slots, compute_tiles, makespan, reservation,
-                         service_ratio, tail_ctas)
+from .quantities import (comm_row_tiles, comm_tiles, compute_slots, compute_tiles, makespan,
+                         reservation, service_ratio, tail_ctas)
 
 #: The fixed communication-CTA count of the public COMET A100 path; what "disabled" returns.
 DEFAULT_COMM_CTAS = 3
@@ -103,32 +103,80 @@ def solve(
     return _solve(*args)[0], Curve(curve_ts, args).points
 
 
-def routing_t(per_row: int, w_comm: int, rho: float, splits: int, kernel: KernelSpec,
-              device: DeviceSpec, calib: Calibration) -> Callable[[int], float]:
-    """T(C*) as a function of the routing's row tiles alone, W_comp = per_row x row
-    tiles (per_row = g ceil(ceil(N/L) / TN)), at sizes whose W_comm and rho are these
-    (what ranking L reads for every new routing). In the shared placement C* = G and
-    q(G), q_tail(G) do not read the routing: computed once, here."""
+def routing_t(per_row: int, comm_cols: int, world: int, rho: float, splits: int,
+              kernel: KernelSpec, device: DeviceSpec,
+              calib: Calibration) -> Callable[[int, int], float]:
+    """T(C*) as a function of M and the routing's row tiles, (tokens, row_tiles) -> T, at
+    sizes whose other quantities are these: W_comp = per_row x row tiles (per_row =
+    g ceil(ceil(N/L) / TN)), W_comm = ceil(ceil(M/D) / TMc) x comm_cols (comm_cols =
+    ceil(ceil(N/L) / TNc)) and rho. What ranking L reads for every launch: the routing
+    changes with every call and M with the batch, the rest with neither, so one predictor
+    serves every M of a launch shape. In the shared placement C* = G, and q(G), q_tail(G)
+    read M alone: computed when M changes, kept for the calls at the same M (a step's
+    layers, a routing new to them)."""
     if kernel.shared_sms:
-        g = device.available_sms
-        q, q_tail = shared_q(g, w_comm, rho, kernel, device, calib.c_max, calib.c_sat,
-                             calib.overlap_factor)
-        return functools.partial(_shared_routing_t, per_row, splits, kernel.o_comp * g, q,
-                                 q_tail, rho)
-    return functools.partial(_routing_t, per_row, w_comm, rho, splits, kernel, device, calib)
+        return _shared_routing_t(per_row, comm_cols, world, rho, splits, kernel, device,
+                                 calib)
+
+    def t(tokens: int, row_tiles: int) -> float:
+        _check_row_tiles(row_tiles)
+        _check_tokens(tokens)
+        w_comm = comm_row_tiles(tokens, world, kernel) * comm_cols
+        return _solve(per_row * row_tiles, w_comm, rho, splits, kernel, device, calib.c_max,
+                      calib.c_sat, calib.overlap_factor)[1]
+    return t
 
 
-def _shared_routing_t(per_row: int, splits: int, p: int, q: float, q_tail: float, rho: float,
-                      row_tiles: int) -> float:
-    _check_row_tiles(row_tiles)
-    return _finite(t_at(per_row * row_tiles, splits, p, q, q_tail), rho)
+def _shared_routing_t(per_row: int, comm_cols: int, world: int, rho: float, splits: int,
+                      kernel: KernelSpec, device: DeviceSpec,
+                      calib: Calibration) -> Callable[[int, int], float]:
+    """`routing_t` in the shared placement: T(G) by `t_at`, with q(G) and q_tail(G) of
+    the last M held (one tuple, read and replaced whole: calls from two threads see
+    one M's pair). The checks of M and the row tiles are inlined: this runs for every L
+    of every launch."""
+    g = device.available_sms
+    p = kernel.o_comp * g
+    c_max, c_sat, overlap = calib.c_max, calib.c_sat, calib.overlap_factor
+    held = (None, 0.0, 0.0)  # (M, q(G), q_tail(G))
+
+    def t(tokens: int, row_tiles: int) -> float:
+        nonlocal held
+        m, q, q_tail = held
+        if tokens != m or type(tokens) is not int:  # (16384.0 == 16384: checked, raises)
+            if type(tokens) is not int or tokens < 1:
+                _check_tokens(tokens)
+            w_comm = comm_row_tiles(tokens, world, kernel) * comm_cols
+            q, q_tail = shared_q(g, w_comm, rho, kernel, device, c_max, c_sat, overlap)
+            held = (tokens, q, q_tail)
+        if type(row_tiles) is not int or row_tiles < 0:
+            _check_row_tiles(row_tiles)
+        t_g = t_at(per_row * row_tiles, splits, p, q, q_tail)  # T(G)
+        return t_g if isfinite(t_g) else _finite(t_g, rho)
+    return t
 
 
-def _routing_t(per_row: int, w_comm: int, rho: float, splits: int, kernel: KernelSpec,
-               device: DeviceSpec, calib: Calibration, row_tiles: int) -> float:
-    _check_row_tiles(row_tiles)
-    return _solve(per_row * row_tiles, w_comm, rho, splits, kernel, device, calib.c_max,
-                  calib.c_sat, calib.overlap_factor)[1]
+def routing_plan(per_row: int, comm_cols: int, world: int, rho: float, splits: int,
+                 kernel: KernelSpec, device: DeviceSpec, calib: Calibration,
+                 comm_ctas: int | None = None,
+                 enabled: bool = True) -> Callable[[int, int], Plan]:
+    """`plan_tiles` as a function of M and the routing's row tiles, (tokens, row_tiles) ->
+    Plan, at sizes whose other quantities are these (as `routing_t`): what a launch plans
+    at its L once ranked, with nothing kept (its caller keeps the decision)."""
+    def planned(tokens: int, row_tiles: int) -> Plan:
+        if type(row_tiles) is not int or row_tiles < 0:
+            _check_row_tiles(row_tiles)
+        if type(tokens) is not int or tokens < 1:
+            _check_tokens(tokens)
+        w_comm = comm_row_tiles(tokens, world, kernel) * comm_cols
+        return plan_tiles(per_row * row_tiles, w_comm, rho, splits, kernel, device, calib,
+                          comm_ctas, enabled)
+    return planned
+
+
+def _check_tokens(tokens: int) -> None:
+    """M as Workload checks it: an int >= 1."""
+    if type(tokens) is not int or tokens < 1:
+        raise ValueError(f"Workload.tokens must be an int >= 1, got {tokens!r}")
 
 
 def _check_row_tiles(row_tiles: int) -> None:
