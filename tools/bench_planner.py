@@ -9,7 +9,9 @@ routing, every expert local):
     the shipped calibration (overlap factor f included), GPU_TILES' shared placement
     (KernelSpec.shared_sms: C = 1..132) with the tail helpers, each L's own comm tile
     (TileConfig.comm_shape), local_topk = k (TP), at the L the op ranks best;
-  * h200 op ranking: the model the op ranks L with (ranking_calibration, no tail helpers).
+  * h200 op ranking: the wave model the op ranks L with (ranking_calibration, no tail
+    helpers; on the H200 the op takes the max of it and the splits' roofline).
+The two h200 configurations run at the L the op plans (`plan_launch`).
 Cold: `plan()` on a validated Workload (the solver, as the CLI's `solver_us`), and end
 to end from a list of per-expert counts (validation + tile reduction + solve). Cached:
 `PlanCache.decide_tiles` (the look-up the op does once it holds the row-tile count) and
@@ -49,7 +51,7 @@ import torch
 
 from megatron_overlap.ops import planning
 from megatron_overlap.ops.config import GPU_TILES, OverlapConfig, kernel_spec
-from megatron_overlap.ops.planning import PlanRequest, plan_launch, rank_splits
+from megatron_overlap.ops.planning import PlanRequest, plan_launch
 from megatron_overlap.planner import (A100_PAPER, Calibration, DeviceSpec, KernelSpec,
                                       PlanCache, Workload, compute_slots, expert_row_tiles,
                                       get_preset, makespan, plan, ranking_calibration,
@@ -85,7 +87,6 @@ def configs() -> list[Config]:
     return [
         Config("a100-paper", A100_PAPER.kernel, A100_PAPER.device, A100_PAPER.calibration),
         Config("h200 op", op, h200.device, h200.calibration, op=True),
-        # (last: bench_row ranks L with it)
         Config("h200 op ranking", h200.kernel, h200.device,
                ranking_calibration(h200.calibration), op=True),
     ]
@@ -114,8 +115,8 @@ def check_against_recurrence(w: Workload, kernel: KernelSpec, device: DeviceSpec
     assert ref[d.comm_ctas] - t_min <= 1e-9 * t_min and d.predicted == dict(d.curve)[d.comm_ctas]
 
 
-def bench_row(cfg: Config, ranking: Config, shape) -> dict:
-    """One configuration on one model; `ranking` ranks L where `cfg` is the op's."""
+def bench_row(cfg: Config, shape) -> dict:
+    """One configuration on one model, at the L the op plans where `cfg` is the op's."""
     counts = expert_counts(route(TOKENS, shape.experts, shape.topk, "p90"), shape.experts)
     counts = counts.tolist()
     k, topk, local_topk = shape.ffn_per_rank(TP), shape.topk, float(shape.topk)
@@ -124,14 +125,9 @@ def bench_row(cfg: Config, ranking: Config, shape) -> dict:
         return Workload(TOKENS, shape.hidden, k, WORLD, splits, counts, topk=topk,
                         local_topk=local_topk)
 
-    def ranked_splits() -> int:  # ops.planning.rank_splits as `planned` calls it
-        return rank_splits(shape.hidden, lambda cand: plan(
-            workload(cand), ranking.kernel_at(shape.hidden, topk, cand), ranking.device,
-            ranking.calib).predicted)
-
     row_tiles = expert_row_tiles(counts, GPU_TILES.block_m)
-
-    splits = ranked_splits() if cfg.op else shape.default_splits
+    # the op's own L (its ranking: the wave model and, on the H200, the splits' roofline)
+    splits = plan_launch(op_request(shape, row_tiles)).splits if cfg.op else shape.default_splits
     kernel, device, calib = cfg.kernel_at(shape.hidden, topk, splits), cfg.device, cfg.calib
     w = workload(splits)
     check_against_recurrence(w, kernel, device, calib)
@@ -157,19 +153,23 @@ def bench_row(cfg: Config, ranking: Config, shape) -> dict:
     return row
 
 
-def op_requests(shape, row_tiles: int, new_sizes: bool, count: int = 21 * 500 + 1):
-    """The op's PlanRequests for `count` launches of `shape` (TP2, every expert local) on
-    the H200, each with a row_tiles not planned before (and a new M where `new_sizes`),
-    after one launch that plans the shape's kernels and caches."""
+def op_request(shape, row_tiles: int, tokens: int = TOKENS) -> PlanRequest:
+    """The op's PlanRequest for a launch of `shape` (TP2, every expert local) on the H200:
+    the interpreter's backend with the H200's DeviceSpec and the shipped h200 preset."""
     h200 = get_preset("h200").device  # (before the op's first plan cache on this device)
     planning.device_spec = lambda device, sm_margin: DeviceSpec(h200.name, h200.sms, sm_margin)
-    config, device, k = OverlapConfig(preset="h200"), torch.device("cpu"), shape.topk
-    ffn = shape.ffn_per_rank(TP)
-    plan_launch(PlanRequest(config, GPU_TILES, device, "interpret", 0, shape.experts, TOKENS,
-                            shape.hidden, ffn, WORLD, k, float(k), None, None))
-    return [PlanRequest(config, GPU_TILES, device, "interpret", row_tiles + 1 + i,
-                        shape.experts, TOKENS + WORLD * (i + 1 if new_sizes else 0),
-                        shape.hidden, ffn, WORLD, k, float(k), None, None)
+    k = shape.topk
+    return PlanRequest(OverlapConfig(preset="h200"), GPU_TILES, torch.device("cpu"),
+                       "interpret", row_tiles, shape.experts, tokens, shape.hidden,
+                       shape.ffn_per_rank(TP), WORLD, k, float(k), None, None)
+
+
+def op_requests(shape, row_tiles: int, new_sizes: bool, count: int = 21 * 500 + 1):
+    """The op's PlanRequests for `count` launches of `shape`, each with a row_tiles not
+    planned before (and a new M where `new_sizes`), after one launch that plans the
+    shape's kernels and caches."""
+    plan_launch(op_request(shape, 0))
+    return [op_request(shape, row_tiles + 1 + i, TOKENS + WORLD * (i + 1 if new_sizes else 0))
             for i in range(count)]
 
 
@@ -196,7 +196,7 @@ def main() -> int:
     ap.add_argument("--cli-runs", type=int, default=11, help="fresh CLI processes per case")
     args = ap.parse_args()
     cfgs = configs()
-    rows = [bench_row(cfg, cfgs[-1], shape) for cfg in cfgs for shape in MODELS.values()]
+    rows = [bench_row(cfg, shape) for cfg in cfgs for shape in MODELS.values()]
     cli = {name: cli_solver_us(extra, args.cli_runs) for name, extra in CLI_CASES.items()}
     cpu = platform.processor() or platform.machine()
     print(f"python {sys.version.split()[0]} on {cpu}; median [min] us per decision")
