@@ -35,14 +35,14 @@ WAIT_TIMEOUT_S = 60.0
 
 
 @triton.jit
-def _now():
+def now_ns():
     """The GPU's global timer, in ns."""
     return tl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=tl.int64,
                                      is_pure=False, pack=1)
 
 
-if not isinstance(_now, JITFunction):  # the interpreter runs no PTX: the host's clock
-    def _now():
+if not isinstance(now_ns, JITFunction):  # the interpreter runs no PTX: the host's clock
+    def now_ns():
         return tl.full((), time.monotonic_ns(), tl.int64)
 
 
@@ -58,10 +58,10 @@ def wait_at_least(ptr, target, max_spins, timeout_ns, SCOPE: tl.constexpr):
     measured no faster on H200: 400 ns sleeps with the partition placement; 200 ns with
     the shared one, in a prefill at the power limit, where they saved no power.)
     """
-    start = _now()
+    start = now_ns()
     seen = tl.load(ptr, volatile=True)
     spins = 0
-    while (seen < target) & (spins < max_spins) & (_now() - start < timeout_ns):
+    while (seen < target) & (spins < max_spins) & (now_ns() - start < timeout_ns):
         seen = tl.load(ptr, volatile=True)
         spins += 1
     seen = tl.atomic_add(ptr, 0, sem="acquire", scope=SCOPE)

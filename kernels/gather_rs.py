@@ -64,6 +64,10 @@ The flag protocol, in full (the only subtle part of the operator):
     device word (`epoch_ptr`: the last program stores the call's epoch after the barrier;
     the next call's programs read it + 1), as is the parity that picks this call's slots
     (GatherRS's and the final sum's), so a replay of captured calls goes on counting.
+  * trace (TRACE, a constexpr: off in the op): every program stores, for each split it has
+    items in, when it arrived at the split, when its wait ended and when its items were
+    done (the GPU's global timer, ns) into trace[pid, split]; the tail helpers' arrival
+    is when GEMM2's SMs fell idle. `tools/op_trace.py` reads it.
 """
 
 from __future__ import annotations
@@ -76,8 +80,8 @@ import triton.language as tl
 
 from .flags import (DESC_WORDS, ERR_BARRIER_TIMEOUT, ERR_MISMATCH,  # noqa: F401 (re-exported)
                     ERR_READY_TIMEOUT, MAX_WAIT_TIMEOUT_S, RECORD_WORDS, WAIT_TIMEOUT_S,
-                    agreement_kernel, barrier, launch_agreement, signal_words, timeout_us,
-                    wait_at_least)
+                    agreement_kernel, barrier, launch_agreement, now_ns, signal_words,
+                    timeout_us, wait_at_least)
 from .gemm2_layout import column_alignment, next_pow2, split_width
 from .launch_cache import LaunchCache
 
@@ -88,7 +92,7 @@ from .launch_cache import LaunchCache
 def gather_rs_kernel(
     # pointers
     y_ptr, table_ptr, prob_ptr, dst_ptrs, signal_ptrs, ready_ptr, done_ptr, error_ptr,
-    tile_start_ptr, partial_like_ptr, epoch_ptr, record_ptr,
+    tile_start_ptr, partial_like_ptr, epoch_ptr, record_ptr, trace_ptr,
     # sizes and protocol values (call_no, dtype_code: this launch's descriptor)
     tokens_per_rank, N, split_width, num_splits, rank, world, topk, num_experts,
     gemm_col_tiles, gemm_last_col_tiles, max_spins, timeout_us, call_no, dtype_code,
@@ -101,7 +105,7 @@ def gather_rs_kernel(
     # meta-parameters
     BLOCK_TM: tl.constexpr, BLOCK_TN: tl.constexpr, TOPK_POW2: tl.constexpr,
     HAS_PROBS: tl.constexpr, COL_ALIGN: tl.constexpr, SLOT_LOOP: tl.constexpr,
-    ITEM_STAGES: tl.constexpr, TOKEN_MAJOR: tl.constexpr,
+    ITEM_STAGES: tl.constexpr, TOKEN_MAJOR: tl.constexpr, TRACE: tl.constexpr,
 ):
     tl.static_assert(SLOT_LOOP or not TOKEN_MAJOR, "a token-major y is read one slot at a time")
     pid = tl.program_id(0) + pid_base
@@ -130,11 +134,15 @@ def gather_rs_kernel(
         # idle: its items are shared by the communication CTAs and the tail helpers.
         stride = tl.where(last, all_programs, comm_programs)
         first = tl.where(pid < stride, pid, items)  # helpers skip the earlier splits
+        if TRACE:
+            arrived = now_ns()
         if (first < items) & (alive == 1):
             ok = wait_at_least(ready_ptr + split, expected, max_spins, timeout_ns, "gpu")
             if ok == 0:
                 tl.atomic_cas(error_ptr, 0, (1 << 24) | split)
                 alive = alive * 0
+        if TRACE:
+            ready_at = now_ns()
         end_col = tl.multiple_of(tl.minimum(N, (split + 1) * split_width), COL_ALIGN)
         # ITEM_STAGES > 1: Triton's pipeliner turns the table and y gathers of the next
         # ITEM_STAGES - 1 items into cp.async copies into shared memory, so a CTA keeps
@@ -203,6 +211,13 @@ def gather_rs_kernel(
                 + cols[None, :]
             tl.store(out, acc.to(partial_like_ptr.dtype.element_ty),
                      mask=tok_ok[:, None] & col_ok[None, :])
+        if TRACE:  # (arrived, wait ended, items done) of this program's split, in ns;
+            # a helper's arrival always: when GEMM2's SMs fell idle
+            if (first < items) | (last & (pid >= comm_programs)):
+                at = trace_ptr + (pid * num_splits + split).to(tl.int64) * 3
+                tl.store(at, arrived)
+                tl.store(at + 1, ready_at)
+                tl.store(at + 2, now_ns())
     tl.debug_barrier()
     if tl.atomic_add(done_ptr, 1, sem="release", scope="sys") == all_programs - 1:
         tl.atomic_add(done_ptr, 0, sem="acquire", scope="sys")
@@ -265,7 +280,7 @@ def launch_gather_rs(
     token_major: bool = False, maxnreg: int | None = None,
     width: int | None = None, gemm_last_col_tiles: int | None = None,
     wait_timeout_s: float = WAIT_TIMEOUT_S, record: torch.Tensor | None = None,
-    call_no: int = 0, dtype_code: int = 0,
+    call_no: int = 0, dtype_code: int = 0, trace: torch.Tensor | None = None,
 ):
     """Launch exactly `programs` communication CTAs. y [T, N] in GEMM2's row order, or
     with `token_major` [M * k, N] with slot j of token t at row t * k + j, which needs
@@ -283,7 +298,9 @@ def launch_gather_rs(
     `dst_ptrs` then holds both parities' tables, [2, world]); `call_no`, `dtype_code`:
     this launch's descriptor beside M and N, agreed on at the barrier, and `record`
     (int32 [RECORD_WORDS], default `error`'s word, where world 1 never writes it) where
-    a mismatch is recorded."""
+    a mismatch is recorded; `trace`: int64 [programs + helpers, L, 3], where each program
+    stores (arrived, wait ended, items done), GPU global-timer ns, of every split it has
+    items in (`check_trace`; None: the kernel without those stores)."""
     if token_major and not slot_loop:
         raise ValueError("a token-major y is gathered one slot at a time (slot_loop=True)")
     hidden = y.shape[1]
@@ -292,9 +309,11 @@ def launch_gather_rs(
     # (the kernel reads probs[row] at prob_ptr + row: a strided view must be copied)
     has_probs = probs is not None
     probs = probs.contiguous() if has_probs else y
+    if trace is not None:
+        check_trace(trace, programs + helpers, splits, y.device)
     args = (y, table, probs, dst_ptrs, signal_ptrs, ready, done,
             error, tile_start, partial_like, epoch, error if record is None else record,
-            tokens_per_rank, hidden,
+            error if trace is None else trace, tokens_per_rank, hidden,
             width or split_width(hidden, splits), splits, rank, world, table.shape[1],
             tile_start.numel() - 1, gemm_col_tiles,
             gemm_col_tiles if gemm_last_col_tiles is None else gemm_last_col_tiles,
@@ -304,7 +323,7 @@ def launch_gather_rs(
     meta = dict(BLOCK_TM=block_tm, BLOCK_TN=block_tn, TOPK_POW2=slots,
                 HAS_PROBS=has_probs, COL_ALIGN=column_alignment(hidden, splits, width),
                 SLOT_LOOP=slot_loop, ITEM_STAGES=stages, TOKEN_MAJOR=token_major,
-                num_warps=num_warps, num_stages=1)
+                TRACE=trace is not None, num_warps=num_warps, num_stages=1)
     if maxnreg is not None:
         meta["maxnreg"] = maxnreg
     if warmup:
@@ -313,6 +332,18 @@ def launch_gather_rs(
     if kernel is gather_rs_kernel:
         return _GATHER_RS.launch(grid, args, meta, stream=stream)
     return kernel[grid](*args, **meta)
+
+
+def check_trace(trace: torch.Tensor, programs: int, splits: int, device) -> None:
+    """A trace buffer must be int64 [>= programs (C + H), L, 3] on y's device."""
+    if not (isinstance(trace, torch.Tensor) and trace.dtype == torch.int64
+            and trace.dim() == 3 and trace.shape[0] >= programs
+            and tuple(trace.shape[1:]) == (splits, 3) and trace.is_contiguous()
+            and trace.device == device):
+        got = (f"{tuple(trace.shape)} {trace.dtype} on {trace.device}"
+               if isinstance(trace, torch.Tensor) else type(trace).__name__)
+        raise ValueError(f"trace must be a contiguous int64 tensor [>= {programs}, {splits}, "
+                         f"3] on {device}, got {got}")
 
 
 def launch_sum_partials(recv: torch.Tensor, out: torch.Tensor, world: int,

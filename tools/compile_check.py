@@ -42,7 +42,8 @@ def kernels():
     flags = {n: "*i32" for n in ("ready_ptr", "done_ptr", "error_ptr", "tile_start_ptr")}
     comm_ptrs = {"y_ptr": "*bf16", "table_ptr": "*i32", "prob_ptr": "*bf16",
                  "dst_ptrs": "*i64", "signal_ptrs": "*i64", **flags,
-                 "partial_like_ptr": "*bf16", "epoch_ptr": "*i32", "record_ptr": "*i32"}
+                 "partial_like_ptr": "*bf16", "epoch_ptr": "*i32", "record_ptr": "*i32",
+                 "trace_ptr": "*i64"}
     comm_ints = {n: "i32" for n in ("tokens_per_rank", "N", "split_width", "num_splits", "rank",
                                     "world", "topk", "num_experts", "gemm_col_tiles",
                                     "gemm_last_col_tiles",
@@ -62,18 +63,20 @@ def kernels():
                                             (True, 16, 2, False), (True, 64, 1, True),
                                             (True, 32, 2, True)):
         meta = dict(BLOCK_TM=rows, BLOCK_TN=1024, TOPK_POW2=4, HAS_PROBS=False, COL_ALIGN=16,
-                    SLOT_LOOP=slot_loop, ITEM_STAGES=stages, TOKEN_MAJOR=tokens, stride_yn=1)
+                    SLOT_LOOP=slot_loop, ITEM_STAGES=stages, TOKEN_MAJOR=tokens, TRACE=False,
+                    stride_yn=1)
         name = f"gather_rs slot_loop={slot_loop} item_stages={stages}" + (" token_major" * tokens)
         yield (name, grs.gather_rs_kernel, _signature(comm_ptrs, comm_ints, meta), meta,
                dict(num_warps=32), attrs)
     # the shared placement's small CTA beside GEMM2's (4 warps, capped registers)
     from megatron_overlap.ops.config import SHARED_COMM_MAXNREG, SHARED_GEMM_MAXNREG
 
-    meta = dict(BLOCK_TM=8, BLOCK_TN=512, TOPK_POW2=4, HAS_PROBS=False, COL_ALIGN=16,
-                SLOT_LOOP=True, ITEM_STAGES=1, TOKEN_MAJOR=True, stride_yn=1)
-    yield ("gather_rs shared placement token_major", grs.gather_rs_kernel,
-           _signature(comm_ptrs, comm_ints, meta), meta,
-           dict(num_warps=4, maxnreg=SHARED_COMM_MAXNREG), attrs)
+    for trace in (False, True):  # (traced: tools/op_trace.py)
+        meta = dict(BLOCK_TM=8, BLOCK_TN=512, TOPK_POW2=4, HAS_PROBS=False, COL_ALIGN=16,
+                    SLOT_LOOP=True, ITEM_STAGES=1, TOKEN_MAJOR=True, TRACE=trace, stride_yn=1)
+        yield ("gather_rs shared placement token_major" + " traced" * trace,
+               grs.gather_rs_kernel, _signature(comm_ptrs, comm_ints, meta), meta,
+               dict(num_warps=4, maxnreg=SHARED_COMM_MAXNREG), attrs)
     yield ("agreement", grs.agreement_kernel,
            _signature({"signal_ptrs": "*i64", "epoch_ptr": "*i32", "error_ptr": "*i32",
                        "record_ptr": "*i32"},

@@ -259,6 +259,13 @@ for s in "$@"; do
           --seqs ${OP_SEQS:-4096,16384} --routing ${ROUTING:-uniform,p90} --cset 132 \
           --samples ${OP_SAMPLES:-10} --warmup 2 --preset h200 --cuda-graph \
           --json "$OUT/op_${TAG:-}${code}_TP1EP1.json"; done ;;
+    op_trace)  # GatherRS's per-split timeline inside the op (TRACE): readiness, GEMM2's
+      # end, the tail and the backlog of earlier splits after it, with a chart per workload
+      for lay in ${LAYOUTS:-TP1EP1}; do
+        stage op_trace_$lay ${BENCH_SECS:-200} torchrun --nproc-per-node 1 \
+          "$REPO/tools/op_trace.py" --model ${OP_MODELS:-granite,qwen,deepseek} --layout $lay \
+          --seqs ${OP_SEQS:-4096,16384} --routing ${ROUTING:-uniform} --preset h200 \
+          ${TRACE_ARGS:-} --json "$OUT/trace_${TAG:-}$lay.json" --png-dir "$OUT/trace_$lay"; done ;;
     gemm2_variants)  # GEMM2 alone, our tile variants against torch's grouped GEMM, replayed
       for lay in ${GEMM_LAYOUTS:-TP1EP1 TP2EP1}; do
         stage gemm2_variants_$lay ${GEMM_SECS:-240} torchrun --nproc-per-node 1 \

@@ -106,17 +106,19 @@ def _overlapped(buf, lp, launch_gemm2, comm) -> None:
 class _Comm:
     """GatherRS of one launch, as a callable the stream order above decides on."""
 
-    def __init__(self, buf, lp, y, routing, probs, out, width, fork):
+    def __init__(self, buf, lp, y, routing, probs, out, width, fork, trace=None):
         self.args = (buf, lp, y, routing, probs, out, width)
         self.fork = fork
         self.helpers = lp.helpers
+        self.trace = trace
 
     def __call__(self, **kw) -> None:
-        _launch_comm(*self.args, helpers=self.helpers, **kw)
+        _launch_comm(*self.args, helpers=self.helpers, trace=self.trace, **kw)
 
 
 def launch(buf: OverlapBuffer, x, weight, routing: Routing, lp: LaunchPlan, probs, out,
-           y=None, width: int | None = None, fork=None) -> torch.Tensor:
+           y=None, width: int | None = None, fork=None,
+           trace: torch.Tensor | None = None) -> torch.Tensor:
     """GEMM2 and GatherRS overlapped, then the local sum over ranks into `out`; returns
     y (GEMM2's output). `width`: the split width sw (None: ceil(N/L)); a larger one
     narrows the last split to the N - (L-1) sw columns left (`gemm2.split_col_tiles`).
@@ -125,7 +127,10 @@ def launch(buf: OverlapBuffer, x, weight, routing: Routing, lp: LaunchPlan, prob
     recorded right after this call's routing table (one event record less). None
     records one here, before GEMM2: what a routing launched more than once needs
     (benchmarks, calibration), since its own event is then older than work the caller
-    queued since, such as another launch's flag reset, which GatherRS must follow."""
+    queued since, such as another launch's flag reset, which GatherRS must follow.
+
+    `trace`: int64 [C + H, L, 3], GatherRS's per-split timeline (`gather_rs.check_trace`;
+    `tools/op_trace.py`); None in the op."""
     buf.wait_bounds = (lp.wait_timeout_s, lp.max_spins)  # (for a time-out's message)
     hidden = weight.shape[1]
     width = width or gemm2.split_width(hidden, lp.splits)
@@ -133,7 +138,7 @@ def launch(buf: OverlapBuffer, x, weight, routing: Routing, lp: LaunchPlan, prob
         y = torch.empty(x.shape[0], hidden, dtype=out.dtype, device=x.device)
     gemm_args = _gemm2_args(buf, lp, hidden, width, routing.dest)
     operands = (x, weight, y, routing.row_start, routing.tile_start, buf.ready)
-    comm = _Comm(buf, lp, y, routing, probs, out, width, fork)
+    comm = _Comm(buf, lp, y, routing, probs, out, width, fork, trace)
     if buf.backend == "interpret":
         # Programs of one launch run one after another here: GEMM2 must finish first.
         gemm2.launch_grouped_gemm2(*operands, **gemm_args)

@@ -1,0 +1,193 @@
+"""GatherRS's timeline inside the op: per program and split, when it arrived at the split,
+when its wait for the split's readiness ended and when its items were done (the kernel's
+TRACE stores, on the GPU's global timer), and what that says about the op's tail.
+
+    torchrun --nproc-per-node 1 tools/op_trace.py --model granite,qwen,deepseek \
+        --layout TP1EP1 --seqs 4096,16384 --json out/trace.json --png-dir out/trace
+
+Per workload, at the planner's C and L (or `--splits`), the prepared launch is captured
+into a CUDA graph (`--eager`: launched) and replayed `--runs` times after `--warmup`;
+each replay rewrites the trace. Per run, in us from GatherRS's first arrival:
+  * per split: `ready`, the earliest end of a wait that spun >= 1 us (the split's
+    readiness; None where every program came after it), `done`, its last item done,
+    `waited` and `worked`, the programs' time waiting on it and on its items (program-us);
+  * `gemm_end`: the tail helpers' arrival (they are queued behind GEMM2 on its stream,
+    so they start when its SMs fall idle), else the last split's readiness;
+  * `tail`: the last item done after gemm_end, and `backlog`: the program-us of earlier
+    splits' items still being combined after gemm_end (what an earlier readiness of the
+    last split cannot hide).
+The JSON holds the medians over runs and the last run's raw trace; with --png-dir, a
+chart per workload (a row per program: waits light, items dark, one colour per split).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+from benchlib import add_run_args, env_info, smoke_setup, write_json  # noqa: E402
+from workloads import OpCase, rank_inputs  # noqa: E402
+
+from megatron_overlap.ops import OverlapConfig, launcher  # noqa: E402
+from megatron_overlap.ops.capture import CapturedCall  # noqa: E402
+from megatron_overlap.ops.op import prepare  # noqa: E402
+
+SPIN_NS = 1000  # a wait this long or longer was a real wait for readiness, not a poll
+
+
+def summarize_trace(trace: list, comm_programs: int, spin_ns: int = SPIN_NS) -> dict:
+    """One run's summary (module doc) from trace[pid][split] = [arrived, wait ended, done]
+    in ns (-1: the program had no item in that split); pids >= `comm_programs` are the
+    tail helpers."""
+    entries = [(pid, s, e) for pid, row in enumerate(trace) for s, e in enumerate(row)
+               if e[0] >= 0]
+    if not entries:
+        raise ValueError("the trace holds no entry: was the kernel launched with it?")
+    if any(not e[0] <= e[1] <= e[2] for _, _, e in entries):
+        raise ValueError("a trace entry is out of order (arrived <= wait ended <= done)")
+    t0, splits = min(e[0] for _, _, e in entries), len(trace[0])
+    us = lambda ns: (ns - t0) / 1e3  # noqa: E731
+    per_split = []
+    for s in range(splits):
+        mine = [e for _, k, e in entries if k == s]
+        spun = [e[1] for e in mine if e[1] - e[0] >= spin_ns]
+        per_split.append(dict(
+            ready=us(min(spun)) if spun else None, done=us(max(e[2] for e in mine)),
+            waited=sum(e[1] - e[0] for e in mine) / 1e3,
+            worked=sum(e[2] - e[1] for e in mine) / 1e3, programs=len(mine)))
+    helpers = [e[0] for pid, s, e in entries if pid >= comm_programs and s == splits - 1]
+    gemm_end = us(min(helpers)) if helpers else per_split[-1]["ready"]
+    out = dict(splits=per_split, gemm_end=gemm_end, end=us(max(e[2] for _, _, e in entries)))
+    if gemm_end is not None:
+        end_ns = t0 + gemm_end * 1e3
+        out["tail"] = out["end"] - gemm_end
+        out["backlog"] = sum(max(0.0, e[2] - max(e[1], end_ns)) for _, s, e in entries
+                             if s < splits - 1) / 1e3
+    return out
+
+
+def median_summary(runs: list[dict]) -> dict:
+    """The medians over runs of every number of `summarize_trace` (None where any run has
+    none)."""
+    def med(values):
+        return None if any(v is None for v in values) else statistics.median(values)
+    keys = [k for k in runs[0] if k != "splits"]
+    out = {k: med([r.get(k) for r in runs]) for k in keys}
+    out["splits"] = [{k: med([r["splits"][s][k] for r in runs]) for k in runs[0]["splits"][s]}
+                     for s in range(len(runs[0]["splits"]))]
+    return out
+
+
+def plot(trace: list, comm_programs: int, summary: dict, title: str, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t0 = min(e[0] for row in trace for e in row if e[0] >= 0)
+    fig, ax = plt.subplots(figsize=(9, 5))
+    colours = plt.get_cmap("tab10")
+    for pid, row in enumerate(trace):
+        for s, (a, r, d) in enumerate(row):
+            if a >= 0:
+                ax.barh(pid, (r - a) / 1e3, left=(a - t0) / 1e3, height=1.0,
+                        color=colours(s), alpha=0.25, linewidth=0)
+                ax.barh(pid, (d - r) / 1e3, left=(r - t0) / 1e3, height=1.0,
+                        color=colours(s), linewidth=0, label=f"split {s}" if pid == 0 else None)
+    if summary.get("gemm_end") is not None:
+        ax.axvline(summary["gemm_end"], color="k", linestyle="--", label="GEMM2 ends")
+    ax.axhline(comm_programs - 0.5, color="grey", linewidth=0.5)
+    ax.set(xlabel="us from GatherRS's first arrival", ylabel="GatherRS program (helpers above the line)",
+           title=title)
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def trace_case(case: OpCase, args, backend: str, device: str, group) -> dict:
+    """The case's traced runs: medians, the last raw trace, its plan."""
+    inp = rank_inputs(case, dist.get_rank(), device)
+    cfg = OverlapConfig.from_env(backend=backend, preset=args.preset)
+    launch = prepare(inp["x"], inp["weight"], inp["counts_list"], inp["token_index"],
+                     inp["tokens"], inp["topk"], None, group, splits=args.splits, config=cfg)
+    lp = launch.launch_plan
+    programs = lp.plan.comm_ctas + lp.helpers
+    trace = torch.full((programs, lp.splits, 3), -1, dtype=torch.int64, device=device)
+    out = torch.empty(inp["tokens"] // launch.world, inp["hidden"], dtype=inp["x"].dtype,
+                      device=device)
+
+    def traced():
+        trace.fill_(-1)
+        launcher.launch(launch.buffer, inp["x"], inp["weight"], launch.routing, lp, None, out,
+                        trace=trace)
+        return out
+    run = traced
+    if device == "cuda" and not args.eager:
+        captured = CapturedCall(traced, inp["x"].device)
+        if captured.error is not None:
+            raise RuntimeError(f"{case.label()}: not captured ({captured.error})")
+        run = captured.replay
+    for _ in range(args.warmup):
+        run()
+    runs = []
+    for _ in range(args.runs):
+        run()
+        raw = trace.tolist()  # (a device sync)
+        runs.append(summarize_trace(raw, lp.plan.comm_ctas))
+    return dict(case=case.label(), model=case.model, layout=case.layout, seq=case.seq,
+                routing=case.routing, comm_ctas=lp.plan.comm_ctas, helpers=lp.helpers,
+                splits=lp.splits, graph=run is not traced, runs=len(runs),
+                median=median_summary(runs), last_trace=raw)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="granite")
+    ap.add_argument("--layout", default="TP1EP1")
+    ap.add_argument("--seqs", default="4096")
+    ap.add_argument("--routing", default="uniform")
+    ap.add_argument("--splits", type=int, default=None, help="L (default: the planner's)")
+    ap.add_argument("--runs", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--preset", default=None)
+    ap.add_argument("--eager", action="store_true", help="launch instead of graph replays")
+    ap.add_argument("--png-dir", default="", help="a chart per workload here (rank 0)")
+    add_run_args(ap)
+    args = ap.parse_args()
+    if args.runs < 1 or args.warmup < 0 or (args.splits is not None and args.splits < 1):
+        ap.error("--runs must be >= 1, --warmup >= 0 and --splits >= 1")
+    backend, device = smoke_setup(args)
+    rank0 = dist.get_rank() == 0
+    results = []
+    for model in args.model.split(","):
+        for seq in (int(s) for s in args.seqs.split(",")):
+            for routing in args.routing.split(","):
+                row = trace_case(OpCase(model, args.layout, seq, routing), args, backend,
+                                 device, dist.group.WORLD)
+                results.append(row)
+                m = row["median"]
+                if rank0:
+                    print(f"{row['case']} C={row['comm_ctas']} H={row['helpers']} "
+                          f"L={row['splits']}: gemm_end {m['gemm_end']} us, tail "
+                          f"{m.get('tail')} us, backlog {m.get('backlog')} program-us; "
+                          + " | ".join(f"split {s}: ready {x['ready']} done {x['done']}"
+                                       for s, x in enumerate(m["splits"])), flush=True)
+                if rank0 and args.png_dir:
+                    os.makedirs(args.png_dir, exist_ok=True)
+                    name = row["case"].replace("/", "_").replace("=", "")
+                    plot(row["last_trace"], row["comm_ctas"], m, row["case"],
+                         os.path.join(args.png_dir, f"{name}.png"))
+    if rank0:
+        write_json(args.json, dict(env=env_info(), command=" ".join(sys.argv), results=results))
+    dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
