@@ -106,6 +106,7 @@ def gather_rs_kernel(
     BLOCK_TM: tl.constexpr, BLOCK_TN: tl.constexpr, TOPK_POW2: tl.constexpr,
     HAS_PROBS: tl.constexpr, COL_ALIGN: tl.constexpr, SLOT_LOOP: tl.constexpr,
     ITEM_STAGES: tl.constexpr, TOKEN_MAJOR: tl.constexpr, TRACE: tl.constexpr,
+    Y_EVICT: tl.constexpr,
 ):
     tl.static_assert(SLOT_LOOP or not TOKEN_MAJOR, "a token-major y is read one slot at a time")
     pid = tl.program_id(0) + pid_base
@@ -174,13 +175,15 @@ def gather_rs_kernel(
                         if HAS_PROBS:  # the probabilities are indexed by GEMM2 row
                             row = tl.load(table_ptr + src, mask=slot_ok, other=-1)
                         val = tl.load(y_ptr + src[:, None] * stride_ym + cols[None, :] * stride_yn,
-                                      mask=has[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+                                      mask=has[:, None] & col_ok[None, :], other=0.0,
+                                      eviction_policy=Y_EVICT).to(tl.float32)
                     else:
                         row = tl.load(table_ptr + tokens * topk + j, mask=slot_ok, other=-1)
                         has = row >= 0
                         val = tl.load(y_ptr + row[:, None].to(tl.int64) * stride_ym
                                       + cols[None, :] * stride_yn,
-                                      mask=has[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
+                                      mask=has[:, None] & col_ok[None, :], other=0.0,
+                                      eviction_policy=Y_EVICT).to(tl.float32)
                     if HAS_PROBS:
                         val = val * tl.load(prob_ptr + row, mask=has, other=0.0).to(tl.float32)[:, None]
                     acc += val
@@ -193,7 +196,8 @@ def gather_rs_kernel(
                 has = rows >= 0
                 vals = tl.load(y_ptr + rows[:, :, None].to(tl.int64) * stride_ym
                                + cols[None, None, :] * stride_yn,
-                               mask=has[:, :, None] & col_ok[None, None, :], other=0.0)
+                               mask=has[:, :, None] & col_ok[None, None, :], other=0.0,
+                               eviction_policy=Y_EVICT)
                 vals = vals.to(tl.float32)
                 if HAS_PROBS:
                     w = tl.load(prob_ptr + rows, mask=has, other=0.0).to(tl.float32)
@@ -281,6 +285,7 @@ def launch_gather_rs(
     width: int | None = None, gemm_last_col_tiles: int | None = None,
     wait_timeout_s: float = WAIT_TIMEOUT_S, record: torch.Tensor | None = None,
     call_no: int = 0, dtype_code: int = 0, trace: torch.Tensor | None = None,
+    y_evict_first: bool = False,
 ):
     """Launch exactly `programs` communication CTAs. y [T, N] in GEMM2's row order, or
     with `token_major` [M * k, N] with slot j of token t at row t * k + j, which needs
@@ -300,7 +305,9 @@ def launch_gather_rs(
     (int32 [RECORD_WORDS], default `error`'s word, where world 1 never writes it) where
     a mismatch is recorded; `trace`: int64 [programs + helpers, L, 3], where each program
     stores (arrived, wait ended, items done), GPU global-timer ns, of every split it has
-    items in (`check_trace`; None: the kernel without those stores)."""
+    items in (`check_trace`; None: the kernel without those stores); `y_evict_first`:
+    y's loads marked first to leave L2 (each row of y is read once), so GEMM2's x and W
+    stay there (`TileConfig.comm_evict_first`)."""
     if token_major and not slot_loop:
         raise ValueError("a token-major y is gathered one slot at a time (slot_loop=True)")
     hidden = y.shape[1]
@@ -323,7 +330,8 @@ def launch_gather_rs(
     meta = dict(BLOCK_TM=block_tm, BLOCK_TN=block_tn, TOPK_POW2=slots,
                 HAS_PROBS=has_probs, COL_ALIGN=column_alignment(hidden, splits, width),
                 SLOT_LOOP=slot_loop, ITEM_STAGES=stages, TOKEN_MAJOR=token_major,
-                TRACE=trace is not None, num_warps=num_warps, num_stages=1)
+                TRACE=trace is not None, Y_EVICT="evict_first" if y_evict_first else "",
+                num_warps=num_warps, num_stages=1)
     if maxnreg is not None:
         meta["maxnreg"] = maxnreg
     if warmup:

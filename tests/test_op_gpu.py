@@ -578,3 +578,34 @@ def test_two_gpus_match_fp32_reference_and_are_bitwise_stable():
         for name, r in res.items():
             assert not r["nan"] and r["bitwise"], (rank, name, r)
             assert r["err"] < 1e-2 and r["ref_err"] < 1e-2, (rank, name, r)
+
+
+def test_evict_first_y_loads_and_the_trace_change_no_bit_on_the_gpu():
+    """GatherRS compiled with y's loads evict-first (`TileConfig.comm_evict_first`) and
+    with its trace stores (`launcher.launch(trace=)`) sums the same rows in the same
+    order: the default shared placement's bits, and a trace entry per program that had
+    items, in order, on the GPU's timer."""
+    import dataclasses
+
+    from megatron_overlap.ops import launcher
+    from megatron_overlap.ops.config import GPU_TILES
+    from megatron_overlap.ops.op import prepare
+
+    p = routed_problem(0, 1, device="cuda", **SHAPE)
+    args = (p["x"], p["weight"], p["counts"], p["token_index"], SHAPE["tokens"], SHAPE["topk"])
+    outs = [gemm2_gather_rs(*args, config=dataclasses.replace(
+        TRITON, tiles=dataclasses.replace(GPU_TILES, comm_evict_first=evict)))
+        for evict in (False, True)]
+    assert not torch.isnan(outs[0]).any() and torch.equal(outs[0], outs[1])
+    launch = prepare(*args, config=dataclasses.replace(TRITON, tiles=GPU_TILES))
+    lp = launch.launch_plan
+    trace = torch.full((lp.plan.comm_ctas + lp.helpers, lp.splits, 3), -1, dtype=torch.int64,
+                       device="cuda")
+    out = torch.full_like(outs[0], float("nan"))
+    launcher.launch(launch.buffer, p["x"], p["weight"], launch.routing, lp, None, out,
+                    trace=trace)
+    launch.buffer.check()
+    assert torch.equal(out, outs[0])
+    entries = [e for row in trace.tolist() for e in row if e[0] >= 0]
+    assert entries and all(a <= r <= d for a, r, d in entries)
+    assert all(row[-1][0] >= 0 for row in trace.tolist()[lp.plan.comm_ctas:])  # helpers

@@ -75,6 +75,9 @@ def test_a_malformed_trace_is_refused_naming_it():
         with pytest.raises(ValueError, match="trace must be"):
             launcher.launch(launch.buffer, p["x"], p["weight"], launch.routing, lp, None, out,
                             trace=bad)
+    launch.buffer.check()  # refused before anything launched: the buffer is still usable
+    launcher.launch(launch.buffer, p["x"], p["weight"], launch.routing, lp, None, out)
+    launch.buffer.check()
 
 
 def _synthetic() -> list:
@@ -117,3 +120,35 @@ def test_the_tool_traces_the_op_on_the_interpreter_and_writes_a_chart(tmp_path):
     assert row["runs"] == 2 and len(row["last_trace"]) == row["comm_ctas"] + row["helpers"]
     assert row["median"]["gemm_end"] is not None and row["median"]["tail"] >= 0
     assert len(list((tmp_path / "png").glob("*.png"))) == 1
+
+
+def test_y_loaded_evict_first_gives_the_same_bits_and_the_tiles_file_can_ask_for_it(tmp_path):
+    """`TileConfig.comm_evict_first` changes only where y's lines go in L2, never a sum:
+    the interpreter runs the same loads (with the hint) to the same bits; a tiles file
+    turns it on, and a value that is not a switch is refused naming it."""
+    import dataclasses
+
+    from megatron_overlap.ops.config import INTERPRET_TILES, load_tiles
+
+    p = routed_problem(0, 1, tokens=TOKENS, experts=4, topk=TOPK, ffn=16, hidden=HIDDEN)
+    outs = []
+    for evict in (False, True):
+        cfg = OverlapConfig(backend="interpret", tiles=dataclasses.replace(
+            INTERPRET_TILES, comm_evict_first=evict))
+        outs.append(op_module.gemm2_gather_rs(p["x"], p["weight"], p["counts"],
+                                              p["token_index"], TOKENS, TOPK, config=cfg,
+                                              splits=2))
+    assert torch.equal(outs[0], outs[1])
+    best = {"gemm": [128, 128, 64, 4, 3, False], "comm": [32, 512, 4, True, 1, True],
+            "placement": "shared"}
+    for value, expected in ((None, False), (True, True), ("yes", None)):
+        path = tmp_path / f"tiles_{value}.json"
+        extra = {} if value is None else {"comm_evict_first": value}
+        path.write_text(json.dumps({"best": {**best, **extra}}))
+        if expected is None:
+            with pytest.raises(ValueError, match="a switch must be"):
+                load_tiles(str(path))
+        else:
+            assert load_tiles(str(path)).comm_evict_first is expected
+    with pytest.raises(ValueError, match="comm_evict_first must be a bool"):
+        dataclasses.replace(INTERPRET_TILES, comm_evict_first=1)

@@ -40,7 +40,8 @@ from workloads import OpCase, rank_inputs  # noqa: E402
 from megatron_overlap.ops import OverlapConfig, gemm2_gather_rs  # noqa: E402
 from megatron_overlap.ops.capture import CapturedCall  # noqa: E402
 from megatron_overlap.ops.op import prepare  # noqa: E402
-from megatron_overlap.ops.planning import SPLIT_CANDIDATES, split_predictions  # noqa: E402
+from megatron_overlap.ops.planning import (SPLIT_CANDIDATES, default_tiles,  # noqa: E402
+                                           split_predictions)
 from megatron_overlap.ops import launcher  # noqa: E402
 from megatron_overlap.ops.reference import grouped_mm, reference_forward  # noqa: E402
 from megatron_overlap.planner import compute_slots  # noqa: E402
@@ -50,10 +51,11 @@ REFERENCE = OverlapConfig(backend="reference")
 
 def policies_for(inp: dict, group, c_values, preset: str | None,
                  backend: str, tiles=None, graphs: bool = False, l_values=(),
-                 graph_sweep: bool = False) -> tuple[dict, dict]:
+                 graph_sweep: bool = False, tile_arms=None) -> tuple[dict, dict]:
     """The timed callables of one workload, and facts about them (`graphs`: with the
     captured policies of `captured_policies`; `l_values`: the op at each L, the planner
-    choosing C for it; `graph_sweep`: the C and L sweeps captured too)."""
+    choosing C for it; `graph_sweep`: the C and L sweeps captured too; `tile_arms`:
+    {name: TileConfig}, the op with those tiles captured as "planner(graph,name)")."""
     cfg = OverlapConfig.from_env(backend=backend, preset=preset, tiles=tiles)
     args = (inp["x"], inp["weight"], inp["counts_list"], inp["token_index"], inp["tokens"],
             inp["topk"], None, group)
@@ -107,7 +109,8 @@ def policies_for(inp: dict, group, c_values, preset: str | None,
     if graphs:
         pol_graph, graph_checks = captured_policies(inp, group, cfg, launch,
                                                     c_values if graph_sweep else (),
-                                                    l_values if graph_sweep else ())
+                                                    l_values if graph_sweep else (),
+                                                    tile_arms or {})
         pol.update(pol_graph)
     ls = sorted({*l_values, *SPLIT_CANDIDATES})
     facts = dict(world=launch.world, comm_ctas=plan.comm_ctas, compute_slots=plan.compute_slots,
@@ -121,8 +124,8 @@ def policies_for(inp: dict, group, c_values, preset: str | None,
     return pol, facts
 
 
-def captured_policies(inp: dict, group, cfg, launch, c_values=(), l_values=()
-                      ) -> tuple[dict, dict]:
+def captured_policies(inp: dict, group, cfg, launch, c_values=(), l_values=(),
+                      tile_arms=None) -> tuple[dict, dict]:
     """The op, torch's GEMM2 alone and the prepared reference, each captured into a CUDA
     graph and replayed: the three without any host work, so their ratios are the GPU's.
     The op gets its counts as a CUDA tensor (what a capture needs; Megatron's
@@ -139,8 +142,8 @@ def captured_policies(inp: dict, group, cfg, launch, c_values=(), l_values=()
 
     def op(**choice):
         return lambda: gemm2_gather_rs(inp["x"], inp["weight"], counts, inp["token_index"],
-                                       inp["tokens"], inp["topk"], None, group, config=cfg,
-                                       **choice)
+                                       inp["tokens"], inp["topk"], None, group,
+                                       **{"config": cfg, **choice})
     calls = {
         "planner(graph)": op(),
         "gemm2_alone(torch,graph)": lambda: grouped_mm(inp["x"], w_t, counts, None),
@@ -149,6 +152,8 @@ def captured_policies(inp: dict, group, cfg, launch, c_values=(), l_values=()
     }
     calls.update({f"graph C={c}": op(comm_ctas=c) for c in c_values})
     calls.update({f"graph L={l}": op(splits=l) for l in l_values})
+    calls.update({f"planner(graph,{name})": op(config=dataclasses.replace(cfg, tiles=t))
+                  for name, t in (tile_arms or {}).items()})
     pol, checks = {}, {}
     for name, fn in calls.items():
         captured = CapturedCall(fn, inp["x"].device)
@@ -214,6 +219,9 @@ def main() -> int:
     ap.add_argument("--graph-sweep", action="store_true",
                     help="with --cuda-graph: the C and L sweeps captured too (the regret "
                          "without the host's noise)")
+    ap.add_argument("--evict-first-arm", action="store_true",
+                    help="with --cuda-graph: the op with GatherRS's y loads evict-first "
+                         "(TileConfig.comm_evict_first) captured beside it")
     add_run_args(ap)
     args = ap.parse_args()
     backend, device = smoke_setup(args)
@@ -228,6 +236,11 @@ def main() -> int:
     l_values = [int(v) for v in args.lset.split(",")] if args.lset else []
     # (without --tiles: MEGATRON_OVERLAP_TILES's, else the defaults)
     tiles = tiles_from_json(args.tiles) or OverlapConfig.from_env().tiles
+    if args.evict_first_arm and not args.cuda_graph:
+        ap.error("--evict-first-arm needs --cuda-graph")
+    arm_base = tiles or default_tiles(backend, OverlapConfig.from_env().placement)
+    tile_arms = ({"evict_first": dataclasses.replace(arm_base, comm_evict_first=True)}
+                 if args.evict_first_arm else {})
     results = []
     for model, seq, routing in [(m, int(s), r) for m in args.model.split(",")
                                 for s in args.seqs.split(",") for r in args.routing.split(",")]:
@@ -236,7 +249,7 @@ def main() -> int:
         err = check_against_reference(inp, group, c_values, backend, tiles, l_values)
         pol, facts = policies_for(inp, group, c_values, args.preset, backend, tiles,
                                   graphs=args.cuda_graph, l_values=l_values,
-                                  graph_sweep=args.graph_sweep)
+                                  graph_sweep=args.graph_sweep, tile_arms=tile_arms)
         per = abba(pol, args.samples, args.warmup, group, progress=case.label())
         stats = summarize(per)
         gemm_flops = 2 * inp["x"].shape[0] * inp["hidden"] * inp["ffn"]

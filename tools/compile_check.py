@@ -64,17 +64,20 @@ def kernels():
                                             (True, 32, 2, True)):
         meta = dict(BLOCK_TM=rows, BLOCK_TN=1024, TOPK_POW2=4, HAS_PROBS=False, COL_ALIGN=16,
                     SLOT_LOOP=slot_loop, ITEM_STAGES=stages, TOKEN_MAJOR=tokens, TRACE=False,
-                    stride_yn=1)
+                    Y_EVICT="", stride_yn=1)
         name = f"gather_rs slot_loop={slot_loop} item_stages={stages}" + (" token_major" * tokens)
         yield (name, grs.gather_rs_kernel, _signature(comm_ptrs, comm_ints, meta), meta,
                dict(num_warps=32), attrs)
     # the shared placement's small CTA beside GEMM2's (4 warps, capped registers)
     from megatron_overlap.ops.config import SHARED_COMM_MAXNREG, SHARED_GEMM_MAXNREG
 
-    for trace in (False, True):  # (traced: tools/op_trace.py)
+    # (traced: tools/op_trace.py; evict_first: TileConfig.comm_evict_first)
+    for trace, evict in ((False, ""), (True, ""), (False, "evict_first")):
         meta = dict(BLOCK_TM=8, BLOCK_TN=512, TOPK_POW2=4, HAS_PROBS=False, COL_ALIGN=16,
-                    SLOT_LOOP=True, ITEM_STAGES=1, TOKEN_MAJOR=True, TRACE=trace, stride_yn=1)
-        yield ("gather_rs shared placement token_major" + " traced" * trace,
+                    SLOT_LOOP=True, ITEM_STAGES=1, TOKEN_MAJOR=True, TRACE=trace,
+                    Y_EVICT=evict, stride_yn=1)
+        yield ("gather_rs shared placement token_major" + " traced" * trace
+               + f" {evict}" * bool(evict),
                grs.gather_rs_kernel, _signature(comm_ptrs, comm_ints, meta), meta,
                dict(num_warps=4, maxnreg=SHARED_COMM_MAXNREG), attrs)
     yield ("agreement", grs.agreement_kernel,

@@ -266,6 +266,14 @@ for s in "$@"; do
           "$REPO/tools/op_trace.py" --model ${OP_MODELS:-granite,qwen,deepseek} --layout $lay \
           --seqs ${OP_SEQS:-4096,16384} --routing ${ROUTING:-uniform} --preset h200 \
           ${TRACE_ARGS:-} --json "$OUT/trace_${TAG:-}$lay.json" --png-dir "$OUT/trace_$lay"; done ;;
+    evict_ab)  # GatherRS's y loads evict-first (TileConfig.comm_evict_first) beside the
+      # default, both replayed in one ABBA loop with torch's GEMM2 alone
+      for lay in ${LAYOUTS:-TP1EP1}; do
+        stage evict_ab_$lay ${BENCH_SECS:-240} torchrun --nproc-per-node 1 \
+          "$REPO/tools/bench_op.py" --model ${OP_MODELS:-granite,qwen,deepseek} --layout $lay \
+          --seqs ${OP_SEQS:-4096,16384} --routing ${ROUTING:-uniform} --cset 132 \
+          --samples ${OP_SAMPLES:-10} --warmup 2 --preset h200 --cuda-graph --evict-first-arm \
+          --json "$OUT/op_${TAG:-}evict_$lay.json"; done ;;
     gemm2_variants)  # GEMM2 alone, our tile variants against torch's grouped GEMM, replayed
       for lay in ${GEMM_LAYOUTS:-TP1EP1 TP2EP1}; do
         stage gemm2_variants_$lay ${GEMM_SECS:-240} torchrun --nproc-per-node 1 \

@@ -171,7 +171,9 @@ class TileConfig:
     overlapped time on H200 (docs/RESULTS.md, "Kernel choices measured"). Where the compiled kernels
     do not fit one SM together the op plans and launches the partition instead.
     `gemm_maxnreg` / `comm_maxnreg`: explicit register caps per thread (None: the
-    placement's default).
+    placement's default). `comm_evict_first`: GatherRS loads y with the evict-first
+    policy (each row is read once), so its stream of y leaves GEMM2's x and W in L2;
+    off until measured on a GPU (same bits either way).
     """
 
     block_m: int
@@ -190,6 +192,7 @@ class TileConfig:
     gemm_maxnreg: int | None = None  # register cap per GEMM2 thread (None: the kernel's own)
     comm_maxnreg: int | None = None  # register cap per GatherRS thread (None: the compiler's)
     placement: str = "partition"  # "partition": comm CTAs on SMs of their own; "shared"
+    comm_evict_first: bool = False  # GatherRS's y loads marked first to leave L2
 
     def __post_init__(self) -> None:
         from ..kernels.gemm2 import IMPLS
@@ -230,7 +233,7 @@ class TileConfig:
                     or (pow2 and v & (v - 1))):
                 kind = "a power of two" if pow2 else "an int"
                 raise ValueError(f"TileConfig.{name} must be {kind} in [{lo}, {hi}], got {v!r}")
-        for name in ("gemm_flatten", "comm_slot_loop", "token_major"):
+        for name in ("gemm_flatten", "comm_slot_loop", "token_major", "comm_evict_first"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"TileConfig.{name} must be a bool, got {getattr(self, name)!r}")
 
@@ -276,7 +279,8 @@ def load_tiles(path: str) -> TileConfig:
                           comm_slot_loop=slot_loop, token_major=token_major,
                           gemm_impl=str(impl[0]) if impl else GPU_TILES.gemm_impl,
                           # files from before the placement: 32-warp CTAs, partitioned
-                          placement=str(best.get("placement", "partition")))
+                          placement=str(best.get("placement", "partition")),
+                          comm_evict_first=_flag(best.get("comm_evict_first", False)))
     except (OSError, KeyError, ValueError, TypeError, AttributeError) as err:
         raise ValueError(f"{path}: not a tune_tiles result ({type(err).__name__}: {err})") from err
 

@@ -64,7 +64,8 @@ def _launch_comm(buf: OverlapBuffer, lp: LaunchPlan, y, routing: Routing, probs,
         dst_row_stride=target.row_stride, programs=lp.plan.comm_ctas,
         block_tm=lp.family.comm_tm, block_tn=lp.family.comm_tn, num_warps=t.comm_warps,
         item_stages=t.comm_stages, slot_loop=t.comm_slot_loop, helpers=helpers,
-        token_major=routing.dest is not None, maxnreg=t.comm_maxnreg, **target.descriptor,
+        token_major=routing.dest is not None, maxnreg=t.comm_maxnreg,
+        y_evict_first=t.comm_evict_first, **target.descriptor,
         **kw)
 
 
@@ -134,6 +135,8 @@ def launch(buf: OverlapBuffer, x, weight, routing: Routing, lp: LaunchPlan, prob
     buf.wait_bounds = (lp.wait_timeout_s, lp.max_spins)  # (for a time-out's message)
     hidden = weight.shape[1]
     width = width or gemm2.split_width(hidden, lp.splits)
+    if trace is not None:  # (before GEMM2: a refusal mid-launch would break the buffer)
+        grs.check_trace(trace, lp.plan.comm_ctas + lp.helpers, lp.splits, x.device)
     if y is None:
         y = torch.empty(x.shape[0], hidden, dtype=out.dtype, device=x.device)
     gemm_args = _gemm2_args(buf, lp, hidden, width, routing.dest)
