@@ -72,10 +72,10 @@ def test_candidates_go_down_to_one_column_tile_only_with_the_roofline():
     assert get_preset("h100").calibration.hbm_balance is None  # (not fitted there)
 
 
-def _captured(paths):
+def _captured(paths, key="median"):
     for path in paths:
         for r in json.loads(Path(path).read_text())["results"]:
-            med = {name: s["median"] for name, s in r["stats"].items()}
+            med = {name: s[key] for name, s in r["stats"].items()}
             yield r, {int(n.split("=")[1]): ms for n, ms in med.items() if n.startswith("graph L=")}
 
 
@@ -83,17 +83,22 @@ def test_the_roofline_ranks_the_captured_sweeps_of_l_within_the_targets():
     """Against every captured sweep of L = 1, 2, 4, 8 on one H200 at S >= 1024 (90
     workloads: S = 1024 to 16384, three layouts, uniform and p90 routing; S = 8192 captured
     after the model was fixed): the L of least T_mem, at the shipped calibration, is the
-    measured fastest within mean 1%, max 3.5% (the worst, 3.3%, is the replays' noise).
+    measured fastest within mean 1%, max 3.5% (the worst, 3.3%, is the replays' noise),
+    and slower than the fastest beyond both medians' 95% CIs in at most one workload.
     At S = 512 (18 workloads, ops of 0.06-0.22 ms) it is not: docs/RESULTS.md."""
-    regrets = []
-    for r, measured in _captured(sorted(glob.glob(str(DATA / "op_h200_lsweep_*.json")))):
+    paths = sorted(glob.glob(str(DATA / "op_h200_lsweep_*.json")))
+    regrets, beyond_ci = [], 0
+    for (r, measured), (_, low), (_, high) in zip(_captured(paths), _captured(paths, "ci_low"),
+                                                  _captured(paths, "ci_high")):
         if r["seq"] < 1024:
             continue
         tp, ep = {**LAYOUTS, "TP1EP1": (1, 1)}[r["layout"]]
         n = MODELS[r["model"]].hidden
         row_tiles = r["w_comp"] // math.ceil(math.ceil(n / r["splits"]) / 128)
         ts = {L: t_mem(r["model"], tp, ep, r["seq"], L, row_tiles) for L in measured}
-        best = min(measured.values())
-        regrets.append(measured[min(ts, key=ts.get)] / best - 1)
+        chosen, best = min(ts, key=ts.get), min(measured, key=measured.get)
+        regrets.append(measured[chosen] / measured[best] - 1)
+        beyond_ci += low[chosen] > high[best]  # slower with both medians' 95% CIs apart
     assert len(regrets) == 90
     assert statistics.fmean(regrets) <= 0.01 and max(regrets) <= 0.035
+    assert beyond_ci <= 1  # (Qwen TP1EP1 S = 16384 p90: its two captures of L = 4 differ 10%)

@@ -69,8 +69,9 @@ def test_check_op_reference_is_the_ops_sum_over_each_tokens_rows():
     assert check_op.rel_err(want, got) < 1e-6
 
 
-def _swept(case, model, chosen, ms, predicted, planner_ms):
-    stats = {f"graph L={l}": {"median": v} for l, v in ms.items()}
+def _swept(case, model, chosen, ms, predicted, planner_ms, spread=0.03):
+    stats = {f"graph L={l}": {"median": v, "ci_low": v - spread, "ci_high": v + spread}
+             for l, v in ms.items()}
     stats[split_sweep.OP] = {"median": planner_ms}
     stats[split_sweep.GEMM2] = {"median": 1.0}
     return dict(case=case, model=model, splits=chosen, stats=stats,
@@ -91,6 +92,10 @@ def test_split_sweep_regret_is_the_planners_l_against_the_fastest_swept_l():
     s = split_sweep.summary([right, wrong])
     assert s["chosen_is_best"] == 1 and s["max_regret"] == pytest.approx(0.12)
     assert s["mean_sweep_regret"] == pytest.approx(0.05)
+    # b's L = 4 (1.1 +- 0.03) against L = 2 (1.0 +- 0.03): apart; a's is its best
+    assert (right["beyond_ci"], wrong["beyond_ci"], s["slower_beyond_ci"]) == (False, True, 1)
+    close = split_sweep.sweep_row(_swept("d", "qwen", 4, {2: 1.0, 4: 1.1}, {}, 1.1, 0.06))
+    assert close["sweep_regret"] == pytest.approx(0.1) and close["beyond_ci"] is False
     lines = split_sweep.table([right, wrong])
     assert len(lines) == 4 and "+12.0% (10.0%)" in lines[3]
     assert "1.034 / 1.000 / 0.966" in lines[2]  # the model's T(L) over its T at L* = 2

@@ -10,7 +10,10 @@ L at each L (`predicted_by_splits`, compute waves). Regret = (T(planner) - T(bes
 L)) / T(best swept L), both captured in the same run: the planner's L is captured twice
 (as "planner(graph)" and as its "graph L=l"), and the spread between the two is the
 replays' noise, which the regret can fall below zero by; the regret within the sweep
-compares the sweep's own capture of the planner's L with its best (never below zero). The figure puts each workload's
+compares the sweep's own capture of the planner's L with its best (never below zero);
+`beyond_ci`: the sweep's capture of the planner's L is slower than its best with the two
+medians' 95% CIs apart (bench_op's bootstrap), a loss the replays' noise cannot explain.
+The figure puts each workload's
 measured T(L) / T(L*) beside the ranking model's T(L) / T(L*), L* the planner's choice;
 the candidates the op ranks are marked (`ops.planning.split_candidates`).
 """
@@ -39,12 +42,17 @@ def sweep_row(result: dict) -> dict:
     predicted = {int(l): t for l, t in result.get("predicted_by_splits", {}).items()}
     best = min(measured, key=measured.get)
     op = med[OP]
+    ci = {int(name.split("=")[1]): (s.get("ci_low"), s.get("ci_high"))
+          for name, s in result["stats"].items() if name.startswith("graph L=")}
+    chosen_low, best_high = ci.get(result["splits"], (None,))[0], ci[best][1]
     return dict(case=result["case"], chosen=result["splits"], best=best, op_ms=op,
                 gemm2_ms=med.get(GEMM2), measured=measured, predicted=predicted,
                 regret=(op - measured[best]) / measured[best],
                 # the planner's L against the best within the sweep's own captures (>= 0)
                 sweep_regret=(measured[result["splits"]] - measured[best]) / measured[best]
                 if result["splits"] in measured else None,
+                beyond_ci=None if chosen_low is None or best_high is None
+                else chosen_low > best_high,
                 candidates=split_candidates(MODELS[result["model"]].hidden))
 
 
@@ -55,7 +63,8 @@ def summary(rows: list[dict]) -> dict:
                 max_regret=max(regrets),
                 mean_sweep_regret=statistics.fmean(within) if within else None,
                 max_sweep_regret=max(within) if within else None,
-                chosen_is_best=sum(r["chosen"] == r["best"] for r in rows))
+                chosen_is_best=sum(r["chosen"] == r["best"] for r in rows),
+                slower_beyond_ci=sum(r["beyond_ci"] is True for r in rows))
 
 
 def table(rows: list[dict]) -> list[str]:
@@ -116,7 +125,8 @@ def main(argv=None) -> int:
           f"{100 * s['max_regret']:.2f}% (within the sweep's captures: mean "
           f"{100 * (s['mean_sweep_regret'] or 0):.2f}%, max "
           f"{100 * (s['max_sweep_regret'] or 0):.2f}%); the planner's L the fastest swept "
-          f"in {s['chosen_is_best']}")
+          f"in {s['chosen_is_best']}, slower than the best beyond both 95% CIs in "
+          f"{s['slower_beyond_ci']}")
     if args.png:
         plot(rows, args.png)
     return 0
