@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from megatron_overlap.ops import planning
@@ -50,6 +50,27 @@ calibrations = st.builds(
     overlap_factor=st.one_of(st.none(), st.sampled_from([1.0, 1.7]), st.floats(0.3, 3)))
 
 
+def same(a, b) -> bool:
+    """a == b, where NaN equals NaN: a disabled planner reports T(C) as computed, and a
+    calibration whose rho overflows makes the same NaN on both sides (0 x inf)."""
+    if hasattr(a, "_asdict") and hasattr(b, "_asdict"):  # (a Plan: its curve read out)
+        return type(a) is type(b) and same(a._asdict(), b._asdict())
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return a == b
+
+
+def test_same_is_equality_with_nan_equal_to_nan():
+    nan = float("nan")
+    assert same(((1, nan), (2, 3.0)), ((1, float("nan")), (2, 3.0)))
+    assert not same(((1, nan),), ((1, 0.0),)) and not same((1, 2.0), (1, 2.5))
+    assert not same((1,), (1, 2)) and same({"a": [nan]}, {"a": [nan]})
+
+
 def same_or_both_raise(fast, slow):
     """fast() == slow(), or both raise ValueError (no legal C, T(C) not finite)."""
     try:
@@ -58,7 +79,8 @@ def same_or_both_raise(fast, slow):
         with pytest.raises(ValueError):
             fast()
         return None
-    assert fast() == want
+    got = fast()
+    assert same(got, want), (got, want)
     return want
 
 
@@ -118,7 +140,7 @@ def test_the_caches_reuse_of_sizes_decides_as_a_fresh_plan(w, kernel, sms, calib
             lambda: reference_plan(one, kernel, device, calib))
         same_or_both_raise(lambda: predictor(tokens, row_tiles),
                            lambda: reference_plan(one, kernel, device, calib)[1])
-        assert want is None or predictor(tokens, row_tiles) == want[1]
+        assert want is None or same(predictor(tokens, row_tiles), want[1])
 
 
 @settings(max_examples=300, deadline=None)
@@ -126,6 +148,10 @@ def test_the_caches_reuse_of_sizes_decides_as_a_fresh_plan(w, kernel, sms, calib
        st.sampled_from([None, None, 1, 7, 300]), st.booleans(),
        st.lists(st.tuples(st.sampled_from([0, 0, 1, 333, 1 << 15]), st.integers(0, 5000)),
                 min_size=1, max_size=4))
+@example(  # a disabled planner, rho_ref 1e300, no rows: T(1) is NaN on both sides
+    Workload(16, 7168, 1, 3, 1, (0,)), KernelSpec(16, 16, 1, 16, 1, 1, False, True), 3,
+    Calibration(rho_ref=1e300, k_ref=352, tm_ref=128, tn_ref=128, d_ref=1, c_max=1),
+    None, False, [(0, 0)])
 def test_the_caches_planner_plans_as_decide_tiles_at_every_m(w, kernel, sms, calib, comm_ctas,
                                                              enabled, launches):
     """PlanCache.planner (the op's plan at its L: one built for every M, no memo) gives
@@ -141,7 +167,7 @@ def test_the_caches_planner_plans_as_decide_tiles_at_every_m(w, kernel, sms, cal
         tokens = w.tokens + more_tokens
         want = same_or_both_raise(lambda: planned(tokens, row_tiles), lambda: PlanCache(
             kernel, device, calib).decide_tiles(row_tiles, tokens, *sizes, 3, **extra))
-        assert want is None or predictor(tokens, row_tiles) == want.predicted
+        assert want is None or same(predictor(tokens, row_tiles), want.predicted)
 
 
 def test_the_predictor_checks_m_as_a_workload_does():
