@@ -13,6 +13,8 @@ captured into a CUDA graph and replayed (checked against its eager output first)
 the host's work gone from all three, op / GEMM2 alone is the GPU's ratio.
 `--lset 1,2,4,8` times the op at each L (C planned for it); with `--graph-sweep` the
 C and L sweeps are captured too, and the regret they give carries no host noise.
+`--evict-first-arm` captures the op with GatherRS's y loads evict-first
+(`TileConfig.comm_evict_first`) beside it, as "planner(graph,evict_first)".
 
 `--confirm N`: the sweep's fastest C is the minimum of many noisy medians, so the
 regret it gives is biased up (the winner's curse: the largest on two H200s, 28.6%, had a 95% CI
