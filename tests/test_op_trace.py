@@ -152,3 +152,10 @@ def test_y_loaded_evict_first_gives_the_same_bits_and_the_tiles_file_can_ask_for
             assert load_tiles(str(path)).comm_evict_first is expected
     with pytest.raises(ValueError, match="comm_evict_first must be a bool"):
         dataclasses.replace(INTERPRET_TILES, comm_evict_first=1)
+
+
+@pytest.mark.parametrize("flags", [["--runs", "0"], ["--warmup", "-1"], ["--splits", "0"]])
+def test_the_tool_refuses_counts_that_cannot_run_naming_the_flags(flags):
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "op_trace.py"), *flags],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert run.returncode == 2 and "--runs must be >= 1" in run.stderr, run.stderr[-2000:]

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from benchlib import (abba, add_run_args, env_info, smoke_setup,  # noqa: E402
                       summarize, without_samples, write_json)
 from tune_tiles import on_every_sm  # noqa: E402
-from workloads import OpCase, rank_inputs  # noqa: E402
+from workloads import OpCase, add_case_args, cases, rank_inputs  # noqa: E402
 
 from megatron_overlap.ops import OverlapConfig, launcher  # noqa: E402
 from megatron_overlap.ops.capture import CapturedCall  # noqa: E402
@@ -121,10 +121,8 @@ def variant_name(t: TileConfig) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="granite,qwen,deepseek")
-    ap.add_argument("--layout", default="TP1EP1")
-    ap.add_argument("--seqs", default="4096,16384")
-    ap.add_argument("--routing", default="uniform")
+    add_case_args(ap, model="granite,qwen,deepseek", layout="TP1EP1", seqs="4096,16384",
+                  routing="uniform")
     ap.add_argument("--variants", default=DEFAULT_VARIANTS)
     ap.add_argument("--samples", type=int, default=10)
     add_run_args(ap)
@@ -137,9 +135,8 @@ def main() -> int:
     variants = [parse_variant(v, base) for v in args.variants.split(",")]
     if backend == "interpret":  # the interpreter runs Triton's kernel on its small tiles
         variants = [base]
-    runs = [workload(OpCase(m, args.layout, int(s), args.routing), variants, backend, device,
-                     group, args.samples)
-            for m in args.model.split(",") for s in args.seqs.split(",")]
+    runs = [workload(case, variants, backend, device, group, args.samples)
+            for case in cases(args)]
     if dist.get_rank() == 0:
         for run in runs:
             print(run["case"])

@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from benchlib import (abba, add_run_args, env_info,  # noqa: E402
                       smoke_setup, summarize, without_samples, write_json)
 from tune_tiles import tiles_from_json  # noqa: E402
-from workloads import OpCase, rank_inputs  # noqa: E402
+from workloads import add_case_args, cases, rank_inputs  # noqa: E402
 
 from megatron_overlap.ops import OverlapConfig, gemm2_gather_rs  # noqa: E402
 from megatron_overlap.ops.capture import CapturedCall  # noqa: E402
@@ -203,10 +203,8 @@ def check_against_reference(inp, group, c_values, backend: str, tiles=None,
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="qwen")
-    ap.add_argument("--layout", default="TP2EP1")
-    ap.add_argument("--seqs", default="1024,4096,16384")
-    ap.add_argument("--routing", default="uniform,p90")
+    add_case_args(ap, model="qwen", layout="TP2EP1", seqs="1024,4096,16384",
+                  routing="uniform,p90")
     ap.add_argument("--cmax", type=int, default=48, help="largest C of the sweep")
     ap.add_argument("--cset", default="", help="comma list of C for the sweep instead")
     ap.add_argument("--samples", type=int, default=30)
@@ -240,13 +238,12 @@ def main() -> int:
     tiles = tiles_from_json(args.tiles) or OverlapConfig.from_env().tiles
     if args.evict_first_arm and not args.cuda_graph:
         ap.error("--evict-first-arm needs --cuda-graph")
-    arm_base = tiles or default_tiles(backend, OverlapConfig.from_env().placement)
-    tile_arms = ({"evict_first": dataclasses.replace(arm_base, comm_evict_first=True)}
-                 if args.evict_first_arm else {})
+    tile_arms = {}
+    if args.evict_first_arm:
+        base = tiles or default_tiles(backend, OverlapConfig.from_env().placement)
+        tile_arms["evict_first"] = dataclasses.replace(base, comm_evict_first=True)
     results = []
-    for model, seq, routing in [(m, int(s), r) for m in args.model.split(",")
-                                for s in args.seqs.split(",") for r in args.routing.split(",")]:
-        case = OpCase(model, args.layout, seq, routing)
+    for case in cases(args):
         inp = rank_inputs(case, rank, device)
         err = check_against_reference(inp, group, c_values, backend, tiles, l_values)
         pol, facts = policies_for(inp, group, c_values, args.preset, backend, tiles,
@@ -258,8 +255,8 @@ def main() -> int:
         sweep = {int(n.split("=")[1]): s["median"] for n, s in stats.items()
                  if n.startswith("sweep")}
         oracle_c = min(sweep, key=sweep.get)
-        row = dict(case=case.label(), model=model, layout=case.layout, seq=seq,
-                   routing=routing, skew=inp["skew"], rel_err=err, gemm_flops=gemm_flops,
+        row = dict(case=case.label(), model=case.model, layout=case.layout, seq=case.seq,
+                   routing=case.routing, skew=inp["skew"], rel_err=err, gemm_flops=gemm_flops,
                    oracle_c=oracle_c, oracle_ms=sweep[oracle_c], **facts,
                    stats=without_samples(stats),
                    samples={n: s["samples"] for n, s in stats.items()})

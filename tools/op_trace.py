@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 from benchlib import add_run_args, env_info, smoke_setup, write_json  # noqa: E402
-from workloads import OpCase, rank_inputs  # noqa: E402
+from workloads import OpCase, add_case_args, cases, rank_inputs  # noqa: E402
 
 from megatron_overlap.ops import OverlapConfig, launcher  # noqa: E402
 from megatron_overlap.ops.capture import CapturedCall  # noqa: E402
@@ -148,10 +148,7 @@ def trace_case(case: OpCase, args, backend: str, device: str, group) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="granite")
-    ap.add_argument("--layout", default="TP1EP1")
-    ap.add_argument("--seqs", default="4096")
-    ap.add_argument("--routing", default="uniform")
+    add_case_args(ap, model="granite", layout="TP1EP1", seqs="4096", routing="uniform")
     ap.add_argument("--splits", type=int, default=None, help="L (default: the planner's)")
     ap.add_argument("--runs", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
@@ -165,24 +162,21 @@ def main() -> int:
     backend, device = smoke_setup(args)
     rank0 = dist.get_rank() == 0
     results = []
-    for model in args.model.split(","):
-        for seq in (int(s) for s in args.seqs.split(",")):
-            for routing in args.routing.split(","):
-                row = trace_case(OpCase(model, args.layout, seq, routing), args, backend,
-                                 device, dist.group.WORLD)
-                results.append(row)
-                m = row["median"]
-                if rank0:
-                    print(f"{row['case']} C={row['comm_ctas']} H={row['helpers']} "
-                          f"L={row['splits']}: gemm_end {m['gemm_end']} us, tail "
-                          f"{m.get('tail')} us, backlog {m.get('backlog')} program-us; "
-                          + " | ".join(f"split {s}: ready {x['ready']} done {x['done']}"
-                                       for s, x in enumerate(m["splits"])), flush=True)
-                if rank0 and args.png_dir:
-                    os.makedirs(args.png_dir, exist_ok=True)
-                    name = row["case"].replace("/", "_").replace("=", "")
-                    plot(row["last_trace"], row["comm_ctas"], m, row["case"],
-                         os.path.join(args.png_dir, f"{name}.png"))
+    for case in cases(args):
+        row = trace_case(case, args, backend, device, dist.group.WORLD)
+        results.append(row)
+        m = row["median"]
+        if rank0:
+            print(f"{row['case']} C={row['comm_ctas']} H={row['helpers']} L={row['splits']}: "
+                  f"gemm_end {m['gemm_end']} us, tail {m.get('tail')} us, backlog "
+                  f"{m.get('backlog')} program-us; "
+                  + " | ".join(f"split {s}: ready {x['ready']} done {x['done']}"
+                               for s, x in enumerate(m["splits"])), flush=True)
+        if rank0 and args.png_dir:
+            os.makedirs(args.png_dir, exist_ok=True)
+            name = row["case"].replace("/", "_").replace("=", "")
+            plot(row["last_trace"], row["comm_ctas"], m, row["case"],
+                 os.path.join(args.png_dir, f"{name}.png"))
     if rank0:
         write_json(args.json, dict(env=env_info(), command=" ".join(sys.argv), results=results))
     dist.destroy_process_group()

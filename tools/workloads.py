@@ -32,6 +32,21 @@ class OpCase:
         return f"{self.model}/{self.layout}/S={self.seq}/{self.routing}"
 
 
+def add_case_args(ap, model: str, layout: str, seqs: str, routing: str) -> None:
+    """The workload flags the op tools share, with each tool's defaults: --model, --seqs
+    and --routing comma lists, one --layout (`cases` expands them)."""
+    ap.add_argument("--model", default=model)
+    ap.add_argument("--layout", default=layout)
+    ap.add_argument("--seqs", default=seqs)
+    ap.add_argument("--routing", default=routing)
+
+
+def cases(args) -> list[OpCase]:
+    """Every model x S x routing of `add_case_args`' flags, at the one layout."""
+    return [OpCase(m, args.layout, int(s), r) for m in args.model.split(",")
+            for s in args.seqs.split(",") for r in args.routing.split(",")]
+
+
 def rank_inputs(case: OpCase, rank: int, device, dtype=torch.bfloat16, seed: int = 0) -> dict:
     """x [T, K], weight [E_local, N, K], counts, token_index for one rank of the group.
 
