@@ -744,27 +744,32 @@ def test_prefill_profile_gives_each_kernel_to_the_moe_layer_that_launched_it():
         profile_prefill.attribute(dict(traceEvents=[ev("kernel", "k", 0, 1)]))
 
 
-def test_prefill_profile_samples_clock_reasons_and_energy_per_forward(monkeypatch):
+def test_the_power_sampler_gives_clock_reasons_energy_per_call_and_the_power_limit(monkeypatch):
     """The sampled window's NVML readings, faked: the share of samples with each clock
-    event reason set, and the energy counter's difference split over the forwards."""
+    event reason set, the energy counter's difference split over the calls (keys named
+    for the unit, as the prefill profile's JSON has them), the enforced power limit."""
     import pynvml
 
-    import profile_prefill
+    import power
 
     monkeypatch.setattr(torch.cuda, "clock_rate", lambda: 1800)
     monkeypatch.setattr(torch.cuda, "power_draw", lambda: 600_000)
-    monkeypatch.setattr(profile_prefill, "_nvml_handle", lambda: "gpu0")
-    monkeypatch.setattr(profile_prefill, "_reason_reader",
+    monkeypatch.setattr(power, "nvml_handle", lambda: "gpu0")
+    monkeypatch.setattr(power, "reason_reader",
                         lambda handle: lambda: (pynvml.nvmlClocksEventReasonSwPowerCap, 61))
+    monkeypatch.setattr(power, "power_limit_w", lambda handle: 700.0)
     energy = iter([1_000, 7_000])  # mJ before and after the window
-    monkeypatch.setattr(profile_prefill, "_energy_mj", lambda handle: next(energy))
-    got = profile_prefill._sampled(lambda: None, period_s=0.001, forwards=3)
-    assert got["energy_j_per_forward"] == pytest.approx(2.0)
+    monkeypatch.setattr(power, "energy_mj", lambda handle: next(energy))
+    got = power.sampled(lambda: None, period_s=0.001, calls=3, unit="forward")
+    assert got["energy_j_per_forward"] == pytest.approx(2.0) and got["forwards"] == 3
     assert got["power_w_from_energy"] == pytest.approx(6.0 / (got["ms_per_forward"] * 3e-3))
     assert got["clock_reasons"]["SwPowerCap"] == 1.0 and got["clock_reasons"]["GpuIdle"] == 0.0
     assert got["temperature_c_max"] == 61 and got["sm_clock_mhz_mean"] == 1800
-    monkeypatch.setattr(profile_prefill, "_nvml_handle", lambda: None)  # no NVML: no energy
-    assert "energy_j_per_forward" not in profile_prefill._sampled(lambda: None, period_s=0.001)
+    assert got["power_limit_w"] == 700.0
+    energy = iter([5_000, 5_500])
+    assert power.sampled(lambda: None, period_s=0.001)["energy_j_per_call"] == pytest.approx(0.5)
+    monkeypatch.setattr(power, "nvml_handle", lambda: None)  # no NVML: no energy
+    assert "energy_j_per_call" not in power.sampled(lambda: None, period_s=0.001)
 
 
 def test_grid_report_reads_both_halves_of_the_recorded_fuse_or_not_grid(tmp_path):

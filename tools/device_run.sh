@@ -266,6 +266,15 @@ for s in "$@"; do
           "$REPO/tools/op_trace.py" --model ${OP_MODELS:-granite,qwen,deepseek} --layout $lay \
           --seqs ${OP_SEQS:-4096,16384} --routing ${ROUTING:-uniform} --preset h200 \
           ${TRACE_ARGS:-} --json "$OUT/trace_${TAG:-}$lay.json" --png-dir "$OUT/trace_$lay"; done ;;
+    op_energy)  # the op, torch's GEMM2, ours and GatherRS alone, each replayed for 3 s
+      # windows (NVML energy, power, SM clock, power-cap share), the parts' energy fit and
+      # the op's power roof
+      for lay in ${LAYOUTS:-TP1EP1}; do
+        stage op_energy_$lay ${ENERGY_SECS:-320} torchrun --nproc-per-node 1 \
+          "$REPO/tools/op_energy.py" --model ${OP_MODELS:-granite,qwen,deepseek} --layout $lay \
+          --seqs ${OP_SEQS:-4096,16384} --routing ${ROUTING:-uniform} --preset h200 \
+          --window-s ${WINDOW_S:-3} --rounds ${ROUNDS:-2} \
+          --json "$OUT/op_energy_${TAG:-}$lay.json" --png "$OUT/op_energy_${TAG:-}$lay.png"; done ;;
     evict_ab)  # GatherRS's y loads evict-first (TileConfig.comm_evict_first) beside the
       # default, both replayed in one ABBA loop with torch's GEMM2 alone
       for lay in ${LAYOUTS:-TP1EP1}; do

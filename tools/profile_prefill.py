@@ -26,6 +26,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_layer import add_fuse_arg, layer_policy  # noqa: E402
 from benchlib import env_info, write_json  # noqa: E402
+from power import sampled  # noqa: E402
 from profile_layer import kind_of  # noqa: E402
 
 from megatron_overlap.mcore import prefill  # noqa: E402
@@ -107,7 +108,8 @@ def profile_forward(model, tokens, positions, cprofile: bool = False,
         for _ in range(sampled_forwards):
             model(tokens, positions, None)
         torch.cuda.synchronize()
-    clocks["during_unprofiled_forward"] = _sampled(forwards, forwards=sampled_forwards)
+    clocks["during_unprofiled_forward"] = sampled(forwards, calls=sampled_forwards,
+                                                   unit="forward")
     clocks["host"] = host_timing(lambda: model(tokens, positions, None))
     if cprofile:
         clocks["cprofile"] = cprofile_forward(lambda: model(tokens, positions, None))
@@ -166,108 +168,6 @@ def cprofile_forward(forward, top: int = 30) -> dict:
                      own_ms=round(v[2] * 1e3, 3), cum_ms=round(v[3] * 1e3, 3))
                 for (f, line, name), v in sorted(stats.items(), key=key)[:top]]
     return dict(by_own=rows(lambda kv: -kv[1][2]), by_cum=rows(lambda kv: -kv[1][3]))
-
-
-#: NVML's clock event reasons (nvmlClocksEventReason*): why the SM clock is below its
-#: maximum at a sample (several at once; GPU idle among them).
-CLOCK_REASONS = ("GpuIdle", "ApplicationsClocksSetting", "SwPowerCap", "HwSlowdown",
-                 "SyncBoost", "SwThermalSlowdown", "HwThermalSlowdown", "HwPowerBrakeSlowdown",
-                 "DisplayClockSetting")
-
-
-def _nvml_handle():
-    """The current device's NVML handle (nvidia-ml-py), or None without NVML."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        index = torch.cuda._get_nvml_device_index(torch.cuda.current_device())
-        return pynvml.nvmlDeviceGetHandleByIndex(index)
-    except Exception:  # noqa: BLE001 - no NVML: the profile stands without it
-        return None
-
-
-def _reason_reader(handle):
-    """A callable giving (clock event reasons bitmask, GPU temperature in C), or None
-    where NVML cannot tell."""
-    try:
-        import pynvml
-
-        read = getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons",
-                       getattr(pynvml, "nvmlDeviceGetCurrentClocksThrottleReasons", None))
-        read(handle)
-        return lambda: (read(handle), pynvml.nvmlDeviceGetTemperature(
-            handle, pynvml.NVML_TEMPERATURE_GPU))
-    except Exception:  # noqa: BLE001 - an old driver: clocks and power only
-        return None
-
-
-def _energy_mj(handle) -> int | None:
-    """The GPU's energy counter (mJ since the driver loaded), or None."""
-    try:
-        import pynvml
-
-        return pynvml.nvmlDeviceGetTotalEnergyConsumption(handle)
-    except Exception:  # noqa: BLE001 - not every GPU or driver has it
-        return None
-
-
-def _sampled(fn, period_s: float = 0.01, forwards: int = 1) -> dict:
-    """fn() (`forwards` forwards, synchronized) under no_grad with the SM clock and power
-    sampled every `period_s` by a thread (NVML): their mean and minimum over the call,
-    the share of samples at which each clock event reason was set (why the clock was
-    below its maximum), the temperature, and from the energy counter the energy of one
-    forward and the mean power over the call (exact, where the power reading averages
-    over about a second)."""
-    import threading
-    import time
-
-    samples, reasons, done = [], [], threading.Event()
-    handle = _nvml_handle()
-    read_reasons = None if handle is None else _reason_reader(handle)
-
-    def sample():  # at least one sample, however short the call
-        while True:
-            try:
-                samples.append((torch.cuda.clock_rate(), torch.cuda.power_draw()))
-                if read_reasons is not None:
-                    reasons.append(read_reasons())
-            except Exception:  # noqa: BLE001 - no NVML: nothing sampled
-                return
-            if done.wait(period_s):
-                return
-
-    thread = threading.Thread(target=sample, daemon=True)
-    energy0 = None if handle is None else _energy_mj(handle)
-    t0 = time.perf_counter()
-    thread.start()
-    try:
-        with torch.no_grad():
-            fn()
-    finally:
-        seconds = time.perf_counter() - t0
-        energy1 = None if handle is None else _energy_mj(handle)
-        done.set()
-        thread.join()
-    if not samples:
-        return {}
-    clock, power = zip(*samples)
-    out = dict(samples=len(samples), sm_clock_mhz_mean=sum(clock) / len(clock),
-               sm_clock_mhz_min=min(clock), power_mw_mean=sum(power) / len(power),
-               forwards=forwards, ms_per_forward=1e3 * seconds / forwards)
-    if energy0 is not None and energy1 is not None:
-        out.update(energy_j_per_forward=(energy1 - energy0) / 1e3 / forwards,
-                   power_w_from_energy=(energy1 - energy0) / 1e3 / seconds)
-    if reasons:
-        import pynvml
-
-        masks, temps = zip(*reasons)
-        out["clock_reasons"] = {
-            name: sum(bool(m & bit) for m in masks) / len(masks) for name in CLOCK_REASONS
-            if (bit := getattr(pynvml, f"nvmlClocksEventReason{name}",
-                               getattr(pynvml, f"nvmlClocksThrottleReason{name}", 0)))}
-        out["temperature_c_max"] = max(temps)
-    return out
 
 
 def _clocks() -> dict:

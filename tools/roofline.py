@@ -28,15 +28,24 @@ from megatron_overlap.shapes import BATCH  # noqa: E402
 OP, GEMM2 = "planner(graph)", "gemm2_alone(torch,graph)"
 
 
-def bounds(row: dict, tflops: float, tbs: float) -> dict:
-    """FLOPs, bytes (fused: y on chip; today: y through HBM) and their time bounds (ms)."""
+def op_bytes(row: dict, element_bytes: int = 2) -> dict:
+    """The bytes of each tensor of a workload row (model, layout, seq, gemm_flops; bf16):
+    x [T, K], the local weights w [E_local, N, K], y [T, N] and the output [M, N]."""
     shape = SHAPES[row["model"]]
     tp, ep = LAYOUT_SIZES[row["layout"]]
     tokens = row.get("batch", BATCH) * row["seq"]  # M
     k_rank, e_local, n = shape.ffn_per_rank(tp), shape.local_experts(ep), shape.hidden
     t_rows = row["gemm_flops"] // (2 * n * k_rank)  # T: rows of x
-    fused = 2 * (t_rows * k_rank + e_local * n * k_rank + tokens * n)  # bf16 x, W, out
-    today = fused + 2 * 2 * t_rows * n  # + y written and read back
+    e = element_bytes
+    return dict(x=t_rows * k_rank * e, w=e_local * n * k_rank * e, y=t_rows * n * e,
+                out=tokens * n * e)
+
+
+def bounds(row: dict, tflops: float, tbs: float) -> dict:
+    """FLOPs, bytes (fused: y on chip; today: y through HBM) and their time bounds (ms)."""
+    b = op_bytes(row)
+    fused = b["x"] + b["w"] + b["out"]
+    today = fused + 2 * b["y"]  # + y written and read back
     flop_ms = row["gemm_flops"] / (tflops * 1e9)
     return dict(flops=row["gemm_flops"], bytes_fused=fused, bytes_today=today,
                 bound_fused_ms=max(flop_ms, fused / (tbs * 1e9)),
