@@ -2,8 +2,12 @@
 
     y[rows of expert e, :] = x[rows of expert e, :] @ W_e^T          (bf16 in, fp32 acc)
 
-or, with SCATTER, y[dest[j], :] for row j (`dest`: the routing table's inverse, so y is
-token-major for GatherRS; a dest outside y, which only bad input leaves, drops the row).
+or, with SCATTER, y[t * k + s, :] for row j of token t (token-major for GatherRS): s, the
+row's slot among its token's rows, is the number of the token's experts below the
+tile's (a popcount of the token's expert mask, the routing's first pass), found here
+rather than read from the routing's second pass (`gemm2_layout.TokenPlaces`), so GEMM2
+does not wait for that pass; a row that lands outside y (only bad input, which the
+routing's passes record) is dropped.
 
 A persistent kernel: exactly P programs (the planner's compute slots) walk one global
 tile sequence laid out in split order. Split s covers hidden columns
@@ -41,23 +45,25 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 # (ops/buffer.py and the tests also read the split geometry here, as `gemm2.split_width`)
-from .gemm2_layout import column_alignment, next_pow2, operands, split_col_tiles, split_width
+from .gemm2_layout import (TokenPlaces, column_alignment, mark_words, next_pow2, operands,
+                           split_col_tiles, split_width)
+from .gemm2_places import popcount32, token_major_rows  # noqa: F401 (routing_table's too)
 from .launch_cache import LaunchCache, descriptor
 
 
-@triton.jit(do_not_specialize=["num_experts", "K", "num_splits", "dest_rows"])
+@triton.jit(do_not_specialize=["num_experts", "K", "num_splits", "dest_rows", "topk"])
 def grouped_gemm2_kernel(
     # tensor descriptors (TMA on Hopper) and pointers
-    x_desc, w_desc, y_ptr, row_start_ptr, tile_start_ptr, ready_ptr, dest_ptr,
+    x_desc, w_desc, y_ptr, row_start_ptr, tile_start_ptr, ready_ptr, token_ptr, marks_ptr,
     # sizes (N and split_width are specialized: their divisibility lets the stores
     # vectorize; they change only with the model); dest_rows: rows of y when SCATTER
-    num_experts, K, N, split_width, num_splits, dest_rows,
+    num_experts, K, N, split_width, num_splits, dest_rows, topk,
     # strides
     stride_ym, stride_yn,
     # meta-parameters
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EXPERTS_POW2: tl.constexpr, UPCAST: tl.constexpr, COL_ALIGN: tl.constexpr,
-    FLATTEN: tl.constexpr, SCATTER: tl.constexpr,
+    FLATTEN: tl.constexpr, SCATTER: tl.constexpr, MARK_WORDS: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
@@ -92,8 +98,9 @@ def grouped_gemm2_kernel(
         # past the split feed only outputs that the masked store below drops; the
         # descriptors zero-fill past the tensors' ends.
         rows = first_row + tl.arange(0, BLOCK_M)
-        if SCATTER:  # y row of each x row, loaded before the K loop hides its latency
-            out_rows = tl.load(dest_ptr + rows, mask=rows < end_row, other=-1)
+        if SCATTER:  # y row of each x row, found before the K loop hides its latency
+            out_rows = token_major_rows(rows, end_row, expert, token_ptr, marks_ptr,
+                                        dest_rows, topk, MARK_WORDS)
         else:
             out_rows = rows
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -106,7 +113,7 @@ def grouped_gemm2_kernel(
             acc = tl.dot(a, b.T, acc)
         cols = col0 + tl.arange(0, BLOCK_N)
         y_tile = y_ptr + out_rows[:, None].to(tl.int64) * stride_ym + cols[None, :] * stride_yn
-        if SCATTER:  # a row the routing table did not place (bad input) is dropped
+        if SCATTER:  # a row placed outside y (bad input) is dropped
             row_ok = (out_rows >= 0) & (out_rows < dest_rows)
         else:
             row_ok = rows < end_row
@@ -162,18 +169,19 @@ def packed_offsets_host(counts: list[int], block_m: int, device) -> tuple[torch.
 
 
 def _gemm2_args(x, weight, y, row_start, tile_start, ready, splits, block_m, block_n,
-                block_k, num_warps, num_stages, upcast, flatten, dest=None, maxnreg=None,
+                block_k, num_warps, num_stages, upcast, flatten, places=None, maxnreg=None,
                 width=None):
     num_experts, hidden, k = weight.shape
     x_desc = descriptor(TensorDescriptor, x, (block_m, block_k))
     w_desc = descriptor(TensorDescriptor, weight.view(num_experts * hidden, k),
                         (block_n, block_k))
-    args = (x_desc, w_desc) + operands(weight, y, row_start, tile_start, ready, splits, dest,
-                                       width)
+    args = (x_desc, w_desc) + operands(weight, y, row_start, tile_start, ready, splits,
+                                       places, width)
     meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                 EXPERTS_POW2=next_pow2(num_experts), UPCAST=upcast,
                 COL_ALIGN=column_alignment(hidden, splits, width), FLATTEN=flatten,
-                SCATTER=dest is not None, num_warps=num_warps, num_stages=num_stages)
+                SCATTER=places is not None, MARK_WORDS=mark_words(places),
+                num_warps=num_warps, num_stages=num_stages)
     if maxnreg is not None:
         meta["maxnreg"] = maxnreg
     return args, meta
@@ -184,12 +192,12 @@ def launch_grouped_gemm2(
     tile_start: torch.Tensor, ready: torch.Tensor, *, splits: int, programs: int,
     block_m: int, block_n: int, block_k: int, num_warps: int = 4, num_stages: int = 3,
     kernel=grouped_gemm2_kernel, upcast: bool = False, warmup: bool = False,
-    flatten: bool = False, dest: torch.Tensor | None = None, impl: str = "triton",
+    flatten: bool = False, places: TokenPlaces | None = None, impl: str = "triton",
     launcher: bool = False, maxnreg: int | None = None, width: int | None = None,
 ):
     """Launch with exactly `programs` persistent CTAs. x [T, K], weight [E, N, K]; y [T, N],
-    or with `dest` ([T] int32) any [R, N] with row j of the product stored at y[dest[j]]
-    (rows whose dest lies outside [0, R) are dropped).
+    or with `places` (`TokenPlaces`) a token-major [M k, N] with row j of the product
+    stored at y[t k + s] (t its token, s its slot; rows placed outside y are dropped).
 
     x and weight must be contiguous with 16-byte aligned rows (the op checks). With
     `warmup` it compiles without launching and returns the compiled kernel. `impl`:
@@ -202,21 +210,21 @@ def launch_grouped_gemm2(
     """
     if width is not None:
         split_col_tiles(weight.shape[1], splits, width, block_n)  # (raises if it does not fit)
-    _check_dest(x, dest)
+    _check_places(x, weight, y, places)
     impl = resolve_impl(impl, x.device, x.dtype, block_m, block_n, num_warps,
-                        dest is not None)
+                        places is not None)
     if impl != "triton":
         return _gluon(impl)(x, weight, y, row_start, tile_start, ready, splits=splits,
                             programs=programs, block_m=block_m, block_n=block_n,
                             block_k=block_k, num_warps=num_warps, num_stages=num_stages,
-                            dest=dest, publisher=impl != "gluon_inline_publish",
+                            places=places, publisher=impl != "gluon_inline_publish",
                             warmup=warmup, launcher=launcher, maxnreg=maxnreg, width=width)
     if launcher:
         raise ValueError("launcher=True is for the Gluon kernels: use grouped_gemm2_launcher")
     if x.shape[0] == 0:
         return None  # no rows, no tiles: every split is ready with zero tiles
     args, meta = _gemm2_args(x, weight, y, row_start, tile_start, ready, splits, block_m,
-                             block_n, block_k, num_warps, num_stages, upcast, flatten, dest,
+                             block_n, block_k, num_warps, num_stages, upcast, flatten, places,
                              maxnreg, width)
     if warmup:
         return kernel.warmup(*args, grid=(1,), **meta)
@@ -228,24 +236,24 @@ def launch_grouped_gemm2(
 def grouped_gemm2_launcher(x, weight, y, row_start, tile_start, ready, *, splits: int,
                            programs: int, block_m: int, block_n: int, block_k: int,
                            num_warps: int = 4, num_stages: int = 3, upcast: bool = False,
-                           flatten: bool = False, dest: torch.Tensor | None = None,
+                           flatten: bool = False, places: TokenPlaces | None = None,
                            impl: str = "triton", maxnreg: int | None = None,
                            width: int | None = None):
     """A callable `launch(stream=None)` that launches GEMM2 (as `launch_grouped_gemm2`),
     with its kernel compiled and loaded now: launched after GatherRS, GEMM2 must not wait
     for a JIT compile or a lazy module load while communication CTAs spin on its flags."""
     if resolve_impl(impl, x.device, x.dtype, block_m, block_n, num_warps,
-                    dest is not None) != "triton":
+                    places is not None) != "triton":
         return launch_grouped_gemm2(x, weight, y, row_start, tile_start, ready,
                                     splits=splits, programs=programs, block_m=block_m,
                                     block_n=block_n, block_k=block_k, num_warps=num_warps,
-                                    num_stages=num_stages, dest=dest, impl=impl,
+                                    num_stages=num_stages, places=places, impl=impl,
                                     launcher=True, maxnreg=maxnreg, width=width)
-    _check_dest(x, dest)
+    _check_places(x, weight, y, places)
     if x.shape[0] == 0:
         return lambda stream=None: None
     args, meta = _gemm2_args(x, weight, y, row_start, tile_start, ready, splits, block_m,
-                             block_n, block_k, num_warps, num_stages, upcast, flatten, dest,
+                             block_n, block_k, num_warps, num_stages, upcast, flatten, places,
                              maxnreg, width)
     hit = _GEMM2.compiled(args, meta)
     return lambda stream=None: _GEMM2.launch((programs,), args, meta, hit, stream=stream)
@@ -290,10 +298,23 @@ def _gluon_runs_on(device_index: int) -> bool:
     return True
 
 
-def _check_dest(x, dest) -> None:
-    if dest is not None and (dest.dtype != torch.int32 or dest.numel() != x.shape[0]):
-        raise ValueError(f"dest must be [{x.shape[0]}] int32 (one y row per x row), got "
-                         f"{tuple(dest.shape)} {dest.dtype}")
+def _check_places(x, weight, y, places: TokenPlaces | None) -> None:
+    """The token-major placement's tensors fit x, the experts and y (ValueError naming
+    what does not): the kernel then reads no mark outside `marks`."""
+    if places is None:
+        return
+    token_index, marks, words, topk = places
+    tokens = -(-y.shape[0] // topk) if topk > 0 else 0
+    if (token_index.dtype not in (torch.int32, torch.int64)
+            or token_index.numel() != x.shape[0]):
+        raise ValueError(f"places.token_index must be [{x.shape[0]}] int32/int64 (a token "
+                         f"per x row), got {tuple(token_index.shape)} {token_index.dtype}")
+    if topk < 1 or words != -(-weight.shape[0] // 32):
+        raise ValueError(f"places.topk must be >= 1 and places.words ceil(E / 32) = "
+                         f"{-(-weight.shape[0] // 32)}, got {topk}, {words}")
+    if marks.dtype != torch.int32 or marks.numel() < tokens * words:
+        raise ValueError(f"places.marks must be int32 with >= ceil(rows of y / topk) * "
+                         f"words = {tokens * words} words, got {marks.numel()} {marks.dtype}")
 
 
 def _gluon(impl: str):

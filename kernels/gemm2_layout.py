@@ -10,6 +10,8 @@ Split s covers hidden columns [s*sw, min(N, (s+1)*sw)) with the split width sw
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 
 def split_width(hidden: int, splits: int) -> int:
     """sw = ceil(N / L), the model's split width."""
@@ -39,10 +41,34 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def operands(weight, y, row_start, tile_start, ready, splits, dest, width=None) -> tuple:
-    """Both GEMM2 kernels' arguments after the two tensor descriptors (`width`: the
-    split width, default ceil(N/L))."""
+class TokenPlaces(NamedTuple):
+    """Where GEMM2 stores each row of a token-major y, found by the kernel itself: row j
+    (token t = token_index[j], of the tile's expert e) goes to y[t * topk + s], where s is
+    the number of bits of t's expert mask below e (`marks[t * words:(t + 1) * words]`, the
+    routing's first pass: one bit per local expert the token has a row in). That is the
+    slot the routing's second pass gives the row in the combine table, so GEMM2 need not
+    wait for that pass (`kernels/routing_table.py`).
+
+    token_index: [T] int32 / int64; marks: [M * words] int32; words = ceil(E / 32)."""
+
+    token_index: object
+    marks: object
+    words: int
+    topk: int
+
+
+def operands(weight, y, row_start, tile_start, ready, splits, places, width=None) -> tuple:
+    """Both GEMM2 kernels' arguments after the two tensor descriptors (`places`: a
+    `TokenPlaces` for a token-major y, else None; `width`: the split width, default
+    ceil(N/L))."""
     num_experts, hidden, k = weight.shape
-    return (y, row_start, tile_start, ready, dest if dest is not None else row_start,
-            num_experts, k, hidden, width or split_width(hidden, splits), splits, y.shape[0],
+    token_ptr, marks_ptr = (row_start, row_start) if places is None else places[:2]
+    topk = 1 if places is None else places.topk
+    return (y, row_start, tile_start, ready, token_ptr, marks_ptr, num_experts, k, hidden,
+            width or split_width(hidden, splits), splits, y.shape[0], topk,
             y.stride(0), y.stride(1))
+
+
+def mark_words(places) -> int:
+    """The MARK_WORDS constexpr of both kernels (1 in row order)."""
+    return 1 if places is None else places.words

@@ -31,7 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, war
                                                                warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .gemm2_layout import column_alignment, operands
+from .gemm2_layout import TokenPlaces, column_alignment, mark_words, operands
 from .launch_cache import LaunchCache, descriptor
 
 # (Triton 3.6 names the partition-wide barrier thread_barrier, 3.7 barrier)
@@ -79,6 +79,34 @@ def _tile_counts(tile_start_ptr, num_experts, N, split_width, num_splits,
 
 
 @gluon.jit
+def _popcount32(x):
+    """`gemm2_places.popcount32` in Gluon (which cannot call a Triton function)."""
+    x = x - ((x >> 1) & 0x55555555)
+    x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
+    x = (x + (x >> 4)) & 0x0F0F0F0F
+    return ((x * 0x01010101) >> 24) & 0x3F
+
+
+@gluon.jit
+def _token_major_rows(rows, end_row, expert, token_ptr, marks_ptr, dest_rows, topk,
+                      MARK_WORDS: gl.constexpr):
+    """`gemm2_places.token_major_rows` in Gluon: y's row of each row of a tile (-1:
+    dropped)."""
+    ok = rows < end_row
+    tok = gl.load(token_ptr + rows, mask=ok, other=0).to(gl.int64)
+    ok = ok & (tok >= 0) & (tok * topk < dest_rows)
+    slot = rows * 0
+    for w in gl.static_range(MARK_WORDS):
+        m = gl.load(marks_ptr + tok * MARK_WORDS + w, mask=ok, other=0).to(gl.uint32,
+                                                                         bitcast=True)
+        one = m * 0 + 1
+        below = (one << (expert % 32).to(gl.uint32)) - one
+        part = gl.where(w < expert // 32, m, gl.where(w == expert // 32, m & below, 0))
+        slot += _popcount32(part).to(gl.int32)
+    return gl.where(ok & (slot < topk), (tok * topk + slot).to(gl.int32), -1)
+
+
+@gluon.jit
 def _load_partition(descs, bufs, bars, ptrs, sizes, BLOCK_M: gl.constexpr,
                     BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, SEARCH_STEPS: gl.constexpr,
                     STAGES: gl.constexpr, SLOTS: gl.constexpr):
@@ -86,8 +114,8 @@ def _load_partition(descs, bufs, bars, ptrs, sizes, BLOCK_M: gl.constexpr,
     x_desc, w_desc = descs
     a_bufs, b_bufs = bufs
     ready_bars, empty_bars, stored_bars, free_bars = bars
-    y_ptr, dest_ptr, ready_ptr, row_start_ptr, tile_start_ptr = ptrs
-    num_experts, K, N, split_width, num_splits, dest_rows, stride_ym, stride_yn = sizes
+    y_ptr, token_ptr, marks_ptr, ready_ptr, row_start_ptr, tile_start_ptr = ptrs
+    num_experts, K, N, split_width, num_splits, dest_rows, topk, stride_ym, stride_yn = sizes
     tiles_per_split, total, last_cols = _tile_counts(tile_start_ptr, num_experts, N,
                                                      split_width, num_splits, BLOCK_N)
     nbytes: gl.constexpr = x_desc.block_type.nbytes + w_desc.block_type.nbytes
@@ -121,8 +149,8 @@ def _publish_partition(descs, bufs, bars, ptrs, sizes, BLOCK_M: gl.constexpr,
     its arrive on stored[s] (release, CTA scope), this warp's wait (acquire, CTA scope),
     then the atomic (release, GPU scope: cumulative over what this warp has observed)."""
     ready_bars, empty_bars, stored_bars, free_bars = bars
-    y_ptr, dest_ptr, ready_ptr, row_start_ptr, tile_start_ptr = ptrs
-    num_experts, K, N, split_width, num_splits, dest_rows, stride_ym, stride_yn = sizes
+    y_ptr, token_ptr, marks_ptr, ready_ptr, row_start_ptr, tile_start_ptr = ptrs
+    num_experts, K, N, split_width, num_splits, dest_rows, topk, stride_ym, stride_yn = sizes
     tiles_per_split, total, last_cols = _tile_counts(tile_start_ptr, num_experts, N,
                                                      split_width, num_splits, BLOCK_N)
     i = 0
@@ -139,13 +167,13 @@ def _publish_partition(descs, bufs, bars, ptrs, sizes, BLOCK_M: gl.constexpr,
 def _mma_partition(bufs, bars, ptrs, sizes, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                    BLOCK_K: gl.constexpr, SEARCH_STEPS: gl.constexpr, STAGES: gl.constexpr,
                    SLOTS: gl.constexpr, COL_ALIGN: gl.constexpr, SCATTER: gl.constexpr,
-                   PUBLISHER: gl.constexpr):
+                   MARK_WORDS: gl.constexpr, PUBLISHER: gl.constexpr):
     """One warpgroup: wgmma over the ring, then the epilogue (a layout change through
     shared memory for row-contiguous 16-byte stores) and the tile's publication."""
     a_bufs, b_bufs = bufs
     ready_bars, empty_bars, stored_bars, free_bars = bars
-    y_ptr, dest_ptr, ready_ptr, row_start_ptr, tile_start_ptr = ptrs
-    num_experts, K, N, split_width, num_splits, dest_rows, stride_ym, stride_yn = sizes
+    y_ptr, token_ptr, marks_ptr, ready_ptr, row_start_ptr, tile_start_ptr = ptrs
+    num_experts, K, N, split_width, num_splits, dest_rows, topk, stride_ym, stride_yn = sizes
     WARPS: gl.constexpr = 4
     tiles_per_split, total, last_cols = _tile_counts(tile_start_ptr, num_experts, N,
                                                      split_width, num_splits, BLOCK_N)
@@ -162,8 +190,9 @@ def _mma_partition(bufs, bars, ptrs, sizes, BLOCK_M: gl.constexpr, BLOCK_N: gl.c
             split_width, row_start_ptr, tile_start_ptr, num_experts, BLOCK_M, BLOCK_N,
             SEARCH_STEPS)
         rows = first_row + gl.arange(0, BLOCK_M, layout=row_layout)
-        if SCATTER:  # issued before the K loop, which hides its latency
-            out_rows = gl.load(dest_ptr + rows, mask=rows < end_row, other=-1)
+        if SCATTER:  # found before the K loop, which hides its latency
+            out_rows = _token_major_rows(rows, end_row, expert, token_ptr, marks_ptr,
+                                         dest_rows, topk, MARK_WORDS)
         else:
             out_rows = rows
         acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, mma_layout)
@@ -198,13 +227,13 @@ def _mma_partition(bufs, bars, ptrs, sizes, BLOCK_M: gl.constexpr, BLOCK_N: gl.c
         i += 1
 
 
-@gluon.jit(do_not_specialize=["num_experts", "K", "num_splits", "dest_rows"])
+@gluon.jit(do_not_specialize=["num_experts", "K", "num_splits", "dest_rows", "topk"])
 def grouped_gemm2_ws_kernel(
-    x_desc, w_desc, y_ptr, row_start_ptr, tile_start_ptr, ready_ptr, dest_ptr,
-    num_experts, K, N, split_width, num_splits, dest_rows, stride_ym, stride_yn,
+    x_desc, w_desc, y_ptr, row_start_ptr, tile_start_ptr, ready_ptr, token_ptr, marks_ptr,
+    num_experts, K, N, split_width, num_splits, dest_rows, topk, stride_ym, stride_yn,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
     SEARCH_STEPS: gl.constexpr, STAGES: gl.constexpr, COL_ALIGN: gl.constexpr,
-    SCATTER: gl.constexpr, PUBLISHER: gl.constexpr,
+    SCATTER: gl.constexpr, MARK_WORDS: gl.constexpr, PUBLISHER: gl.constexpr,
 ):
     SLOTS: gl.constexpr = 4  # stored tiles the publisher may lag behind
     a_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape,
@@ -224,13 +253,14 @@ def grouped_gemm2_ws_kernel(
     descs = (x_desc, w_desc)
     bufs = (a_bufs, b_bufs)
     bars = (ready_bars, empty_bars, stored_bars, free_bars)
-    ptrs = (y_ptr, dest_ptr, ready_ptr, row_start_ptr, tile_start_ptr)
-    sizes = (num_experts, K, N, split_width, num_splits, dest_rows, stride_ym, stride_yn)
+    ptrs = (y_ptr, token_ptr, marks_ptr, ready_ptr, row_start_ptr, tile_start_ptr)
+    sizes = (num_experts, K, N, split_width, num_splits, dest_rows, topk, stride_ym, stride_yn)
     # (constexprs passed one by one: a tuple of them would lose their constexpr-ness)
     if PUBLISHER:
         gl.warp_specialize([
             (_mma_partition, (bufs, bars, ptrs, sizes, BLOCK_M, BLOCK_N, BLOCK_K,
-                              SEARCH_STEPS, STAGES, SLOTS, COL_ALIGN, SCATTER, True)),
+                              SEARCH_STEPS, STAGES, SLOTS, COL_ALIGN, SCATTER, MARK_WORDS,
+                              True)),
             (_load_partition, (descs, bufs, bars, ptrs, sizes, BLOCK_M, BLOCK_N, BLOCK_K,
                                SEARCH_STEPS, STAGES, SLOTS)),
             (_publish_partition, (descs, bufs, bars, ptrs, sizes, BLOCK_M, BLOCK_N, BLOCK_K,
@@ -239,7 +269,8 @@ def grouped_gemm2_ws_kernel(
     else:
         gl.warp_specialize([
             (_mma_partition, (bufs, bars, ptrs, sizes, BLOCK_M, BLOCK_N, BLOCK_K,
-                              SEARCH_STEPS, STAGES, SLOTS, COL_ALIGN, SCATTER, False)),
+                              SEARCH_STEPS, STAGES, SLOTS, COL_ALIGN, SCATTER, MARK_WORDS,
+                              False)),
             (_load_partition, (descs, bufs, bars, ptrs, sizes, BLOCK_M, BLOCK_N, BLOCK_K,
                                SEARCH_STEPS, STAGES, SLOTS)),
         ], [1], [24])
@@ -252,18 +283,18 @@ def _smem_layout(rows: int, cols: int):
 
 
 def _ws_args(x, weight, y, row_start, tile_start, ready, splits, block_m, block_n, block_k,
-             stages, dest, publisher, maxnreg=None, width=None):
+             stages, places, publisher, maxnreg=None, width=None):
     num_experts, hidden, k = weight.shape
     a_layout, b_layout = _smem_layout(block_m, block_k), _smem_layout(block_n, block_k)
     x_desc = descriptor(TensorDescriptor, x, (block_m, block_k), a_layout)
     w_desc = descriptor(TensorDescriptor, weight.view(num_experts * hidden, k),
                         (block_n, block_k), b_layout)
-    args = (x_desc, w_desc) + operands(weight, y, row_start, tile_start, ready, splits, dest,
-                                       width)
+    args = (x_desc, w_desc) + operands(weight, y, row_start, tile_start, ready, splits,
+                                       places, width)
     meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                 SEARCH_STEPS=(num_experts - 1).bit_length(), STAGES=stages,
-                COL_ALIGN=column_alignment(hidden, splits, width), SCATTER=dest is not None,
-                PUBLISHER=publisher, num_warps=4,
+                COL_ALIGN=column_alignment(hidden, splits, width), SCATTER=places is not None,
+                MARK_WORDS=mark_words(places), PUBLISHER=publisher, num_warps=4,
                 maxnreg=MAXNREG if maxnreg is None else maxnreg)
     return args, meta
 
@@ -279,11 +310,11 @@ def check_shapes(block_m: int, block_n: int, block_k: int, num_warps: int) -> No
 def launch_grouped_gemm2_ws(x, weight, y, row_start, tile_start, ready, *, splits: int,
                             programs: int, block_m: int, block_n: int, block_k: int,
                             num_warps: int = 4, num_stages: int = 3,
-                            dest: torch.Tensor | None = None, publisher: bool = True,
+                            places: TokenPlaces | None = None, publisher: bool = True,
                             warmup: bool = False, launcher: bool = False,
                             maxnreg: int | None = None, width: int | None = None):
     """`gemm2.launch_grouped_gemm2`'s contract (x [T, K] and weight [E, N, K] in bf16, y,
-    offsets, ready flags, optional dest) with the warp-specialized kernel. With `warmup`
+    offsets, ready flags, optional token-major places) with the warp-specialized kernel. With `warmup`
     it returns the compiled kernel; with `launcher` a `launch(stream=None)` callable whose
     kernel is compiled and loaded now (`gemm2.grouped_gemm2_launcher`)."""
     check_shapes(block_m, block_n, block_k, num_warps)
@@ -292,7 +323,7 @@ def launch_grouped_gemm2_ws(x, weight, y, row_start, tile_start, ready, *, split
     if x.shape[0] == 0:
         return (lambda stream=None: None) if launcher else None
     args, meta = _ws_args(x, weight, y, row_start, tile_start, ready, splits, block_m,
-                          block_n, block_k, num_stages, dest, publisher, maxnreg, width)
+                          block_n, block_k, num_stages, places, publisher, maxnreg, width)
     if warmup:
         return grouped_gemm2_ws_kernel.warmup(*args, grid=(1,), **meta)
     if launcher:
@@ -312,6 +343,7 @@ def compile_probe(device_index: int) -> None:
     w = torch.zeros(1, 128, 64, dtype=torch.bfloat16, device=dev)
     y = torch.zeros(128, 128, dtype=torch.bfloat16, device=dev)
     idx = torch.zeros(2, dtype=torch.int32, device=dev)
-    dest = torch.zeros(128, dtype=torch.int32, device=dev)
+    places = TokenPlaces(torch.zeros(128, dtype=torch.int32, device=dev),
+                         torch.zeros(128, dtype=torch.int32, device=dev), 1, 1)
     launch_grouped_gemm2_ws(x, w, y, idx, idx, idx, splits=1, programs=1, block_m=128,
-                            block_n=128, block_k=64, dest=dest, warmup=True)
+                            block_n=128, block_k=64, places=places, warmup=True)

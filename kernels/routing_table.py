@@ -21,8 +21,11 @@ Worked example, k = 2, experts 0..3: token 5 has rows in experts 1 and 3 (rows 4
 below bit 3 (slot 1): table[5] = [40, 97], the same table as `combine_table` below (the
 pure-torch reference, an argsort), and therefore the same fp32 sum order in GatherRS.
 
-With `dest` the slots pass also writes the inverse, dest[table[t, s]] = t * k + s:
-where GEMM2 stores each row for a token-major y (`gemm2.py`, `gather_rs.py`).
+With `dest` the slots pass also writes the inverse, dest[table[t, s]] = t * k + s: where
+GEMM2 stores each row for a token-major y. GEMM2 does not read it: it counts the same
+bits itself from the marks (`gemm2_places.token_major_rows`), so the op queues the slots
+pass on GatherRS's stream (`route_rows(defer_slots=True)`, `SlotsPass`) and GEMM2 starts
+after the marks pass alone; dest serves the backward and the tools.
 
 O(T) loads and atomics, where a search of every token in every expert's segment is
 O(M E log): on one H200, at the three models' TP1EP1 shapes (S = 4096, 16384), the
@@ -42,26 +45,19 @@ layer's bound of the rows under EP), which no segment holds and nothing checks.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from .gemm2 import expert_offsets, next_pow2
+from .gemm2_places import popcount32
 from .launch_cache import LaunchCache
 
 ERR_UNSORTED = 3
 ERR_TOPK = 4
 ERR_COUNTS = 5
-
-
-@triton.jit
-def _popcount(x):
-    """Set bits of each uint32 (SWAR: pairs, nibbles, bytes, then their sum)."""
-    x = x - ((x >> 1) & 0x55555555)
-    x = (x & 0x33333333) + ((x >> 2) & 0x33333333)
-    x = (x + (x >> 4)) & 0x0F0F0F0F
-    return ((x * 0x01010101) >> 24) & 0x3F
 
 
 @triton.jit
@@ -189,8 +185,8 @@ def routing_slots_kernel(
     mine = w[None, :] == (e // 32)[:, None]
     below = tl.where(w[None, :] < (e // 32)[:, None], mask,
                      tl.where(mine, mask & below_bit[:, None], 0))
-    slot = tl.sum(_popcount(below), axis=1).to(tl.int32)
-    total = tl.sum(_popcount(mask), axis=1).to(tl.int32)
+    slot = tl.sum(popcount32(below), axis=1).to(tl.int32)
+    total = tl.sum(popcount32(mask), axis=1).to(tl.int32)
     keep = ok & (slot < topk)
     tl.store(table_ptr + tok.to(tl.int64) * topk + slot, rows, mask=keep)
     if WRITE_DEST:  # the inverse: where GEMM2 stores the row (token-major y)
@@ -207,11 +203,47 @@ _MARKS = LaunchCache(routing_marks_kernel)
 _SLOTS = LaunchCache(routing_slots_kernel)
 
 
+class SlotsPass(NamedTuple):
+    """The second pass of one routing, not launched yet: `launch(stream)` queues it (on
+    GatherRS's stream in the op, which alone reads the table before the call ends, while
+    GEMM2 places its rows from the marks itself: `gemm2_layout.TokenPlaces`). Launching
+    it again rewrites the same table."""
+
+    args: tuple
+    meta: dict
+
+    def launch(self, stream=None) -> None:
+        rows = self.args[6]
+        _SLOTS.launch((triton.cdiv(rows, self.meta["BLOCK_R"]),), self.args, self.meta,
+                      stream=stream)
+
+
+class RoutingPasses(NamedTuple):
+    """What `route_rows` queued: the table (complete once `slots` has run, or at once
+    when `slots` is None), the tokens' expert masks ([M * words] int32) and the second
+    pass if deferred."""
+
+    table: torch.Tensor
+    marks: torch.Tensor
+    words: int
+    slots: SlotsPass | None
+
+
 def launch_routing_table(token_index: torch.Tensor, row_start: torch.Tensor, num_tokens: int,
                          topk: int, error: torch.Tensor, dest: torch.Tensor | None = None,
                          from_counts: tuple[torch.Tensor, int] | None = None,
                          padded: bool = False) -> torch.Tensor:
-    """[M, topk] int32 table from rows grouped by expert, ascending token inside each.
+    """[M, topk] int32 table from rows grouped by expert, ascending token inside each
+    (both passes, `route_rows`)."""
+    return route_rows(token_index, row_start, num_tokens, topk, error, dest, from_counts,
+                      padded).table
+
+
+def route_rows(token_index: torch.Tensor, row_start: torch.Tensor, num_tokens: int,
+               topk: int, error: torch.Tensor, dest: torch.Tensor | None = None,
+               from_counts: tuple[torch.Tensor, int] | None = None, padded: bool = False,
+               defer_slots: bool = False) -> RoutingPasses:
+    """The two passes; with `defer_slots` the second is returned unlaunched.
 
     token_index [T] (int32/int64), row_start [E+1] int32 on the same device; `error` is
     an int32 word that receives ERR_UNSORTED << 24 if the order does not hold and
@@ -231,7 +263,8 @@ def launch_routing_table(token_index: torch.Tensor, row_start: torch.Tensor, num
     """
     if padded and from_counts is None:
         raise ValueError("padded rows need from_counts (the offsets then come from the counts)")
-    table = torch.empty(num_tokens, topk, dtype=torch.int32, device=token_index.device)
+    device = token_index.device
+    table = torch.empty(num_tokens, topk, dtype=torch.int32, device=device)
     rows = token_index.numel()
     experts = row_start.numel() - (from_counts is None)
     if dest is not None and (dest.dtype != torch.int32 or dest.numel() != rows):
@@ -241,22 +274,24 @@ def launch_routing_table(token_index: torch.Tensor, row_start: torch.Tensor, num
                                     or packed.dtype != torch.int32):
         raise ValueError(f"packed must be [3E + 2] = [{3 * experts + 2}] int32, got "
                          f"{tuple(packed.shape)} {packed.dtype}")
+    words = max(1, triton.cdiv(experts, 32))
+    marks = torch.zeros(num_tokens * words, dtype=torch.int32, device=device)
     if num_tokens == 0 or rows == 0 or experts == 0:
         if from_counts is not None:  # no kernel to fill them
             counts = row_start.to(packed.device, non_blocking=True)
             packed.copy_(torch.cat(expert_offsets(counts, from_counts[1]) + (counts,)))
-        return table if num_tokens == 0 else table.fill_(-1)
-    words = triton.cdiv(experts, 32)
-    marks = torch.zeros(num_tokens * words, dtype=torch.int32, device=token_index.device)
+        return RoutingPasses(table if num_tokens == 0 else table.fill_(-1), marks, words, None)
     grid, fill, marks_meta, slots_meta = _routing_grid_meta(
         rows, num_tokens, topk, experts, dest is not None, from_counts is not None, padded)
     _MARKS.launch(grid, (token_index, row_start, table, marks, error, packed, rows,
                          num_tokens, topk, experts, words,
                          from_counts[1] if from_counts else 1, fill), marks_meta)
-    _SLOTS.launch((triton.cdiv(rows, slots_meta["BLOCK_R"]),),
-                  (token_index, packed, table, table if dest is None else dest, marks, error,
-                   rows, num_tokens, topk, experts, words), slots_meta)
-    return table
+    slots = SlotsPass((token_index, packed, table, table if dest is None else dest, marks,
+                       error, rows, num_tokens, topk, experts, words), slots_meta)
+    if defer_slots:
+        return RoutingPasses(table, marks, words, slots)
+    slots.launch()
+    return RoutingPasses(table, marks, words, None)
 
 
 @functools.lru_cache(maxsize=256)  # on the launch path of every call: computed once

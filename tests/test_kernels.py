@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 from megatron_overlap.kernels import gather_rs as grs
 from megatron_overlap.kernels import gemm2
+from megatron_overlap.kernels import gemm2_places
 from megatron_overlap.kernels import routing_table as rt
 from megatron_overlap.kernels import gated_add, gather_rows, swiglu
 from routing_cases import fp64_rank_partial, rel_err, routed_problem
@@ -37,25 +38,61 @@ def test_grouped_gemm2_matches_fp64_with_uneven_and_empty_experts(dtype):
     assert rel_err(y, ref) < (1e-5 if dtype == torch.float32 else 5e-3)
 
 
-def test_gemm2_scatter_stores_each_row_at_its_dest_and_drops_rows_outside_y():
-    p = routed_problem(0, 1, tokens=37, experts=4, topk=2, ffn=16, hidden=48)
-    rows_y, _, _ = run_gemm2(p, splits=2, programs=3)
+def _token_major(p, tokens, topk, places, block=16):
+    """GEMM2 into a NaN-poisoned token-major y [M k, N] at `places`."""
     x, w = p["x"], p["weight"]
-    t = x.shape[0]
-    dest = torch.randperm(t + 5, generator=torch.Generator().manual_seed(0))[:t].to(torch.int32)
-    dest[3] = t + 5  # outside y: dropped, not written anywhere
-    dest[4] = -1
-    y = torch.full((t + 5, w.shape[1]), float("nan"), dtype=x.dtype)
-    row_start, tile_start = gemm2.expert_offsets(p["counts"], 16)
-    ready = torch.zeros(8, dtype=torch.int32)
-    gemm2.launch_grouped_gemm2(x, w, y, row_start, tile_start, ready, splits=2, programs=3,
-                               block_m=16, block_n=16, block_k=16, upcast=True, dest=dest)
-    kept = torch.ones(t, dtype=torch.bool)
-    kept[[3, 4]] = False
-    assert torch.equal(y[dest[kept].long()], rows_y[kept])
-    written = torch.zeros(t + 5, dtype=torch.bool)
-    written[dest[kept].long()] = True
-    assert torch.isnan(y[~written]).all() and not torch.isnan(y[written]).any()
+    y = torch.full((tokens * topk, w.shape[1]), float("nan"), dtype=x.dtype)
+    row_start, tile_start = gemm2.expert_offsets(p["counts"], block)
+    gemm2.launch_grouped_gemm2(x, w, y, row_start, tile_start, torch.zeros(8, dtype=torch.int32),
+                               splits=2, programs=3, block_m=block, block_n=block,
+                               block_k=block, upcast=True, places=places)
+    return y
+
+
+@pytest.mark.parametrize("experts", [4, 40])  # one mark word, two
+def test_gemm2_finds_each_rows_token_major_place_from_the_marks_as_the_routing_table_does(
+        experts):
+    """GEMM2 places row j at y[t k + s], s from its token's expert mask: the place the
+    routing's second pass writes into dest (and the pure-torch reference), so y is the
+    row-order product permuted, every row written, bit for bit."""
+    tokens, topk = 37, 3
+    p = routed_problem(0, 1, tokens=tokens, experts=experts, topk=topk, ffn=16, hidden=48)
+    rows_y, _, _ = run_gemm2(p, splits=2, programs=3)
+    marks, want = gemm2_places.token_places_reference(p["token_index"], p["counts"].tolist(),
+                                                      tokens, topk)
+    row_start, _ = gemm2.expert_offsets(p["counts"], 16)
+    dest = torch.empty(rows_y.shape[0], dtype=torch.int32)
+    passes = rt.route_rows(p["token_index"], row_start, tokens, topk,
+                           torch.zeros(1, dtype=torch.int32), dest)
+    assert torch.equal(passes.marks, marks) and torch.equal(dest.long(), want)
+    places = gemm2.TokenPlaces(p["token_index"], passes.marks, passes.words, topk)
+    y = _token_major(p, tokens, topk, places)
+    assert torch.equal(y[want], rows_y) and not y.isnan().any()
+
+
+def test_gemm2_drops_rows_whose_token_or_slot_lies_outside_y():
+    """Bad input the routing records (a token outside [0, M), a token with more than k
+    rows): those rows are dropped, nothing is written outside their places."""
+    tokens, topk = 37, 2
+    p = routed_problem(0, 1, tokens=tokens, experts=4, topk=topk, ffn=16, hidden=48)
+    rows_y, _, _ = run_gemm2(p, splits=2, programs=3)
+    marks, want = gemm2_places.token_places_reference(p["token_index"], p["counts"].tolist(),
+                                                      tokens, topk)
+    bad = p["token_index"].clone()
+    bad[3], bad[4] = tokens, -1  # outside y
+    # a token with rows in experts {e < 2, 3} given a mark of expert 2 too (a third row
+    # it does not have): its row of expert 3 counts two experts below: slot 2 >= k
+    expert = torch.repeat_interleave(torch.arange(4), p["counts"])
+    over = next(j for j in range(len(bad)) if int(expert[j]) == 3 and j > 4
+                and (marks[int(bad[j])] & 0b0111) in (0b0001, 0b0010))
+    marks[int(bad[over])] |= 0b0100
+    y = _token_major(p, tokens, topk, gemm2.TokenPlaces(bad, marks, 1, topk))
+    kept = torch.ones(rows_y.shape[0], dtype=torch.bool)
+    kept[[3, 4, over]] = False
+    assert torch.equal(y[want[kept]], rows_y[kept])
+    written = torch.zeros(y.shape[0], dtype=torch.bool)
+    written[want[kept]] = True
+    assert y[~written].isnan().all()
 
 
 def test_gemm2_publishes_every_tile_of_every_split():
@@ -447,17 +484,18 @@ def test_launch_cache_keys_descriptors_on_layout_not_on_row_count(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     cache = LaunchCache(_RecordedTriton(JITFunction(
         gemm2.grouped_gemm2_kernel.fn,
-        do_not_specialize=["num_experts", "K", "num_splits", "dest_rows"])))
+        do_not_specialize=["num_experts", "K", "num_splits", "dest_rows", "topk"])))
     w = torch.zeros(4 * 64, 32, dtype=torch.bfloat16)
     meta = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, EXPERTS_POW2=4, UPCAST=False,
-                COL_ALIGN=16, FLATTEN=False, SCATTER=False, num_warps=4, num_stages=3)
+                COL_ALIGN=16, FLATTEN=False, SCATTER=False, MARK_WORDS=1, num_warps=4,
+                num_stages=3)
 
     def args(rows):
         x = torch.zeros(rows, 32, dtype=torch.bfloat16)
         y = torch.zeros(rows, 64, dtype=torch.bfloat16)
         idx = torch.zeros(5, dtype=torch.int32)
         return (TensorDescriptor.from_tensor(x, [16, 16]), TensorDescriptor.from_tensor(w, [16, 16]),
-                y, idx, idx, idx, idx, 4, 32, 64, 64, 1, rows, 64, 1)
+                y, idx, idx, idx, idx, idx, 4, 32, 64, 64, 1, rows, 1, 64, 1)
 
     for rows in (32, 48, 40):  # row counts that keep / break divisibility by 16
         cache.launch((8,), args(rows), meta)
@@ -653,11 +691,19 @@ def test_layout_arguments_of_wrong_type_or_size_raise_clear_errors():
     row_start, tile_start = gemm2.expert_offsets(p["counts"], 16)
     ready = torch.zeros(8, dtype=torch.int32)
     y = torch.empty(x.shape[0], 32, dtype=x.dtype)
-    for bad in (torch.zeros(x.shape[0], dtype=torch.int64), torch.zeros(3, dtype=torch.int32)):
-        with pytest.raises(ValueError, match="dest must be"):
+    marks = torch.zeros(20 * 2, dtype=torch.int32)
+    tok = p["token_index"]
+    for bad, match in ((gemm2.TokenPlaces(tok[:3], marks, 1, 2), "places.token_index"),
+                       (gemm2.TokenPlaces(tok.float(), marks, 1, 2), "places.token_index"),
+                       (gemm2.TokenPlaces(tok, marks, 2, 2), "places.words"),
+                       (gemm2.TokenPlaces(tok, marks, 1, 0), "places.topk"),
+                       (gemm2.TokenPlaces(tok, marks[:19], 1, 2), "places.marks"),
+                       (gemm2.TokenPlaces(tok, marks.long(), 1, 2), "places.marks")):
+        with pytest.raises(ValueError, match=match):
             gemm2.launch_grouped_gemm2(x, w, y, row_start, tile_start, ready, splits=1,
                                        programs=2, block_m=16, block_n=16, block_k=16,
-                                       dest=bad)
+                                       places=bad)
+    for bad in (torch.zeros(x.shape[0], dtype=torch.int64), torch.zeros(3, dtype=torch.int32)):
         with pytest.raises(ValueError, match="dest must be"):
             rt.launch_routing_table(p["token_index"], row_start, 20, 2,
                                     torch.zeros(1, dtype=torch.int32), bad)

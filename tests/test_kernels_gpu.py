@@ -9,20 +9,21 @@ import pytest
 import torch
 
 from megatron_overlap.kernels import gemm2
+from megatron_overlap.kernels.gemm2_places import token_places_reference
 from routing_cases import routed_problem
 
 pytestmark = pytest.mark.gpu
 BLOCKS = dict(block_m=128, block_n=128, block_k=64)
 
 
-def _run(p, impl, splits, programs, dest=None, rows=None):
+def _run(p, impl, splits, programs, places=None, rows=None):
     x, w = p["x"], p["weight"]
     row_start, tile_start = gemm2.expert_offsets(p["counts"].to(x.device), 128)
     y = torch.full((rows or x.shape[0], w.shape[1]), float("nan"), dtype=x.dtype,
                    device=x.device)  # poisoned: every row the kernel owns must be written
     ready = torch.zeros(8, dtype=torch.int32, device=x.device)
     gemm2.launch_grouped_gemm2(x, w, y, row_start, tile_start, ready, splits=splits,
-                               programs=programs, **BLOCKS, dest=dest, impl=impl)
+                               programs=programs, **BLOCKS, places=places, impl=impl)
     torch.cuda.synchronize()
     return y, ready
 
@@ -47,18 +48,30 @@ def test_gluon_gemm2_gives_the_triton_kernels_bits_and_publishes_every_split(imp
         assert torch.equal(ready, want_ready)
 
 
-def test_gluon_gemm2_scatter_drops_rows_outside_y_as_the_triton_kernel_does():
-    p = routed_problem(0, 1, tokens=700, experts=16, topk=2, ffn=256, hidden=1024, seed=6,
-                       device="cuda")
-    t = p["x"].shape[0]
-    dest = torch.randperm(t, device="cuda", dtype=torch.int64).to(torch.int32)
-    dest[::5] = t + 3  # outside y: dropped
-    dest[1::7] = -1
-    want, _ = _run(p, "triton", 2, 11, dest=dest)
-    got, _ = _run(p, "gluon", 2, 11, dest=dest)
+@pytest.mark.parametrize("experts", [16, 60])  # one mark word, two
+def test_gluon_gemm2_places_token_major_rows_and_drops_bad_ones_as_the_triton_kernel_does(
+        experts):
+    """Both kernels find each row's place from the marks (`TokenPlaces`): the reference's
+    places, every row written; rows whose token lies outside y dropped by both alike."""
+    tokens, topk = 700, 2
+    p = routed_problem(0, 1, tokens=tokens, experts=experts, topk=topk, ffn=256, hidden=1024,
+                       seed=6, device="cuda")
+    marks, dest = token_places_reference(p["token_index"], p["counts"].tolist(), tokens, topk)
+    words = -(-experts // 32)
+    places = gemm2.TokenPlaces(p["token_index"], marks.cuda(), words, topk)
+    rows_y, _ = _run(p, "triton", 2, 11)
+    for impl in ("triton", "gluon"):
+        got, _ = _run(p, impl, 2, 11, places=places)
+        assert torch.equal(got[dest.cuda()], rows_y) and not got.isnan().any()
+    bad = p["token_index"].clone()
+    bad[::5] = tokens + 3  # outside y: dropped
+    bad[1::7] = -1
+    places = places._replace(token_index=bad)
+    want, _ = _run(p, "triton", 2, 11, places=places)
+    got, _ = _run(p, "gluon", 2, 11, places=places)
     assert torch.equal(got.isnan(), want.isnan())
     assert torch.equal(got.nan_to_num(0.0), want.nan_to_num(0.0))
-    kept = (dest >= 0) & (dest < t)
+    kept = (bad >= 0) & (bad < tokens)
     assert int((~got.isnan().all(dim=1)).sum()) == int(kept.sum())
 
 

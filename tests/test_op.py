@@ -205,14 +205,14 @@ def test_a_gpu_that_cannot_read_pinned_memory_in_place_falls_back_to_copies(monk
     from megatron_overlap.ops import routing as routing_module
     from megatron_overlap.ops.buffer import OverlapBuffer
 
-    real = routing_module.launch_routing_table
+    real = routing_module.route_rows
 
     def unmappable(*args, from_counts=None, **kw):
         if from_counts is not None:
             raise ValueError("Pointer argument cannot be accessed from Triton (cpu tensor?)")
         return real(*args, **kw)
 
-    monkeypatch.setattr(routing_module, "launch_routing_table", unmappable)
+    monkeypatch.setattr(routing_module, "route_rows", unmappable)
     buf = OverlapBuffer(None, torch.device("cpu"), "interpret")
     router = Router(torch.device("cpu"))
     p = routed_problem(1, 1, tokens=24, experts=4, topk=2, ffn=16, hidden=16)
@@ -227,10 +227,38 @@ def test_a_gpu_that_cannot_read_pinned_memory_in_place_falls_back_to_copies(monk
     def other(*args, from_counts=None, **kw):
         raise ValueError("something else")
 
-    monkeypatch.setattr(routing_module, "launch_routing_table", other)
+    monkeypatch.setattr(routing_module, "route_rows", other)
     router.mapped_offsets = True
     with pytest.raises(ValueError, match="something else"):
         router.route(p["token_index"], counts, buf.error, 16, 24, 2)
+
+
+@pytest.mark.parametrize("probs", [False, True])
+def test_the_ops_second_routing_pass_waits_for_the_launch_and_gives_the_same_bits(probs):
+    """`prepare(defer_slots=True)` (the op's own): the table is left to the launch, which
+    queues it on GatherRS's side before GatherRS, while GEMM2 places its token-major rows
+    from the first pass's marks; the output equals that of a routing complete before the
+    launch, bit for bit, with probabilities (GatherRS then reads the table) and without,
+    and a second launch of the same routing rewrites the same table."""
+    from megatron_overlap.ops.op import prepare
+
+    tokens, topk = 24, 2
+    p = routed_problem(0, 1, tokens=tokens, experts=5, topk=topk, ffn=16, hidden=32)
+    pr = p["probs"].to(p["x"].dtype) if probs else None
+    args = (p["x"], p["weight"], p["counts"].tolist(), p["token_index"], tokens, topk, pr)
+    outs = []
+    for defer in (False, True):
+        launch = prepare(*args, config=INTERP, defer_slots=defer)
+        r = launch.routing
+        assert (r.slots is not None) is defer and r.places is not None  # (TP: token-major)
+        if defer:
+            assert (r.table == -1).all()  # the first pass's fill only
+        out = torch.full((tokens, 32), float("nan"), dtype=p["x"].dtype)
+        for _ in range(2):
+            launcher.launch(launch.buffer, p["x"], p["weight"], r, launch.launch_plan, pr, out)
+            assert torch.equal(r.table, rt_combine(p["token_index"], tokens, topk))
+        outs.append(out.clone())
+    assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1])
 
 
 def rt_combine(token_index, tokens, topk):

@@ -27,9 +27,9 @@ def _gemm2_signature(desc: str, constexprs: dict) -> dict:
     """Both GEMM2 kernels' argument list (x and weight descriptors of type `desc`)."""
     return _signature({"x_desc": desc, "w_desc": desc, "y_ptr": "*bf16",
                        "row_start_ptr": "*i32", "tile_start_ptr": "*i32",
-                       "ready_ptr": "*i32", "dest_ptr": "*i32"},
+                       "ready_ptr": "*i32", "token_ptr": "*i64", "marks_ptr": "*i32"},
                       {n: "i32" for n in ("num_experts", "K", "N", "split_width",
-                                          "num_splits", "dest_rows", "stride_ym",
+                                          "num_splits", "dest_rows", "topk", "stride_ym",
                                           "stride_yn")}, constexprs)
 
 
@@ -93,7 +93,8 @@ def kernels():
            dict(WORLD=2, BLOCK=2048), dict(num_warps=4), None)
     for scatter in (False, True):
         meta = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, EXPERTS_POW2=64, UPCAST=False,
-                    COL_ALIGN=16, FLATTEN=False, SCATTER=scatter)
+                    COL_ALIGN=16, FLATTEN=False, SCATTER=scatter,
+                    MARK_WORDS=2 if scatter else 1)
         yield (f"grouped_gemm2 scatter={scatter}", gemm2.grouped_gemm2_kernel,
                _gemm2_signature("tensordesc<bf16[128,64]>", meta), meta,
                dict(num_warps=4, num_stages=3), None)
@@ -104,7 +105,7 @@ def kernels():
     for publisher, maxnreg in ((True, gemm2_ws.MAXNREG), (False, gemm2_ws.MAXNREG),
                                (True, SHARED_GEMM_MAXNREG["gluon"])):
         meta = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, SEARCH_STEPS=6, STAGES=3,
-                    COL_ALIGN=16, SCATTER=True, PUBLISHER=publisher)
+                    COL_ALIGN=16, SCATTER=True, MARK_WORDS=2, PUBLISHER=publisher)
         yield (f"grouped_gemm2_ws publisher={publisher} maxnreg={maxnreg}",
                gemm2_ws.grouped_gemm2_ws_kernel,
                _gemm2_signature(f"tensordesc<bf16[128,64],{layout}>", meta), meta,

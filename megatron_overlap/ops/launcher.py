@@ -39,12 +39,12 @@ class _Streams:
         self.join = torch.cuda.Event()  # side -> main after it
 
 
-def _gemm2_args(buf: OverlapBuffer, lp: LaunchPlan, hidden: int, width: int, dest) -> dict:
+def _gemm2_args(buf: OverlapBuffer, lp: LaunchPlan, hidden: int, width: int, places) -> dict:
     t = lp.tiles
     return dict(splits=lp.splits, programs=lp.plan.compute_slots, block_m=t.block_m,
                 block_n=t.block_n, block_k=t.block_k, num_warps=t.gemm_warps,
                 num_stages=t.gemm_stages, upcast=buf.backend == "interpret",
-                flatten=t.gemm_flatten, dest=dest, impl=t.gemm_impl, maxnreg=t.gemm_maxnreg,
+                flatten=t.gemm_flatten, places=places, impl=t.gemm_impl, maxnreg=t.gemm_maxnreg,
                 width=width)
 
 
@@ -105,15 +105,20 @@ def _overlapped(buf, lp, launch_gemm2, comm) -> None:
 
 
 class _Comm:
-    """GatherRS of one launch, as a callable the stream order above decides on."""
+    """GatherRS of one launch, as a callable the stream order above decides on; a
+    routing's deferred second pass (`Routing.slots`) goes first on its stream, so GEMM2
+    need not wait for it."""
 
     def __init__(self, buf, lp, y, routing, probs, out, width, fork, trace=None):
         self.args = (buf, lp, y, routing, probs, out, width)
         self.fork = fork
         self.helpers = lp.helpers
         self.trace = trace
+        self.slots = routing.slots
 
     def __call__(self, **kw) -> None:
+        if self.slots is not None and not kw.get("launch_helpers"):
+            self.slots.launch(stream=kw.get("stream"))
         _launch_comm(*self.args, helpers=self.helpers, trace=self.trace, **kw)
 
 
@@ -139,7 +144,7 @@ def launch(buf: OverlapBuffer, x, weight, routing: Routing, lp: LaunchPlan, prob
         grs.check_trace(trace, lp.plan.comm_ctas + lp.helpers, lp.splits, x.device)
     if y is None:
         y = torch.empty(x.shape[0], hidden, dtype=out.dtype, device=x.device)
-    gemm_args = _gemm2_args(buf, lp, hidden, width, routing.dest)
+    gemm_args = _gemm2_args(buf, lp, hidden, width, routing.places)
     operands = (x, weight, y, routing.row_start, routing.tile_start, buf.ready)
     comm = _Comm(buf, lp, y, routing, probs, out, width, fork, trace)
     if buf.backend == "interpret":
@@ -163,7 +168,7 @@ def launch_gemm2_alone(buf: OverlapBuffer, x, weight, routing: Routing, lp: Laun
     hidden = weight.shape[1]
     width = width or gemm2.split_width(hidden, lp.splits)
     gemm2.launch_grouped_gemm2(x, weight, y, routing.row_start, routing.tile_start, buf.ready,
-                               **_gemm2_args(buf, lp, hidden, width, routing.dest))
+                               **_gemm2_args(buf, lp, hidden, width, routing.places))
     buf.ready.zero_()
     return y
 
@@ -175,5 +180,7 @@ def launch_comm_alone(buf: OverlapBuffer, y, routing: Routing, lp: LaunchPlan, p
     buf.wait_bounds = (lp.wait_timeout_s, lp.max_spins)
     width = width or gemm2.split_width(out.shape[1], lp.splits)
     buf.ready[:lp.splits].fill_(1 << 30)
+    if routing.slots is not None:  # (a deferred second pass: the table GatherRS may read)
+        routing.slots.launch()
     _launch_comm(buf, lp, y, routing, probs, out, width)
     buf.sum_partials(out)

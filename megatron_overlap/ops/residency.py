@@ -12,6 +12,7 @@ import torch
 
 from ..kernels import gather_rs as grs
 from ..kernels import gemm2
+from ..kernels.gemm2_layout import TokenPlaces
 from ..planner import co_resident, resident_ctas
 from .config import TileConfig
 
@@ -28,11 +29,12 @@ def compiled_occupancies(device: torch.device, flags: tuple, t: TileConfig, comm
     w = torch.empty(1, t.block_n, t.block_k, dtype=torch.bfloat16, device=device)
     y = torch.empty(t.block_m, t.block_n, dtype=torch.bfloat16, device=device)
     idx = torch.zeros(2, dtype=torch.int32, device=device)
-    dest = torch.zeros(t.block_m, dtype=torch.int32, device=device) if t.token_major else None
+    marks = torch.zeros(t.block_m, dtype=torch.int32, device=device)  # (one expert: one word)
+    places = TokenPlaces(marks, marks, 1, 1) if t.token_major else None
     gk = gemm2.launch_grouped_gemm2(
         x, w, y, idx, idx, ready, splits=1, programs=1, block_m=t.block_m,
         block_n=t.block_n, block_k=t.block_k, num_warps=t.gemm_warps,
-        num_stages=t.gemm_stages, flatten=t.gemm_flatten, warmup=True, dest=dest,
+        num_stages=t.gemm_stages, flatten=t.gemm_flatten, warmup=True, places=places,
         impl=t.gemm_impl, maxnreg=t.gemm_maxnreg)
     table = torch.zeros(1, slots, dtype=torch.int32, device=device)
     ptrs = torch.zeros(1, dtype=torch.int64, device=device)
