@@ -1,6 +1,8 @@
 """The op's routing stage alone on one GPU: `Router.route` (the combine table, the
 token-major inverse and the device offsets from the counts) per workload, against the
-pure-torch `combine_table`, CUDA-graph replays, medians.
+pure-torch `combine_table`, CUDA-graph replays, medians; and its first pass alone
+(`defer_slots`: what the op queues before GEMM2, the second pass going to GatherRS's
+stream), where the code has it.
 
     python tools/bench_routing.py --models granite,qwen,deepseek --layout TP1EP1 \
         --seqs 4096,16384
@@ -59,6 +61,11 @@ def main() -> int:
                 raise RuntimeError(f"{model} S={seq}: the routing table differs from "
                                    f"combine_table (error word {int(error.item()):#x})")
             ms = graph_ms(route)
+            try:  # (an older code's Router.route has no defer_slots)
+                first = graph_ms(lambda: router.route(inp["token_index"], counts, error, 128,
+                                                      tokens, topk, dest, defer_slots=True))
+            except TypeError:
+                first = None
             try:
                 ref = graph_ms(lambda: combine_table(inp["token_index"], tokens, topk))
             except RuntimeError:  # (not capturable in this torch: timed eagerly)
@@ -66,7 +73,9 @@ def main() -> int:
                     lambda: combine_table(inp["token_index"], tokens, topk),
                     return_mode="median")
             print(f"routing {model}/{args.layout}/S={seq} rows={rows} experts={counts.numel()} "
-                  f"route {ms * 1e3:.1f} us | combine_table {ref * 1e3:.1f} us", flush=True)
+                  f"route {ms * 1e3:.1f} us"
+                  + ("" if first is None else f" (before GEMM2: {first * 1e3:.1f} us)")
+                  + f" | combine_table {ref * 1e3:.1f} us", flush=True)
     return 0
 
 
