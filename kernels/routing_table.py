@@ -209,13 +209,12 @@ class SlotsPass(NamedTuple):
     GEMM2 places its rows from the marks itself: `gemm2_layout.TokenPlaces`). Launching
     it again rewrites the same table."""
 
+    grid: tuple
     args: tuple
     meta: dict
 
     def launch(self, stream=None) -> None:
-        rows = self.args[6]
-        _SLOTS.launch((triton.cdiv(rows, self.meta["BLOCK_R"]),), self.args, self.meta,
-                      stream=stream)
+        _SLOTS.launch(self.grid, self.args, self.meta, stream=stream)
 
 
 class RoutingPasses(NamedTuple):
@@ -286,7 +285,8 @@ def route_rows(token_index: torch.Tensor, row_start: torch.Tensor, num_tokens: i
     _MARKS.launch(grid, (token_index, row_start, table, marks, error, packed, rows,
                          num_tokens, topk, experts, words,
                          from_counts[1] if from_counts else 1, fill), marks_meta)
-    slots = SlotsPass((token_index, packed, table, table if dest is None else dest, marks,
+    slots = SlotsPass((triton.cdiv(rows, slots_meta["BLOCK_R"]),),
+                      (token_index, packed, table, table if dest is None else dest, marks,
                        error, rows, num_tokens, topk, experts, words), slots_meta)
     if defer_slots:
         return RoutingPasses(table, marks, words, slots)

@@ -277,6 +277,38 @@ def test_captured_call_replays_the_eager_bits_and_reports_a_refused_capture():
         assert torch.equal(op(counts)(), want)  # and the op works after it
 
 
+def test_the_second_routing_pass_on_gathers_stream_precedes_gatherrs_reading_the_table():
+    """With probabilities GatherRS reads the table, which the op's second routing pass
+    writes on GatherRS's stream once GEMM2 has started: the op equals the launch of a
+    routing completed before it, bit for bit, over calls queued back to back (the host
+    far ahead of the GPU) and replayed from a CUDA graph."""
+    from megatron_overlap.ops import launcher
+    from megatron_overlap.ops.capture import CapturedCall
+    from megatron_overlap.ops.op import prepare
+
+    tokens, topk, hidden = 2048, 4, 512
+    p = routed_problem(0, 1, device="cuda", tokens=tokens, experts=40, topk=topk, ffn=256,
+                       hidden=hidden, seed=9)
+    probs = p["probs"].to(torch.bfloat16)
+    args = (p["x"], p["weight"], p["counts"].tolist(), p["token_index"], tokens, topk, probs)
+    with torch.no_grad():
+        launch = prepare(*args, config=TRITON)  # (the table complete before the launch)
+        assert launch.routing.slots is None and launch.routing.places is not None
+        want = torch.full((tokens, hidden), float("nan"), dtype=torch.bfloat16, device="cuda")
+        launcher.launch(launch.buffer, p["x"], p["weight"], launch.routing,
+                        launch.launch_plan, probs, want)
+        outs = [gemm2_gather_rs(*args, config=TRITON) for _ in range(8)]
+        counts = p["counts"].cuda()
+        call = CapturedCall(lambda: gemm2_gather_rs(p["x"], p["weight"], counts,
+                                                    p["token_index"], tokens, topk, probs,
+                                                    config=TRITON), torch.device("cuda"))
+        call.out.fill_(float("nan"))
+        call.replay()
+        torch.cuda.synchronize()
+    assert not want.isnan().any() and all(torch.equal(o, want) for o in outs)
+    assert torch.equal(call.out, want)
+
+
 def test_captured_call_keeps_the_tensors_its_graph_reads_alive():
     """A callable whose inputs exist only in its closure (bench_op's captured counts): the
     graph replays on those addresses, so CapturedCall must own them. Freed, the caching

@@ -6,11 +6,13 @@ Two passes over the rows (`kernels/routing_table.py`: each row marks its expert 
 token's mask, then counts the marks below it for its slot) build all of it and check the
 row order as they run. Only the first is on GEMM2's path: GEMM2 counts a row's slot from
 the marks itself (`Routing.places`), and the op leaves the second (the table) to the
-launch, on GatherRS's stream (`Routing.slots`). Host counts go into the next pinned slot of a ring
-(`counts_ring`), which the first pass reads in place (mapped): it sums them and writes
-the offsets into a fresh device tensor. No pinned allocation, copy or prefix sum of their own on the launch path, which
-runs after Megatron's sync while the GPU waits. Where the GPU cannot read pinned memory
-in place the offsets are built on the host and copied (`Router.mapped_offsets`).
+launch, on GatherRS's stream (`Routing.slots`).
+
+Host counts go into the next pinned slot of a ring (`counts_ring`), which the first pass
+reads in place (mapped): it sums them and writes the offsets into a fresh device tensor.
+No pinned allocation, copy or prefix sum of their own on the launch path, which runs
+after Megatron's sync while the GPU waits. Where the GPU cannot read pinned memory in
+place the offsets are built on the host and copied (`Router.mapped_offsets`).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ class Routing:
         (None: row order).
     slots: the second pass (table, dest), not launched yet (`Router.route`'s
         `defer_slots`): the launcher queues it on GatherRS's stream, so GEMM2 starts
-        after the first pass; None once queued here.
+        after the first pass; None where `route` queued it itself.
     """
 
     table: torch.Tensor
