@@ -79,7 +79,7 @@ def reference_plan(workload: Workload, kernel, device, calib) -> tuple[int, floa
 
 
 def reference_memory_t(tokens, hidden, ffn, splits, local_experts, tile_m, row_tiles, w_comp,
-                       slots, phi, element_bytes=2) -> float:
+                       slots, phi, element_bytes=2, phi_w=None) -> float:
     """T_mem(L) of the splits' roofline (`planner.roofline`'s doc) at M = `tokens`, its
     bytes computed whole at that M, as the roofline was first written (the op passes M
     to it per launch instead)."""
@@ -88,7 +88,9 @@ def reference_memory_t(tokens, hidden, ffn, splits, local_experts, tile_m, row_t
     weights, out = local_experts * hidden * ffn * e, tokens * hidden * e
     f0, r0 = weights / splits, x_row + y_row / splits  # B_0
     ft, rt = out / splits, y_row / splits  # B_t
-    f1, r1 = f0 + ft, r0 + rt  # B_s, s >= 1
+    r1 = r0 + rt  # B_s = f0 + ft + r1 per row tile, s >= 1
     a_last = -(-splits * w_comp // slots)  # A_{L-1}
-    bytes_gemm = f0 + r0 * row_tiles + (splits - 1) * (f1 + r1 * row_tiles)
-    return max(a_last, bytes_gemm / phi) + (ft + rt * row_tiles) / phi
+    # the splits' bytes, the weights' (f0 per split) at Phi_W, the rest at Phi
+    weights_t = (f0 + (splits - 1) * f0) / (phi_w or phi)
+    rest_t = (r0 * row_tiles + (splits - 1) * (ft + r1 * row_tiles)) / phi
+    return max(a_last, weights_t + rest_t) + (ft + rt * row_tiles) / phi

@@ -192,10 +192,12 @@ def roofline_t(r, splits, cache):
     kernel, calib = cache.kernel, cache.calib
     slots = kernel.o_comp * cache.device.available_sms
     per_row = math.ceil(math.ceil(r.hidden / splits) / kernel.tile_n)
-    phi = roofline.wave_bytes(slots, kernel.tile_m, kernel.tile_n, r.ffn, calib.hbm_k_epi,
-                              calib.hbm_balance)
+    phi, phi_w = (roofline.wave_bytes(slots, kernel.tile_m, kernel.tile_n, r.ffn,
+                                      calib.hbm_k_epi, balance)
+                  for balance in (calib.hbm_balance, calib.hbm_stream_balance or
+                                  calib.hbm_balance))
     return reference_memory_t(r.num_tokens, r.hidden, r.ffn, splits, r.experts, kernel.tile_m,
-                              r.row_tiles, per_row * r.row_tiles, slots, phi)
+                              r.row_tiles, per_row * r.row_tiles, slots, phi, phi_w=phi_w)
 
 
 def fresh_plan(request, cache, splits):

@@ -45,11 +45,17 @@ class Calibration:
     # such term (the candidates keep >= 512 columns per split).
     hbm_balance: float | None = None
     hbm_k_epi: float = 0.0
+    # beta_W: the same FLOP per byte for the expert weights, which GEMM2 reads as whole
+    # TMA tiles of contiguous rows, a pure read stream at the device-copy rate, where x's
+    # and y's traffic (y's row scatter, the combine's gathers) moves at beta's. None:
+    # the weights at beta too.
+    hbm_stream_balance: float | None = None
 
     def __post_init__(self) -> None:
         require_real(self, "c_sat", 0, strict=True)
         require_real(self, "overlap_factor", 0, strict=True)
         require_real(self, "hbm_balance", 0, strict=True)
+        require_real(self, "hbm_stream_balance", 0, strict=True)
         require_real(self, "hbm_k_epi", 0, optional=False)
         require_real(self, "k_epi", 0)
         require_real(self, "rho_ref", 0, strict=True, optional=False)

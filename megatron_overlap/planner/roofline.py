@@ -16,7 +16,8 @@ Quantities, in compute waves like the rest of the model (e: bytes of an element)
     B_s = B_0 + (|y| + |out|) / L, s >= 1       beside the combine of split s - 1
     B_t = (|y| + |out|) / L                     the combine of the last split, alone
     Phi = P 2 TM TN (K + K_epi) / beta          bytes HBM moves in one compute wave
-    T_mem(L) = max(A_{L-1}, sum_s B_s / Phi) + B_t / Phi
+    Phi_W = P 2 TM TN (K + K_epi) / beta_W      the same for the weights' stream
+    T_mem(L) = max(A_{L-1}, sum_s (B_s - |W| / L) / Phi + |W| / Phi_W) + B_t / Phi
 
 GEMM2 ends no earlier than its compute waves (A_{L-1}, eq. 10) nor than the HBM can move
 its splits' bytes; the splits are not barriers (a CTA done with split s goes on to s + 1),
@@ -26,8 +27,15 @@ it picked L = 1 for Qwen at S = 1024, 5.6% slower than L = 2.)
 
 beta (`Calibration.hbm_balance`) is GEMM2's FLOP per byte of HBM traffic at the rates the
 two sustain side by side, counting a tile's FLOP at K + K_epi (`Calibration.hbm_k_epi`:
-the fixed part of a tile's time, as eq. 15 scales a wave's time with K). The op ranks L
-by max(T_wave(L), T_mem(L)): each is a time the launch cannot beat.
+the fixed part of a tile's time, as eq. 15 scales a wave's time with K). beta_W
+(`Calibration.hbm_stream_balance`) is the same for the expert weights, which GEMM2 reads
+as whole TMA tiles of contiguous rows: a pure read stream, at the device-copy rate where
+x and y (y's row scatter, the combine's gathers) move at beta's. On one H200, 730 TFLOP/s
+over 4.3 TB/s: 170 FLOP per byte, against beta's 230. Where the weights dominate the
+bytes (S = 512: W is 173-369 MB, x and y 17-34 MB) pricing them at beta made GEMM2 look
+HBM-bound, so the model charged split 0's combine to a busy HBM and chose L = 1, never
+the fastest measured there (docs/RESULTS.md, "The planner's L"). The op ranks L by
+max(T_wave(L), T_mem(L)): each is a time the launch cannot beat.
 """
 
 from __future__ import annotations
@@ -68,13 +76,15 @@ def wave_bytes(compute_slots: int, tile_m: int, tile_n: int, ffn: int, k_epi: fl
 
 
 def memory_t(w_comp: int, compute_slots: int, splits: int, traffic: SplitBytes,
-             phi: float, row_tiles: int, tokens: int) -> float:
+             phi: float, row_tiles: int, tokens: int, phi_w: float | None = None) -> float:
     """T_mem(L): GEMM2 ends no earlier than its compute waves A_{L-1} and than the bytes of
-    all its splits, then the last split's combine moves its bytes (module doc)."""
+    all its splits, then the last split's combine moves its bytes (module doc). The fixed
+    bytes of a split are its weights, moved at Phi_W (`phi_w`; None: Phi)."""
     (f0, r0), (f1, r1), (ft, rt), out_token = traffic
     out = tokens * out_token / splits  # |out| / L (M N e / L)
     a_last = -(-splits * w_comp // compute_slots)  # A_{L-1}
-    gemm = (f0 + r0 * row_tiles + (splits - 1) * (f1 + out + r1 * row_tiles)) / phi
+    gemm = ((f0 + (splits - 1) * f1) / (phi_w or phi)
+            + (r0 * row_tiles + (splits - 1) * (out + r1 * row_tiles)) / phi)
     return (a_last if a_last > gemm else gemm) + (ft + out + rt * row_tiles) / phi
 
 
@@ -90,9 +100,12 @@ def ranking_t(wave: Callable[[int, int], float], hidden: int, ffn: int, splits: 
     traffic = split_bytes(hidden, ffn, splits, local_experts, kernel.tile_m)
     phi = wave_bytes(slots, kernel.tile_m, kernel.tile_n, ffn, calib.hbm_k_epi,
                      calib.hbm_balance)
+    phi_w = None if calib.hbm_stream_balance is None else wave_bytes(
+        slots, kernel.tile_m, kernel.tile_n, ffn, calib.hbm_k_epi, calib.hbm_stream_balance)
 
     def t(tokens: int, row_tiles: int) -> float:
         t_wave = wave(tokens, row_tiles)  # (M and row_tiles checked)
-        t_mem = memory_t(per_row * row_tiles, slots, splits, traffic, phi, row_tiles, tokens)
+        t_mem = memory_t(per_row * row_tiles, slots, splits, traffic, phi, row_tiles, tokens,
+                         phi_w)
         return t_wave if t_wave > t_mem else t_mem
     return t
