@@ -28,7 +28,8 @@ def t_mem(model: str, tp: int, ep: int, seq: int, splits: int, row_tiles: int | 
         row_tiles = e * math.ceil(m * shape.topk // ep / e / 128)
     traffic = roofline.split_bytes(n, k, splits, e, 128)
     phi, phi_w = (roofline.wave_bytes(SLOTS, 128, 128, k, calib.hbm_k_epi, balance)
-                  for balance in (calib.hbm_balance, calib.hbm_stream_balance))
+                  for balance in (calib.hbm_balance,
+                                  calib.hbm_stream_balance or calib.hbm_balance))
     w_comp = row_tiles * math.ceil(math.ceil(n / splits) / 128)
     return roofline.memory_t(w_comp, SLOTS, splits, traffic, phi, row_tiles, m, phi_w)
 
@@ -38,6 +39,20 @@ def test_the_roofline_has_its_optimum_inside_the_splits_at_512_columns(model, be
     ts = {splits: t_mem(model, 1, 1, 4096, splits) for splits in (1, 2, 4, 8)}
     assert min(ts, key=ts.get) == best
     assert ts[1] > ts[best] < ts[8]  # one split exposes the combine, eight re-read x
+
+
+def test_the_weights_at_their_stream_rate_make_the_bytes_bound_no_larger():
+    """Phi_W > Phi (beta_W < beta): T_mem at the shipped calibration is at most T_mem with
+    the weights priced at beta, and at S = 512, where the weights dominate the bytes, one
+    split no longer ranks ahead of two for Qwen (the L the captures found fastest)."""
+    at_beta = dataclasses.replace(H200, hbm_stream_balance=None)
+    assert H200.hbm_stream_balance < H200.hbm_balance
+    for splits in (1, 2, 4):
+        assert t_mem("qwen", 1, 1, 512, splits) <= t_mem("qwen", 1, 1, 512, splits,
+                                                         calib=at_beta)
+    assert t_mem("qwen", 1, 1, 512, 2) < t_mem("qwen", 1, 1, 512, 1)
+    assert t_mem("qwen", 1, 1, 512, 2, calib=at_beta) > t_mem("qwen", 1, 1, 512, 1,
+                                                               calib=at_beta)
 
 
 def test_the_roofline_is_compute_waves_where_bytes_are_few():
@@ -61,6 +76,8 @@ def test_split_bytes_count_x_once_per_split_and_y_twice():
 def test_a_calibration_refuses_a_balance_that_is_not_a_positive_number(value):
     with pytest.raises(ValueError, match="hbm_balance"):
         dataclasses.replace(H200, hbm_balance=value)
+    with pytest.raises(ValueError, match="hbm_stream_balance"):
+        dataclasses.replace(H200, hbm_stream_balance=value)
     with pytest.raises(ValueError, match="hbm_k_epi"):
         dataclasses.replace(H200, hbm_k_epi=-1.0)
 
