@@ -7,6 +7,7 @@ import glob
 import json
 import math
 import statistics
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,8 @@ from megatron_overlap.planner import Calibration, get_preset, roofline
 from megatron_overlap.shapes import LAYOUTS, MODELS
 
 DATA = Path(__file__).resolve().parents[1] / "docs" / "data"
+sys.path.insert(0, str(DATA.parents[1] / "tools"))
+import split_sweep  # noqa: E402
 H200 = get_preset("h200").calibration
 SLOTS = 2 * 132  # the shared placement's GEMM2 slots on an H200
 
@@ -97,25 +100,6 @@ def _captured(paths, key="median"):
             yield r, {int(n.split("=")[1]): ms for n, ms in med.items() if n.startswith("graph L=")}
 
 
-def _op_splits(r: dict, preset: str) -> int:
-    """The L the op plans (`plan_launch`: max(T_wave, T_mem) over its candidates) for a
-    captured workload of one H200, rebuilt from the capture's sizes and row tiles."""
-    import torch
-
-    from megatron_overlap.ops import OverlapConfig
-    from megatron_overlap.ops.config import GPU_TILES
-
-    shape = MODELS[r["model"]]
-    tp, ep = {**LAYOUTS, "TP1EP1": (1, 1)}[r["layout"]]
-    n, k, tokens = shape.hidden, shape.ffn_per_rank(tp), 4 * r["seq"]
-    rows = r["gemm_flops"] // (2 * n * k)
-    row_tiles = r["w_comp"] // math.ceil(math.ceil(n / r["splits"]) / 128)
-    return planning.plan_launch(planning.PlanRequest(
-        OverlapConfig(preset=preset), GPU_TILES, torch.device("cpu"), "interpret", row_tiles,
-        shape.local_experts(ep), tokens, n, k, r["world"], shape.topk,
-        round(4 * rows / tokens) / 4, None, None)).splits
-
-
 @pytest.fixture
 def h200_device(monkeypatch):
     """The op plans for one H200 here (its DeviceSpec, on the CPU)."""
@@ -146,7 +130,7 @@ def test_the_ops_l_is_rebuilt_from_a_capture_as_the_op_planned_it(h200_device, t
     before.write_text(json.dumps(shipped))
     runs = [r for r, _ in _captured(sorted(glob.glob(str(DATA / "op_h200_lsweep_*s512s8k.json"))))]
     assert len(runs) == 36
-    assert [_op_splits(r, str(before)) for r in runs] == [r["splits"] for r in runs]
+    assert [split_sweep.replanned_splits(r, str(before)) for r in runs] == [r["splits"] for r in runs]
 
 
 def test_the_ops_l_is_within_the_targets_on_every_captured_sweep(h200_device):
@@ -161,7 +145,7 @@ def test_the_ops_l_is_within_the_targets_on_every_captured_sweep(h200_device):
     regrets, beyond_ci = {True: [], False: []}, {True: 0, False: 0}
     for (r, measured), (_, low), (_, high) in zip(_captured(paths), _captured(paths, "ci_low"),
                                                   _captured(paths, "ci_high")):
-        chosen, best = _op_splits(r, "h200"), min(measured, key=measured.get)
+        chosen, best = split_sweep.replanned_splits(r, "h200"), min(measured, key=measured.get)
         small = r["seq"] < 1024
         regrets[small].append(measured[chosen] / measured[best] - 1)
         beyond_ci[small] += low[chosen] > high[best]  # both medians' 95% CIs apart

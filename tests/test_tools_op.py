@@ -101,6 +101,18 @@ def test_split_sweep_regret_is_the_planners_l_against_the_fastest_swept_l():
     assert "1.034 / 1.000 / 0.966" in lines[2]  # the model's T(L) over its T at L* = 2
 
 
+def test_split_sweep_scores_a_replanned_l_within_the_sweeps_own_captures():
+    """`--replan`: the new L's regret is its sweep capture against the sweep's best (the
+    planner's capture was of the old L), its CI test redone for it."""
+    row = split_sweep.sweep_row(_swept("b", "qwen", 4, {1: 1.3, 2: 1.0, 4: 1.1},
+                                       {1: 30.0, 2: 29.0, 4: 28.0}, 1.12))
+    to_best = split_sweep.replanned_row(row, 2)
+    assert (to_best["chosen"], to_best["regret"], to_best["beyond_ci"]) == (2, 0.0, False)
+    to_one = split_sweep.replanned_row(row, 1)
+    assert to_one["regret"] == pytest.approx(0.3) and to_one["beyond_ci"] is True
+    assert split_sweep.summary([to_best, to_one])["chosen_is_best"] == 1
+
+
 def test_split_sweep_refuses_a_run_without_a_captured_l_sweep():
     row = _swept("c", "granite", 2, {}, {}, 1.0)
     with pytest.raises(ValueError, match="--graph-sweep"):

@@ -16,6 +16,13 @@ medians' 95% CIs apart (bench_op's bootstrap), a loss the replays' noise cannot 
 The figure puts each workload's
 measured T(L) / T(L*) beside the ranking model's T(L) / T(L*), L* the planner's choice;
 the candidates the op ranks are marked (`ops.planning.split_candidates`).
+
+`--replan PRESET` re-plans each workload's L with the planner of today (`plan_launch` at
+that calibration preset, on one GPU of the preset's device), its request rebuilt from the
+capture's sizes and row tiles, and scores that L within the sweep's own captures (no
+capture of a new L sits beside them): what a model change does to the captured
+decisions before a fresh capture confirms it. Summaries come per size class too (S =
+512, S >= 1024), as the targets are read.
 """
 
 from __future__ import annotations
@@ -25,8 +32,9 @@ import json
 import statistics
 import sys
 
+from megatron_overlap.ops import planning
 from megatron_overlap.ops.planning import split_candidates
-from megatron_overlap.shapes import MODELS
+from megatron_overlap.shapes import LAYOUTS, MODELS
 
 OP, GEMM2 = "planner(graph)", "gemm2_alone(torch,graph)"
 
@@ -52,8 +60,36 @@ def sweep_row(result: dict) -> dict:
                 sweep_regret=(measured[result["splits"]] - measured[best]) / measured[best]
                 if result["splits"] in measured else None,
                 beyond_ci=None if chosen_low is None or best_high is None
-                else chosen_low > best_high,
+                else chosen_low > best_high, ci=ci, seq=result.get("seq"),
                 candidates=split_candidates(MODELS[result["model"]].hidden))
+
+
+def replanned_splits(result: dict, preset: str) -> int:
+    """The L `plan_launch` gives a captured workload now, at calibration `preset`: the
+    request rebuilt from the capture (M = B S, the rank's rows from GEMM2's FLOPs, row
+    tiles from W_comp at the captured L; B = 4, the benchmarks')."""
+    import torch
+
+    from megatron_overlap.ops import OverlapConfig
+    from megatron_overlap.ops.config import GPU_TILES
+
+    shape = MODELS[result["model"]]
+    tp, ep = {**LAYOUTS, "TP1EP1": (1, 1)}[result["layout"]]
+    n, k, tokens = shape.hidden, shape.ffn_per_rank(tp), 4 * result["seq"]
+    rows = result["gemm_flops"] // (2 * n * k)
+    row_tiles = result["w_comp"] // -(-(-(-n // result["splits"])) // 128)
+    return planning.plan_launch(planning.PlanRequest(
+        OverlapConfig(preset=preset), GPU_TILES, torch.device("cpu"), "interpret", row_tiles,
+        shape.local_experts(ep), tokens, n, k, result["world"], shape.topk,
+        round(4 * rows / tokens) / 4, None, None)).splits
+
+
+def replanned_row(row: dict, splits: int) -> dict:
+    """`sweep_row` with the planner's L replaced: regret within the sweep's captures."""
+    regret = row["measured"][splits] / row["measured"][row["best"]] - 1
+    ci = row["ci"]
+    return dict(row, chosen=splits, regret=regret, sweep_regret=regret,
+                beyond_ci=ci[splits][0] > ci[row["best"]][1])
 
 
 def summary(rows: list[dict]) -> dict:
@@ -110,23 +146,44 @@ def plot(rows: list[dict], path: str) -> None:
     fig.savefig(path, dpi=110)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("json", nargs="+", help="bench_op.py JSON files")
-    ap.add_argument("--png", help="write the figure here")
-    args = ap.parse_args(argv)
-    rows = []
-    for path in args.json:
-        with open(path) as f:
-            rows += [sweep_row(r) for r in json.load(f)["results"]]
-    print("\n".join(table(rows)))
+def _print_summary(label: str, rows: list[dict]) -> None:
     s = summary(rows)
-    print(f"\n{s['workloads']} workloads: regret mean {100 * s['mean_regret']:.2f}%, max "
-          f"{100 * s['max_regret']:.2f}% (within the sweep's captures: mean "
+    print(f"{label}: {s['workloads']} workloads: regret mean {100 * s['mean_regret']:.2f}%, "
+          f"max {100 * s['max_regret']:.2f}% (within the sweep's captures: mean "
           f"{100 * (s['mean_sweep_regret'] or 0):.2f}%, max "
           f"{100 * (s['max_sweep_regret'] or 0):.2f}%); the planner's L the fastest swept "
           f"in {s['chosen_is_best']}, slower than the best beyond both 95% CIs in "
           f"{s['slower_beyond_ci']}")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("json", nargs="+", help="bench_op.py JSON files")
+    ap.add_argument("--png", help="write the figure here")
+    ap.add_argument("--replan", metavar="PRESET",
+                    help="score the L the planner of today gives each capture instead")
+    args = ap.parse_args(argv)
+    results = []
+    for path in args.json:
+        with open(path) as f:
+            results += json.load(f)["results"]
+    rows = [sweep_row(r) for r in results]
+    if args.replan:
+        from megatron_overlap.planner import get_preset
+        from megatron_overlap.planner.inputs import DeviceSpec
+
+        dev = get_preset(args.replan).device  # (one GPU of it, planned on this host)
+        planning.device_spec = lambda device, sm_margin: DeviceSpec(dev.name, dev.sms,
+                                                                    sm_margin)
+        rows = [replanned_row(row, replanned_splits(r, args.replan))
+                for row, r in zip(rows, results)]
+    print("\n".join(table(rows)))
+    print()
+    sized = [r for r in rows if r["seq"] is not None]
+    for label, part in (("S = 512", [r for r in sized if r["seq"] < 1024]),
+                        ("S >= 1024", [r for r in sized if r["seq"] >= 1024]), ("all", rows)):
+        if part:
+            _print_summary(label, part)
     if args.png:
         plot(rows, args.png)
     return 0
