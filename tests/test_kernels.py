@@ -280,6 +280,29 @@ def test_routing_table_kernel_equals_the_argsort_reference(seed, tokens, experts
     assert torch.equal(tables[1], tables[0])
 
 
+@settings(max_examples=8, deadline=None)
+@given(st.integers(0, 10**6), st.integers(1, 30), st.integers(1, 130), st.integers(1, 8))
+def test_gemm2_places_every_row_where_the_routing_table_does_for_any_routing(
+        seed, tokens, experts, topk):
+    """Any routing (up to 130 experts: five mask words; every token with its k rows):
+    GEMM2's own places from the first pass's marks are the second pass's dest."""
+    topk = min(topk, experts)
+    token_index, counts = _megatron_rows(seed, tokens, experts, experts, topk)
+    g = torch.Generator().manual_seed(seed)
+    p = dict(x=torch.randn(token_index.numel(), 16, generator=g),
+             weight=torch.randn(experts, 16, 16, generator=g),
+             counts=torch.tensor(counts), token_index=token_index)
+    rows_y, _, _ = run_gemm2(p, splits=1, programs=3)
+    row_start, _ = gemm2.expert_offsets(p["counts"], 16)
+    dest = torch.empty(token_index.numel(), dtype=torch.int32)
+    error = torch.zeros(1, dtype=torch.int32)
+    passes = rt.route_rows(token_index, row_start, tokens, topk, error, dest)
+    assert int(error) == 0 and passes.words == -(-experts // 32)
+    y = _token_major(p, tokens, topk, gemm2.TokenPlaces(token_index, passes.marks,
+                                                        passes.words, topk))
+    assert torch.equal(y[dest.long()], rows_y) and not y.isnan().any()
+
+
 def test_routing_table_from_counts_fills_the_offsets_even_without_rows_and_checks_sizes():
     packed, _ = gemm2.packed_offsets_host([0, 0, 0], 16, "cpu")
     filled = torch.full_like(packed, -9)
