@@ -130,7 +130,7 @@ def test_the_ops_l_is_rebuilt_from_a_capture_as_the_op_planned_it(h200_device, t
     before.write_text(json.dumps(shipped))
     runs = [r for r, _ in _captured(sorted(glob.glob(str(DATA / "op_h200_lsweep_*s512s8k.json"))))]
     assert len(runs) == 36
-    assert [split_sweep.replanned_splits(r, str(before)) for r in runs] == [r["splits"] for r in runs]
+    assert [split_sweep.replanned(r, str(before))[0] for r in runs] == [r["splits"] for r in runs]
 
 
 def test_the_ops_l_is_within_the_targets_on_every_captured_sweep(h200_device):
@@ -145,7 +145,7 @@ def test_the_ops_l_is_within_the_targets_on_every_captured_sweep(h200_device):
     regrets, beyond_ci = {True: [], False: []}, {True: 0, False: 0}
     for (r, measured), (_, low), (_, high) in zip(_captured(paths), _captured(paths, "ci_low"),
                                                   _captured(paths, "ci_high")):
-        chosen, best = split_sweep.replanned_splits(r, "h200"), min(measured, key=measured.get)
+        chosen, best = split_sweep.replanned(r, "h200")[0], min(measured, key=measured.get)
         small = r["seq"] < 1024
         regrets[small].append(measured[chosen] / measured[best] - 1)
         beyond_ci[small] += low[chosen] > high[best]  # both medians' 95% CIs apart

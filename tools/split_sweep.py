@@ -64,10 +64,11 @@ def sweep_row(result: dict) -> dict:
                 candidates=split_candidates(MODELS[result["model"]].hidden))
 
 
-def replanned_splits(result: dict, preset: str) -> int:
-    """The L `plan_launch` gives a captured workload now, at calibration `preset`: the
-    request rebuilt from the capture (M = B S, the rank's rows from GEMM2's FLOPs, row
-    tiles from W_comp at the captured L; B = 4, the benchmarks')."""
+def replanned(result: dict, preset: str) -> tuple[int, dict[int, float]]:
+    """(the L `plan_launch` gives a captured workload now at calibration `preset`, the
+    ranking model's T at each candidate L): the request rebuilt from the capture (M = B S,
+    the rank's rows from GEMM2's FLOPs, row tiles from W_comp at the captured L; B = 4,
+    the benchmarks')."""
     import torch
 
     from megatron_overlap.ops import OverlapConfig
@@ -78,18 +79,22 @@ def replanned_splits(result: dict, preset: str) -> int:
     n, k, tokens = shape.hidden, shape.ffn_per_rank(tp), 4 * result["seq"]
     rows = result["gemm_flops"] // (2 * n * k)
     row_tiles = result["w_comp"] // -(-(-(-n // result["splits"])) // 128)
-    return planning.plan_launch(planning.PlanRequest(
+    request = planning.PlanRequest(
         OverlapConfig(preset=preset), GPU_TILES, torch.device("cpu"), "interpret", row_tiles,
         shape.local_experts(ep), tokens, n, k, result["world"], shape.topk,
-        round(4 * rows / tokens) / 4, None, None)).splits
+        round(4 * rows / tokens) / 4, None, None)
+    return (planning.plan_launch(request).splits,
+            planning.split_predictions(request, tuple(planning.ROOFLINE_CANDIDATES)))
 
 
-def replanned_row(row: dict, splits: int) -> dict:
-    """`sweep_row` with the planner's L replaced: regret within the sweep's captures."""
+def replanned_row(row: dict, splits: int, predicted: dict | None = None) -> dict:
+    """`sweep_row` with the planner's L (and its model's T(L)) replaced: regret within the
+    sweep's captures."""
     regret = row["measured"][splits] / row["measured"][row["best"]] - 1
     ci = row["ci"]
     return dict(row, chosen=splits, regret=regret, sweep_regret=regret,
-                beyond_ci=ci[splits][0] > ci[row["best"]][1])
+                beyond_ci=ci[splits][0] > ci[row["best"]][1],
+                predicted=row["predicted"] if predicted is None else predicted)
 
 
 def summary(rows: list[dict]) -> dict:
@@ -175,7 +180,7 @@ def main(argv=None) -> int:
         dev = get_preset(args.replan).device  # (one GPU of it, planned on this host)
         planning.device_spec = lambda device, sm_margin: DeviceSpec(dev.name, dev.sms,
                                                                     sm_margin)
-        rows = [replanned_row(row, replanned_splits(r, args.replan))
+        rows = [replanned_row(row, *replanned(r, args.replan))
                 for row, r in zip(rows, results)]
     print("\n".join(table(rows)))
     print()
