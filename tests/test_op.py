@@ -261,6 +261,46 @@ def test_the_ops_second_routing_pass_waits_for_the_launch_and_gives_the_same_bit
     assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1])
 
 
+@pytest.mark.parametrize("reservation", [0, 7])
+def test_the_deferred_second_pass_precedes_gatherrs_on_its_stream_or_the_fork(
+        reservation, monkeypatch):
+    """The CUDA stream order, recorded with stand-ins (the interpreter runs launches one
+    after another): in the shared placement GEMM2 goes first and the second routing
+    pass ahead of GatherRS on the side stream; in the partition GatherRS must reach the
+    GPU before GEMM2 spreads over its SMs, so the pass runs on the caller's stream
+    before a fork of its own, which GatherRS's stream waits for."""
+    import contextlib
+    import types
+
+    log = []
+
+    class Ops:
+        def record(self, event, stream="main"):
+            log.append(("record", event, stream))
+
+        def wait(self, event, stream="main"):
+            log.append(("wait", event, stream))
+
+    streams = types.SimpleNamespace(side="side", ops=Ops(), fork="fork", join="join")
+    monkeypatch.setattr(launcher._Streams, "of", classmethod(lambda cls, buf: streams))
+    buf = types.SimpleNamespace(all_or_broken=contextlib.nullcontext)
+    slots = types.SimpleNamespace(launch=lambda stream=None: log.append(("slots", stream)))
+    lp = types.SimpleNamespace(plan=types.SimpleNamespace(reservation=reservation),
+                               helpers=0, tiles=None)
+    comm = launcher._Comm.__new__(launcher._Comm)
+    comm.args, comm.fork, comm.helpers, comm.trace, comm.slots = (), "routed", 0, None, slots
+    monkeypatch.setattr(launcher, "_launch_comm",
+                        lambda *a, stream=None, **kw: log.append(("gather_rs", stream)))
+    launcher._overlapped(buf, lp, lambda: log.append(("gemm2", "main")), comm)
+    if reservation:
+        assert log[:5] == [("slots", None), ("record", "fork", "main"),
+                           ("wait", "fork", "side"), ("gather_rs", "side"), ("gemm2", "main")]
+    else:
+        assert log[:4] == [("gemm2", "main"), ("wait", "routed", "side"), ("slots", "side"),
+                           ("gather_rs", "side")]
+    assert log[-2:] == [("record", "join", "side"), ("wait", "join", "main")]
+
+
 def rt_combine(token_index, tokens, topk):
     from megatron_overlap.kernels.routing_table import combine_table
 

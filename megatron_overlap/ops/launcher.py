@@ -70,13 +70,19 @@ def _launch_comm(buf: OverlapBuffer, lp: LaunchPlan, y, routing: Routing, probs,
 
 
 def _overlapped(buf, lp, launch_gemm2, comm) -> None:
-    """GEMM2 on the caller's stream (which already orders the offsets and the routing
-    table before it), GatherRS on the side stream from the same point; the caller's
-    stream then waits for GatherRS. (No `torch.cuda.stream` switch: it costs more than a
-    launch.)"""
+    """GEMM2 on the caller's stream (which already orders the offsets and the routing's
+    first pass before it), GatherRS on the side stream from the same point, after the
+    routing's second pass where it was deferred (`_Comm`); the caller's stream then
+    waits for GatherRS. (No `torch.cuda.stream` switch: it costs more than a launch.)"""
     streams = _Streams.of(buf)
     side, ops = streams.side, streams.ops
     fork = comm.fork
+    if lp.plan.reservation > 0 and comm.slots is not None:
+        # The partition's GatherRS must reach the GPU before GEMM2 spreads over its SMs
+        # (below): the routing's second pass goes on this stream, before a fork of its
+        # own, rather than ahead of GatherRS on the side stream.
+        comm.slots.launch()
+        comm.slots, fork = None, None
     if fork is None:
         fork = streams.fork
         ops.record(fork)
