@@ -47,7 +47,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 # (ops/buffer.py and the tests also read the split geometry here, as `gemm2.split_width`)
 from .gemm2_layout import (TokenPlaces, column_alignment, mark_words, next_pow2, operands,
                            split_col_tiles, split_width)
-from .gemm2_places import popcount32, token_major_rows  # noqa: F401 (routing_table's too)
+from .gemm2_places import token_major_rows
 from .launch_cache import LaunchCache, descriptor
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from megatron_overlap.ops import planning
 from megatron_overlap.planner import Calibration, get_preset, roofline
-from megatron_overlap.shapes import LAYOUTS, MODELS
+from megatron_overlap.shapes import MODELS
 
 DATA = Path(__file__).resolve().parents[1] / "docs" / "data"
 sys.path.insert(0, str(DATA.parents[1] / "tools"))

@@ -25,8 +25,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(__file__))
 from benchlib import (abba, add_run_args, env_info, smoke_setup,  # noqa: E402
                       summarize, without_samples, write_json)
-from tune_tiles import on_every_sm  # noqa: E402
-from workloads import OpCase, add_case_args, cases, rank_inputs  # noqa: E402
+from workloads import OpCase, add_case_args, cases, on_every_sm, rank_inputs  # noqa: E402
 
 from megatron_overlap.ops import OverlapConfig, launcher  # noqa: E402
 from megatron_overlap.ops.capture import CapturedCall  # noqa: E402

@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from benchlib import (abba, add_run_args, env_info,  # noqa: E402
                       smoke_setup, summarize, without_samples, write_json)
 from tune_tiles import tiles_from_json  # noqa: E402
-from workloads import add_case_args, cases, rank_inputs  # noqa: E402
+from workloads import add_case_args, cases, on_every_sm, rank_inputs  # noqa: E402
 
 from megatron_overlap.ops import OverlapConfig, gemm2_gather_rs  # noqa: E402
 from megatron_overlap.ops.capture import CapturedCall  # noqa: E402
@@ -75,7 +75,7 @@ def policies_for(inp: dict, group, c_values, preset: str | None,
     w_t = inp["weight"].transpose(1, 2)
     lp, routing = launch.launch_plan, launch.routing
     cache = lp.cache
-    all_sms = plan._replace(compute_slots=cache.kernel.o_comp * cache.device.available_sms)
+    every_sm = on_every_sm(launch)
     pol = {
         "reference": op(REFERENCE),
         "planner": op(cfg),
@@ -84,11 +84,11 @@ def policies_for(inp: dict, group, c_values, preset: str | None,
         "planner(no tail helpers)": op(dataclasses.replace(cfg, tail_helpers=False)),
         "gemm2_alone(torch)": lambda: grouped_mm(inp["x"], w_t, counts_dev, inp["counts_list"]),
         "gemm2_alone(ours,P=all)": lambda: launcher.launch_gemm2_alone(
-            buf, inp["x"], inp["weight"], routing, dataclasses.replace(lp, plan=all_sms), y),
+            buf, inp["x"], inp["weight"], routing, every_sm, y),
         # one split: x is read once instead of once per split (what L costs GEMM2)
         "gemm2_alone(ours,P=all,L=1)": lambda: launcher.launch_gemm2_alone(
             buf, inp["x"], inp["weight"], routing,
-            dataclasses.replace(lp, plan=all_sms, splits=1), y),
+            dataclasses.replace(every_sm, splits=1), y),
         # The same work with the host's part done once, outside the timed region:
         # what the GPU spends (the whole-op rows above also pay planning, routing table,
         # copies and launches on the host, which a forward pays after every sync).

@@ -42,7 +42,6 @@ condition number, says how well. Per workload it then gives:
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import math
 import os
 import statistics
@@ -57,7 +56,7 @@ from bench_op import captured_policies  # noqa: E402
 from benchlib import add_run_args, env_info, smoke_setup, time_once, write_json  # noqa: E402
 from power import sampled  # noqa: E402
 from roofline import op_bytes  # noqa: E402
-from workloads import OpCase, add_case_args, cases, rank_inputs  # noqa: E402
+from workloads import OpCase, add_case_args, cases, on_every_sm, rank_inputs  # noqa: E402
 
 from megatron_overlap.ops import OverlapConfig, gemm2_gather_rs, launcher  # noqa: E402
 from megatron_overlap.ops.capture import CapturedCall  # noqa: E402
@@ -151,8 +150,7 @@ def arm_calls(inp: dict, group, cfg, device: str) -> tuple[dict, dict, object]:
                None, group)
     launch = prepare(*op_args, config=cfg)
     lp, buf, routing = launch.launch_plan, launch.buffer, launch.routing
-    cache = lp.cache
-    every_sm = lp.plan._replace(compute_slots=cache.kernel.o_comp * cache.device.available_sms)
+    every_sm = on_every_sm(launch)
     y_ours = torch.empty(x.shape[0], inp["hidden"], dtype=x.dtype, device=x.device)
     y = torch.randn(x.shape[0], inp["hidden"], device=x.device).to(x.dtype)
     out = torch.empty(inp["tokens"] // launch.world, inp["hidden"], dtype=x.dtype,
@@ -160,8 +158,7 @@ def arm_calls(inp: dict, group, cfg, device: str) -> tuple[dict, dict, object]:
     w_t = weight.transpose(1, 2)
 
     def ours():
-        return launcher.launch_gemm2_alone(buf, x, weight, routing,
-                                           dataclasses.replace(lp, plan=every_sm), y_ours)
+        return launcher.launch_gemm2_alone(buf, x, weight, routing, every_sm, y_ours)
 
     def gather_rs():
         launcher.launch_comm_alone(buf, y, routing, lp, None, out)

@@ -16,7 +16,6 @@ op's span (first kernel start to last kernel end) against torch's GEMM2.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
@@ -25,7 +24,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from workloads import OpCase, rank_inputs  # noqa: E402
+from workloads import OpCase, on_every_sm, rank_inputs  # noqa: E402
 
 from megatron_overlap.ops import OverlapConfig, launcher  # noqa: E402
 from megatron_overlap.ops.op import prepare  # noqa: E402
@@ -38,9 +37,7 @@ def arms(inp: dict, config: OverlapConfig) -> dict:
             inp["topk"], None, None)
     launch = prepare(*args, config=config)
     buf, routing, lp = launch.buffer, launch.routing, launch.launch_plan
-    cache = lp.cache
-    all_sms = dataclasses.replace(lp, plan=lp.plan._replace(
-        compute_slots=cache.kernel.o_comp * cache.device.available_sms))
+    all_sms = on_every_sm(launch)
     out = torch.empty(inp["tokens"], inp["hidden"], dtype=inp["x"].dtype, device="cuda")
     y = torch.randn(inp["x"].shape[0], inp["hidden"], device="cuda").to(inp["x"].dtype)
     counts = inp["counts"].to("cuda")

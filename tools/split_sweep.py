@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 
@@ -78,7 +79,7 @@ def replanned(result: dict, preset: str) -> tuple[int, dict[int, float]]:
     tp, ep = {**LAYOUTS, "TP1EP1": (1, 1)}[result["layout"]]
     n, k, tokens = shape.hidden, shape.ffn_per_rank(tp), 4 * result["seq"]
     rows = result["gemm_flops"] // (2 * n * k)
-    row_tiles = result["w_comp"] // -(-(-(-n // result["splits"])) // 128)
+    row_tiles = result["w_comp"] // math.ceil(math.ceil(n / result["splits"]) / 128)
     request = planning.PlanRequest(
         OverlapConfig(preset=preset), GPU_TILES, torch.device("cpu"), "interpret", row_tiles,
         shape.local_experts(ep), tokens, n, k, result["world"], shape.topk,

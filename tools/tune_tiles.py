@@ -22,7 +22,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(__file__))
 from benchlib import (abba, env_info, smoke_setup,  # noqa: E402
                       summarize, without_samples, write_json)
-from workloads import OpCase, rank_inputs  # noqa: E402
+from workloads import OpCase, on_every_sm, rank_inputs  # noqa: E402
 
 from megatron_overlap.ops import OverlapConfig  # noqa: E402
 from megatron_overlap.ops.config import (INTERPRET_TILES, PARTITION_TILES,  # noqa: E402
@@ -73,14 +73,6 @@ def phase(inp, group, tiles, backend, c, phases, all_sms=True):
     return fn, dict(launch.launch_plan.family.resources,
                     o_comp=cache.kernel.o_comp, o_comm=cache.kernel.o_comm,
                     comm_tile=(cache.kernel.comm_tile_m, cache.kernel.comm_tile_n))
-
-
-def on_every_sm(launch):
-    """The launch's plan with GEMM2 on the whole GPU: every SM's o_comp slots."""
-    cache = launch.launch_plan.cache
-    slots = cache.kernel.o_comp * cache.device.available_sms
-    return dataclasses.replace(launch.launch_plan,
-                               plan=launch.plan._replace(compute_slots=slots))
 
 
 def gemm_name(t: TileConfig) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -74,6 +75,15 @@ def rank_inputs(case: OpCase, rank: int, device, dtype=torch.bfloat16, seed: int
                 counts_list=counts.tolist(), token_index=token_index.to(device),
                 tokens=case.tokens, topk=shape.topk, hidden=shape.hidden, ffn=k_rank,
                 world=tp * ep, skew=skew)
+
+
+def on_every_sm(launch):
+    """A prepared launch's plan (`op.prepare`) with GEMM2 on the whole GPU: every SM's
+    o_comp slots (GEMM2 alone, without GatherRS beside it)."""
+    cache = launch.launch_plan.cache
+    slots = cache.kernel.o_comp * cache.device.available_sms
+    return dataclasses.replace(launch.launch_plan,
+                               plan=launch.plan._replace(compute_slots=slots))
 
 
 def op_kwargs(inp: dict, group) -> dict:
