@@ -641,3 +641,33 @@ def test_evict_first_y_loads_and_the_trace_change_no_bit_on_the_gpu():
     entries = [e for row in trace.tolist() for e in row if e[0] >= 0]
     assert entries and all(a <= r <= d for a, r, d in entries)
     assert all(row[-1][0] >= 0 for row in trace.tolist()[lp.plan.comm_ctas:])  # helpers
+
+
+@pytest.mark.parametrize("ep", [1, 2])
+def test_claimed_items_give_the_fixed_strides_bits_overlapped_and_replayed(ep):
+    """GatherRS's programs claiming their items from a counter per split
+    (`TileConfig.comm_dynamic_items`), overlapped with GEMM2 on the GPU (so claims race
+    for real) in both placements, over C, L and tail helpers: the fixed stride's bits;
+    replayed from a CUDA graph the same bits again, the counters back at zero."""
+    import dataclasses
+
+    from megatron_overlap.ops.capture import CapturedCall
+    from megatron_overlap.ops.config import GPU_TILES, PARTITION_TILES
+    from megatron_overlap.ops.op import prepare
+
+    R = dataclasses.replace
+    shape, p, ref, base = _ragged_case(5, ep, GPU_TILES)
+    outs = _over_c_l_and_helpers(p, shape["tokens"], [
+        R(t, comm_dynamic_items=True) for t in (GPU_TILES, PARTITION_TILES)])
+    assert not torch.isnan(base).any() and rel_err(base, ref) < 1e-2
+    assert all(torch.equal(o, base) for o in outs)
+    cfg = R(TRITON, tiles=R(GPU_TILES, comm_dynamic_items=True))
+    args = (p["x"], p["weight"], p["counts"], p["token_index"], shape["tokens"], 4)
+    captured = CapturedCall(lambda: gemm2_gather_rs(*args, None, config=cfg), p["x"].device)
+    assert captured.error is None and captured.check["equal"], captured.summary()
+    for _ in range(3):
+        captured.out.fill_(float("nan"))
+        captured.replay()
+        assert torch.equal(captured.out, base)
+    torch.cuda.synchronize()
+    assert int(prepare(*args, config=cfg).buffer.claims.abs().sum()) == 0

@@ -159,3 +159,132 @@ def test_the_tool_refuses_counts_that_cannot_run_naming_the_flags(flags):
     run = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "op_trace.py"), *flags],
                          capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert run.returncode == 2 and "--runs must be >= 1" in run.stderr, run.stderr[-2000:]
+
+
+@pytest.mark.parametrize("splits", [1, 2, 3])
+def test_claimed_items_give_the_ops_bits_and_leave_the_counters_zero(splits):
+    """`TileConfig.comm_dynamic_items` through the op's launch (C programs, then the tail
+    helpers after GEMM2): the default tiles' output bit for bit, the claims back at zero
+    for the next call, the trace ordered and each helper's arrival kept. (The interpreter
+    runs programs one after another, so the first program with items claims them all.)"""
+    import dataclasses
+
+    from megatron_overlap.ops.config import INTERPRET_TILES
+
+    p = routed_problem(0, 1, tokens=TOKENS, experts=4, topk=TOPK, ffn=16, hidden=HIDDEN)
+    outs = []
+    for claimed in (False, True):
+        cfg = OverlapConfig(backend="interpret", tiles=dataclasses.replace(
+            INTERPRET_TILES, comm_dynamic_items=claimed))
+        launch = op_module.prepare(p["x"], p["weight"], p["counts"], p["token_index"], TOKENS,
+                                   TOPK, config=cfg, splits=splits)
+        lp, comm = launch.launch_plan, launch.launch_plan.plan.comm_ctas
+        trace = torch.full((comm + lp.helpers, splits, 3), -1, dtype=torch.int64)
+        for _ in range(2):  # a second call finds the counters reset
+            out = torch.full((TOKENS, HIDDEN), float("nan"), dtype=p["x"].dtype)
+            launcher.launch(launch.buffer, p["x"], p["weight"], launch.routing, lp, None, out,
+                            trace=trace)
+            launch.buffer.check()
+            assert int(launch.buffer.claims.abs().sum()) == 0
+        outs.append(out)
+    assert not torch.isnan(outs[0]).any() and torch.equal(outs[0], outs[1])
+    rows = trace.tolist()
+    assert all(e[0] <= e[1] <= e[2] for row in rows for e in row if e[0] >= 0)
+    for split in range(splits - 1):
+        assert [pid for pid, row in enumerate(rows) if row[split][0] >= 0] == [0]
+    assert all(rows[pid][splits - 1][0] >= 0 for pid in range(comm, comm + lp.helpers))
+
+
+def test_a_timed_out_call_leaves_no_claim_behind():
+    """After a time-out the host zeroes the flags it cannot trust, the claims too: the
+    next call (after the buffer's check raised) combines every item."""
+    import dataclasses
+
+    from megatron_overlap.ops import OverlapTimeoutError
+    from megatron_overlap.ops.config import INTERPRET_TILES
+
+    p = routed_problem(0, 1, tokens=TOKENS, experts=4, topk=TOPK, ffn=16, hidden=HIDDEN)
+    cfg = OverlapConfig(backend="interpret", tiles=dataclasses.replace(
+        INTERPRET_TILES, comm_dynamic_items=True))
+    launch = op_module.prepare(p["x"], p["weight"], p["counts"], p["token_index"], TOKENS,
+                               TOPK, config=cfg, splits=2)
+    buf = launch.buffer
+    buf.claims[:2] = 10 ** 6  # a broken call's claims left behind
+    buf.error.fill_(1 << 24)  # ... and its time-out recorded
+    with pytest.raises(OverlapTimeoutError):
+        buf.note_launch(None, sync=True)  # (checks the error word at once)
+        buf.check()
+    assert int(buf.claims.abs().sum()) == 0
+    buf.reset()
+    out = torch.full((TOKENS, HIDDEN), float("nan"), dtype=p["x"].dtype)
+    launcher.launch(buf, p["x"], p["weight"], launch.routing, launch.launch_plan, None, out)
+    buf.check()
+    assert not torch.isnan(out).any()
+
+
+def test_gemm2s_end_is_the_helpers_first_arrival_at_any_split():
+    """With claimed items a helper may take a backlog item of split 0 first: GEMM2's end
+    is its arrival there (55 us), and that item's time after it is backlog."""
+    trace = _synthetic()
+    trace[2] = [[55000, 55000, 56000], [56000, 56000, 65000]]  # the helper took split 0 first
+    s = summarize_trace(trace, comm_programs=2)
+    assert s["gemm_end"] == 55.0 and s["tail"] == 15.0
+    assert s["backlog"] == pytest.approx(3.0 + 1.0)  # program 1's 3 us and the helper's 1
+
+
+def test_tile_arms_name_tileconfig_changes_and_refuse_unknown_names():
+    from workloads import tile_arms
+
+    from megatron_overlap.ops.config import GPU_TILES
+
+    arms = tile_arms("dynamic_items,evict_first+dynamic_items", GPU_TILES)
+    assert list(arms) == ["dynamic_items", "evict_first+dynamic_items"]
+    assert arms["dynamic_items"].comm_dynamic_items and not arms["dynamic_items"].comm_evict_first
+    assert arms["evict_first+dynamic_items"].comm_evict_first
+    assert tile_arms("", GPU_TILES) == {}
+    with pytest.raises(ValueError, match="unknown arm 'fast'"):
+        tile_arms("dynamic_items,fast", GPU_TILES)
+
+
+def test_bench_op_refuses_an_arm_whose_output_differs_from_the_default(monkeypatch):
+    """bench_op checks each tile arm's eager output against the default tiles' before it
+    times anything: equal bits pass, a changed element is refused naming the arm."""
+    import bench_op
+    from workloads import OpCase, rank_inputs, tile_arms
+
+    from megatron_overlap.ops.config import INTERPRET_TILES
+
+    inp = rank_inputs(OpCase("tiny", "TP1EP1", 16, "uniform"), 0, "cpu")
+    arms = tile_arms("dynamic_items", INTERPRET_TILES)
+    err = bench_op.check_against_reference(inp, None, [3], "interpret", None, (), arms)
+    assert err < 2e-2
+    real = bench_op.gemm2_gather_rs
+
+    def off_by_one_element(*args, config, **kw):
+        out = real(*args, config=config, **kw)
+        if config.tiles is not None and config.tiles.comm_dynamic_items:
+            out[0, 0] += 1
+        return out
+    monkeypatch.setattr(bench_op, "gemm2_gather_rs", off_by_one_element)
+    with pytest.raises(RuntimeError, match="tile arm dynamic_items"):
+        bench_op.check_against_reference(inp, None, [3], "interpret", None, (), arms)
+
+
+def test_a_tiles_file_can_ask_for_claimed_items_and_a_non_switch_is_refused(tmp_path):
+    import dataclasses
+
+    from megatron_overlap.ops.config import INTERPRET_TILES, load_tiles
+
+    best = {"gemm": [128, 128, 64, 4, 3, False], "comm": [32, 512, 4, True, 1, True],
+            "placement": "shared"}
+    for value, expected in ((None, False), (True, True), (0, False), ("on", None)):
+        path = tmp_path / f"tiles_{value}.json"
+        extra = {} if value is None else {"comm_dynamic_items": value}
+        path.write_text(json.dumps({"best": {**best, **extra}}))
+        if expected is None:
+            with pytest.raises(ValueError, match="a switch must be"):
+                load_tiles(str(path))
+        else:
+            assert load_tiles(str(path)).comm_dynamic_items is expected
+    with pytest.raises(ValueError, match="comm_dynamic_items must be a bool"):
+        dataclasses.replace(INTERPRET_TILES, comm_dynamic_items="yes")

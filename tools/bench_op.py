@@ -13,8 +13,11 @@ captured into a CUDA graph and replayed (checked against its eager output first)
 the host's work gone from all three, op / GEMM2 alone is the GPU's ratio.
 `--lset 1,2,4,8` times the op at each L (C planned for it); with `--graph-sweep` the
 C and L sweeps are captured too, and the regret they give carries no host noise.
-`--evict-first-arm` captures the op with GatherRS's y loads evict-first
-(`TileConfig.comm_evict_first`) beside it, as "planner(graph,evict_first)".
+`--tile-arms evict_first,dynamic_items` captures the op with each GatherRS variant
+beside it, as "planner(graph,NAME)": `evict_first`, y's loads evict-first
+(`TileConfig.comm_evict_first`); `dynamic_items`, items claimed from a counter per
+split (`TileConfig.comm_dynamic_items`); `A+B` both. Each arm's eager output must be the
+default's, bit for bit, before anything is timed.
 
 `--confirm N`: the sweep's fastest C is the minimum of many noisy medians, so the
 regret it gives is biased up (the winner's curse: the largest on two H200s, 28.6%, had a 95% CI
@@ -37,7 +40,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from benchlib import (abba, add_run_args, env_info,  # noqa: E402
                       smoke_setup, summarize, without_samples, write_json)
 from tune_tiles import tiles_from_json  # noqa: E402
-from workloads import add_case_args, cases, on_every_sm, rank_inputs  # noqa: E402
+from workloads import (TILE_ARMS, add_case_args, cases, on_every_sm, rank_inputs,  # noqa: E402
+                       tile_arms)
 
 from megatron_overlap.ops import OverlapConfig, gemm2_gather_rs  # noqa: E402
 from megatron_overlap.ops.capture import CapturedCall  # noqa: E402
@@ -186,19 +190,28 @@ def confirm(pol: dict, oracle_c: int, planner_c: int, samples: int, warmup: int,
 
 
 def check_against_reference(inp, group, c_values, backend: str, tiles=None,
-                            l_values=()) -> float:
+                            l_values=(), tile_arms=None) -> float:
     """The largest relative error against the reference path over C* (and the planned
-    L), C = 3, the largest swept C and each L of `l_values`."""
+    L), C = 3, the largest swept C and each L of `l_values`; each of `tile_arms` must
+    give C*'s output bit for bit (the variants change who combines what, not the sums)."""
     args = (inp["x"], inp["weight"], inp["counts_list"], inp["token_index"], inp["tokens"],
             inp["topk"], None, group)
     ref = gemm2_gather_rs(*args, config=REFERENCE).float()
     cfg = OverlapConfig.from_env(backend=backend, sync_errors=True, tiles=tiles)
     worst = 0.0
     choices = [dict(comm_ctas=c) for c in (None, 3, max(c_values))]
+    planned = None
     for choice in choices + [dict(splits=l) for l in l_values]:
         out = gemm2_gather_rs(*args, config=cfg, **choice)
+        planned = out if planned is None else planned
         worst = max(worst, float((out.float() - ref).norm() / ref.norm()))
+    for name, arm_tiles in (tile_arms or {}).items():
+        out = gemm2_gather_rs(*args, config=dataclasses.replace(cfg, tiles=arm_tiles))
+        if not torch.equal(out, planned):
+            raise RuntimeError(f"tile arm {name}: its output differs from the default "
+                               f"tiles' (max abs {float((out.float() - planned.float()).abs().max())})")
     return worst
+
 
 
 def main() -> int:
@@ -219,9 +232,9 @@ def main() -> int:
     ap.add_argument("--graph-sweep", action="store_true",
                     help="with --cuda-graph: the C and L sweeps captured too (the regret "
                          "without the host's noise)")
-    ap.add_argument("--evict-first-arm", action="store_true",
-                    help="with --cuda-graph: the op with GatherRS's y loads evict-first "
-                         "(TileConfig.comm_evict_first) captured beside it")
+    ap.add_argument("--tile-arms", default="",
+                    help="with --cuda-graph: comma list of GatherRS variants captured beside "
+                         f"the op ({', '.join(TILE_ARMS)}; A+B both)")
     add_run_args(ap)
     args = ap.parse_args()
     backend, device = smoke_setup(args)
@@ -236,19 +249,20 @@ def main() -> int:
     l_values = [int(v) for v in args.lset.split(",")] if args.lset else []
     # (without --tiles: MEGATRON_OVERLAP_TILES's, else the defaults)
     tiles = tiles_from_json(args.tiles) or OverlapConfig.from_env().tiles
-    if args.evict_first_arm and not args.cuda_graph:
-        ap.error("--evict-first-arm needs --cuda-graph")
-    tile_arms = {}
-    if args.evict_first_arm:
-        base = tiles or default_tiles(backend, OverlapConfig.from_env().placement)
-        tile_arms["evict_first"] = dataclasses.replace(base, comm_evict_first=True)
+    if args.tile_arms and not args.cuda_graph:
+        ap.error("--tile-arms needs --cuda-graph")
+    try:
+        arms = tile_arms(args.tile_arms, tiles or default_tiles(
+            backend, OverlapConfig.from_env().placement))
+    except ValueError as err:
+        ap.error(str(err))
     results = []
     for case in cases(args):
         inp = rank_inputs(case, rank, device)
-        err = check_against_reference(inp, group, c_values, backend, tiles, l_values)
+        err = check_against_reference(inp, group, c_values, backend, tiles, l_values, arms)
         pol, facts = policies_for(inp, group, c_values, args.preset, backend, tiles,
                                   graphs=args.cuda_graph, l_values=l_values,
-                                  graph_sweep=args.graph_sweep, tile_arms=tile_arms)
+                                  graph_sweep=args.graph_sweep, tile_arms=arms)
         per = abba(pol, args.samples, args.warmup, group, progress=case.label())
         stats = summarize(per)
         gemm_flops = 2 * inp["x"].shape[0] * inp["hidden"] * inp["ffn"]

@@ -43,7 +43,7 @@ def kernels():
     comm_ptrs = {"y_ptr": "*bf16", "table_ptr": "*i32", "prob_ptr": "*bf16",
                  "dst_ptrs": "*i64", "signal_ptrs": "*i64", **flags,
                  "partial_like_ptr": "*bf16", "epoch_ptr": "*i32", "record_ptr": "*i32",
-                 "trace_ptr": "*i64"}
+                 "trace_ptr": "*i64", "claim_ptr": "*i32"}
     comm_ints = {n: "i32" for n in ("tokens_per_rank", "N", "split_width", "num_splits", "rank",
                                     "world", "topk", "num_experts", "gemm_col_tiles",
                                     "gemm_last_col_tiles",
@@ -64,20 +64,23 @@ def kernels():
                                             (True, 32, 2, True)):
         meta = dict(BLOCK_TM=rows, BLOCK_TN=1024, TOPK_POW2=4, HAS_PROBS=False, COL_ALIGN=16,
                     SLOT_LOOP=slot_loop, ITEM_STAGES=stages, TOKEN_MAJOR=tokens, TRACE=False,
-                    Y_EVICT="", stride_yn=1)
+                    Y_EVICT="", DYNAMIC_ITEMS=False, stride_yn=1)
         name = f"gather_rs slot_loop={slot_loop} item_stages={stages}" + (" token_major" * tokens)
         yield (name, grs.gather_rs_kernel, _signature(comm_ptrs, comm_ints, meta), meta,
                dict(num_warps=32), attrs)
     # the shared placement's small CTA beside GEMM2's (4 warps, capped registers)
     from megatron_overlap.ops.config import SHARED_COMM_MAXNREG, SHARED_GEMM_MAXNREG
 
-    # (traced: tools/op_trace.py; evict_first: TileConfig.comm_evict_first)
-    for trace, evict in ((False, ""), (True, ""), (False, "evict_first")):
+    # (traced: tools/op_trace.py; evict_first: TileConfig.comm_evict_first; claimed:
+    # TileConfig.comm_dynamic_items)
+    for trace, evict, claimed in ((False, "", False), (True, "", False),
+                                  (False, "evict_first", False), (False, "", True),
+                                  (True, "", True)):
         meta = dict(BLOCK_TM=8, BLOCK_TN=512, TOPK_POW2=4, HAS_PROBS=False, COL_ALIGN=16,
                     SLOT_LOOP=True, ITEM_STAGES=1, TOKEN_MAJOR=True, TRACE=trace,
-                    Y_EVICT=evict, stride_yn=1)
+                    Y_EVICT=evict, DYNAMIC_ITEMS=claimed, stride_yn=1)
         yield ("gather_rs shared placement token_major" + " traced" * trace
-               + f" {evict}" * bool(evict),
+               + f" {evict}" * bool(evict) + " claimed" * claimed,
                grs.gather_rs_kernel, _signature(comm_ptrs, comm_ints, meta), meta,
                dict(num_warps=4, maxnreg=SHARED_COMM_MAXNREG), attrs)
     yield ("agreement", grs.agreement_kernel,

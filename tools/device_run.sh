@@ -265,6 +265,7 @@ for s in "$@"; do
         stage op_trace_$lay ${BENCH_SECS:-200} torchrun --nproc-per-node 1 \
           "$REPO/tools/op_trace.py" --model ${OP_MODELS:-granite,qwen,deepseek} --layout $lay \
           --seqs ${OP_SEQS:-4096,16384} --routing ${ROUTING:-uniform} --preset h200 \
+          --tile-arms="${TRACE_ARMS-dynamic_items}" \
           ${TRACE_ARGS:-} --json "$OUT/trace_${TAG:-}$lay.json" --png-dir "$OUT/trace_$lay"; done ;;
     op_energy)  # the op, torch's GEMM2, ours and GatherRS alone, each replayed for 3 s
       # windows (NVML energy, power, SM clock, power-cap share), the parts' energy fit and
@@ -275,14 +276,15 @@ for s in "$@"; do
           --seqs ${OP_SEQS:-4096,16384} --routing ${ROUTING:-uniform} --preset h200 \
           --window-s ${WINDOW_S:-3} --rounds ${ROUNDS:-2} \
           --json "$OUT/op_energy_${TAG:-}$lay.json" --png "$OUT/op_energy_${TAG:-}$lay.png"; done ;;
-    evict_ab)  # GatherRS's y loads evict-first (TileConfig.comm_evict_first) beside the
-      # default, both replayed in one ABBA loop with torch's GEMM2 alone
+    comm_ab)  # GatherRS variants beside the default (TILE_ARMS: y's loads evict-first,
+      # items claimed per split), all replayed in one ABBA loop with torch's GEMM2 alone
       for lay in ${LAYOUTS:-TP1EP1}; do
-        stage evict_ab_$lay ${BENCH_SECS:-240} torchrun --nproc-per-node 1 \
+        stage comm_ab_$lay ${BENCH_SECS:-300} torchrun --nproc-per-node 1 \
           "$REPO/tools/bench_op.py" --model ${OP_MODELS:-granite,qwen,deepseek} --layout $lay \
           --seqs ${OP_SEQS:-4096,16384} --routing ${ROUTING:-uniform} --cset 132 \
-          --samples ${OP_SAMPLES:-10} --warmup 2 --preset h200 --cuda-graph --evict-first-arm \
-          --json "$OUT/op_${TAG:-}evict_$lay.json"; done ;;
+          --samples ${OP_SAMPLES:-10} --warmup 2 --preset h200 --cuda-graph \
+          --tile-arms ${TILE_ARMS:-evict_first,dynamic_items} \
+          --json "$OUT/op_${TAG:-}comm_ab_$lay.json"; done ;;
     gemm2_variants)  # GEMM2 alone, our tile variants against torch's grouped GEMM, replayed
       for lay in ${GEMM_LAYOUTS:-TP1EP1 TP2EP1}; do
         stage gemm2_variants_$lay ${GEMM_SECS:-240} torchrun --nproc-per-node 1 \

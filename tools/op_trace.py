@@ -11,18 +11,23 @@ each replay rewrites the trace. Per run, in us from GatherRS's first arrival:
   * per split: `ready`, the earliest end of a wait that spun >= 1 us (the split's
     readiness; None where every program came after it), `done`, its last item done,
     `waited` and `worked`, the programs' time waiting on it and on its items (program-us);
-  * `gemm_end`: the tail helpers' arrival (they are queued behind GEMM2 on its stream,
-    so they start when its SMs fall idle), else the last split's readiness;
+  * `gemm_end`: the tail helpers' first arrival (they are queued behind GEMM2 on its
+    stream, so they start when its SMs fall idle; with claimed items they may arrive at
+    an earlier split first), else the last split's readiness;
   * `tail`: the last item done after gemm_end, and `backlog`: the program-us of earlier
     splits' items still being combined after gemm_end (what an earlier readiness of the
     last split cannot hide).
 The JSON holds the medians over runs and the last run's raw trace; with --png-dir, a
 chart per workload (a row per program: waits light, items dark, one colour per split).
+`--tile-arms dynamic_items` traces each GatherRS variant of `workloads.TILE_ARMS` after
+the default tiles, a row per workload and arm.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import itertools
 import os
 import statistics
 import sys
@@ -32,11 +37,13 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
 from benchlib import add_run_args, env_info, smoke_setup, write_json  # noqa: E402
-from workloads import OpCase, add_case_args, cases, rank_inputs  # noqa: E402
+from workloads import TILE_ARMS, OpCase, add_case_args, cases, rank_inputs, tile_arms  # noqa: E402
 
 from megatron_overlap.ops import OverlapConfig, launcher  # noqa: E402
 from megatron_overlap.ops.capture import CapturedCall  # noqa: E402
+from megatron_overlap.ops.config import GPU_TILES  # noqa: E402
 from megatron_overlap.ops.op import prepare  # noqa: E402
+from megatron_overlap.ops.planning import default_tiles  # noqa: E402
 
 SPIN_NS = 1000  # a wait this long or longer was a real wait for readiness, not a poll
 
@@ -61,7 +68,7 @@ def summarize_trace(trace: list, comm_programs: int, spin_ns: int = SPIN_NS) -> 
             ready=us(min(spun)) if spun else None, done=us(max(e[2] for e in mine)),
             waited=sum(e[1] - e[0] for e in mine) / 1e3,
             worked=sum(e[2] - e[1] for e in mine) / 1e3, programs=len(mine)))
-    helpers = [e[0] for pid, s, e in entries if pid >= comm_programs and s == splits - 1]
+    helpers = [e[0] for pid, _, e in entries if pid >= comm_programs]
     gemm_end = us(min(helpers)) if helpers else per_split[-1]["ready"]
     out = dict(splits=per_split, gemm_end=gemm_end, end=us(max(e[2] for _, _, e in entries)))
     if gemm_end is not None:
@@ -110,10 +117,14 @@ def plot(trace: list, comm_programs: int, summary: dict, title: str, path: str) 
     plt.close(fig)
 
 
-def trace_case(case: OpCase, args, backend: str, device: str, group) -> dict:
-    """The case's traced runs: medians, the last raw trace, its plan."""
+def trace_case(case: OpCase, args, backend: str, device: str, group, arm: str = "default",
+               tiles=None) -> dict:
+    """The case's traced runs with `tiles` (None: the default; `arm` names them): medians,
+    the last raw trace, its plan."""
     inp = rank_inputs(case, dist.get_rank(), device)
     cfg = OverlapConfig.from_env(backend=backend, preset=args.preset)
+    if tiles is not None:
+        cfg = dataclasses.replace(cfg, tiles=tiles)
     launch = prepare(inp["x"], inp["weight"], inp["counts_list"], inp["token_index"],
                      inp["tokens"], inp["topk"], None, group, splits=args.splits, config=cfg)
     lp = launch.launch_plan
@@ -140,8 +151,8 @@ def trace_case(case: OpCase, args, backend: str, device: str, group) -> dict:
         run()
         raw = trace.tolist()  # (a device sync)
         runs.append(summarize_trace(raw, lp.plan.comm_ctas))
-    return dict(case=case.label(), model=case.model, layout=case.layout, seq=case.seq,
-                routing=case.routing, comm_ctas=lp.plan.comm_ctas, helpers=lp.helpers,
+    return dict(case=case.label(), arm=arm, model=case.model, layout=case.layout,
+                seq=case.seq, routing=case.routing, comm_ctas=lp.plan.comm_ctas, helpers=lp.helpers,
                 splits=lp.splits, graph=run is not traced, runs=len(runs),
                 median=median_summary(runs), last_trace=raw)
 
@@ -155,26 +166,35 @@ def main() -> int:
     ap.add_argument("--preset", default=None)
     ap.add_argument("--eager", action="store_true", help="launch instead of graph replays")
     ap.add_argument("--png-dir", default="", help="a chart per workload here (rank 0)")
+    ap.add_argument("--tile-arms", default="",
+                    help=f"comma list of GatherRS variants also traced ({', '.join(TILE_ARMS)})")
     add_run_args(ap)
     args = ap.parse_args()
     if args.runs < 1 or args.warmup < 0 or (args.splits is not None and args.splits < 1):
         ap.error("--runs must be >= 1, --warmup >= 0 and --splits >= 1")
+    try:
+        tile_arms(args.tile_arms, GPU_TILES)  # (names checked before any process starts)
+    except ValueError as err:
+        ap.error(str(err))
     backend, device = smoke_setup(args)
     rank0 = dist.get_rank() == 0
+    base = OverlapConfig.from_env(backend=backend).tiles or default_tiles(
+        backend, OverlapConfig.from_env().placement)
+    arms = {"default": None, **tile_arms(args.tile_arms, base)}
     results = []
-    for case in cases(args):
-        row = trace_case(case, args, backend, device, dist.group.WORLD)
+    for case, (arm, tiles) in itertools.product(cases(args), arms.items()):
+        row = trace_case(case, args, backend, device, dist.group.WORLD, arm, tiles)
         results.append(row)
         m = row["median"]
         if rank0:
-            print(f"{row['case']} C={row['comm_ctas']} H={row['helpers']} L={row['splits']}: "
+            print(f"{row['case']} [{arm}] C={row['comm_ctas']} H={row['helpers']} L={row['splits']}: "
                   f"gemm_end {m['gemm_end']} us, tail {m.get('tail')} us, backlog "
                   f"{m.get('backlog')} program-us; "
                   + " | ".join(f"split {s}: ready {x['ready']} done {x['done']}"
                                for s, x in enumerate(m["splits"])), flush=True)
         if rank0 and args.png_dir:
             os.makedirs(args.png_dir, exist_ok=True)
-            name = row["case"].replace("/", "_").replace("=", "")
+            name = row["case"].replace("/", "_").replace("=", "") + f"_{arm}" * (arm != "default")
             plot(row["last_trace"], row["comm_ctas"], m, row["case"],
                  os.path.join(args.png_dir, f"{name}.png"))
     if rank0:

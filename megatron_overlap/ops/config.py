@@ -173,7 +173,12 @@ class TileConfig:
     `gemm_maxnreg` / `comm_maxnreg`: explicit register caps per thread (None: the
     placement's default). `comm_evict_first`: GatherRS loads y with the evict-first
     policy (each row is read once), so its stream of y leaves GEMM2's x and W in L2;
-    off until measured on a GPU (same bits either way).
+    off until measured on a GPU (same bits either way). `comm_dynamic_items`: GatherRS's
+    programs claim their items of a split one at a time from a counter instead of
+    taking every (C + H)-th, so a program its SM's GEMM2 CTAs slow down takes fewer and
+    the tail helpers also take what is left of earlier splits when GEMM2 ends (with the
+    fixed stride they share only the last split); off until measured on a GPU (same
+    bits either way: `kernels/gather_rs.py`, "Claimed items").
     """
 
     block_m: int
@@ -193,6 +198,7 @@ class TileConfig:
     comm_maxnreg: int | None = None  # register cap per GatherRS thread (None: the compiler's)
     placement: str = "partition"  # "partition": comm CTAs on SMs of their own; "shared"
     comm_evict_first: bool = False  # GatherRS's y loads marked first to leave L2
+    comm_dynamic_items: bool = False  # GatherRS's items claimed from a counter per split
 
     def __post_init__(self) -> None:
         from ..kernels.gemm2 import IMPLS
@@ -233,7 +239,8 @@ class TileConfig:
                     or (pow2 and v & (v - 1))):
                 kind = "a power of two" if pow2 else "an int"
                 raise ValueError(f"TileConfig.{name} must be {kind} in [{lo}, {hi}], got {v!r}")
-        for name in ("gemm_flatten", "comm_slot_loop", "token_major", "comm_evict_first"):
+        for name in ("gemm_flatten", "comm_slot_loop", "token_major", "comm_evict_first",
+                     "comm_dynamic_items"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"TileConfig.{name} must be a bool, got {getattr(self, name)!r}")
 
@@ -280,7 +287,8 @@ def load_tiles(path: str) -> TileConfig:
                           gemm_impl=str(impl[0]) if impl else GPU_TILES.gemm_impl,
                           # files from before the placement: 32-warp CTAs, partitioned
                           placement=str(best.get("placement", "partition")),
-                          comm_evict_first=_flag(best.get("comm_evict_first", False)))
+                          comm_evict_first=_flag(best.get("comm_evict_first", False)),
+                          comm_dynamic_items=_flag(best.get("comm_dynamic_items", False)))
     except (OSError, KeyError, ValueError, TypeError, AttributeError) as err:
         raise ValueError(f"{path}: not a tune_tiles result ({type(err).__name__}: {err})") from err
 

@@ -123,6 +123,7 @@ class ErrorWord:
         if code:
             self.broken = describe_error(code, self.rank, expected, self.wait_bounds)
             self.ready.zero_()
+            self.claims.zero_()
             self.done.zero_()
             self.error.zero_()
             raise OverlapTimeoutError(self.broken)

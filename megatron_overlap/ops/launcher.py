@@ -65,7 +65,8 @@ def _launch_comm(buf: OverlapBuffer, lp: LaunchPlan, y, routing: Routing, probs,
         block_tm=lp.family.comm_tm, block_tn=lp.family.comm_tn, num_warps=t.comm_warps,
         item_stages=t.comm_stages, slot_loop=t.comm_slot_loop, helpers=helpers,
         token_major=routing.dest is not None, maxnreg=t.comm_maxnreg,
-        y_evict_first=t.comm_evict_first, **target.descriptor,
+        y_evict_first=t.comm_evict_first,
+        claims=buf.claims if t.comm_dynamic_items else None, **target.descriptor,
         **kw)
 
 

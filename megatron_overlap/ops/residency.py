@@ -44,7 +44,8 @@ def compiled_occupancies(device: torch.device, flags: tuple, t: TileConfig, comm
         max_spins=1, partial_like=y, dst_slot_stride=0, dst_row_stride=1, programs=1,
         block_tm=comm_tm, block_tn=comm_tn, num_warps=t.comm_warps,
         item_stages=t.comm_stages, slot_loop=t.comm_slot_loop, warmup=True,
-        token_major=t.token_major, maxnreg=t.comm_maxnreg, y_evict_first=t.comm_evict_first)
+        token_major=t.token_major, maxnreg=t.comm_maxnreg, y_evict_first=t.comm_evict_first,
+        claims=ready if t.comm_dynamic_items else None)
     occ, resources = [], {}
     for name, k in (("gemm2", gk), ("gather_rs", ck)):
         k._init_handles()  # (warps from the binary: a warp-specialized one has more)
