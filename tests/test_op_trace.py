@@ -288,3 +288,23 @@ def test_a_tiles_file_can_ask_for_claimed_items_and_a_non_switch_is_refused(tmp_
             assert load_tiles(str(path)).comm_dynamic_items is expected
     with pytest.raises(ValueError, match="comm_dynamic_items must be a bool"):
         dataclasses.replace(INTERPRET_TILES, comm_dynamic_items="yes")
+
+
+def test_the_tool_traces_each_arm_and_helper_scale_and_refuses_a_bad_scale(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+           os.path.join(ROOT, "tools", "op_trace.py"), "--smoke", "--runs", "1", "--warmup", "0",
+           "--tile-arms", "dynamic_items", "--helper-scale", "1,2",
+           "--json", str(tmp_path / "trace.json")]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                         env=dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1"))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rows = json.loads((tmp_path / "trace.json").read_text())["results"]
+    assert [(r["arm"], r["helper_scale"]) for r in rows] == [
+        ("default", 1), ("default", 2), ("dynamic_items", 1), ("dynamic_items", 2)]
+    assert rows[1]["helpers"] == 2 * rows[0]["helpers"] > 0
+    assert all(len(r["last_trace"]) == r["comm_ctas"] + r["helpers"] for r in rows)
+    for flags, why in ((["--helper-scale", "0"], "--helper-scale must be"),
+                       (["--tile-arms", "fast"], "unknown arm 'fast'")):
+        bad = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "op_trace.py"), *flags],
+                             capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert bad.returncode == 2 and why in bad.stderr, bad.stderr[-2000:]

@@ -262,10 +262,10 @@ for s in "$@"; do
     op_trace)  # GatherRS's per-split timeline inside the op (TRACE): readiness, GEMM2's
       # end, the tail and the backlog of earlier splits after it, with a chart per workload
       for lay in ${LAYOUTS:-TP1EP1}; do
-        stage op_trace_$lay ${BENCH_SECS:-200} torchrun --nproc-per-node 1 \
+        stage op_trace_$lay ${TRACE_SECS:-300} torchrun --nproc-per-node 1 \
           "$REPO/tools/op_trace.py" --model ${OP_MODELS:-granite,qwen,deepseek} --layout $lay \
           --seqs ${OP_SEQS:-4096,16384} --routing ${ROUTING:-uniform} --preset h200 \
-          --tile-arms="${TRACE_ARMS-dynamic_items}" \
+          --tile-arms="${TRACE_ARMS-dynamic_items}" --helper-scale ${HELPER_SCALE:-1,2} \
           ${TRACE_ARGS:-} --json "$OUT/trace_${TAG:-}$lay.json" --png-dir "$OUT/trace_$lay"; done ;;
     op_energy)  # the op, torch's GEMM2, ours and GatherRS alone, each replayed for 3 s
       # windows (NVML energy, power, SM clock, power-cap share), the parts' energy fit and
@@ -302,9 +302,10 @@ for s in "$@"; do
   esac
 done
 # The device tool brings back at most 8 files:
-# one archive of every JSON instead (unpack with tar xzf results_*.tgz).
-if compgen -G "$OUT/*.json" > /dev/null; then
+# one archive of every JSON and chart folder instead (unpack with tar xzf results_*.tgz).
+parts=$(cd "$OUT" && ls -d ./*.json ./*/ 2>/dev/null)
+if [ -n "$parts" ]; then
   # one archive per invocation: a later call in the same device run must not replace it
-  (cd "$OUT" && tar czf "results_$(date +%H%M%S).tgz" ./*.json && rm -f ./*.json)
+  (cd "$OUT" && tar czf "results_$(date +%H%M%S).tgz" $parts && rm -rf $parts)
 fi
 grep -E "^===|^check |^timeline |^routing |^transformer_engine|^train |skipped|SKIP|^[a-z]+/TP[0-9]EP[0-9]/[0-9]+: GatherRS|^variant |^(rows|tokens)|rho_ref|^comm alone|^[a-z]+/TP|^chosen|^gemm2 |^comm rows|^torch._grouped|^torch gather|^(qwen|granite|deepseek) |^  (host|api |gpu |prof )|^cProfile|^host |^  step |^torch copy|^layer |^prefill|speedup|^moe-overlap|^    [A-Z][a-zA-Z ]+ +[a-z%/]+ +[0-9]|^  (stock|overlap|speedup)|^  (partition|shared|torch)|passed|failed|Error|error" "$LOG" | grep -v Warning | tail -n 80

@@ -20,7 +20,8 @@ each replay rewrites the trace. Per run, in us from GatherRS's first arrival:
 The JSON holds the medians over runs and the last run's raw trace; with --png-dir, a
 chart per workload (a row per program: waits light, items dark, one colour per split).
 `--tile-arms dynamic_items` traces each GatherRS variant of `workloads.TILE_ARMS` after
-the default tiles, a row per workload and arm.
+the default tiles, and `--helper-scale 1,2` each with that many tail helpers per SM
+GEMM2 leaves (the op launches one): a row per workload, arm and scale.
 """
 
 from __future__ import annotations
@@ -118,9 +119,9 @@ def plot(trace: list, comm_programs: int, summary: dict, title: str, path: str) 
 
 
 def trace_case(case: OpCase, args, backend: str, device: str, group, arm: str = "default",
-               tiles=None) -> dict:
-    """The case's traced runs with `tiles` (None: the default; `arm` names them): medians,
-    the last raw trace, its plan."""
+               tiles=None, helper_scale: int = 1) -> dict:
+    """The case's traced runs with `tiles` (None: the default; `arm` names them) and
+    `helper_scale` times the plan's tail helpers: medians, the last raw trace, its plan."""
     inp = rank_inputs(case, dist.get_rank(), device)
     cfg = OverlapConfig.from_env(backend=backend, preset=args.preset)
     if tiles is not None:
@@ -128,6 +129,7 @@ def trace_case(case: OpCase, args, backend: str, device: str, group, arm: str = 
     launch = prepare(inp["x"], inp["weight"], inp["counts_list"], inp["token_index"],
                      inp["tokens"], inp["topk"], None, group, splits=args.splits, config=cfg)
     lp = launch.launch_plan
+    lp = dataclasses.replace(lp, helpers=lp.helpers * helper_scale)
     programs = lp.plan.comm_ctas + lp.helpers
     trace = torch.full((programs, lp.splits, 3), -1, dtype=torch.int64, device=device)
     out = torch.empty(inp["tokens"] // launch.world, inp["hidden"], dtype=inp["x"].dtype,
@@ -151,7 +153,7 @@ def trace_case(case: OpCase, args, backend: str, device: str, group, arm: str = 
         run()
         raw = trace.tolist()  # (a device sync)
         runs.append(summarize_trace(raw, lp.plan.comm_ctas))
-    return dict(case=case.label(), arm=arm, model=case.model, layout=case.layout,
+    return dict(case=case.label(), arm=arm, helper_scale=helper_scale, model=case.model, layout=case.layout,
                 seq=case.seq, routing=case.routing, comm_ctas=lp.plan.comm_ctas, helpers=lp.helpers,
                 splits=lp.splits, graph=run is not traced, runs=len(runs),
                 median=median_summary(runs), last_trace=raw)
@@ -166,12 +168,20 @@ def main() -> int:
     ap.add_argument("--preset", default=None)
     ap.add_argument("--eager", action="store_true", help="launch instead of graph replays")
     ap.add_argument("--png-dir", default="", help="a chart per workload here (rank 0)")
+    ap.add_argument("--helper-scale", default="1",
+                    help="comma list: tail helpers per SM GEMM2 leaves (the op's: 1)")
     ap.add_argument("--tile-arms", default="",
                     help=f"comma list of GatherRS variants also traced ({', '.join(TILE_ARMS)})")
     add_run_args(ap)
     args = ap.parse_args()
     if args.runs < 1 or args.warmup < 0 or (args.splits is not None and args.splits < 1):
         ap.error("--runs must be >= 1, --warmup >= 0 and --splits >= 1")
+    try:
+        scales = [int(v) for v in args.helper_scale.split(",")]
+    except ValueError:
+        scales = []
+    if not scales or min(scales) < 1:
+        ap.error(f"--helper-scale must be a comma list of ints >= 1, got {args.helper_scale!r}")
     try:
         tile_arms(args.tile_arms, GPU_TILES)  # (names checked before any process starts)
     except ValueError as err:
@@ -182,19 +192,20 @@ def main() -> int:
         backend, OverlapConfig.from_env().placement)
     arms = {"default": None, **tile_arms(args.tile_arms, base)}
     results = []
-    for case, (arm, tiles) in itertools.product(cases(args), arms.items()):
-        row = trace_case(case, args, backend, device, dist.group.WORLD, arm, tiles)
+    for case, (arm, tiles), scale in itertools.product(cases(args), arms.items(), scales):
+        row = trace_case(case, args, backend, device, dist.group.WORLD, arm, tiles, scale)
         results.append(row)
         m = row["median"]
         if rank0:
-            print(f"{row['case']} [{arm}] C={row['comm_ctas']} H={row['helpers']} L={row['splits']}: "
+            print(f"{row['case']} [{arm}, helpers x{scale}] C={row['comm_ctas']} H={row['helpers']} L={row['splits']}: "
                   f"gemm_end {m['gemm_end']} us, tail {m.get('tail')} us, backlog "
                   f"{m.get('backlog')} program-us; "
                   + " | ".join(f"split {s}: ready {x['ready']} done {x['done']}"
                                for s, x in enumerate(m["splits"])), flush=True)
         if rank0 and args.png_dir:
             os.makedirs(args.png_dir, exist_ok=True)
-            name = row["case"].replace("/", "_").replace("=", "") + f"_{arm}" * (arm != "default")
+            name = (row["case"].replace("/", "_").replace("=", "") + f"_{arm}" * (arm != "default")
+                    + f"_h{scale}" * (scale != 1))
             plot(row["last_trace"], row["comm_ctas"], m, row["case"],
                  os.path.join(args.png_dir, f"{name}.png"))
     if rank0:
