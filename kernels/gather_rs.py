@@ -4,7 +4,8 @@ For every token t owned by destination rank d (tokens [d*Md, (d+1)*Md)), and eve
 column of a ready split, this rank sums in fp32 the rows of y it computed for t (its
 top-k assignments to local experts, `table[t, :]`, -1 where absent), optionally times
 each row's routing probability, and stores the partial into rank d's receive buffer at
-slot [this rank, t - d*Md, :]. A cross-rank barrier follows; `sum_partials_kernel` then
+slot [this rank, t - d*Md, :]. A cross-rank barrier follows; `sum_partials_kernel`
+(`kernels/sum_partials.py`) then
 adds the D slots in fp32 into this rank's bf16 output rows.
 
 Where y's rows are: where every token has its k rows on this rank (TP layouts, T = M k)
@@ -82,8 +83,6 @@ The flag protocol, in full (the only subtle part of the operator):
 """
 
 from __future__ import annotations
-
-import functools
 
 import torch
 import triton
@@ -287,29 +286,8 @@ def gather_rs_kernel(
                 tl.store(claim_ptr + split, 0)
 
 
-@triton.jit(do_not_specialize=["numel"])
-def sum_partials_kernel(recv_ptr, out_ptr, epoch_ptr, numel, slot_stride, parity_stride,
-                        WORLD: tl.constexpr, BLOCK: tl.constexpr):
-    """out[i] = sum over src of recv[src, i], in fp32 (recv slots are contiguous), where
-    recv is the receive slots of the parity of the epoch at `epoch_ptr` (the call whose
-    GatherRS has just stored it): recv_ptr + (epoch % 2) * parity_stride.
-
-    The rank loop is unrolled (WORLD is a constexpr: one binary per group size) so the
-    WORLD loads of a thread are in flight together; a runtime loop issued them one after
-    another: 1.9x-2x less time on H200 (docs/RESULTS.md, "Kernel choices measured"). Same bits: the sum
-    runs in rank order either way."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    ok = offs < numel
-    recv_ptr += (tl.load(epoch_ptr) % 2).to(tl.int64) * parity_stride
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for src in tl.static_range(WORLD):
-        acc += tl.load(recv_ptr + src * slot_stride + offs, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
-
-
 # (max_shared: its CTAs share SMs with GEMM2's: the tail helpers, the shared placement)
 _GATHER_RS = LaunchCache(gather_rs_kernel, max_shared=True)
-_SUM_PARTIALS = LaunchCache(sum_partials_kernel)
 
 
 #: Shared memory the item pipeline may fill (Hopper gives a CTA up to 227 KiB; the rest
@@ -421,27 +399,6 @@ def check_claims(claims: torch.Tensor, splits: int, device) -> None:
                if isinstance(claims, torch.Tensor) else type(claims).__name__)
         raise ValueError(f"claims must be a contiguous int32 tensor [>= {splits}] on "
                          f"{device}, got {got}")
-
-
-def launch_sum_partials(recv: torch.Tensor, out: torch.Tensor, world: int,
-                        block: int = 2048, num_warps: int = 4, kernel=sum_partials_kernel,
-                        epoch: torch.Tensor | None = None, parity_stride: int = 0):
-    """recv [world, >=Md, N] contiguous slots -> out [Md, N] contiguous; with `epoch`, the
-    slots `(epoch % 2) * parity_stride` elements past recv (the op's two parities). Block
-    and warps: the fastest of 37 variants on one H200 at Md = 8192 and 32768, N = 2048
-    (docs/RESULTS.md)."""
-    epoch = epoch if epoch is not None else _zero_word(out.device)
-    args = (recv, out, epoch, out.numel(), recv.stride(0), parity_stride)
-    meta = dict(WORLD=world, BLOCK=block, num_warps=num_warps)
-    grid = (triton.cdiv(out.numel(), block),)
-    if kernel is sum_partials_kernel:
-        return _SUM_PARTIALS.launch(grid, args, meta)
-    return kernel[grid](*args, **meta)
-
-
-@functools.lru_cache(maxsize=None)
-def _zero_word(device: torch.device) -> torch.Tensor:
-    return torch.zeros(1, dtype=torch.int32, device=device)
 
 
 def gather_rs_reference(y: torch.Tensor, token_index: torch.Tensor, num_tokens: int,

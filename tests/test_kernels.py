@@ -10,6 +10,7 @@ from megatron_overlap.kernels import gather_rs as grs
 from megatron_overlap.kernels import gemm2
 from megatron_overlap.kernels import gemm2_places
 from megatron_overlap.kernels import routing_table as rt
+from megatron_overlap.kernels import sum_partials as sp
 from megatron_overlap.kernels import gated_add, gather_rows, swiglu
 from routing_cases import fp64_rank_partial, rel_err, routed_problem
 
@@ -473,7 +474,7 @@ def test_launch_cache_reuses_a_binary_only_for_the_same_specialization(monkeypat
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # what a GPU process has
     # sum_partials as the GPU sees it: numel unspecialized, slot_stride specialized
-    triton_side = _RecordedTriton(JITFunction(grs.sum_partials_kernel.fn,
+    triton_side = _RecordedTriton(JITFunction(sp.sum_partials_kernel.fn,
                                               do_not_specialize=["numel"]))
     cache = LaunchCache(triton_side)
     recv, out = torch.zeros(2, 64, 32), torch.zeros(64, 32)
@@ -548,7 +549,7 @@ def test_launch_path_descriptors_equal_from_tensor_and_keep_no_tensor_alive(gluo
     from triton.runtime.jit import JITFunction
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # (only the cache's key function is used)
-    cache = LaunchCache(JITFunction(grs.sum_partials_kernel.fn))
+    cache = LaunchCache(JITFunction(sp.sum_partials_kernel.fn))
     assert cache.active
     for rows in (48, 48, 40):  # the second call copies the first call's template
         t = torch.randn(rows, 32).to(torch.bfloat16)
@@ -588,7 +589,7 @@ def test_launch_cache_key_separates_everything_triton_specializes_on(draws):
 
     # sum_partials' runtime arguments: three pointers, numel unspecialized, slot_stride
     # and parity_stride specialized
-    cache = LaunchCache(JITFunction(grs.sum_partials_kernel.fn, do_not_specialize=["numel"]))
+    cache = LaunchCache(JITFunction(sp.sum_partials_kernel.fn, do_not_specialize=["numel"]))
     base = torch.zeros(64, dtype=torch.float32)
     word = torch.zeros(1, dtype=torch.int32)
     seen = {}
@@ -654,7 +655,7 @@ def test_raw_launch_passes_what_triton_36_runner_passes_and_only_there(
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setattr(triton, "__version__", version)
     binary = _Triton36Binary(scratch)
-    kernel = _RecordedTriton(JITFunction(grs.sum_partials_kernel.fn,
+    kernel = _RecordedTriton(JITFunction(sp.sum_partials_kernel.fn,
                                          do_not_specialize=["numel"]))
     kernel.warmup = lambda *args, grid, **meta: binary
     if hooked:
@@ -691,15 +692,13 @@ def test_sum_partials_adds_the_slots_in_rank_order_into_every_element(world, epo
     out = torch.full((37, 24), float("nan"), dtype=torch.bfloat16)  # fewer rows than slots
     if epoch is None:
         recv = both[0]
-        grs.launch_sum_partials(recv, out, world, block=256, num_warps=4)
+        sp.launch_sum_partials(recv, out, world, block=256, num_warps=4)
     else:
         recv = both[epoch % 2]
-        grs.launch_sum_partials(both[0], out, world, block=256, num_warps=4,
+        sp.launch_sum_partials(both[0], out, world, block=256, num_warps=4,
                                 epoch=torch.tensor([epoch], dtype=torch.int32),
                                 parity_stride=both[0].numel())
-    want = recv[0, :37].float()
-    for src in range(1, world):
-        want = want + recv[src, :37].float()
+    want = sp.sum_partials_reference(recv, 37)
     assert not out.isnan().any()
     # one bf16 rounding of the fp32 sum (the interpreter's float -> bf16 cast may round
     # differently from torch's by one unit in the last place)

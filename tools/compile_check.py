@@ -38,6 +38,7 @@ def kernels():
     from megatron_overlap.kernels import gather_rs as grs
     from megatron_overlap.kernels import gemm2
     from megatron_overlap.kernels import routing_table as rt
+    from megatron_overlap.kernels import sum_partials as sp
 
     flags = {n: "*i32" for n in ("ready_ptr", "done_ptr", "error_ptr", "tile_start_ptr")}
     comm_ptrs = {"y_ptr": "*bf16", "table_ptr": "*i32", "prob_ptr": "*bf16",
@@ -89,7 +90,7 @@ def kernels():
                       {n: "i32" for n in ("rank", "world", "call_no", "tokens", "N",
                                           "dtype_code", "max_spins", "timeout_us")}, {}),
            {}, dict(num_warps=1), None)
-    yield ("sum_partials", grs.sum_partials_kernel,
+    yield ("sum_partials", sp.sum_partials_kernel,
            _signature({"recv_ptr": "*bf16", "out_ptr": "*bf16", "epoch_ptr": "*i32"},
                       {"numel": "i32", "slot_stride": "i32", "parity_stride": "i32"},
                       {"WORLD": 0, "BLOCK": 0}),

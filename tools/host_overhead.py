@@ -24,7 +24,7 @@ from benchlib import env_info, smoke_setup, write_json  # noqa: E402
 from workloads import OpCase, op_kwargs, rank_inputs  # noqa: E402
 
 from megatron_overlap.kernels import routing_table as rt  # noqa: E402
-from megatron_overlap.kernels import gather_rs as grs  # noqa: E402
+from megatron_overlap.kernels import sum_partials as sp  # noqa: E402
 from megatron_overlap.kernels import gemm2  # noqa: E402
 from megatron_overlap.ops import OverlapConfig, gemm2_gather_rs  # noqa: E402
 from megatron_overlap.ops import launcher  # noqa: E402
@@ -142,8 +142,8 @@ def triton_steps(steps, inp, launch, out, y) -> None:
         warmup=True, **gemm_kw)
     recv = torch.zeros(launch.world, out.shape[0], out.shape[1], dtype=out.dtype,
                        device=out.device)
-    steps["sum_partials JIT launch"] = lambda: grs.launch_sum_partials(recv, out, launch.world)
-    compiled = grs.launch_sum_partials(recv, out, launch.world)
+    steps["sum_partials JIT launch"] = lambda: sp.launch_sum_partials(recv, out, launch.world)
+    compiled = sp.launch_sum_partials(recv, out, launch.world)
     grid = (-(-out.numel() // 2048), 1, 1)
     steps["sum_partials compiled launch"] = lambda: compiled[grid](
         recv, out, out.numel(), recv.stride(0), launch.world, 2048)

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ..kernels import gather_rs as grs
+from ..kernels import sum_partials
 from .config import MAX_SPLITS, PARTIAL_DTYPES
 from .errors import ErrorWord, OverlapMismatchError, OverlapTimeoutError, describe_mismatch
 from .peer_memory import PeerMemory
@@ -276,5 +277,5 @@ class OverlapBuffer(ErrorWord):
         epoch, stored by GatherRS); nothing with no peers (GatherRS wrote `out`)."""
         if self.world > 1:
             recv = self._recv_views[0]
-            grs.launch_sum_partials(recv, out, self.world, epoch=self.epoch,
+            sum_partials.launch_sum_partials(recv, out, self.world, epoch=self.epoch,
                                     parity_stride=self._slots_at[1] // recv.element_size())
