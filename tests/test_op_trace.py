@@ -128,7 +128,7 @@ def test_y_loaded_evict_first_gives_the_same_bits_and_the_tiles_file_can_ask_for
     turns it on, and a value that is not a switch is refused naming it."""
     import dataclasses
 
-    from megatron_overlap.ops.config import INTERPRET_TILES, load_tiles
+    from megatron_overlap.ops.config import INTERPRET_TILES
 
     p = routed_problem(0, 1, tokens=TOKENS, experts=4, topk=TOPK, ffn=16, hidden=HIDDEN)
     outs = []
@@ -139,19 +139,29 @@ def test_y_loaded_evict_first_gives_the_same_bits_and_the_tiles_file_can_ask_for
                                               p["token_index"], TOKENS, TOPK, config=cfg,
                                               splits=2))
     assert torch.equal(outs[0], outs[1])
+    check_tiles_file_switch(tmp_path, "comm_evict_first")
+
+
+def check_tiles_file_switch(tmp_path, field: str) -> None:
+    """A tune_tiles file sets the TileConfig switch `field` (absent: off; true/false or
+    1/0), a value that is not a switch is refused, and so is a non-bool in the config."""
+    import dataclasses
+
+    from megatron_overlap.ops.config import INTERPRET_TILES, load_tiles
+
     best = {"gemm": [128, 128, 64, 4, 3, False], "comm": [32, 512, 4, True, 1, True],
             "placement": "shared"}
-    for value, expected in ((None, False), (True, True), ("yes", None)):
-        path = tmp_path / f"tiles_{value}.json"
-        extra = {} if value is None else {"comm_evict_first": value}
+    for value, expected in ((None, False), (True, True), (0, False), ("yes", None)):
+        path = tmp_path / f"tiles_{field}_{value}.json"
+        extra = {} if value is None else {field: value}
         path.write_text(json.dumps({"best": {**best, **extra}}))
         if expected is None:
             with pytest.raises(ValueError, match="a switch must be"):
                 load_tiles(str(path))
         else:
-            assert load_tiles(str(path)).comm_evict_first is expected
-    with pytest.raises(ValueError, match="comm_evict_first must be a bool"):
-        dataclasses.replace(INTERPRET_TILES, comm_evict_first=1)
+            assert getattr(load_tiles(str(path)), field) is expected
+    with pytest.raises(ValueError, match=f"{field} must be a bool"):
+        dataclasses.replace(INTERPRET_TILES, **{field: 1})
 
 
 @pytest.mark.parametrize("flags", [["--runs", "0"], ["--warmup", "-1"], ["--splits", "0"]])
@@ -271,40 +281,4 @@ def test_bench_op_refuses_an_arm_whose_output_differs_from_the_default(monkeypat
 
 
 def test_a_tiles_file_can_ask_for_claimed_items_and_a_non_switch_is_refused(tmp_path):
-    import dataclasses
-
-    from megatron_overlap.ops.config import INTERPRET_TILES, load_tiles
-
-    best = {"gemm": [128, 128, 64, 4, 3, False], "comm": [32, 512, 4, True, 1, True],
-            "placement": "shared"}
-    for value, expected in ((None, False), (True, True), (0, False), ("on", None)):
-        path = tmp_path / f"tiles_{value}.json"
-        extra = {} if value is None else {"comm_dynamic_items": value}
-        path.write_text(json.dumps({"best": {**best, **extra}}))
-        if expected is None:
-            with pytest.raises(ValueError, match="a switch must be"):
-                load_tiles(str(path))
-        else:
-            assert load_tiles(str(path)).comm_dynamic_items is expected
-    with pytest.raises(ValueError, match="comm_dynamic_items must be a bool"):
-        dataclasses.replace(INTERPRET_TILES, comm_dynamic_items="yes")
-
-
-def test_the_tool_traces_each_arm_and_helper_scale_and_refuses_a_bad_scale(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
-           os.path.join(ROOT, "tools", "op_trace.py"), "--smoke", "--runs", "1", "--warmup", "0",
-           "--tile-arms", "dynamic_items", "--helper-scale", "1,2",
-           "--json", str(tmp_path / "trace.json")]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
-                         env=dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1"))
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    rows = json.loads((tmp_path / "trace.json").read_text())["results"]
-    assert [(r["arm"], r["helper_scale"]) for r in rows] == [
-        ("default", 1), ("default", 2), ("dynamic_items", 1), ("dynamic_items", 2)]
-    assert rows[1]["helpers"] == 2 * rows[0]["helpers"] > 0
-    assert all(len(r["last_trace"]) == r["comm_ctas"] + r["helpers"] for r in rows)
-    for flags, why in ((["--helper-scale", "0"], "--helper-scale must be"),
-                       (["--tile-arms", "fast"], "unknown arm 'fast'")):
-        bad = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "op_trace.py"), *flags],
-                             capture_output=True, text=True, timeout=120, cwd=ROOT)
-        assert bad.returncode == 2 and why in bad.stderr, bad.stderr[-2000:]
+    check_tiles_file_switch(tmp_path, "comm_dynamic_items")
