@@ -5,8 +5,11 @@ kernel overlapped with GEMM2."""
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from megatron_overlap.kernels import gather_rs as grs
+from megatron_overlap.kernels import gemm2
 from routing_cases import routed_problem
 from test_kernels import combine_once, gather_single_rank, run_gemm2
 
@@ -113,3 +116,50 @@ def test_bad_claims_are_refused_before_the_launch(claims, got):
                        + got):
         grs.launch_gather_rs(*launch["args"], claims=claims, **launch["kwargs"])
     assert out.isnan().all()
+
+
+def split_items(hidden: int, splits: int, tokens: int) -> list[tuple[int, int, int]]:
+    """(first column, width, column blocks) of each split, and the token blocks, as the
+    kernel counts them (gather_single_rank's 8 x 16 items)."""
+    sw = gemm2.split_width(hidden, splits)
+    widths = [sw] * (splits - 1) + [hidden - (splits - 1) * sw]
+    return [(s * sw, w, -(-w // BLOCK_TN)) for s, w in enumerate(widths)], -(-tokens // BLOCK_TM)
+
+
+@settings(max_examples=8, deadline=None)
+@given(st.integers(0, 10**6), st.integers(9, 40), st.integers(3, 7), st.integers(16, 72),
+       st.integers(1, 3), st.integers(1, 4), st.integers(1, 5), st.lists(
+           st.floats(0, 1), min_size=3, max_size=3))
+def test_helpers_finish_any_progress_the_programs_left_with_the_same_bits(
+        seed, tokens, experts, hidden, splits, programs, helpers, progress):
+    """Whatever the C programs had claimed and combined of each split when GEMM2 ended
+    (claims[s] preset to any count, those items copied from the plain combine), the
+    helpers launched after it combine every item left, in every split, to the plain
+    combine's bits, and the last of them resets every flag and counter."""
+    p = routed_problem(0, 1, tokens=tokens, experts=experts, topk=3, ffn=16, hidden=hidden,
+                       seed=seed)
+    y, ready, tile_start = run_gemm2(p, splits=splits, programs=3)
+    tokens = int(p["token_index"].max()) + 1  # (gather_single_rank's M)
+    out, ready2, done, error, launch = gather_single_rank(p, y, tile_start, splits, programs,
+                                                          probs=p["probs"])
+    ready2.copy_(ready)
+    grs.launch_gather_rs(*launch["args"], **launch["kwargs"])  # the fixed stride, C programs
+    plain = out.clone()
+    out.fill_(float("nan"))
+    ready2.copy_(ready)
+    layout, token_blocks = split_items(hidden, splits, tokens)
+    claims = torch.zeros(splits, dtype=torch.int32)
+    for s, (first_col, width, col_blocks) in enumerate(layout):
+        claims[s] = round(progress[s] * token_blocks * col_blocks)
+        for item in range(int(claims[s])):
+            token_block, col_block = divmod(item, col_blocks)
+            rows = slice(token_block * BLOCK_TM, (token_block + 1) * BLOCK_TM)
+            start = first_col + col_block * BLOCK_TN
+            cols = slice(start, min(start + BLOCK_TN, first_col + width))
+            out[rows, cols] = plain[rows, cols]
+    done.fill_(programs)  # the C programs are done
+    grs.launch_gather_rs(*launch["args"], helpers=helpers, launch_helpers=True, claims=claims,
+                         **launch["kwargs"])
+    assert int(error) == 0 and int(done) == 0 and ready2.abs().sum() == 0
+    assert claims.abs().sum() == 0
+    assert not plain.isnan().any() and torch.equal(out, plain)
