@@ -282,3 +282,48 @@ def test_bench_op_refuses_an_arm_whose_output_differs_from_the_default(monkeypat
 
 def test_a_tiles_file_can_ask_for_claimed_items_and_a_non_switch_is_refused(tmp_path):
     check_tiles_file_switch(tmp_path, "comm_dynamic_items")
+
+
+def test_the_tool_traces_each_variant_and_refuses_bad_lists(tmp_path):
+    """--tile-arms x --helper-scale x --last-split-tiles: a row per workload and variant
+    (a last split the plan's L cannot narrow is skipped, said in a line), the op's time per
+    run beside the trace; bad lists are refused before any process starts."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+           os.path.join(ROOT, "tools", "op_trace.py"), "--smoke", "--runs", "1", "--warmup", "0",
+           "--splits", "2", "--tile-arms", "dynamic_items", "--helper-scale", "1,2",
+           "--last-split-tiles", "0,1,9", "--json", str(tmp_path / "trace.json")]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                         env=dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1"))
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    rows = json.loads((tmp_path / "trace.json").read_text())["results"]
+    assert [(r["arm"], r["helper_scale"], r["last_split_tiles"]) for r in rows] == [
+        (arm, scale, last) for arm in ("default", "dynamic_items") for scale in (1, 2)
+        for last in (0, 1)]  # (9 tiles: more than the tiny model's N holds)
+    assert run.stdout.count("skipped") == 4
+    assert rows[1]["helpers"] == rows[0]["helpers"] > 0
+    assert rows[2]["helpers"] == 2 * rows[0]["helpers"]
+    assert rows[0]["split_width"] is None and rows[1]["split_width"] > 0
+    assert all(len(r["last_trace"]) == r["comm_ctas"] + r["helpers"] for r in rows)
+    assert all(r["median"]["op_us"] > 0 for r in rows)
+    for flags, why in ((["--helper-scale", "0"], "--helper-scale (ints >= 1)"),
+                       (["--last-split-tiles", "x"], "--last-split-tiles (ints >= 0)"),
+                       (["--tile-arms", "fast"], "unknown arm 'fast'")):
+        bad = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "op_trace.py"), *flags],
+                             capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert bad.returncode == 2 and why in bad.stderr, bad.stderr[-2000:]
+
+
+@pytest.mark.parametrize("hidden,splits,last,width", [
+    (1024, 2, 2, 768), (1024, 2, 1, 896), (2048, 4, 1, 640), (2048, 4, 0, None)])
+def test_a_narrowed_last_split_keeps_whole_tiles_in_the_others(hidden, splits, last, width):
+    from op_trace import narrowed_width
+
+    assert narrowed_width(hidden, splits, last, 128) == width
+
+
+@pytest.mark.parametrize("hidden,splits,last", [(1024, 1, 1), (1024, 2, 8), (256, 4, 3)])
+def test_a_last_split_that_cannot_be_narrowed_is_refused(hidden, splits, last):
+    from op_trace import NotNarrowable, narrowed_width
+
+    with pytest.raises(NotNarrowable):
+        narrowed_width(hidden, splits, last, 128)

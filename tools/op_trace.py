@@ -19,9 +19,17 @@ each replay rewrites the trace. Per run, in us from GatherRS's first arrival:
     last split cannot hide).
 The JSON holds the medians over runs and the last run's raw trace; with --png-dir, a
 chart per workload (a row per program: waits light, items dark, one colour per split).
-`--tile-arms dynamic_items` traces each GatherRS variant of `workloads.TILE_ARMS` after
-the default tiles, and `--helper-scale 1,2` each with that many tail helpers per SM
-GEMM2 leaves (the op launches one): a row per workload, arm and scale.
+Each row also holds `op_us`, the traced launch's time per run (CUDA events around the
+replay; the trace's stores included, so compare rows of one run).
+
+Variants (`Variant`), each traced after the op's own plan, a row per workload and
+variant: `--tile-arms dynamic_items` each GatherRS variant of `workloads.TILE_ARMS`;
+`--helper-scale 1,2` that many tail helpers per SM GEMM2 leaves (the op launches one);
+`--last-split-tiles 0,1` the last split narrowed to that many GEMM2 column tiles, the
+others sharing the rest in whole tiles (`narrowed_width`; 0: the even split; skipped,
+with a line, where the case's L cannot). Measured with the fixed stride, a narrower last
+split was slower, the split before it then exposed (docs/RESULTS.md, "Kernel choices
+measured"); with claimed items the helpers share that backlog.
 """
 
 from __future__ import annotations
@@ -32,6 +40,8 @@ import itertools
 import os
 import statistics
 import sys
+import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -40,9 +50,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 from benchlib import add_run_args, env_info, smoke_setup, write_json  # noqa: E402
 from workloads import TILE_ARMS, OpCase, add_case_args, cases, rank_inputs, tile_arms  # noqa: E402
 
+from megatron_overlap.kernels import gemm2  # noqa: E402
 from megatron_overlap.ops import OverlapConfig, launcher  # noqa: E402
 from megatron_overlap.ops.capture import CapturedCall  # noqa: E402
-from megatron_overlap.ops.config import GPU_TILES  # noqa: E402
 from megatron_overlap.ops.op import prepare  # noqa: E402
 from megatron_overlap.ops.planning import default_tiles  # noqa: E402
 
@@ -118,27 +128,62 @@ def plot(trace: list, comm_programs: int, summary: dict, title: str, path: str) 
     plt.close(fig)
 
 
-def trace_case(case: OpCase, args, backend: str, device: str, group, arm: str = "default",
-               tiles=None, helper_scale: int = 1) -> dict:
-    """The case's traced runs with `tiles` (None: the default; `arm` names them) and
-    `helper_scale` times the plan's tail helpers: medians, the last raw trace, its plan."""
+@dataclass(frozen=True)
+class Variant:
+    """What a traced launch changes from the op's own plan: GatherRS's tiles (`arm`, one of
+    `workloads.TILE_ARMS`; None: the default), the tail helpers per SM GEMM2 leaves (the
+    op launches one) and the GEMM2 column tiles of the last split (0: the even split)."""
+
+    arm: str = "default"
+    tiles: object = None
+    helper_scale: int = 1
+    last_split_tiles: int = 0
+
+
+class NotNarrowable(ValueError):
+    """A last split that a launch's L or N cannot narrow to the asked tiles."""
+
+
+def narrowed_width(hidden: int, splits: int, last_tiles: int, block_n: int) -> int | None:
+    """The split width that leaves `last_tiles` GEMM2 column tiles to the last split and
+    shares the rest among the others in whole tiles (Granite, N = 1024, L = 2, 1 tile:
+    896 and 128 columns); None for 0 (the even split, ceil(N/L))."""
+    if not last_tiles:
+        return None
+    if splits < 2:
+        raise NotNarrowable(f"L = {splits} has no last split to narrow")
+    rest_tiles = -(-(hidden - last_tiles * block_n) // block_n)
+    width = -(-rest_tiles // (splits - 1)) * block_n
+    try:
+        gemm2.split_col_tiles(hidden, splits, width, block_n)
+    except ValueError as err:  # nothing, or more than a split's width, left to the last
+        raise NotNarrowable(str(err)) from err
+    return width
+
+
+def trace_case(case: OpCase, args, backend: str, device: str, group,
+               variant: Variant = Variant()) -> dict:
+    """The case's traced runs under `variant`: medians (with the op's time per run, `op_us`,
+    the traced kernels replayed), the last raw trace, its plan."""
     inp = rank_inputs(case, dist.get_rank(), device)
     cfg = OverlapConfig.from_env(backend=backend, preset=args.preset)
-    if tiles is not None:
-        cfg = dataclasses.replace(cfg, tiles=tiles)
+    if variant.tiles is not None:
+        cfg = dataclasses.replace(cfg, tiles=variant.tiles)
     launch = prepare(inp["x"], inp["weight"], inp["counts_list"], inp["token_index"],
                      inp["tokens"], inp["topk"], None, group, splits=args.splits, config=cfg)
     lp = launch.launch_plan
-    lp = dataclasses.replace(lp, helpers=lp.helpers * helper_scale)
-    programs = lp.plan.comm_ctas + lp.helpers
-    trace = torch.full((programs, lp.splits, 3), -1, dtype=torch.int64, device=device)
+    lp = dataclasses.replace(lp, helpers=lp.helpers * variant.helper_scale)
+    width = narrowed_width(inp["hidden"], lp.splits, variant.last_split_tiles,
+                           lp.tiles.block_n)
+    trace = torch.full((lp.plan.comm_ctas + lp.helpers, lp.splits, 3), -1, dtype=torch.int64,
+                       device=device)
     out = torch.empty(inp["tokens"] // launch.world, inp["hidden"], dtype=inp["x"].dtype,
                       device=device)
 
     def traced():
         trace.fill_(-1)
         launcher.launch(launch.buffer, inp["x"], inp["weight"], launch.routing, lp, None, out,
-                        trace=trace)
+                        width=width, trace=trace)
         return out
     run = traced
     if device == "cuda" and not args.eager:
@@ -150,13 +195,63 @@ def trace_case(case: OpCase, args, backend: str, device: str, group, arm: str = 
         run()
     runs = []
     for _ in range(args.runs):
-        run()
+        op_us = timed_us(run, device)
         raw = trace.tolist()  # (a device sync)
-        runs.append(summarize_trace(raw, lp.plan.comm_ctas))
-    return dict(case=case.label(), arm=arm, helper_scale=helper_scale, model=case.model, layout=case.layout,
-                seq=case.seq, routing=case.routing, comm_ctas=lp.plan.comm_ctas, helpers=lp.helpers,
+        runs.append(dict(summarize_trace(raw, lp.plan.comm_ctas), op_us=op_us))
+    return dict(case=case.label(), arm=variant.arm, helper_scale=variant.helper_scale,
+                last_split_tiles=variant.last_split_tiles, split_width=width, model=case.model, layout=case.layout, seq=case.seq,
+                routing=case.routing, comm_ctas=lp.plan.comm_ctas, helpers=lp.helpers,
                 splits=lp.splits, graph=run is not traced, runs=len(runs),
                 median=median_summary(runs), last_trace=raw)
+
+
+def timed_us(fn, device: str) -> float:
+    """One call's time in us: CUDA events around it on the GPU, the host's clock else."""
+    if device != "cuda":
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e6
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3
+
+
+def int_list(text: str, lowest: int) -> list[int]:
+    """A comma list of ints >= `lowest`, or ValueError."""
+    values = [int(v) for v in text.split(",")]
+    if min(values) < lowest:
+        raise ValueError(f"{min(values)} < {lowest}")
+    return values
+
+
+def variants(args, backend: str) -> list[Variant]:
+    """Every arm x helper scale x last-split width of the flags (the default first)."""
+    base = OverlapConfig.from_env(backend=backend).tiles or default_tiles(
+        backend, OverlapConfig.from_env().placement)
+    arms = {"default": None, **tile_arms(args.tile_arms, base)}
+    return [Variant(arm, tiles, scale, last) for (arm, tiles), scale, last in itertools.product(
+        arms.items(), int_list(args.helper_scale, 1), int_list(args.last_split_tiles, 0))]
+
+
+def report(row: dict, png_dir: str) -> None:
+    """One line per traced row, and its chart in `png_dir` (where given)."""
+    m = row["median"]
+    tag = (f"{row['arm']}, helpers x{row['helper_scale']}, last split "
+           f"{row['last_split_tiles'] or 'even'}")
+    print(f"{row['case']} [{tag}] C={row['comm_ctas']} H={row['helpers']} L={row['splits']}: "
+          f"op {m['op_us']:.1f} us, gemm_end {m['gemm_end']} us, tail {m.get('tail')} us, "
+          f"backlog {m.get('backlog')} program-us; "
+          + " | ".join(f"split {s}: ready {x['ready']} done {x['done']}"
+                       for s, x in enumerate(m["splits"])), flush=True)
+    if png_dir:
+        os.makedirs(png_dir, exist_ok=True)
+        name = "_".join([row["case"].replace("/", "_").replace("=", ""), row["arm"],
+                         f"h{row['helper_scale']}", f"last{row['last_split_tiles']}"])
+        plot(row["last_trace"], row["comm_ctas"], m, f"{row['case']} [{tag}]",
+             os.path.join(png_dir, f"{name}.png"))
 
 
 def main() -> int:
@@ -170,45 +265,32 @@ def main() -> int:
     ap.add_argument("--png-dir", default="", help="a chart per workload here (rank 0)")
     ap.add_argument("--helper-scale", default="1",
                     help="comma list: tail helpers per SM GEMM2 leaves (the op's: 1)")
+    ap.add_argument("--last-split-tiles", default="0",
+                    help="comma list: GEMM2 column tiles of the last split (0: the even split)")
     ap.add_argument("--tile-arms", default="",
                     help=f"comma list of GatherRS variants also traced ({', '.join(TILE_ARMS)})")
     add_run_args(ap)
     args = ap.parse_args()
     if args.runs < 1 or args.warmup < 0 or (args.splits is not None and args.splits < 1):
         ap.error("--runs must be >= 1, --warmup >= 0 and --splits >= 1")
-    try:
-        scales = [int(v) for v in args.helper_scale.split(",")]
-    except ValueError:
-        scales = []
-    if not scales or min(scales) < 1:
-        ap.error(f"--helper-scale must be a comma list of ints >= 1, got {args.helper_scale!r}")
-    try:
-        tile_arms(args.tile_arms, GPU_TILES)  # (names checked before any process starts)
+    try:  # (checked before any process starts)
+        variants(args, "interpret")
     except ValueError as err:
-        ap.error(str(err))
+        ap.error(f"--helper-scale (ints >= 1), --last-split-tiles (ints >= 0), --tile-arms: "
+                 f"{err}")
     backend, device = smoke_setup(args)
-    rank0 = dist.get_rank() == 0
-    base = OverlapConfig.from_env(backend=backend).tiles or default_tiles(
-        backend, OverlapConfig.from_env().placement)
-    arms = {"default": None, **tile_arms(args.tile_arms, base)}
     results = []
-    for case, (arm, tiles), scale in itertools.product(cases(args), arms.items(), scales):
-        row = trace_case(case, args, backend, device, dist.group.WORLD, arm, tiles, scale)
+    for case, variant in itertools.product(cases(args), variants(args, backend)):
+        try:
+            row = trace_case(case, args, backend, device, dist.group.WORLD, variant)
+        except NotNarrowable as err:
+            print(f"{case.label()} [{variant.arm}, last split {variant.last_split_tiles}]: "
+                  f"skipped ({err})", flush=True)
+            continue
         results.append(row)
-        m = row["median"]
-        if rank0:
-            print(f"{row['case']} [{arm}, helpers x{scale}] C={row['comm_ctas']} H={row['helpers']} L={row['splits']}: "
-                  f"gemm_end {m['gemm_end']} us, tail {m.get('tail')} us, backlog "
-                  f"{m.get('backlog')} program-us; "
-                  + " | ".join(f"split {s}: ready {x['ready']} done {x['done']}"
-                               for s, x in enumerate(m["splits"])), flush=True)
-        if rank0 and args.png_dir:
-            os.makedirs(args.png_dir, exist_ok=True)
-            name = (row["case"].replace("/", "_").replace("=", "") + f"_{arm}" * (arm != "default")
-                    + f"_h{scale}" * (scale != 1))
-            plot(row["last_trace"], row["comm_ctas"], m, row["case"],
-                 os.path.join(args.png_dir, f"{name}.png"))
-    if rank0:
+        if dist.get_rank() == 0:
+            report(row, args.png_dir)
+    if dist.get_rank() == 0:
         write_json(args.json, dict(env=env_info(), command=" ".join(sys.argv), results=results))
     dist.destroy_process_group()
     return 0
