@@ -61,15 +61,24 @@ def test_output_independent_of_comm_ctas_and_splits():
     assert all(torch.equal(o, first) for o in outs.values())
 
 
+@pytest.mark.parametrize("claimed", [False, True])
 @pytest.mark.parametrize("splits,widths", [(2, (24, 32, 40, 47)), (3, (16, 20, 23)),
                                            (4, (12, 14, 15))])
-def test_narrower_last_split_gives_the_same_bits_and_writes_every_element(splits, widths):
+def test_narrower_last_split_gives_the_same_bits_and_writes_every_element(splits, widths,
+                                                                          claimed):
     """Splits 0..L-2 of width sw and a last one of the N - (L-1) sw columns left (the
     default sw = ceil(N/L) first): GEMM2's exact tile counts per split, GatherRS's items
-    and the readiness counts agree, and the sum order is the same."""
+    (with the fixed stride or claimed) and the readiness counts agree, and the sum order
+    is the same."""
+    import dataclasses
+
+    from megatron_overlap.ops.config import INTERPRET_TILES
+
     p = routed_problem(0, 1, tokens=40, experts=4, topk=3, ffn=16, hidden=48)
+    cfg = dataclasses.replace(INTERP, tiles=dataclasses.replace(
+        INTERPRET_TILES, comm_dynamic_items=claimed))
     launch = op_module.prepare(p["x"], p["weight"], p["counts"], p["token_index"], 40, 3,
-                               config=INTERP, splits=splits)
+                               config=cfg, splits=splits)
     outs = []
     for width in widths:
         out = torch.full((40, 48), float("nan"), dtype=p["x"].dtype)
