@@ -34,6 +34,9 @@ ROW_ORDER = _row_order_config()  # GEMM2's output in its own row order (not toke
 # one small communication CTA beside GEMM2's on every SM of the virtual device
 SHARED = OverlapConfig(backend="interpret",
                        tiles=dataclasses.replace(INTERPRET_TILES, placement="shared"))
+# GatherRS's items claimed from a counter per split (TileConfig.comm_dynamic_items)
+CLAIMED = OverlapConfig(backend="interpret",
+                        tiles=dataclasses.replace(INTERPRET_TILES, comm_dynamic_items=True))
 
 
 def call(p, tokens, topk, config, probs=False, group=None, **kw):
@@ -703,6 +706,8 @@ def _two_rank_scenarios(rank, world):
         outs["shared"] = call(p, tokens, topk, SHARED, probs=True, group=group)
         outs["shared C=3"] = call(p, tokens, topk, SHARED, probs=True, group=group,
                                   comm_ctas=3, splits=4)
+        outs["claimed"] = call(p, tokens, topk, CLAIMED, probs=True, group=group,
+                               comm_ctas=3, splits=4)
         ref = call(p, tokens, topk, REF, probs=True, group=group)
         first = outs[(1, 1)]
         results[name] = dict(
