@@ -95,6 +95,7 @@ from .flags import (DESC_WORDS, ERR_BARRIER_TIMEOUT, ERR_MISMATCH,  # noqa: F401
 from .gemm2_layout import column_alignment, next_pow2, split_width
 from .launch_cache import LaunchCache
 
+
 @triton.jit
 def _combine_item(item, split, y_ptr, table_ptr, prob_ptr, dst_ptrs, partial_like_ptr,
                   tokens_per_rank, split_width, end_col, col_blocks, rank, world, topk,
