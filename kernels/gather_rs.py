@@ -17,10 +17,11 @@ GEMM2's row order and each slot's rows come from the table first.
 
 Work per split: D * ceil(Md/BLOCK_TM) * ceil(width/BLOCK_TN) items (width sw, or the
 N - (L-1) sw columns the last split holds), program c takes items c, c+C, ...; the
-destination is the fastest index so neighbouring programs write to different peers. Tail helpers: the last split becomes ready only when GEMM2 ends, when
-its SMs fall idle, so a second launch of H programs (pid C..C+H-1, queued after GEMM2 on
-its stream) shares the last split's items with the C programs (stride C+H there); the
-helpers skip the earlier splits. H = 0 is the plain scheme.
+destination is the fastest index so neighbouring programs write to different peers.
+Tail helpers: the last split becomes ready only when GEMM2 ends, when its SMs fall idle,
+so a second launch of H programs (pid C..C+H-1, queued after GEMM2 on its stream) shares
+the last split's items with the C programs (stride C+H there); the helpers skip the
+earlier splits. H = 0 is the plain scheme.
 
 Claimed items (DYNAMIC_ITEMS, `claims`): instead of that fixed stride, every program
 claims its items of split s one at a time from a counter, `claims[s]` (a relaxed atomic

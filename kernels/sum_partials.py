@@ -21,8 +21,8 @@ def sum_partials_kernel(recv_ptr, out_ptr, epoch_ptr, numel, slot_stride, parity
 
     The rank loop is unrolled (WORLD is a constexpr: one binary per group size) so the
     WORLD loads of a thread are in flight together; a runtime loop issued them one after
-    another: 1.9x-2x less time on H200 (docs/RESULTS.md, "Kernel choices measured"). Same bits: the sum
-    runs in rank order either way."""
+    another: 1.9x-2x less time on H200 (docs/RESULTS.md, "Kernel choices measured"). Same
+    bits: the sum runs in rank order either way."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = offs < numel
     recv_ptr += (tl.load(epoch_ptr) % 2).to(tl.int64) * parity_stride

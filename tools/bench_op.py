@@ -208,8 +208,9 @@ def check_against_reference(inp, group, c_values, backend: str, tiles=None,
     for name, arm_tiles in (tile_arms or {}).items():
         out = gemm2_gather_rs(*args, config=dataclasses.replace(cfg, tiles=arm_tiles))
         if not torch.equal(out, planned):
+            diff = float((out.float() - planned.float()).abs().max())
             raise RuntimeError(f"tile arm {name}: its output differs from the default "
-                               f"tiles' (max abs {float((out.float() - planned.float()).abs().max())})")
+                               f"tiles' (max abs {diff})")
     return worst
 
 

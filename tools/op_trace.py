@@ -199,7 +199,8 @@ def trace_case(case: OpCase, args, backend: str, device: str, group,
         raw = trace.tolist()  # (a device sync)
         runs.append(dict(summarize_trace(raw, lp.plan.comm_ctas), op_us=op_us))
     return dict(case=case.label(), arm=variant.arm, helper_scale=variant.helper_scale,
-                last_split_tiles=variant.last_split_tiles, split_width=width, model=case.model, layout=case.layout, seq=case.seq,
+                last_split_tiles=variant.last_split_tiles, split_width=width,
+                model=case.model, layout=case.layout, seq=case.seq,
                 routing=case.routing, comm_ctas=lp.plan.comm_ctas, helpers=lp.helpers,
                 splits=lp.splits, graph=run is not traced, runs=len(runs),
                 median=median_summary(runs), last_trace=raw)
