@@ -99,14 +99,17 @@ from .launch_cache import LaunchCache
 
 @triton.jit
 def _combine_item(item, split, y_ptr, table_ptr, prob_ptr, dst_ptrs, partial_like_ptr,
-                  tokens_per_rank, split_width, end_col, col_blocks, rank, world, topk,
-                  parity, stride_ym, stride_yn, dst_slot_stride, dst_row_stride,
+                  claim_ptr, tokens_per_rank, split_width, end_col, col_blocks, rank, world,
+                  topk, parity, stride_ym, stride_yn, dst_slot_stride, dst_row_stride,
                   BLOCK_TM: tl.constexpr, BLOCK_TN: tl.constexpr, TOPK_POW2: tl.constexpr,
                   HAS_PROBS: tl.constexpr, SLOT_LOOP: tl.constexpr, TOKEN_MAJOR: tl.constexpr,
-                  Y_EVICT: tl.constexpr):
+                  Y_EVICT: tl.constexpr, CLAIM: tl.constexpr):
     """One item of a split: BLOCK_TM tokens of destination `dst` x BLOCK_TN columns, their
     top-k rows summed in fp32 and stored into dst's receive slot (inlined into both item
-    loops of `gather_rs_kernel`: same instructions whoever runs the item)."""
+    loops of `gather_rs_kernel`: same instructions whoever runs the item). With CLAIM it
+    returns the program's next item, claimed from `claim_ptr` after this item's loads are
+    issued: the claim's round trip (and the CTA barrier that hands its value to every
+    thread) then overlaps them, where claimed before the loads it delayed every item."""
     slots = tl.arange(0, TOPK_POW2)
     dst = item % world
     rest = item // world
@@ -161,6 +164,9 @@ def _combine_item(item, split, y_ptr, table_ptr, prob_ptr, dst_ptrs, partial_lik
             w = tl.load(prob_ptr + rows, mask=has, other=0.0).to(tl.float32)
             vals = vals * w[:, :, None]
         acc = tl.sum(vals, axis=1)  # [TM, TN]
+    claimed = item
+    if CLAIM:
+        claimed = tl.atomic_add(claim_ptr, 1, sem="relaxed", scope="gpu")
     if world == 1:  # no peers: the partials are this rank's output, partial_like
         base = partial_like_ptr
     else:
@@ -173,6 +179,7 @@ def _combine_item(item, split, y_ptr, table_ptr, prob_ptr, dst_ptrs, partial_lik
         + cols[None, :]
     tl.store(out, acc.to(partial_like_ptr.dtype.element_ty),
              mask=tok_ok[:, None] & col_ok[None, :])
+    return claimed
 
 
 @triton.jit(do_not_specialize=["tokens_per_rank", "num_splits", "rank", "world", "topk",
@@ -238,21 +245,22 @@ def gather_rs_kernel(
             ready_at = now_ns()
         end_col = tl.multiple_of(tl.minimum(N, (split + 1) * split_width), COL_ALIGN)
         if DYNAMIC_ITEMS:
-            # Items claimed from the split's counter, one at a time (the next claimed
-            # before the current one is combined, so the atomic's round trip overlaps
-            # it): a program slowed by its SM's GEMM2 CTAs takes fewer, and the tail
-            # helpers take what is left of earlier splits when GEMM2 ends. Each item is
-            # combined whole by one program: the same bits as the fixed stride.
+            # Items claimed from the split's counter, one at a time (the next one
+            # claimed inside the current one, once its loads are issued: a scalar
+            # atomic's value reaches the CTA's threads through shared memory and a
+            # barrier, which before the loads held them back for the atomic's round trip;
+            # sm_90 SASS checked): a program slowed by its SM's GEMM2 CTAs takes fewer,
+            # and the tail helpers take what is left of earlier splits when GEMM2 ends.
+            # Each item is combined whole by one program: the fixed stride's bits.
             item = tl.atomic_add(claim_ptr + split, 1, sem="relaxed", scope="gpu")
             had = item < items
             while item < items:
-                claimed = tl.atomic_add(claim_ptr + split, 1, sem="relaxed", scope="gpu")
-                _combine_item(item, split, y_ptr, table_ptr, prob_ptr, dst_ptrs,
-                              partial_like_ptr, tokens_per_rank, split_width, end_col,
-                              col_blocks, rank, world, topk, parity, stride_ym, stride_yn,
-                              dst_slot_stride, dst_row_stride, BLOCK_TM, BLOCK_TN, TOPK_POW2,
-                              HAS_PROBS, SLOT_LOOP, TOKEN_MAJOR, Y_EVICT)
-                item = claimed
+                item = _combine_item(item, split, y_ptr, table_ptr, prob_ptr, dst_ptrs,
+                                     partial_like_ptr, claim_ptr + split, tokens_per_rank,
+                                     split_width, end_col, col_blocks, rank, world, topk,
+                                     parity, stride_ym, stride_yn, dst_slot_stride,
+                                     dst_row_stride, BLOCK_TM, BLOCK_TN, TOPK_POW2, HAS_PROBS,
+                                     SLOT_LOOP, TOKEN_MAJOR, Y_EVICT, True)
         else:
             # ITEM_STAGES > 1: Triton's pipeliner turns the table and y gathers of the
             # next ITEM_STAGES - 1 items into cp.async copies into shared memory, so a CTA
@@ -262,10 +270,10 @@ def gather_rs_kernel(
             had = first < items
             for item in tl.range(first, items, stride, num_stages=ITEM_STAGES):
                 _combine_item(item, split, y_ptr, table_ptr, prob_ptr, dst_ptrs,
-                              partial_like_ptr, tokens_per_rank, split_width, end_col,
-                              col_blocks, rank, world, topk, parity, stride_ym, stride_yn,
-                              dst_slot_stride, dst_row_stride, BLOCK_TM, BLOCK_TN, TOPK_POW2,
-                              HAS_PROBS, SLOT_LOOP, TOKEN_MAJOR, Y_EVICT)
+                              partial_like_ptr, claim_ptr, tokens_per_rank, split_width,
+                              end_col, col_blocks, rank, world, topk, parity, stride_ym,
+                              stride_yn, dst_slot_stride, dst_row_stride, BLOCK_TM, BLOCK_TN,
+                              TOPK_POW2, HAS_PROBS, SLOT_LOOP, TOKEN_MAJOR, Y_EVICT, False)
         if TRACE:  # (arrived, wait ended, items done) of this program's split, in ns;
             # a helper's arrival always: when GEMM2's SMs fell idle
             if had | (last & (pid >= comm_programs)):
