@@ -261,13 +261,14 @@ for s in "$@"; do
           --json "$OUT/op_${TAG:-}${code}_TP1EP1.json"; done ;;
     op_trace)  # GatherRS's per-split timeline inside the op (TRACE): readiness, GEMM2's
       # end, the tail and the backlog of earlier splits after it, the op's time, with a
-      # chart per workload and variant (claimed items, helpers per SM, a narrower last split)
+      # chart per workload and variant (claimed items, helpers per SM; LAST_TILES=0,1 adds
+      # a last split narrowed to one column tile)
       for lay in ${LAYOUTS:-TP1EP1}; do
         stage op_trace_$lay ${TRACE_SECS:-420} torchrun --nproc-per-node 1 \
           "$REPO/tools/op_trace.py" --model ${OP_MODELS:-granite,qwen,deepseek} --layout $lay \
           --seqs ${OP_SEQS:-4096,16384} --routing ${ROUTING:-uniform} --preset h200 \
           --tile-arms="${TRACE_ARMS-dynamic_items}" --helper-scale ${HELPER_SCALE:-1,2} \
-          --last-split-tiles ${LAST_TILES:-0,1} --runs ${TRACE_RUNS:-6} \
+          --last-split-tiles ${LAST_TILES:-0} --runs ${TRACE_RUNS:-6} \
           ${TRACE_ARGS:-} --json "$OUT/trace_${TAG:-}$lay.json" --png-dir "$OUT/trace_$lay"; done ;;
     op_energy)  # the op, torch's GEMM2, ours and GatherRS alone, each replayed for 3 s
       # windows (NVML energy, power, SM clock, power-cap share), the parts' energy fit and
