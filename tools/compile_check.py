@@ -60,13 +60,15 @@ def kernels():
                or n in ("N", "split_width", "stride_ym", "dst_slot_stride", "dst_row_stride")]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     # (slot loop, item rows, stages, token-major y)
-    for slot_loop, rows, stages, tokens in ((True, 64, 1, False), (False, 64, 1, False),
-                                            (True, 16, 2, False), (True, 64, 1, True),
-                                            (True, 32, 2, True)):
+    for slot_loop, rows, stages, tokens, claimed in (
+            (True, 64, 1, False, False), (False, 64, 1, False, False),
+            (True, 16, 2, False, False), (True, 64, 1, True, False), (True, 32, 2, True, False),
+            (True, 64, 1, True, True)):
         meta = dict(BLOCK_TM=rows, BLOCK_TN=1024, TOPK_POW2=4, HAS_PROBS=False, COL_ALIGN=16,
                     SLOT_LOOP=slot_loop, ITEM_STAGES=stages, TOKEN_MAJOR=tokens, TRACE=False,
-                    Y_EVICT="", DYNAMIC_ITEMS=False, stride_yn=1)
-        name = f"gather_rs slot_loop={slot_loop} item_stages={stages}" + (" token_major" * tokens)
+                    Y_EVICT="", DYNAMIC_ITEMS=claimed, stride_yn=1)
+        name = (f"gather_rs slot_loop={slot_loop} item_stages={stages}" + " token_major" * tokens
+                + " claimed" * claimed)
         yield (name, grs.gather_rs_kernel, _signature(comm_ptrs, comm_ints, meta), meta,
                dict(num_warps=32), attrs)
     # the shared placement's small CTA beside GEMM2's (4 warps, capped registers)
