@@ -662,12 +662,13 @@ def test_claimed_items_give_the_fixed_strides_bits_overlapped_and_replayed(ep):
     assert not torch.isnan(base).any() and rel_err(base, ref) < 1e-2
     assert all(torch.equal(o, base) for o in outs)
     cfg = R(TRITON, tiles=R(GPU_TILES, comm_dynamic_items=True))
-    args = (p["x"], p["weight"], p["counts"], p["token_index"], shape["tokens"], 4)
+    counts = p["counts"].cuda()  # (a capture needs the counts on the device)
+    args = (p["x"], p["weight"], counts, p["token_index"], shape["tokens"], 4)
     captured = CapturedCall(lambda: gemm2_gather_rs(*args, None, config=cfg), p["x"].device)
     assert captured.error is None and captured.check["equal"], captured.summary()
     for _ in range(3):
         captured.out.fill_(float("nan"))
         captured.replay()
+        torch.cuda.synchronize()
         assert torch.equal(captured.out, base)
-    torch.cuda.synchronize()
     assert int(prepare(*args, config=cfg).buffer.claims.abs().sum()) == 0
