@@ -394,10 +394,8 @@ def check_trace(trace: torch.Tensor, programs: int, splits: int, device) -> None
             and trace.dim() == 3 and trace.shape[0] >= programs
             and tuple(trace.shape[1:]) == (splits, 3) and trace.is_contiguous()
             and trace.device == device):
-        got = (f"{tuple(trace.shape)} {trace.dtype} on {trace.device}"
-               if isinstance(trace, torch.Tensor) else type(trace).__name__)
         raise ValueError(f"trace must be a contiguous int64 tensor [>= {programs}, {splits}, "
-                         f"3] on {device}, got {got}")
+                         f"3] on {device}, got {_described(trace)}")
 
 
 def check_claims(claims: torch.Tensor, splits: int, device) -> None:
@@ -405,10 +403,15 @@ def check_claims(claims: torch.Tensor, splits: int, device) -> None:
     if not (isinstance(claims, torch.Tensor) and claims.dtype == torch.int32
             and claims.dim() == 1 and claims.numel() >= splits and claims.is_contiguous()
             and claims.device == device):
-        got = (f"{tuple(claims.shape)} {claims.dtype} on {claims.device}"
-               if isinstance(claims, torch.Tensor) else type(claims).__name__)
         raise ValueError(f"claims must be a contiguous int32 tensor [>= {splits}] on "
-                         f"{device}, got {got}")
+                         f"{device}, got {_described(claims)}")
+
+
+def _described(value) -> str:
+    """A refused argument, as its error message shows it."""
+    if isinstance(value, torch.Tensor):
+        return f"{tuple(value.shape)} {value.dtype} on {value.device}"
+    return type(value).__name__
 
 
 def gather_rs_reference(y: torch.Tensor, token_index: torch.Tensor, num_tokens: int,

@@ -53,6 +53,7 @@ from workloads import TILE_ARMS, OpCase, add_case_args, cases, rank_inputs, tile
 from megatron_overlap.kernels import gemm2  # noqa: E402
 from megatron_overlap.ops import OverlapConfig, launcher  # noqa: E402
 from megatron_overlap.ops.capture import CapturedCall  # noqa: E402
+from megatron_overlap.ops.config import TileConfig  # noqa: E402
 from megatron_overlap.ops.op import prepare  # noqa: E402
 from megatron_overlap.ops.planning import default_tiles  # noqa: E402
 
@@ -135,7 +136,7 @@ class Variant:
     op launches one) and the GEMM2 column tiles of the last split (0: the even split)."""
 
     arm: str = "default"
-    tiles: object = None
+    tiles: TileConfig | None = None
     helper_scale: int = 1
     last_split_tiles: int = 0
 
