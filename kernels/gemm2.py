@@ -3,11 +3,11 @@
     y[rows of expert e, :] = x[rows of expert e, :] @ W_e^T          (bf16 in, fp32 acc)
 
 or, with SCATTER, y[t * k + s, :] for row j of token t (token-major for GatherRS): s, the
-row's slot among its token's rows, is the number of the token's experts below the
-tile's (a popcount of the token's expert mask, the routing's first pass), found here
-rather than read from the routing's second pass (`gemm2_layout.TokenPlaces`), so GEMM2
-does not wait for that pass; a row that lands outside y (only bad input, which the
-routing's passes record) is dropped.
+row's slot among its token's rows, is read from the routing's second pass (FROM_DEST,
+the default), or counted here (the number of the token's experts below the tile's, a
+popcount of the token's expert mask from the routing's first pass), so that GEMM2 need
+not wait for the second pass (`gemm2_layout.TokenPlaces`); a row that lands outside y
+(only bad input, which the routing's passes record) is dropped.
 
 A persistent kernel: exactly P programs (the planner's compute slots) walk one global
 tile sequence laid out in split order. Split s covers hidden columns
@@ -45,8 +45,8 @@ import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 # (ops/buffer.py and the tests also read the split geometry here, as `gemm2.split_width`)
-from .gemm2_layout import (TokenPlaces, column_alignment, mark_words, next_pow2, operands,
-                           split_col_tiles, split_width)
+from .gemm2_layout import (TokenPlaces, column_alignment, from_dest, mark_words, next_pow2,
+                           operands, split_col_tiles, split_width)
 from .gemm2_places import token_major_rows
 from .launch_cache import LaunchCache, descriptor
 
@@ -64,6 +64,7 @@ def grouped_gemm2_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EXPERTS_POW2: tl.constexpr, UPCAST: tl.constexpr, COL_ALIGN: tl.constexpr,
     FLATTEN: tl.constexpr, SCATTER: tl.constexpr, MARK_WORDS: tl.constexpr,
+    FROM_DEST: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
@@ -99,8 +100,11 @@ def grouped_gemm2_kernel(
         # descriptors zero-fill past the tensors' ends.
         rows = first_row + tl.arange(0, BLOCK_M)
         if SCATTER:  # y row of each x row, found before the K loop hides its latency
-            out_rows = token_major_rows(rows, end_row, expert, token_ptr, marks_ptr,
-                                        dest_rows, topk, MARK_WORDS)
+            if FROM_DEST:  # (token_ptr: the routing's dest, y's row of each row)
+                out_rows = tl.load(token_ptr + rows, mask=rows < end_row, other=-1)
+            else:
+                out_rows = token_major_rows(rows, end_row, expert, token_ptr, marks_ptr,
+                                            dest_rows, topk, MARK_WORDS)
         else:
             out_rows = rows
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -181,7 +185,7 @@ def _gemm2_args(x, weight, y, row_start, tile_start, ready, splits, block_m, blo
                 EXPERTS_POW2=next_pow2(num_experts), UPCAST=upcast,
                 COL_ALIGN=column_alignment(hidden, splits, width), FLATTEN=flatten,
                 SCATTER=places is not None, MARK_WORDS=mark_words(places),
-                num_warps=num_warps, num_stages=num_stages)
+                FROM_DEST=from_dest(places), num_warps=num_warps, num_stages=num_stages)
     if maxnreg is not None:
         meta["maxnreg"] = maxnreg
     return args, meta
@@ -303,7 +307,7 @@ def _check_places(x, weight, y, places: TokenPlaces | None) -> None:
     what does not): the kernel then reads no mark outside `marks`."""
     if places is None:
         return
-    token_index, marks, words, topk = places
+    token_index, marks, words, topk, dest = places
     tokens = -(-y.shape[0] // topk) if topk > 0 else 0
     if (token_index.dtype not in (torch.int32, torch.int64)
             or token_index.numel() != x.shape[0]):
@@ -315,6 +319,9 @@ def _check_places(x, weight, y, places: TokenPlaces | None) -> None:
     if marks.dtype != torch.int32 or marks.numel() < tokens * words:
         raise ValueError(f"places.marks must be int32 with >= ceil(rows of y / topk) * "
                          f"words = {tokens * words} words, got {marks.numel()} {marks.dtype}")
+    if dest is not None and (dest.dtype != torch.int32 or dest.numel() != x.shape[0]):
+        raise ValueError(f"places.dest must be [{x.shape[0]}] int32 (y's row of each x row), "
+                         f"got {tuple(dest.shape)} {dest.dtype}")
 
 
 def _gluon(impl: str):

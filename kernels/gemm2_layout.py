@@ -49,12 +49,20 @@ class TokenPlaces(NamedTuple):
     slot the routing's second pass gives the row in the combine table, so GEMM2 need not
     wait for that pass (`kernels/routing_table.py`).
 
-    token_index: [T] int32 / int64; marks: [M * words] int32; words = ceil(E / 32)."""
+    With `dest`, the second pass's output (y's row of each row, -1 for a row it did not
+    place), complete before GEMM2 runs, the kernel reads the place instead: one load per
+    row, whose latency the K loop hides, where counting takes two dependent loads (the
+    token, then its mask) in front of every tile's K loop (on one H200 our GEMM2 took
+    1.3x its time counting: docs/RESULTS.md, "Where GEMM2 finds its rows").
+
+    token_index: [T] int32 / int64; marks: [M * words] int32; words = ceil(E / 32);
+    dest: None or [T] int32."""
 
     token_index: object
     marks: object
     words: int
     topk: int
+    dest: object = None
 
 
 def operands(weight, y, row_start, tile_start, ready, splits, places, width=None) -> tuple:
@@ -62,7 +70,11 @@ def operands(weight, y, row_start, tile_start, ready, splits, places, width=None
     `TokenPlaces` for a token-major y, else None; `width`: the split width, default
     ceil(N/L))."""
     num_experts, hidden, k = weight.shape
-    token_ptr, marks_ptr = (row_start, row_start) if places is None else places[:2]
+    if places is None:
+        token_ptr = marks_ptr = row_start
+    else:  # (with dest, the kernels read it where they would read the tokens)
+        token_ptr = places.token_index if places.dest is None else places.dest
+        marks_ptr = places.marks
     topk = 1 if places is None else places.topk
     return (y, row_start, tile_start, ready, token_ptr, marks_ptr, num_experts, k, hidden,
             width or split_width(hidden, splits), splits, y.shape[0], topk,
@@ -72,3 +84,8 @@ def operands(weight, y, row_start, tile_start, ready, splits, places, width=None
 def mark_words(places) -> int:
     """The MARK_WORDS constexpr of both kernels (1 in row order)."""
     return 1 if places is None else places.words
+
+
+def from_dest(places) -> bool:
+    """The FROM_DEST constexpr of both kernels: the places read from the routing's dest."""
+    return places is not None and places.dest is not None

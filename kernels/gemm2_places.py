@@ -29,7 +29,8 @@ def token_major_rows(rows, end_row, expert, token_ptr, marks_ptr, dest_rows, top
                      MARK_WORDS: tl.constexpr):
     """y's row of each of a tile's rows (`TokenPlaces`): t * topk + the bits of token t's
     expert mask below the tile's expert; -1 past the expert's rows, for a token outside
-    y, or for a slot >= topk (bad input: the routing's passes record it)."""
+    y, or for a slot >= topk (bad input: the routing's passes record it). Two dependent
+    loads (the token, then its mask), where reading the routing's dest takes one."""
     ok = rows < end_row
     tok = tl.load(token_ptr + rows, mask=ok, other=0).to(tl.int64)
     ok = ok & (tok >= 0) & (tok * topk < dest_rows)

@@ -31,7 +31,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (mbarrier, tma, war
                                                                warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from .gemm2_layout import TokenPlaces, column_alignment, mark_words, operands
+from .gemm2_layout import TokenPlaces, column_alignment, from_dest, mark_words, operands
 from .launch_cache import LaunchCache, descriptor
 
 # (Triton 3.6 names the partition-wide barrier thread_barrier, 3.7 barrier)
@@ -167,7 +167,7 @@ def _publish_partition(descs, bufs, bars, ptrs, sizes, BLOCK_M: gl.constexpr,
 def _mma_partition(bufs, bars, ptrs, sizes, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                    BLOCK_K: gl.constexpr, SEARCH_STEPS: gl.constexpr, STAGES: gl.constexpr,
                    SLOTS: gl.constexpr, COL_ALIGN: gl.constexpr, SCATTER: gl.constexpr,
-                   MARK_WORDS: gl.constexpr, PUBLISHER: gl.constexpr):
+                   MARK_WORDS: gl.constexpr, FROM_DEST: gl.constexpr, PUBLISHER: gl.constexpr):
     """One warpgroup: wgmma over the ring, then the epilogue (a layout change through
     shared memory for row-contiguous 16-byte stores) and the tile's publication."""
     a_bufs, b_bufs = bufs
@@ -191,8 +191,11 @@ def _mma_partition(bufs, bars, ptrs, sizes, BLOCK_M: gl.constexpr, BLOCK_N: gl.c
             SEARCH_STEPS)
         rows = first_row + gl.arange(0, BLOCK_M, layout=row_layout)
         if SCATTER:  # found before the K loop, which hides its latency
-            out_rows = _token_major_rows(rows, end_row, expert, token_ptr, marks_ptr,
-                                         dest_rows, topk, MARK_WORDS)
+            if FROM_DEST:  # (token_ptr: the routing's dest, y's row of each row)
+                out_rows = gl.load(token_ptr + rows, mask=rows < end_row, other=-1)
+            else:
+                out_rows = _token_major_rows(rows, end_row, expert, token_ptr, marks_ptr,
+                                             dest_rows, topk, MARK_WORDS)
         else:
             out_rows = rows
         acc = gl.zeros((BLOCK_M, BLOCK_N), gl.float32, mma_layout)
@@ -233,7 +236,8 @@ def grouped_gemm2_ws_kernel(
     num_experts, K, N, split_width, num_splits, dest_rows, topk, stride_ym, stride_yn,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
     SEARCH_STEPS: gl.constexpr, STAGES: gl.constexpr, COL_ALIGN: gl.constexpr,
-    SCATTER: gl.constexpr, MARK_WORDS: gl.constexpr, PUBLISHER: gl.constexpr,
+    SCATTER: gl.constexpr, MARK_WORDS: gl.constexpr, FROM_DEST: gl.constexpr,
+    PUBLISHER: gl.constexpr,
 ):
     SLOTS: gl.constexpr = 4  # stored tiles the publisher may lag behind
     a_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape,
@@ -260,7 +264,7 @@ def grouped_gemm2_ws_kernel(
         gl.warp_specialize([
             (_mma_partition, (bufs, bars, ptrs, sizes, BLOCK_M, BLOCK_N, BLOCK_K,
                               SEARCH_STEPS, STAGES, SLOTS, COL_ALIGN, SCATTER, MARK_WORDS,
-                              True)),
+                              FROM_DEST, True)),
             (_load_partition, (descs, bufs, bars, ptrs, sizes, BLOCK_M, BLOCK_N, BLOCK_K,
                                SEARCH_STEPS, STAGES, SLOTS)),
             (_publish_partition, (descs, bufs, bars, ptrs, sizes, BLOCK_M, BLOCK_N, BLOCK_K,
@@ -270,7 +274,7 @@ def grouped_gemm2_ws_kernel(
         gl.warp_specialize([
             (_mma_partition, (bufs, bars, ptrs, sizes, BLOCK_M, BLOCK_N, BLOCK_K,
                               SEARCH_STEPS, STAGES, SLOTS, COL_ALIGN, SCATTER, MARK_WORDS,
-                              False)),
+                              FROM_DEST, False)),
             (_load_partition, (descs, bufs, bars, ptrs, sizes, BLOCK_M, BLOCK_N, BLOCK_K,
                                SEARCH_STEPS, STAGES, SLOTS)),
         ], [1], [24])
@@ -294,7 +298,8 @@ def _ws_args(x, weight, y, row_start, tile_start, ready, splits, block_m, block_
     meta = dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                 SEARCH_STEPS=(num_experts - 1).bit_length(), STAGES=stages,
                 COL_ALIGN=column_alignment(hidden, splits, width), SCATTER=places is not None,
-                MARK_WORDS=mark_words(places), PUBLISHER=publisher, num_warps=4,
+                MARK_WORDS=mark_words(places), FROM_DEST=from_dest(places),
+                PUBLISHER=publisher, num_warps=4,
                 maxnreg=MAXNREG if maxnreg is None else maxnreg)
     return args, meta
 
@@ -343,7 +348,7 @@ def compile_probe(device_index: int) -> None:
     w = torch.zeros(1, 128, 64, dtype=torch.bfloat16, device=dev)
     y = torch.zeros(128, 128, dtype=torch.bfloat16, device=dev)
     idx = torch.zeros(2, dtype=torch.int32, device=dev)
-    places = TokenPlaces(torch.zeros(128, dtype=torch.int32, device=dev),
-                         torch.zeros(128, dtype=torch.int32, device=dev), 1, 1)
+    rows = torch.zeros(128, dtype=torch.int32, device=dev)
+    places = TokenPlaces(rows, rows, 1, 1, rows)  # (the op's default: places from dest)
     launch_grouped_gemm2_ws(x, w, y, idx, idx, idx, splits=1, programs=1, block_m=128,
                             block_n=128, block_k=64, places=places, warmup=True)

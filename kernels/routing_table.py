@@ -189,8 +189,9 @@ def routing_slots_kernel(
     total = tl.sum(popcount32(mask), axis=1).to(tl.int32)
     keep = ok & (slot < topk)
     tl.store(table_ptr + tok.to(tl.int64) * topk + slot, rows, mask=keep)
-    if WRITE_DEST:  # the inverse: where GEMM2 stores the row (token-major y)
-        tl.store(dest_ptr + rows, tok * topk + slot, mask=keep)
+    if WRITE_DEST:  # the inverse: where GEMM2 stores the row (token-major y), -1 where
+        # it stores nothing (a bad row: GEMM2 may read dest, `gemm2_layout.TokenPlaces`)
+        tl.store(dest_ptr + rows, tl.where(keep, tok * topk + slot, -1), mask=rows < num_rows)
     # more rows than top-k for a token: its extra rows would be dropped
     if tl.max((ok & (total > topk)).to(tl.int32), axis=0) > 0:
         tl.atomic_cas(error_ptr, 0, 4 << 24)  # ERR_TOPK

@@ -50,12 +50,14 @@ def _token_major(p, tokens, topk, places, block=16):
     return y
 
 
+@pytest.mark.parametrize("from_dest", [False, True])
 @pytest.mark.parametrize("experts", [4, 40])  # one mark word, two
 def test_gemm2_finds_each_rows_token_major_place_from_the_marks_as_the_routing_table_does(
-        experts):
+        experts, from_dest):
     """GEMM2 places row j at y[t k + s], s from its token's expert mask: the place the
     routing's second pass writes into dest (and the pure-torch reference), so y is the
-    row-order product permuted, every row written, bit for bit."""
+    row-order product permuted, every row written, bit for bit; the same reading the
+    places from that dest (`TokenPlaces.dest`, the op's default)."""
     tokens, topk = 37, 3
     p = routed_problem(0, 1, tokens=tokens, experts=experts, topk=topk, ffn=16, hidden=48)
     rows_y, _, _ = run_gemm2(p, splits=2, programs=3)
@@ -66,9 +68,42 @@ def test_gemm2_finds_each_rows_token_major_place_from_the_marks_as_the_routing_t
     passes = rt.route_rows(p["token_index"], row_start, tokens, topk,
                            torch.zeros(1, dtype=torch.int32), dest)
     assert torch.equal(passes.marks, marks) and torch.equal(dest.long(), want)
-    places = gemm2.TokenPlaces(p["token_index"], passes.marks, passes.words, topk)
+    places = gemm2.TokenPlaces(p["token_index"], passes.marks, passes.words, topk,
+                               dest if from_dest else None)
     y = _token_major(p, tokens, topk, places)
     assert torch.equal(y[want], rows_y) and not y.isnan().any()
+
+
+def test_the_routings_dest_is_minus_one_for_a_row_it_does_not_place():
+    """A token with more rows than k (bad input, recorded in the error word): the second
+    pass leaves its extra row out of the table and writes -1 into dest for it, which
+    GEMM2 reading dest then drops, instead of leaving dest's old contents there."""
+    token_index = torch.tensor([0, 1, 0, 2], dtype=torch.int32)  # experts 0, 0, 1, 2
+    row_start = torch.tensor([0, 2, 3, 4], dtype=torch.int32)
+    dest = torch.full((4,), 12345, dtype=torch.int32)
+    error = torch.zeros(1, dtype=torch.int32)
+    rt.route_rows(token_index, row_start, 4, 1, error, dest)  # k = 1
+    assert dest.tolist() == [0, 1, -1, 2] and int(error) == 4 << 24
+
+
+def test_gemm2_reading_dest_drops_the_rows_it_places_outside_y():
+    """With `TokenPlaces.dest`, a row at -1 or past y's rows is dropped; every other row
+    lands at its dest, bit for bit, and nothing else of y is written."""
+    tokens, topk = 37, 2
+    p = routed_problem(0, 1, tokens=tokens, experts=4, topk=topk, ffn=16, hidden=48)
+    rows_y, _, _ = run_gemm2(p, splits=2, programs=3)
+    marks, want = gemm2_places.token_places_reference(p["token_index"], p["counts"].tolist(),
+                                                      tokens, topk)
+    dest = want.to(torch.int32)
+    dest[3], dest[40] = -1, tokens * topk  # not placed; outside y
+    y = _token_major(p, tokens, topk, gemm2.TokenPlaces(p["token_index"], marks, 1, topk,
+                                                        dest))
+    kept = (dest >= 0) & (dest < tokens * topk)
+    assert int(kept.sum()) == dest.numel() - 2
+    assert torch.equal(y[dest[kept].long()], rows_y[kept])
+    written = torch.zeros(y.shape[0], dtype=torch.bool)
+    written[dest[kept].long()] = True
+    assert y[~written].isnan().all()
 
 
 def test_gemm2_drops_rows_whose_token_or_slot_lies_outside_y():
@@ -720,7 +755,9 @@ def test_layout_arguments_of_wrong_type_or_size_raise_clear_errors():
                        (gemm2.TokenPlaces(tok, marks, 2, 2), "places.words"),
                        (gemm2.TokenPlaces(tok, marks, 1, 0), "places.topk"),
                        (gemm2.TokenPlaces(tok, marks[:19], 1, 2), "places.marks"),
-                       (gemm2.TokenPlaces(tok, marks.long(), 1, 2), "places.marks")):
+                       (gemm2.TokenPlaces(tok, marks.long(), 1, 2), "places.marks"),
+                       (gemm2.TokenPlaces(tok, marks, 1, 2, tok[:3].int()), "places.dest"),
+                       (gemm2.TokenPlaces(tok, marks, 1, 2, tok.long()), "places.dest")):
         with pytest.raises(ValueError, match=match):
             gemm2.launch_grouped_gemm2(x, w, y, row_start, tile_start, ready, splits=1,
                                        programs=2, block_m=16, block_n=16, block_k=16,

@@ -51,8 +51,9 @@ def test_gluon_gemm2_gives_the_triton_kernels_bits_and_publishes_every_split(imp
 @pytest.mark.parametrize("experts", [16, 60])  # one mark word, two
 def test_gluon_gemm2_places_token_major_rows_and_drops_bad_ones_as_the_triton_kernel_does(
         experts):
-    """Both kernels find each row's place from the marks (`TokenPlaces`): the reference's
-    places, every row written; rows whose token lies outside y dropped by both alike."""
+    """Both kernels find each row's place from the marks or read it from dest
+    (`TokenPlaces`): the reference's places, every row written; rows whose token lies
+    outside y dropped by both alike."""
     tokens, topk = 700, 2
     p = routed_problem(0, 1, tokens=tokens, experts=experts, topk=topk, ffn=256, hidden=1024,
                        seed=6, device="cuda")
@@ -61,8 +62,9 @@ def test_gluon_gemm2_places_token_major_rows_and_drops_bad_ones_as_the_triton_ke
     places = gemm2.TokenPlaces(p["token_index"], marks.cuda(), words, topk)
     rows_y, _ = _run(p, "triton", 2, 11)
     for impl in ("triton", "gluon"):
-        got, _ = _run(p, impl, 2, 11, places=places)
-        assert torch.equal(got[dest.cuda()], rows_y) and not got.isnan().any()
+        for read in (places, places._replace(dest=dest.cuda().int())):
+            got, _ = _run(p, impl, 2, 11, places=read)
+            assert torch.equal(got[dest.cuda()], rows_y) and not got.isnan().any()
     bad = p["token_index"].clone()
     bad[::5] = tokens + 3  # outside y: dropped
     bad[1::7] = -1

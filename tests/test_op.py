@@ -263,6 +263,7 @@ def test_the_ops_second_routing_pass_waits_for_the_launch_and_gives_the_same_bit
         launch = prepare(*args, config=INTERP, defer_slots=defer)
         r = launch.routing
         assert (r.slots is not None) is defer and r.places is not None  # (TP: token-major)
+        assert (r.places.dest is None) is defer  # (GEMM2 reads dest where it is complete)
         if defer:
             assert (r.table == -1).all()  # the first pass's fill only
         out = torch.full((tokens, 32), float("nan"), dtype=p["x"].dtype)
@@ -271,6 +272,34 @@ def test_the_ops_second_routing_pass_waits_for_the_launch_and_gives_the_same_bit
             assert torch.equal(r.table, rt_combine(p["token_index"], tokens, topk))
         outs.append(out.clone())
     assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1])
+
+
+def test_the_op_defers_the_second_routing_pass_only_where_gemm2_does_not_read_dest(tmp_path):
+    """The op's choice (`prepare(defer_slots=None)`): a token-major y keeps the second
+    pass before GEMM2, which reads its dest, unless the tiles say GEMM2 counts its
+    places (`TileConfig.gemm_places_from_marks`); row order defers it (GEMM2 reads
+    nothing of it); every choice gives the same bits."""
+    import dataclasses
+
+    from megatron_overlap.ops.config import INTERPRET_TILES
+    from megatron_overlap.ops.op import prepare
+
+    tokens, topk = 24, 2
+    p = routed_problem(0, 1, tokens=tokens, experts=5, topk=topk, ffn=16, hidden=32)
+    args = (p["x"], p["weight"], p["counts"].tolist(), p["token_index"], tokens, topk)
+    marks = dataclasses.replace(INTERP, tiles=dataclasses.replace(
+        INTERPRET_TILES, gemm_places_from_marks=True))
+    row_order = dataclasses.replace(INTERP, tiles=dataclasses.replace(
+        INTERPRET_TILES, token_major=False))
+    outs = []
+    for config, deferred, reads_dest in ((INTERP, False, True), (marks, True, False),
+                                         (row_order, True, False)):
+        r = prepare(*args, config=config, defer_slots=None).routing
+        assert (r.slots is not None) is deferred
+        assert (r.places is not None and r.places.dest is r.dest) is reads_dest
+        outs.append(gemm2_gather_rs(*args, None, None, config=config))
+    assert not outs[0].isnan().any()
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
 
 
 @pytest.mark.parametrize("reservation", [0, 7])

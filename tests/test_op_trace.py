@@ -282,6 +282,7 @@ def test_bench_op_refuses_an_arm_whose_output_differs_from_the_default(monkeypat
 
 def test_a_tiles_file_can_ask_for_claimed_items_and_a_non_switch_is_refused(tmp_path):
     check_tiles_file_switch(tmp_path, "comm_dynamic_items")
+    check_tiles_file_switch(tmp_path, "gemm_places_from_marks")
 
 
 def test_the_tool_traces_each_variant_and_refuses_bad_lists(tmp_path):

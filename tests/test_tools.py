@@ -593,8 +593,9 @@ def test_shared_placement_takes_every_sm_under_every_fitted_model_variant(capsys
 def test_host_steps_time_the_ops_own_steps_in_call_order(monkeypatch):
     """tools/host_steps.py on one interpreted op call: every wrapped step is recorded
     inside the call, in the order the op runs them (counts written into a pinned slot
-    before the routing's first pass that sums them, which precedes GEMM2's launch; the
-    second pass, GatherRS and its tail helpers after it)."""
+    before the routing's first pass that sums them; its second pass, whose dest GEMM2
+    reads for a token-major y, before GEMM2's launch; GatherRS and its tail helpers
+    after it)."""
     import host_steps
     from workloads import OpCase, op_kwargs, rank_inputs
 
@@ -611,9 +612,9 @@ def test_host_steps_time_the_ops_own_steps_in_call_order(monkeypatch):
     assert at[("Router.route (offsets, routing table)", 0)]["calls"] == 2
     order = [at[("CountsRing.write", 0)],
              at[("route_rows (the routing-table kernels)", 0)],
-             at[("LaunchCache.launch routing_marks_kernel", 0)], at[("unpack_offsets", 0)],
+             at[("LaunchCache.launch routing_marks_kernel", 0)],
+             at[("LaunchCache.launch routing_slots_kernel", 0)], at[("unpack_offsets", 0)],
              at[("LaunchCache.launch grouped_gemm2_kernel", 0)],
-             at[("LaunchCache.launch routing_slots_kernel", 0)],
              at[("LaunchCache.launch gather_rs_kernel", 0)],
              at[("LaunchCache.launch gather_rs_kernel", 1)], at[("note_launch", 0)]]
     assert [r["start_us"] for r in order] == sorted(r["start_us"] for r in order)

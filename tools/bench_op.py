@@ -13,10 +13,11 @@ captured into a CUDA graph and replayed (checked against its eager output first)
 the host's work gone from all three, op / GEMM2 alone is the GPU's ratio.
 `--lset 1,2,4,8` times the op at each L (C planned for it); with `--graph-sweep` the
 C and L sweeps are captured too, and the regret they give carries no host noise.
-`--tile-arms evict_first,dynamic_items` captures the op with each GatherRS variant
-beside it, as "planner(graph,NAME)": `evict_first`, y's loads evict-first
+`--tile-arms evict_first,dynamic_items` captures the op with each tile variant beside
+it, as "planner(graph,NAME)": `evict_first`, y's loads evict-first
 (`TileConfig.comm_evict_first`); `dynamic_items`, items claimed from a counter per
-split (`TileConfig.comm_dynamic_items`); `A+B` both. Each arm's eager output must be the
+split (`TileConfig.comm_dynamic_items`); `places_from_marks`, GEMM2 counting y's rows
+with the table off its path (`TileConfig.gemm_places_from_marks`); `A+B` both. Each arm's eager output must be the
 default's, bit for bit, before anything is timed.
 
 `--confirm N`: the sweep's fastest C is the minimum of many noisy medians, so the

@@ -27,7 +27,9 @@ def _gemm2_signature(desc: str, constexprs: dict) -> dict:
     """Both GEMM2 kernels' argument list (x and weight descriptors of type `desc`)."""
     return _signature({"x_desc": desc, "w_desc": desc, "y_ptr": "*bf16",
                        "row_start_ptr": "*i32", "tile_start_ptr": "*i32",
-                       "ready_ptr": "*i32", "token_ptr": "*i64", "marks_ptr": "*i32"},
+                       "ready_ptr": "*i32",  # (the token index, or FROM_DEST dest)
+                       "token_ptr": "*i32" if constexprs.get("FROM_DEST") else "*i64",
+                       "marks_ptr": "*i32"},
                       {n: "i32" for n in ("num_experts", "K", "N", "split_width",
                                           "num_splits", "dest_rows", "topk", "stride_ym",
                                           "stride_yn")}, constexprs)
@@ -97,22 +99,28 @@ def kernels():
                       {"numel": "i32", "slot_stride": "i32", "parity_stride": "i32"},
                       {"WORLD": 0, "BLOCK": 0}),
            dict(WORLD=2, BLOCK=2048), dict(num_warps=4), None)
-    for scatter in (False, True):
+    # (row order; token-major y with places read from dest or counted from the marks)
+    for scatter, from_dest in ((False, False), (True, True), (True, False)):
         meta = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, EXPERTS_POW2=64, UPCAST=False,
                     COL_ALIGN=16, FLATTEN=False, SCATTER=scatter,
-                    MARK_WORDS=2 if scatter else 1)
-        yield (f"grouped_gemm2 scatter={scatter}", gemm2.grouped_gemm2_kernel,
+                    MARK_WORDS=2 if scatter else 1, FROM_DEST=from_dest)
+        yield (f"grouped_gemm2 scatter={scatter}" + " from_dest" * from_dest,
+               gemm2.grouped_gemm2_kernel,
                _gemm2_signature("tensordesc<bf16[128,64]>", meta), meta,
                dict(num_warps=4, num_stages=3), None)
     from megatron_overlap.kernels import gemm2_ws
     from triton.experimental.gluon import language as gl
 
     layout = repr(gl.NVMMASharedLayout.get_default_for([128, 64], gl.bfloat16))
-    for publisher, maxnreg in ((True, gemm2_ws.MAXNREG), (False, gemm2_ws.MAXNREG),
-                               (True, SHARED_GEMM_MAXNREG["gluon"])):
+    for publisher, maxnreg, from_dest in ((True, gemm2_ws.MAXNREG, True),
+                                          (False, gemm2_ws.MAXNREG, True),
+                                          (True, SHARED_GEMM_MAXNREG["gluon"], True),
+                                          (True, SHARED_GEMM_MAXNREG["gluon"], False)):
         meta = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, SEARCH_STEPS=6, STAGES=3,
-                    COL_ALIGN=16, SCATTER=True, MARK_WORDS=2, PUBLISHER=publisher)
-        yield (f"grouped_gemm2_ws publisher={publisher} maxnreg={maxnreg}",
+                    COL_ALIGN=16, SCATTER=True, MARK_WORDS=2, FROM_DEST=from_dest,
+                    PUBLISHER=publisher)
+        yield (f"grouped_gemm2_ws publisher={publisher} maxnreg={maxnreg}"
+               + " from_marks" * (not from_dest),
                gemm2_ws.grouped_gemm2_ws_kernel,
                _gemm2_signature(f"tensordesc<bf16[128,64],{layout}>", meta), meta,
                dict(num_warps=4, maxnreg=maxnreg), None)

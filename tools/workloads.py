@@ -96,7 +96,8 @@ def op_kwargs(inp: dict, group) -> dict:
 #: --tile-arms (bench_op, op_trace): GatherRS variants beside the default tiles, as
 #: TileConfig changes
 TILE_ARMS = {"evict_first": dict(comm_evict_first=True),
-             "dynamic_items": dict(comm_dynamic_items=True)}
+             "dynamic_items": dict(comm_dynamic_items=True),
+             "places_from_marks": dict(gemm_places_from_marks=True)}
 
 
 def tile_arms(spec: str, base) -> dict:

@@ -178,7 +178,12 @@ class TileConfig:
     taking every (C + H)-th, so a program its SM's GEMM2 CTAs slow down takes fewer and
     the tail helpers also take what is left of earlier splits when GEMM2 ends (with the
     fixed stride they share only the last split); off until measured on a GPU (same
-    bits either way: `kernels/gather_rs.py`, "Claimed items").
+    bits either way: `kernels/gather_rs.py`, "Claimed items"). `gemm_places_from_marks`:
+    GEMM2 counts each token-major row's place from the routing's first pass (its token's
+    expert mask), so the second pass (the combine table) leaves GEMM2's path for
+    GatherRS's stream; off, GEMM2 reads the place the second pass wrote. Off: on one H200
+    counting cost GEMM2 1.3x its time (two dependent loads in front of every tile's K
+    loop) against 5-15 us of routing taken off its path (same bits either way).
     """
 
     block_m: int
@@ -199,6 +204,7 @@ class TileConfig:
     placement: str = "partition"  # "partition": comm CTAs on SMs of their own; "shared"
     comm_evict_first: bool = False  # GatherRS's y loads marked first to leave L2
     comm_dynamic_items: bool = False  # GatherRS's items claimed from a counter per split
+    gemm_places_from_marks: bool = False  # GEMM2 counts y's rows; the table off its path
 
     def __post_init__(self) -> None:
         from ..kernels.gemm2 import IMPLS
@@ -240,7 +246,7 @@ class TileConfig:
                 kind = "a power of two" if pow2 else "an int"
                 raise ValueError(f"TileConfig.{name} must be {kind} in [{lo}, {hi}], got {v!r}")
         for name in ("gemm_flatten", "comm_slot_loop", "token_major", "comm_evict_first",
-                     "comm_dynamic_items"):
+                     "comm_dynamic_items", "gemm_places_from_marks"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"TileConfig.{name} must be a bool, got {getattr(self, name)!r}")
 
@@ -288,7 +294,9 @@ def load_tiles(path: str) -> TileConfig:
                           # files from before the placement: 32-warp CTAs, partitioned
                           placement=str(best.get("placement", "partition")),
                           comm_evict_first=_flag(best.get("comm_evict_first", False)),
-                          comm_dynamic_items=_flag(best.get("comm_dynamic_items", False)))
+                          comm_dynamic_items=_flag(best.get("comm_dynamic_items", False)),
+                          gemm_places_from_marks=_flag(best.get("gemm_places_from_marks",
+                                                                False)))
     except (OSError, KeyError, ValueError, TypeError, AttributeError) as err:
         raise ValueError(f"{path}: not a tune_tiles result ({type(err).__name__}: {err})") from err
 

@@ -165,7 +165,7 @@ def gemm2_gather_rs(
                            "(capture the forward under torch.no_grad)")
     launch = prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs,
                      group, comm_ctas=comm_ctas, splits=splits, config=config,
-                     expected_rows=expected_rows, defer_slots=True)
+                     expected_rows=expected_rows, defer_slots=None)
     if grads:
         out = _Gemm2GatherRS.apply(x, weight, probs, launch.counts_dev, token_index,
                                    launch.table, launch)
@@ -284,13 +284,13 @@ def _plan_request(call: Call, tiles: TileConfig, routing: Routing, x, hidden: in
 
 def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=None,
             group=None, *, comm_ctas=None, splits=None, config=None,
-            expected_rows=None, defer_slots: bool = False) -> Launch:
+            expected_rows=None, defer_slots: bool | None = False) -> Launch:
     """The op's pipeline up to the launch: check the call, route (offsets and combine
     table on the device), plan (C, L, tiles) and size the buffer's slots.
     `defer_slots`: the routing's second pass (the table) is left to the launch, which
-    queues it on GatherRS's stream (`Routing.slots`): what the op does, so that GEMM2
-    starts after the first pass; off, the table is complete when this returns (tools
-    that read it before a launch)."""
+    queues it on GatherRS's stream (`Routing.slots`), so that GEMM2 starts after the
+    first pass; off, the table is complete when this returns (tools that read it before
+    a launch); None (the op): as the tiles say (`TileConfig.gemm_places_from_marks`)."""
     note_call(group)  # (first: a call that raises below still counts, `buffer.note_call`)
     call = _checked_call(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs,
                          group, comm_ctas, splits, config, expected_rows)
@@ -316,6 +316,9 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
                call.captured)
     dest = (torch.empty(call.token_index.shape[0], dtype=torch.int32, device=x.device)
             if tiles.token_major else None)
+    if defer_slots is None:  # deferred where GEMM2 does not read dest: row order, or
+        # a token-major y whose places GEMM2 counts itself
+        defer_slots = dest is None or tiles.gemm_places_from_marks
     counts = call.counts if call.counts is not None else to_device(call.counts_dev, x.device)
     routing = Router.get(x.device).route(call.token_index, counts, buf.error, tiles.block_m,
                                          num_tokens, topk, dest, call.padded, defer_slots)

@@ -30,7 +30,8 @@ def compiled_occupancies(device: torch.device, flags: tuple, t: TileConfig, comm
     y = torch.empty(t.block_m, t.block_n, dtype=torch.bfloat16, device=device)
     idx = torch.zeros(2, dtype=torch.int32, device=device)
     marks = torch.zeros(t.block_m, dtype=torch.int32, device=device)  # (one expert: one word)
-    places = TokenPlaces(marks, marks, 1, 1) if t.token_major else None
+    places = (TokenPlaces(marks, marks, 1, 1, None if t.gemm_places_from_marks else marks)
+              if t.token_major else None)  # (the kernel variant the op will launch)
     gk = gemm2.launch_grouped_gemm2(
         x, w, y, idx, idx, ready, splits=1, programs=1, block_m=t.block_m,
         block_n=t.block_n, block_k=t.block_k, num_warps=t.gemm_warps,

@@ -4,9 +4,12 @@ each token) and, where y is token-major, each row's place in it.
 
 Two passes over the rows (`kernels/routing_table.py`: each row marks its expert in its
 token's mask, then counts the marks below it for its slot) build all of it and check the
-row order as they run. Only the first is on GEMM2's path: GEMM2 counts a row's slot from
-the marks itself (`Routing.places`), and the op leaves the second (the table) to the
-launch, on GatherRS's stream (`Routing.slots`).
+row order as they run. By default both run before GEMM2, which reads each row's place
+from the second's dest (`Routing.places`). With `TileConfig.gemm_places_from_marks`
+GEMM2 counts a row's slot from the first pass's marks itself, and the op leaves the
+second (the table) to the launch, on GatherRS's stream (`Routing.slots`): measured
+slower on one H200, where the count's two dependent loads per tile cost GEMM2 more than
+the pass it takes off its path (docs/RESULTS.md, "Where GEMM2 finds its rows").
 
 Host counts go into the next pinned slot of a ring (`counts_ring`), which the first pass
 reads in place (mapped): it sums them and writes the offsets into a fresh device tensor.
@@ -42,8 +45,8 @@ class Routing:
     routed: an event recorded right after the routing-table kernel (None on CPU, on the
         copy path and with device counts): GatherRS's stream forks from it (valid while
         nothing GatherRS depends on is queued between the two; the op queues nothing).
-    places: where GEMM2 stores each row of a token-major y, from the first pass's marks
-        (None: row order).
+    places: where GEMM2 stores each row of a token-major y: read from dest, or with
+        `slots` deferred counted from the first pass's marks (None: row order).
     slots: the second pass (table, dest), not launched yet (`Router.route`'s
         `defer_slots`): the launcher queues it on GatherRS's stream, so GEMM2 starts
         after the first pass; None where `route` queued it itself.
@@ -130,7 +133,10 @@ class Router:
 
 def _routing(passes: RoutingPasses, row_start, tile_start, counts_dev, row_tiles,
              token_index, topk: int, dest, routed) -> Routing:
+    # GEMM2 reads each row's place from dest where the second pass runs before it, and
+    # counts it from the marks where that pass is deferred (`TokenPlaces`)
     places = (None if dest is None
-              else TokenPlaces(token_index, passes.marks, passes.words, topk))
+              else TokenPlaces(token_index, passes.marks, passes.words, topk,
+                               dest if passes.slots is None else None))
     return Routing(passes.table, row_start, tile_start, counts_dev, row_tiles, dest, routed,
                    places, passes.slots)
