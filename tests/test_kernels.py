@@ -465,7 +465,7 @@ def test_every_kernel_compiles_for_hopper_without_a_gpu():
     done = subprocess.run([sys.executable, str(tool)], env=env, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count("ok ") == 29, done.stdout  # every listed kernel and mode
+    assert done.stdout.count("ok ") == 31, done.stdout  # every listed kernel and mode
     for name in ("gemm2", "gather_rs", "routing_table", "weighted_swiglu", "gather_rows",
                  "gated_add"):
         assert f"ok {name}" in done.stdout or f"ok grouped_{name}" in done.stdout, name
@@ -546,8 +546,8 @@ def test_launch_cache_keys_descriptors_on_layout_not_on_row_count(monkeypatch):
         do_not_specialize=["num_experts", "K", "num_splits", "dest_rows", "topk"])))
     w = torch.zeros(4 * 64, 32, dtype=torch.bfloat16)
     meta = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=16, EXPERTS_POW2=4, UPCAST=False,
-                COL_ALIGN=16, FLATTEN=False, SCATTER=False, MARK_WORDS=1, num_warps=4,
-                num_stages=3)
+                COL_ALIGN=16, FLATTEN=False, SCATTER=False, MARK_WORDS=1, FROM_DEST=False,
+                num_warps=4, num_stages=3)
 
     def args(rows):
         x = torch.zeros(rows, 32, dtype=torch.bfloat16)

@@ -500,7 +500,10 @@ def _ranks_run(rank, world, one_gpu=False):
                                config=OverlapConfig(backend="reference")))
         res[name] = dict(err=rel_err(outs[0], mine), ref_err=rel_err(ref, mine),
                          nan=bool(torch.isnan(outs[0]).any()),
-                         bitwise=all(torch.equal(o, outs[0]) for o in outs))
+                         bitwise=all(torch.equal(o, outs[0]) for o in outs),
+                         # (which call differs from the first, in how many elements)
+                         differing={i: int((o != outs[0]).sum()) for i, o in enumerate(outs)
+                                    if not torch.equal(o, outs[0])})
     # one buffer, models alternating: the peer slots change geometry on every call (this
     # freed peer memory while a peer still wrote into it before the allocation grew only)
     errs = []
