@@ -52,8 +52,8 @@ class TokenPlaces(NamedTuple):
     With `dest`, the second pass's output (y's row of each row, -1 for a row it did not
     place), complete before GEMM2 runs, the kernel reads the place instead: one load per
     row, whose latency the K loop hides, where counting takes two dependent loads (the
-    token, then its mask) in front of every tile's K loop (on one H200 our GEMM2 took
-    1.3x its time counting: docs/RESULTS.md, "Where GEMM2 finds its rows").
+    token, then its mask) in front of every tile's K loop (on one H200 the op took
+    1.23x-1.43x its time counting: docs/RESULTS.md, "Where GEMM2 finds its rows").
 
     token_index: [T] int32 / int64; marks: [M * words] int32; words = ceil(E / 32);
     dest: None or [T] int32."""

@@ -1,8 +1,9 @@
 """The op's routing stage alone on one GPU: `Router.route` (the combine table, the
 token-major inverse and the device offsets from the counts) per workload, against the
 pure-torch `combine_table`, CUDA-graph replays, medians; and its first pass alone
-(`defer_slots`: what the op queues before GEMM2, the second pass going to GatherRS's
-stream), where the code has it.
+(`defer_slots`: what the op queues before GEMM2 where GEMM2 counts its rows' places,
+`TileConfig.gemm_places_from_marks`, the second pass going to GatherRS's stream), where
+the code has it.
 
     python tools/bench_routing.py --models granite,qwen,deepseek --layout TP1EP1 \
         --seqs 4096,16384
@@ -74,7 +75,7 @@ def main() -> int:
                     return_mode="median")
             print(f"routing {model}/{args.layout}/S={seq} rows={rows} experts={counts.numel()} "
                   f"route {ms * 1e3:.1f} us"
-                  + ("" if first is None else f" (before GEMM2: {first * 1e3:.1f} us)")
+                  + ("" if first is None else f" (first pass: {first * 1e3:.1f} us)")
                   + f" | combine_table {ref * 1e3:.1f} us", flush=True)
     return 0
 

@@ -70,7 +70,7 @@ for s in "$@"; do
             --iters ${GRID_ITERS:-8} --warmup 2 --abba ${GRID_ARGS:-} \
             --json "$OUT/grid_${TAG:-}${mode}_${m}_B$b.json"; done; done; done ;;
     env) stage env 60 bash -c "nvidia-smi; nvidia-smi topo -m; python3 -c 'import torch,triton; print(torch.__version__, triton.__version__, torch.cuda.device_count())'" ;;
-    gpu_tests) stage gpu_tests ${GPU_TEST_SECS:-240} python3 -m pytest -q -m gpu -p no:cacheprovider \
+    gpu_tests) stage gpu_tests ${GPU_TEST_SECS:-420} python3 -m pytest -q -m gpu -p no:cacheprovider \
         --rootdir "$REPO" -c "$REPO/pyproject.toml" ${GPU_TEST_K:+-k "$GPU_TEST_K"} \
         "$REPO/tests/test_kernels_gpu.py" "$REPO/tests/test_op_gpu.py" \
         "$REPO/tests/test_mcore_gpu.py" || [ "${GPU_TESTS_DEGRADE:-1}" = 0 ] || {

@@ -173,17 +173,18 @@ class TileConfig:
     `gemm_maxnreg` / `comm_maxnreg`: explicit register caps per thread (None: the
     placement's default). `comm_evict_first`: GatherRS loads y with the evict-first
     policy (each row is read once), so its stream of y leaves GEMM2's x and W in L2;
-    off until measured on a GPU (same bits either way). `comm_dynamic_items`: GatherRS's
+    off: within noise on one H200 (same bits either way). `comm_dynamic_items`: GatherRS's
     programs claim their items of a split one at a time from a counter instead of
     taking every (C + H)-th, so a program its SM's GEMM2 CTAs slow down takes fewer and
     the tail helpers also take what is left of earlier splits when GEMM2 ends (with the
-    fixed stride they share only the last split); off until measured on a GPU (same
-    bits either way: `kernels/gather_rs.py`, "Claimed items"). `gemm_places_from_marks`:
-    GEMM2 counts each token-major row's place from the routing's first pass (its token's
-    expert mask), so the second pass (the combine table) leaves GEMM2's path for
-    GatherRS's stream; off, GEMM2 reads the place the second pass wrote. Off: on one H200
-    counting cost GEMM2 1.3x its time (two dependent loads in front of every tile's K
-    loop) against 5-15 us of routing taken off its path (same bits either way).
+    fixed stride they share only the last split); off: no gain on one H200, whose
+    trace left no backlog when GEMM2 ends (same bits either way: `kernels/gather_rs.py`,
+    "Claimed items"). `gemm_places_from_marks`: GEMM2 counts each token-major row's
+    place from the routing's first pass (its token's expert mask), so the second pass
+    (the combine table) leaves GEMM2's path for GatherRS's stream; off, GEMM2 reads the
+    place the second pass wrote. Off: on one H200 counting made the op 1.23x-1.43x
+    slower (two dependent loads in front of every tile's K loop) against 4-15 us of
+    routing taken off GEMM2's path (same bits either way).
     """
 
     block_m: int
