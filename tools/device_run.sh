@@ -73,11 +73,15 @@ for s in "$@"; do
     gpu_tests) stage gpu_tests ${GPU_TEST_SECS:-420} python3 -m pytest -q -m gpu -p no:cacheprovider \
         --rootdir "$REPO" -c "$REPO/pyproject.toml" ${GPU_TEST_K:+-k "$GPU_TEST_K"} \
         "$REPO/tests/test_kernels_gpu.py" "$REPO/tests/test_op_gpu.py" \
-        "$REPO/tests/test_mcore_gpu.py" || [ "${GPU_TESTS_DEGRADE:-1}" = 0 ] || {
+        "$REPO/tests/test_mcore_gpu.py"; rc=$?
+      if [ $rc = 124 ]; then  # the stage's bound, not a failed test: nothing to work around
+        echo "gpu_tests ran past ${GPU_TEST_SECS:-420} s: later stages keep the tail helpers" | tee -a "$LOG"
+      elif [ $rc != 0 ] && [ "${GPU_TESTS_DEGRADE:-1}" != 0 ]; then
         # later stages measure without the tail helpers rather than not at all (the
         # tools' OverlapConfig.from_env reads it)
         echo "gpu_tests failed: MEGATRON_OVERLAP_TAIL_HELPERS=0 from here on" | tee -a "$LOG"
-        export MEGATRON_OVERLAP_TAIL_HELPERS=0; } ;;
+        export MEGATRON_OVERLAP_TAIL_HELPERS=0
+      fi ;;
     tune) stage tune 170 $TR "$REPO/tools/tune_tiles.py" --json "$OUT/tiles.json" ;;
     tune_comm)  # GatherRS candidates on one GPU (no NVLink pushes) and on all; later
       # stages use the choice of the all-GPU run (MEGATRON_OVERLAP_TILES)
