@@ -791,6 +791,41 @@ def test_two_ranks_match_fp64_and_are_bitwise_stable_over_c_and_l(two_ranks, cas
         assert r["bitwise"], (rank, r)
 
 
+# ---------------------------------------------------------------- four ranks (gloo)
+def _four_rank_scenarios(rank, world):
+    """TP2EP2 (two ranks per expert group, the rows in row order) and EP4: each rank's
+    output against fp64, and the calls over C, L, the placement, the tail helpers and
+    claimed items that differ from the first (how many elements)."""
+    import torch.distributed as dist
+
+    group = dist.group.WORLD
+    results = {}
+    for name, ep in (("tp2ep2", 2), ("ep4", 4)):
+        case = dict(tokens=48, experts=8, topk=2, ffn=16, hidden=48, ep=ep)
+        p = routed_problem(rank, world, seed=11, **case)
+        full = fp64_rank_partial(p, 48, with_probs=True)
+        dist.all_reduce(full)
+        outs = [call(p, 48, 2, INTERP, probs=True, group=group, comm_ctas=c, splits=l)
+                for c, l in ((1, 1), (3, 2), (8, 4), (16, 2))]
+        outs += [call(p, 48, 2, config, probs=True, group=group, comm_ctas=3, splits=2)
+                 for config in (SHARED, NO_HELPERS, CLAIMED)]
+        results[name] = dict(err=rel_err(outs[0], full.chunk(world)[rank]),
+                             differing={i: int((o != outs[0]).sum())
+                                        for i, o in enumerate(outs)
+                                        if not torch.equal(o, outs[0])})
+    dist.barrier()
+    return results
+
+
+def test_four_ranks_tp2ep2_and_ep4_match_fp64_with_the_same_bits_for_every_choice():
+    """The protocol with four ranks (each rank's partials pushed to three peers, the
+    barrier over four, the final sum of four slots), in a layout the two-rank tests do
+    not have: TP2EP2, and EP4."""
+    for rank, res in enumerate(run_ranks(4, _four_rank_scenarios)):
+        for name, r in res.items():
+            assert r["err"] < 1e-2 and not r["differing"], (rank, name, r)
+
+
 def test_one_buffer_serves_alternating_hidden_sizes(two_ranks):
     for rank, res in enumerate(two_ranks):
         assert all(e < 1e-2 for e in res["alternating"]), (rank, res["alternating"])
