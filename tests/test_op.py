@@ -302,14 +302,17 @@ def test_the_op_defers_the_second_routing_pass_only_where_gemm2_does_not_read_de
     assert all(torch.equal(o, outs[0]) for o in outs[1:])
 
 
+@pytest.mark.parametrize("helpers", [0, 5])
 @pytest.mark.parametrize("reservation", [0, 7])
 def test_the_deferred_second_pass_precedes_gatherrs_on_its_stream_or_the_fork(
-        reservation, monkeypatch):
+        reservation, helpers, monkeypatch):
     """The CUDA stream order, recorded with stand-ins (the interpreter runs launches one
     after another): in the shared placement GEMM2 goes first and the second routing
-    pass ahead of GatherRS on the side stream; in the partition GatherRS must reach the
-    GPU before GEMM2 spreads over its SMs, so the pass runs on the caller's stream
-    before a fork of its own, which GatherRS's stream waits for."""
+    pass ahead of GatherRS on the side stream, with an event right after it that the
+    tail helpers (on the caller's stream, behind GEMM2) wait for, as they read its
+    table too; in the partition GatherRS must reach the GPU before GEMM2 spreads over
+    its SMs, so the pass runs on the caller's stream before a fork of its own, which
+    GatherRS's stream waits for and the helpers follow on the caller's stream."""
     import contextlib
     import types
 
@@ -322,24 +325,32 @@ def test_the_deferred_second_pass_precedes_gatherrs_on_its_stream_or_the_fork(
         def wait(self, event, stream="main"):
             log.append(("wait", event, stream))
 
-    streams = types.SimpleNamespace(side="side", ops=Ops(), fork="fork", join="join")
+    streams = types.SimpleNamespace(side="side", ops=Ops(), fork="fork", join="join",
+                                    slotted="slotted")
     monkeypatch.setattr(launcher._Streams, "of", classmethod(lambda cls, buf: streams))
     buf = types.SimpleNamespace(all_or_broken=contextlib.nullcontext)
-    slots = types.SimpleNamespace(launch=lambda stream=None: log.append(("slots", stream)))
+    slots = types.SimpleNamespace(
+        launch=lambda stream=None: log.append(("slots", stream or "main")))
     lp = types.SimpleNamespace(plan=types.SimpleNamespace(reservation=reservation),
-                               helpers=0, tiles=None)
+                               helpers=helpers, tiles=None)
     comm = launcher._Comm.__new__(launcher._Comm)
     comm.args, comm.fork, comm.helpers, comm.trace, comm.slots = (), "routed", 0, None, slots
-    monkeypatch.setattr(launcher, "_launch_comm",
-                        lambda *a, stream=None, **kw: log.append(("gather_rs", stream)))
+
+    def gather_rs(*a, stream=None, launch_helpers=False, **kw):
+        log.append(("helpers" if launch_helpers else "gather_rs", stream or "main"))
+
+    monkeypatch.setattr(launcher, "_launch_comm", gather_rs)
     launcher._overlapped(buf, lp, lambda: log.append(("gemm2", "main")), comm)
     if reservation:
-        assert log[:5] == [("slots", None), ("record", "fork", "main"),
+        assert log[:5] == [("slots", "main"), ("record", "fork", "main"),
                            ("wait", "fork", "side"), ("gather_rs", "side"), ("gemm2", "main")]
+        after = [("helpers", "main")] * bool(helpers)
     else:
-        assert log[:4] == [("gemm2", "main"), ("wait", "routed", "side"), ("slots", "side"),
-                           ("gather_rs", "side")]
-    assert log[-2:] == [("record", "join", "side"), ("wait", "join", "main")]
+        assert log[:5] == [("gemm2", "main"), ("wait", "routed", "side"), ("slots", "side"),
+                           ("record", "slotted", "side"), ("gather_rs", "side")]
+        after = [("wait", "slotted", "main"), ("helpers", "main")] * bool(helpers)
+    assert log[5:] == after + [("record", "join", "side"), ("wait", "join", "main")]
+    assert log.count(("slots", "main")) + log.count(("slots", "side")) == 1
 
 
 def rt_combine(token_index, tokens, topk):

@@ -37,6 +37,7 @@ class _Streams:
         self.ops = StreamOps(buf.device)  # (event records and waits through the driver)
         self.fork = torch.cuda.Event()  # main -> side before GatherRS
         self.join = torch.cuda.Event()  # side -> main after it
+        self.slotted = torch.cuda.Event()  # side -> the tail helpers: the table is complete
 
 
 def _gemm2_args(buf: OverlapBuffer, lp: LaunchPlan, hidden: int, width: int, places) -> dict:
@@ -73,11 +74,12 @@ def _launch_comm(buf: OverlapBuffer, lp: LaunchPlan, y, routing: Routing, probs,
 def _overlapped(buf, lp, launch_gemm2, comm) -> None:
     """GEMM2 on the caller's stream (which already orders the offsets and the routing's
     first pass before it), GatherRS on the side stream from the same point, after the
-    routing's second pass where it was deferred (`_Comm`); the caller's stream then
-    waits for GatherRS. (No `torch.cuda.stream` switch: it costs more than a launch.)"""
+    routing's second pass where it was deferred, and the tail helpers behind GEMM2 after
+    that pass too; the caller's stream then waits for GatherRS. (No `torch.cuda.stream`
+    switch: it costs more than a launch.)"""
     streams = _Streams.of(buf)
     side, ops = streams.side, streams.ops
-    fork = comm.fork
+    fork, table_ready = comm.fork, None
     if lp.plan.reservation > 0 and comm.slots is not None:
         # The partition's GatherRS must reach the GPU before GEMM2 spreads over its SMs
         # (below): the routing's second pass goes on this stream, before a fork of its
@@ -103,8 +105,18 @@ def _overlapped(buf, lp, launch_gemm2, comm) -> None:
         launch_gemm2()
         ops.wait(fork, side)
         with buf.all_or_broken():
+            if comm.slots is not None:
+                # the deferred second pass ahead of GatherRS on its stream, and an event
+                # right after it: the tail helpers, queued on this stream behind GEMM2,
+                # read its table too (an event after GatherRS would queue them behind
+                # GatherRS's C programs, which leave them the last split's share)
+                comm.slots.launch(stream=side)
+                ops.record(streams.slotted, side)
+                comm.slots, table_ready = None, streams.slotted
             comm(stream=side)
     if lp.helpers:  # queued behind GEMM2: they start on the SMs it leaves
+        if table_ready is not None:
+            ops.wait(table_ready)
         with buf.all_or_broken():
             comm(launch_helpers=True)
     ops.record(streams.join, side)
