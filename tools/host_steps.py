@@ -72,7 +72,7 @@ STEPS = [
     (gemm2, "packed_offsets_host", "packed_offsets_host (copy path)"),
     (gemm2, "unpack_offsets", "unpack_offsets"),
     (routing, "route_rows", "route_rows (the routing-table kernels)"),
-    (launcher._Comm, "__call__", "GatherRS's stream (the routing's second pass, GatherRS)"),
+    (launcher._Comm, "__call__", "GatherRS's launch (and the tail helpers')"),
     (op, "_plan_request", "_plan_request"),
     (op, "plan_launch", "plan_launch (the cached plan)"),
     (op, "log_decision", "log_decision"), (op, "_forward", "_forward"),

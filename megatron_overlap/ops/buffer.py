@@ -237,10 +237,7 @@ class OverlapBuffer(ErrorWord):
         largest any rank had) and restarts the group's epochs and call numbers."""
         self.broken, self.broken_type = None, OverlapTimeoutError
         self._pending = None
-        self.ready.zero_()
-        self.claims.zero_()
-        self.done.zero_()
-        self.error.zero_()
+        self.clear_flags()
         self.record.zero_()
         self._calls[1] = 0
         if self._memory is not None:

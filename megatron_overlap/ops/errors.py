@@ -93,8 +93,16 @@ def describe_error(code: int, rank: int, expected: int | None = None,
 class ErrorWord:
     """`OverlapBuffer`'s error word on its way to the host: each launch queues its copy
     into pinned memory behind it and `check` reads it once it has arrived (the buffer
-    holds `error`, `ready`, `done`, `broken`, `broken_type`, `_pending`, the pinned word
-    and its event, and raises a recorded mismatch with `mismatch`)."""
+    holds `error`, `ready`, `claims`, `done`, `broken`, `broken_type`, `_pending`, the
+    pinned word and its event, and raises a recorded mismatch with `mismatch`)."""
+
+    def clear_flags(self) -> None:
+        """The kernels' flags back to zero (a call's last program leaves them so): after
+        a time-out, and by `reset`."""
+        self.ready.zero_()
+        self.claims.zero_()
+        self.done.zero_()
+        self.error.zero_()
 
     def check(self, sync: bool = True) -> None:
         """Raise OverlapTimeoutError if an earlier launch recorded a time-out."""
@@ -122,10 +130,7 @@ class ErrorWord:
             self.mismatch()  # raises, naming both ranks' descriptors
         if code:
             self.broken = describe_error(code, self.rank, expected, self.wait_bounds)
-            self.ready.zero_()
-            self.claims.zero_()
-            self.done.zero_()
-            self.error.zero_()
+            self.clear_flags()
             raise OverlapTimeoutError(self.broken)
 
     def note_launch(self, expected: int | None, sync: bool, captured: bool = False) -> None:

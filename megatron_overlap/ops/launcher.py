@@ -79,13 +79,13 @@ def _overlapped(buf, lp, launch_gemm2, comm) -> None:
     switch: it costs more than a launch.)"""
     streams = _Streams.of(buf)
     side, ops = streams.side, streams.ops
-    fork, table_ready = comm.fork, None
-    if lp.plan.reservation > 0 and comm.slots is not None:
+    fork, slots, table_ready = comm.fork, comm.slots, None
+    if lp.plan.reservation > 0 and slots is not None:
         # The partition's GatherRS must reach the GPU before GEMM2 spreads over its SMs
         # (below): the routing's second pass goes on this stream, before a fork of its
         # own, rather than ahead of GatherRS on the side stream.
-        comm.slots.launch()
-        comm.slots, fork = None, None
+        slots.launch()
+        slots, fork = None, None
     if fork is None:
         fork = streams.fork
         ops.record(fork)
@@ -105,14 +105,14 @@ def _overlapped(buf, lp, launch_gemm2, comm) -> None:
         launch_gemm2()
         ops.wait(fork, side)
         with buf.all_or_broken():
-            if comm.slots is not None:
+            if slots is not None:
                 # the deferred second pass ahead of GatherRS on its stream, and an event
                 # right after it: the tail helpers, queued on this stream behind GEMM2,
                 # read its table too (an event after GatherRS would queue them behind
                 # GatherRS's C programs, which leave them the last split's share)
-                comm.slots.launch(stream=side)
+                slots.launch(stream=side)
                 ops.record(streams.slotted, side)
-                comm.slots, table_ready = None, streams.slotted
+                table_ready = streams.slotted
             comm(stream=side)
     if lp.helpers:  # queued behind GEMM2: they start on the SMs it leaves
         if table_ready is not None:
@@ -124,9 +124,9 @@ def _overlapped(buf, lp, launch_gemm2, comm) -> None:
 
 
 class _Comm:
-    """GatherRS of one launch, as a callable the stream order above decides on; a
-    routing's deferred second pass (`Routing.slots`) goes first on its stream, so GEMM2
-    need not wait for it."""
+    """GatherRS of one launch, as a callable the stream order above decides on, with the
+    routing's deferred second pass (`Routing.slots`) that must precede it and the tail
+    helpers, which the launch queues where its stream order needs it."""
 
     def __init__(self, buf, lp, y, routing, probs, out, width, fork, trace=None):
         self.args = (buf, lp, y, routing, probs, out, width)
@@ -136,8 +136,6 @@ class _Comm:
         self.slots = routing.slots
 
     def __call__(self, **kw) -> None:
-        if self.slots is not None and not kw.get("launch_helpers"):
-            self.slots.launch(stream=kw.get("stream"))
         _launch_comm(*self.args, helpers=self.helpers, trace=self.trace, **kw)
 
 
@@ -169,6 +167,8 @@ def launch(buf: OverlapBuffer, x, weight, routing: Routing, lp: LaunchPlan, prob
     if buf.backend == "interpret":
         # Programs of one launch run one after another here: GEMM2 must finish first.
         gemm2.launch_grouped_gemm2(*operands, **gemm_args)
+        if comm.slots is not None:
+            comm.slots.launch()
         with buf.all_or_broken():
             comm()
             if lp.helpers:
