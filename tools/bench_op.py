@@ -17,8 +17,8 @@ C and L sweeps are captured too, and the regret they give carries no host noise.
 it, as "planner(graph,NAME)": `evict_first`, y's loads evict-first
 (`TileConfig.comm_evict_first`); `dynamic_items`, items claimed from a counter per
 split (`TileConfig.comm_dynamic_items`); `places_from_marks`, GEMM2 counting y's rows
-with the table off its path (`TileConfig.gemm_places_from_marks`); `A+B` both. Each arm's eager output must be the
-default's, bit for bit, before anything is timed.
+with the table off its path (`TileConfig.gemm_places_from_marks`); `A+B` both. Each
+arm's eager output must be the default's, bit for bit, before anything is timed.
 
 `--confirm N`: the sweep's fastest C is the minimum of many noisy medians, so the
 regret it gives is biased up (the winner's curse: the largest on two H200s, 28.6%, had a 95% CI
@@ -215,7 +215,6 @@ def check_against_reference(inp, group, c_values, backend: str, tiles=None,
     return worst
 
 
-
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_case_args(ap, model="qwen", layout="TP2EP1", seqs="1024,4096,16384",
@@ -235,7 +234,7 @@ def main() -> int:
                     help="with --cuda-graph: the C and L sweeps captured too (the regret "
                          "without the host's noise)")
     ap.add_argument("--tile-arms", default="",
-                    help="with --cuda-graph: comma list of GatherRS variants captured beside "
+                    help="with --cuda-graph: comma list of tile variants captured beside "
                          f"the op ({', '.join(TILE_ARMS)}; A+B both)")
     add_run_args(ap)
     args = ap.parse_args()
