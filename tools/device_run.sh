@@ -82,6 +82,12 @@ for s in "$@"; do
         echo "gpu_tests failed: MEGATRON_OVERLAP_TAIL_HELPERS=0 from here on" | tee -a "$LOG"
         export MEGATRON_OVERLAP_TAIL_HELPERS=0
       fi ;;
+    shared_gpu_repeat)  # the four-rank shared-GPU test again, REPEAT times (a flaky bitwise
+      # check: one pass proves little)
+      for i in $(seq ${REPEAT:-4}); do
+        stage shared_gpu_$i ${REPEAT_SECS:-90} python3 -m pytest -q -m gpu -p no:cacheprovider \
+          --rootdir "$REPO" -c "$REPO/pyproject.toml" \
+          "$REPO/tests/test_op_gpu.py::test_ranks_sharing_one_gpu_match_fp32_reference_and_are_bitwise_stable"; done ;;
     tune) stage tune 170 $TR "$REPO/tools/tune_tiles.py" --json "$OUT/tiles.json" ;;
     tune_comm)  # GatherRS candidates on one GPU (no NVLink pushes) and on all; later
       # stages use the choice of the all-GPU run (MEGATRON_OVERLAP_TILES)
