@@ -615,9 +615,10 @@ def test_two_gpus_match_fp32_reference_and_are_bitwise_stable():
             assert r["err"] < 1e-2 and r["ref_err"] < 1e-2, (rank, name, r)
 
 
-def test_evict_first_y_loads_and_the_trace_change_no_bit_on_the_gpu():
-    """GatherRS compiled with y's loads evict-first (`TileConfig.comm_evict_first`) and
-    with its trace stores (`launcher.launch(trace=)`) sums the same rows in the same
+def test_l2_hints_and_the_trace_change_no_bit_on_the_gpu():
+    """GatherRS compiled with y's loads evict-first (`TileConfig.comm_evict_first`),
+    GEMM2 (the Gluon kernel) storing the last split's y evict-last
+    (`TileConfig.gemm_tail_evict_last`), and GatherRS with its trace stores (`launcher.launch(trace=)`) sums the same rows in the same
     order: the default shared placement's bits, and a trace entry per program that had
     items, in order, on the GPU's timer."""
     import dataclasses
@@ -629,9 +630,10 @@ def test_evict_first_y_loads_and_the_trace_change_no_bit_on_the_gpu():
     p = routed_problem(0, 1, device="cuda", **SHAPE)
     args = (p["x"], p["weight"], p["counts"], p["token_index"], SHAPE["tokens"], SHAPE["topk"])
     outs = [gemm2_gather_rs(*args, config=dataclasses.replace(
-        TRITON, tiles=dataclasses.replace(GPU_TILES, comm_evict_first=evict)))
-        for evict in (False, True)]
-    assert not torch.isnan(outs[0]).any() and torch.equal(outs[0], outs[1])
+        TRITON, tiles=dataclasses.replace(GPU_TILES, **hint)))
+        for hint in ({}, dict(comm_evict_first=True), dict(gemm_tail_evict_last=True))]
+    assert not torch.isnan(outs[0]).any()
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
     launch = prepare(*args, config=dataclasses.replace(TRITON, tiles=GPU_TILES))
     lp = launch.launch_plan
     trace = torch.full((lp.plan.comm_ctas + lp.helpers, lp.splits, 3), -1, dtype=torch.int64,

@@ -122,10 +122,12 @@ def test_the_tool_traces_the_op_on_the_interpreter_and_writes_a_chart(tmp_path):
     assert len(list((tmp_path / "png").glob("*.png"))) == 1
 
 
-def test_y_loaded_evict_first_gives_the_same_bits_and_the_tiles_file_can_ask_for_it(tmp_path):
-    """`TileConfig.comm_evict_first` changes only where y's lines go in L2, never a sum:
-    the interpreter runs the same loads (with the hint) to the same bits; a tiles file
-    turns it on, and a value that is not a switch is refused naming it."""
+@pytest.mark.parametrize("field", ["comm_evict_first", "gemm_tail_evict_last"])
+def test_y_loaded_evict_first_or_stored_evict_last_gives_the_same_bits(tmp_path, field):
+    """`TileConfig.comm_evict_first` (GatherRS's loads of y) and `gemm_tail_evict_last`
+    (GEMM2's stores of the last split's y) change only where y's lines go in L2, never a
+    sum: the interpreter runs the same loads and stores (with the hint) to the same bits;
+    a tiles file turns each on, and a value that is not a switch is refused naming it."""
     import dataclasses
 
     from megatron_overlap.ops.config import INTERPRET_TILES
@@ -134,12 +136,12 @@ def test_y_loaded_evict_first_gives_the_same_bits_and_the_tiles_file_can_ask_for
     outs = []
     for evict in (False, True):
         cfg = OverlapConfig(backend="interpret", tiles=dataclasses.replace(
-            INTERPRET_TILES, comm_evict_first=evict))
+            INTERPRET_TILES, **{field: evict}))
         outs.append(op_module.gemm2_gather_rs(p["x"], p["weight"], p["counts"],
                                               p["token_index"], TOKENS, TOPK, config=cfg,
                                               splits=2))
-    assert torch.equal(outs[0], outs[1])
-    check_tiles_file_switch(tmp_path, "comm_evict_first")
+    assert not outs[0].isnan().any() and torch.equal(outs[0], outs[1])
+    check_tiles_file_switch(tmp_path, field)
 
 
 def check_tiles_file_switch(tmp_path, field: str) -> None:
@@ -280,7 +282,7 @@ def test_bench_op_refuses_an_arm_whose_output_differs_from_the_default(monkeypat
         bench_op.check_against_reference(inp, None, [3], "interpret", None, (), arms)
 
 
-def test_a_tiles_file_can_ask_for_claimed_items_and_a_non_switch_is_refused(tmp_path):
+def test_a_tiles_file_can_ask_for_each_switch_and_a_non_switch_is_refused(tmp_path):
     check_tiles_file_switch(tmp_path, "comm_dynamic_items")
     check_tiles_file_switch(tmp_path, "gemm_places_from_marks")
 

@@ -17,7 +17,9 @@ C and L sweeps are captured too, and the regret they give carries no host noise.
 it, as "planner(graph,NAME)": `evict_first`, y's loads evict-first
 (`TileConfig.comm_evict_first`); `dynamic_items`, items claimed from a counter per
 split (`TileConfig.comm_dynamic_items`); `places_from_marks`, GEMM2 counting y's rows
-with the table off its path (`TileConfig.gemm_places_from_marks`); `A+B` both. Each
+with the table off its path (`TileConfig.gemm_places_from_marks`); `tail_evict_last`,
+GEMM2 storing the last split's y evict-last in L2 (`TileConfig.gemm_tail_evict_last`);
+`A+B` both. Each
 arm's eager output must be the default's, bit for bit, before anything is timed.
 
 `--confirm N`: the sweep's fastest C is the minimum of many noisy medians, so the

@@ -99,12 +99,16 @@ def kernels():
                       {"numel": "i32", "slot_stride": "i32", "parity_stride": "i32"},
                       {"WORLD": 0, "BLOCK": 0}),
            dict(WORLD=2, BLOCK=2048), dict(num_warps=4), None)
-    # (row order; token-major y with places read from dest or counted from the marks)
-    for scatter, from_dest in ((False, False), (True, True), (True, False)):
+    # (row order; token-major y with places read from dest or counted from the marks;
+    # the last split's y stored evict-last)
+    for scatter, from_dest, evict in ((False, False, False), (True, True, False),
+                                      (True, False, False), (True, True, True)):
         meta = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, EXPERTS_POW2=64, UPCAST=False,
                     COL_ALIGN=16, FLATTEN=False, SCATTER=scatter,
-                    MARK_WORDS=2 if scatter else 1, FROM_DEST=from_dest)
-        yield (f"grouped_gemm2 scatter={scatter}" + " from_dest" * from_dest,
+                    MARK_WORDS=2 if scatter else 1, FROM_DEST=from_dest,
+                    TAIL_EVICT_LAST=evict)
+        yield (f"grouped_gemm2 scatter={scatter}" + " from_dest" * from_dest
+               + " tail_evict_last" * evict,
                gemm2.grouped_gemm2_kernel,
                _gemm2_signature("tensordesc<bf16[128,64]>", meta), meta,
                dict(num_warps=4, num_stages=3), None)
@@ -112,15 +116,17 @@ def kernels():
     from triton.experimental.gluon import language as gl
 
     layout = repr(gl.NVMMASharedLayout.get_default_for([128, 64], gl.bfloat16))
-    for publisher, maxnreg, from_dest in ((True, gemm2_ws.MAXNREG, True),
-                                          (False, gemm2_ws.MAXNREG, True),
-                                          (True, SHARED_GEMM_MAXNREG["gluon"], True),
-                                          (True, SHARED_GEMM_MAXNREG["gluon"], False)):
+    shared = SHARED_GEMM_MAXNREG["gluon"]
+    for publisher, maxnreg, from_dest, evict in ((True, gemm2_ws.MAXNREG, True, False),
+                                                 (False, gemm2_ws.MAXNREG, True, False),
+                                                 (True, shared, True, False),
+                                                 (True, shared, False, False),
+                                                 (True, shared, True, True)):
         meta = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, SEARCH_STEPS=6, STAGES=3,
                     COL_ALIGN=16, SCATTER=True, MARK_WORDS=2, FROM_DEST=from_dest,
-                    PUBLISHER=publisher)
+                    PUBLISHER=publisher, TAIL_EVICT_LAST=evict)
         yield (f"grouped_gemm2_ws publisher={publisher} maxnreg={maxnreg}"
-               + " from_marks" * (not from_dest),
+               + " from_marks" * (not from_dest) + " tail_evict_last" * evict,
                gemm2_ws.grouped_gemm2_ws_kernel,
                _gemm2_signature(f"tensordesc<bf16[128,64],{layout}>", meta), meta,
                dict(num_warps=4, maxnreg=maxnreg), None)

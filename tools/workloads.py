@@ -97,7 +97,8 @@ def op_kwargs(inp: dict, group) -> dict:
 #: TileConfig changes
 TILE_ARMS = {"evict_first": dict(comm_evict_first=True),
              "dynamic_items": dict(comm_dynamic_items=True),
-             "places_from_marks": dict(gemm_places_from_marks=True)}
+             "places_from_marks": dict(gemm_places_from_marks=True),
+             "tail_evict_last": dict(gemm_tail_evict_last=True)}
 
 
 def tile_arms(spec: str, base) -> dict:

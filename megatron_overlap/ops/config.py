@@ -184,7 +184,10 @@ class TileConfig:
     (the combine table) leaves GEMM2's path for GatherRS's stream; off, GEMM2 reads the
     place the second pass wrote. Off: on one H200 counting made the op 1.23x-1.43x
     slower (two dependent loads in front of every tile's K loop) against 4-15 us of
-    routing taken off GEMM2's path (same bits either way).
+    routing taken off GEMM2's path (same bits either way). `gemm_tail_evict_last`: GEMM2
+    stores the last split's y with the L2 evict-last policy, so that more of it is still
+    in L2 when GatherRS combines it after GEMM2 ends (the tail); the other splits' y
+    and x and W keep the normal policy (same bits either way).
     """
 
     block_m: int
@@ -206,6 +209,7 @@ class TileConfig:
     comm_evict_first: bool = False  # GatherRS's y loads marked first to leave L2
     comm_dynamic_items: bool = False  # GatherRS's items claimed from a counter per split
     gemm_places_from_marks: bool = False  # GEMM2 counts y's rows; the table off its path
+    gemm_tail_evict_last: bool = False  # the last split's y stored evict-last in L2
 
     def __post_init__(self) -> None:
         from ..kernels.gemm2 import IMPLS
@@ -247,7 +251,7 @@ class TileConfig:
                 kind = "a power of two" if pow2 else "an int"
                 raise ValueError(f"TileConfig.{name} must be {kind} in [{lo}, {hi}], got {v!r}")
         for name in ("gemm_flatten", "comm_slot_loop", "token_major", "comm_evict_first",
-                     "comm_dynamic_items", "gemm_places_from_marks"):
+                     "comm_dynamic_items", "gemm_places_from_marks", "gemm_tail_evict_last"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"TileConfig.{name} must be a bool, got {getattr(self, name)!r}")
 
@@ -297,7 +301,8 @@ def load_tiles(path: str) -> TileConfig:
                           comm_evict_first=_flag(best.get("comm_evict_first", False)),
                           comm_dynamic_items=_flag(best.get("comm_dynamic_items", False)),
                           gemm_places_from_marks=_flag(best.get("gemm_places_from_marks",
-                                                                False)))
+                                                                False)),
+                          gemm_tail_evict_last=_flag(best.get("gemm_tail_evict_last", False)))
     except (OSError, KeyError, ValueError, TypeError, AttributeError) as err:
         raise ValueError(f"{path}: not a tune_tiles result ({type(err).__name__}: {err})") from err
 

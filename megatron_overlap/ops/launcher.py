@@ -46,7 +46,7 @@ def _gemm2_args(buf: OverlapBuffer, lp: LaunchPlan, hidden: int, width: int, pla
                 block_n=t.block_n, block_k=t.block_k, num_warps=t.gemm_warps,
                 num_stages=t.gemm_stages, upcast=buf.backend == "interpret",
                 flatten=t.gemm_flatten, places=places, impl=t.gemm_impl, maxnreg=t.gemm_maxnreg,
-                width=width)
+                width=width, tail_evict_last=t.gemm_tail_evict_last)
 
 
 def _launch_comm(buf: OverlapBuffer, lp: LaunchPlan, y, routing: Routing, probs, out,

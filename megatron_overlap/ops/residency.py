@@ -36,7 +36,7 @@ def compiled_occupancies(device: torch.device, flags: tuple, t: TileConfig, comm
         x, w, y, idx, idx, ready, splits=1, programs=1, block_m=t.block_m,
         block_n=t.block_n, block_k=t.block_k, num_warps=t.gemm_warps,
         num_stages=t.gemm_stages, flatten=t.gemm_flatten, warmup=True, places=places,
-        impl=t.gemm_impl, maxnreg=t.gemm_maxnreg)
+        impl=t.gemm_impl, maxnreg=t.gemm_maxnreg, tail_evict_last=t.gemm_tail_evict_last)
     table = torch.zeros(1, slots, dtype=torch.int32, device=device)
     ptrs = torch.zeros(1, dtype=torch.int64, device=device)
     ck = grs.launch_gather_rs(
