@@ -79,7 +79,7 @@ def _overlapped(buf, lp, launch_gemm2, comm) -> None:
     switch: it costs more than a launch.)"""
     streams = _Streams.of(buf)
     side, ops = streams.side, streams.ops
-    fork, slots, table_ready = comm.fork, comm.slots, None
+    fork, slots = comm.fork, comm.slots
     if lp.plan.reservation > 0 and slots is not None:
         # The partition's GatherRS must reach the GPU before GEMM2 spreads over its SMs
         # (below): the routing's second pass goes on this stream, before a fork of its
@@ -112,11 +112,10 @@ def _overlapped(buf, lp, launch_gemm2, comm) -> None:
                 # GatherRS's C programs, which leave them the last split's share)
                 slots.launch(stream=side)
                 ops.record(streams.slotted, side)
-                table_ready = streams.slotted
             comm(stream=side)
     if lp.helpers:  # queued behind GEMM2: they start on the SMs it leaves
-        if table_ready is not None:
-            ops.wait(table_ready)
+        if slots is not None:  # (still set only where the side stream ran the pass)
+            ops.wait(streams.slotted)
         with buf.all_or_broken():
             comm(launch_helpers=True)
     ops.record(streams.join, side)
