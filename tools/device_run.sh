@@ -250,7 +250,7 @@ for s in "$@"; do
         if [ $1 = old ]; then path=/tmp/site_old:/tmp/site; tools=$REPO/.whl/old/tools; else path=/tmp/site; tools=$REPO/tools; fi
         PYTHONPATH=$path stage ab_op_$1_$2 ${BENCH_SECS:-150} torchrun --nproc-per-node 1 \
           "$tools/bench_op.py" --model granite,qwen,deepseek --layout $2 --seqs 4096,16384 \
-          --routing uniform --cset 132 --samples ${OP_SAMPLES:-10} --warmup 2 --preset h200 \
+          --routing uniform --cset 132 --samples ${OP_SAMPLES:-10} --warmup 2 --preset ${PRESET:-$CAL_NAME} \
           --cuda-graph --json "$OUT/ab_op_$1_$2.json"; done ;;
     ab_layer)  # the one-GPU MoE layer (stock and overlapped, local experts), old and new
       [ "${OLD_READY:-0}" = 1 ] || { echo "ab_layer: run old_code first" | tee -a "$LOG"; continue; }
@@ -267,7 +267,7 @@ for s in "$@"; do
         PYTHONPATH=$path stage op_1gpu_$code ${BENCH_SECS:-200} torchrun --nproc-per-node 1 \
           "$REPO/tools/bench_op.py" --model ${OP_MODELS:-granite,qwen,deepseek} --layout TP1EP1 \
           --seqs ${OP_SEQS:-4096,16384} --routing ${ROUTING:-uniform,p90} --cset 132 \
-          --samples ${OP_SAMPLES:-10} --warmup 2 --preset h200 --cuda-graph \
+          --samples ${OP_SAMPLES:-10} --warmup 2 --preset ${PRESET:-$CAL_NAME} --cuda-graph \
           --json "$OUT/op_${TAG:-}${code}_TP1EP1.json"; done ;;
     op_trace)  # GatherRS's per-split timeline inside the op (TRACE): readiness, GEMM2's
       # end, the tail and the backlog of earlier splits after it, the op's time, with a
@@ -276,7 +276,7 @@ for s in "$@"; do
       for lay in ${LAYOUTS:-TP1EP1}; do
         stage op_trace_$lay ${TRACE_SECS:-420} torchrun --nproc-per-node 1 \
           "$REPO/tools/op_trace.py" --model ${OP_MODELS:-granite,qwen,deepseek} --layout $lay \
-          --seqs ${OP_SEQS:-4096,16384} --routing ${ROUTING:-uniform} --preset h200 \
+          --seqs ${OP_SEQS:-4096,16384} --routing ${ROUTING:-uniform} --preset ${PRESET:-$CAL_NAME} \
           --tile-arms="${TRACE_ARMS-dynamic_items}" --helper-scale ${HELPER_SCALE:-1,2} \
           --last-split-tiles ${LAST_TILES:-0} --runs ${TRACE_RUNS:-6} \
           ${TRACE_ARGS:-} --json "$OUT/trace_${TAG:-}$lay.json" --png-dir "$OUT/trace_$lay"; done ;;
@@ -286,7 +286,7 @@ for s in "$@"; do
       for lay in ${LAYOUTS:-TP1EP1}; do
         stage op_energy_$lay ${ENERGY_SECS:-320} torchrun --nproc-per-node 1 \
           "$REPO/tools/op_energy.py" --model ${OP_MODELS:-granite,qwen,deepseek} --layout $lay \
-          --seqs ${OP_SEQS:-4096,16384} --routing ${ROUTING:-uniform} --preset h200 \
+          --seqs ${OP_SEQS:-4096,16384} --routing ${ROUTING:-uniform} --preset ${PRESET:-$CAL_NAME} \
           --window-s ${WINDOW_S:-3} --rounds ${ROUNDS:-2} \
           --json "$OUT/op_energy_${TAG:-}$lay.json" --png "$OUT/op_energy_${TAG:-}$lay.png"; done ;;
     comm_ab)  # GatherRS variants beside the default (TILE_ARMS: y's loads evict-first,
@@ -295,7 +295,7 @@ for s in "$@"; do
         stage comm_ab_$lay ${BENCH_SECS:-300} torchrun --nproc-per-node 1 \
           "$REPO/tools/bench_op.py" --model ${OP_MODELS:-granite,qwen,deepseek} --layout $lay \
           --seqs ${OP_SEQS:-4096,16384} --routing ${ROUTING:-uniform} --cset 132 \
-          --samples ${OP_SAMPLES:-10} --warmup 2 --preset h200 --cuda-graph \
+          --samples ${OP_SAMPLES:-10} --warmup 2 --preset ${PRESET:-$CAL_NAME} --cuda-graph \
           --tile-arms ${TILE_ARMS:-evict_first,dynamic_items} \
           --json "$OUT/op_${TAG:-}comm_ab_$lay.json"; done ;;
     gemm2_variants)  # GEMM2 alone, our tile variants against torch's grouped GEMM, replayed
