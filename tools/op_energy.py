@@ -283,10 +283,12 @@ def figure(assessed: dict, path: str) -> None:
         ax.bar([j + 0.27 * (i - 1) for j in range(len(ws))], [w[key] for w in ws], 0.27,
                label=label)
     ax.axhline(1.10, color="k", linestyle="--", linewidth=1, label="target 1.10x")
-    ax.set_xticks(range(len(ws)), [w["case"].replace("/", "\n", 1) for w in ws], fontsize=7)
+    # "model/layout/S=../routing" reads as two short lines: the model, then S
+    ticks = [f"{w['case'].split('/')[0]}\n{w['case'].split('/')[2]}" for w in ws]
+    ax.set_xticks(range(len(ws)), ticks, fontsize=8)
     ax.set_ylabel("time / torch's GEMM2 alone")
     ax.set_title(f"The op at the power cap ({assessed['cap_w']:.0f} W)")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
