@@ -780,7 +780,8 @@ def test_grid_report_reads_both_halves_of_the_recorded_fuse_or_not_grid(tmp_path
     # fused by the planner and measured no slower, the stock arm syncing twice per call
     import report_grid
 
-    points = report_grid.load_points(os.path.join(os.path.dirname(__file__), "..", "docs", "data"))
+    data = os.path.join(os.path.dirname(__file__), "..", "docs", "data")
+    points = report_grid.load_points(data, "h200")
     by_mode = {m: [p for p in points if p["mode"] == m] for m in ("prefill", "train")}
     assert {m: len(v) for m, v in by_mode.items()} == {"prefill": 24, "train": 24}
     assert all(p["ratio"] >= 0.99 and p["predicted_saved_ms"] > 0 for p in points)
@@ -789,3 +790,7 @@ def test_grid_report_reads_both_halves_of_the_recorded_fuse_or_not_grid(tmp_path
     assert "train: min on/off 1.006x over 24 points" in text
     report_grid.figure(points, str(tmp_path / "grid.png"))
     assert (tmp_path / "grid.png").stat().st_size > 10_000
+    # the H100's prefill grid (B = 4) is its own population, never mixed into the H200's
+    h100 = report_grid.load_points(data, "h100")
+    assert len(h100) == 9 and {p["mode"] for p in h100} == {"prefill"}
+    assert min(p["ratio"] for p in h100) >= 0.99

@@ -1,8 +1,9 @@
 """The fuse-or-not grid (stage `grid_te` of tools/device_run.sh) as a table and a figure.
 
-    python tools/report_grid.py --data docs/data --out build/grid
+    python tools/report_grid.py --data docs/data --device h200 --out build/grid
 
-Reads grid_*_{prefill,train}_{model}_B{b}.json (megatron_overlap.mcore.prefill --abba
+Reads grid_{device}_*_{prefill,train}_{model}_B{b}.json (one device's grid: the cards'
+points are not one population) (megatron_overlap.mcore.prefill --abba
 --json over several S); writes OUT/grid.md (one row per point: off = the stock path,
 on = the planner's per-size choice, on / off measured, the decision with its predicted
 saving, the host syncs per MoE layer call where the run counted them) and
@@ -22,10 +23,11 @@ import re
 NAME = re.compile(r"_(prefill|train)_([a-z]+)_B(\d+)\.json$")
 
 
-def load_points(data: str) -> list[dict]:
-    """Every grid point of every grid file under `data`, sorted by mode, model, B, S."""
+def load_points(data: str, device: str) -> list[dict]:
+    """Every grid point of `device`'s grid files under `data` (grid_{device}_*.json),
+    sorted by mode, model, B, S."""
     points = []
-    for path in glob.glob(os.path.join(data, "grid_*.json")):
+    for path in glob.glob(os.path.join(data, f"grid_{device}_*.json")):
         match = NAME.search(path)
         if not match:
             continue
@@ -116,11 +118,12 @@ def figure(points: list[dict], path: str) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data", default="docs/data")
+    p.add_argument("--device", default="h200", help="the files' device tag (grid_DEVICE_*)")
     p.add_argument("--out", default="build/grid")
     args = p.parse_args()
-    points = load_points(args.data)
+    points = load_points(args.data, args.device)
     if not points:
-        raise SystemExit(f"no grid_*_{{prefill,train}}_*_B*.json under {args.data}")
+        raise SystemExit(f"no grid_{args.device}_*_{{prefill,train}}_*_B*.json under {args.data}")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "grid.md"), "w") as f:
         f.write(table(points) + "\n\n" + summary(points) + "\n")
