@@ -100,7 +100,7 @@ def _captured(paths, key="median"):
             yield r, {int(n.split("=")[1]): ms for n, ms in med.items() if n.startswith("graph L=")}
 
 
-def _plan_on_one(monkeypatch, preset: str):
+def _planning_for(monkeypatch, preset: str):
     """The op plans for one GPU of the preset's device here (its DeviceSpec, on the CPU)."""
     from megatron_overlap.planner.inputs import DeviceSpec
 
@@ -108,15 +108,12 @@ def _plan_on_one(monkeypatch, preset: str):
     monkeypatch.setattr(planning, "device_spec",
                         lambda device, sm_margin: DeviceSpec(gpu.name, gpu.sms, sm_margin))
     # (the op's caches keep what they planned on this CPU's DeviceSpec: set aside, and
-    # what is planned here for the H200 is dropped afterwards)
+    # what is planned here for that GPU is dropped afterwards)
     caches = ("_caches", "_decisions", "_shapes", "_kernels")
     saved = {name: dict(getattr(planning, name)) for name in caches}
     for name in caches:
         getattr(planning, name).clear()
-    return caches, saved
-
-
-def _restore(caches, saved):
+    yield
     for name in caches:
         getattr(planning, name).clear()
         getattr(planning, name).update(saved[name])
@@ -124,16 +121,12 @@ def _restore(caches, saved):
 
 @pytest.fixture
 def h200_device(monkeypatch):
-    state = _plan_on_one(monkeypatch, "h200")
-    yield
-    _restore(*state)
+    yield from _planning_for(monkeypatch, "h200")
 
 
 @pytest.fixture
 def h100_device(monkeypatch):
-    state = _plan_on_one(monkeypatch, "h100")
-    yield
-    _restore(*state)
+    yield from _planning_for(monkeypatch, "h100")
 
 
 def test_the_ops_l_is_rebuilt_from_a_capture_as_the_op_planned_it(h200_device, tmp_path):
