@@ -29,7 +29,23 @@ def test_the_ops_bytes_are_its_two_parts_and_y_on_chip_saves_ys_round_trip():
     assert b["gemm2(ours)"] - b["gemm2(torch)"] == sizes["x"]  # the second split's re-read
     assert b["op"] - b["fused"] == 2 * sizes["y"] + sizes["x"]
     assert roofline.bounds(GRANITE_4K, 790.0, 4.3)["bytes_today"] == op_energy.arm_bytes(
-        sizes, splits=1)["op"]
+        sizes, splits=1)["op"] == b["stored"]
+
+
+def test_token_bands_move_fewer_bytes_than_storing_y_only_where_w_is_under_two_l2s():
+    """A band's y (at most an L2) stays on chip, every band re-reads W: per L2 of y that
+    is W against the L2's round trip, 2 L2. Granite's 32 MiB of W is under 2 x 50 MiB,
+    Qwen's 384 MiB is not; an L2 as large as y is one band, nothing re-read (= fused)."""
+    qwen = dict(model="qwen", layout="TP1EP1", seq=4096, gemm_flops=2 * 131072 * 2048 * 768)
+    for row, cheaper in ((GRANITE_4K, True), (qwen, False)):
+        sizes = roofline.op_bytes(row)
+        assert (sizes["w"] < 2 * op_energy.L2_BYTES) is cheaper
+        b = op_energy.arm_bytes(sizes, splits=4)
+        assert (b["bands"] < b["stored"]) is cheaper
+        assert b["fused"] < min(b["bands"], b["stored"]) <= b["stored"] < b["op"]
+        assert op_energy.arm_bytes(sizes, 4, l2_bytes=sizes["y"])["bands"] == b["fused"]
+    with pytest.raises(ValueError, match="l2_bytes must be > 0"):
+        op_energy.arm_bytes(sizes, 4, l2_bytes=0)
 
 
 def _points(model, noise=()):
@@ -96,7 +112,8 @@ def test_an_op_running_at_its_roof_reads_one_and_the_roof_ratio_is_the_energies_
     assert w["op_energy_pred"] == pytest.approx(arms["op"]["energy_j_per_call"], rel=1e-4)
     dyn = lambda arm: 0.35 * f[arm] + 45.0 * b[arm]  # noqa: E731
     assert w["ratio_roof"] == pytest.approx(dyn("op") / dyn("gemm2(torch)"), rel=1e-4)
-    assert w["ratio_roof_fused"] < w["ratio_roof"]
+    assert w["ratio_roof_fused"] < w["ratio_roof_stored"] < w["ratio_roof"]
+    assert w["ratio_roof_bands"] == pytest.approx(dyn("bands") / dyn("gemm2(torch)"), rel=1e-4)
     lines = op_energy.table([dict(case="granite", arms={
         a: dict(v, power_w_from_energy=700.0, sm_clock_mhz_mean=1700.0, power_cap_share=1.0)
         for a, v in arms.items()})], got)
@@ -134,4 +151,20 @@ def test_the_tool_times_every_arm_on_the_interpreter_and_says_why_it_fits_nothin
 @pytest.mark.parametrize("flags", [["--window-s", "0"], ["--rounds", "0"], ["--cap-w", "-1"]])
 def test_the_tool_refuses_flags_that_cannot_run_naming_them(flags, tmp_path):
     got = _tool("--smoke", *flags, tmp_path=tmp_path, launcher=())
-    assert got.returncode == 2 and "--window-s and --cap-w must be > 0" in got.stderr
+    assert got.returncode == 2 and "--window-s, --cap-w and --l2-mb must be > 0" in got.stderr
+
+
+def test_reassessing_a_stored_measurement_adds_the_designs_roofs_without_a_gpu(tmp_path):
+    """The H100's measurement, written before the stored and bands designs existed: the
+    fit is the one published (P_0 214 W) and every workload gains their roofs."""
+    data = os.path.join(TOOLS, "..", "docs", "data", "op_energy_h100_TP1EP1.json")
+    got = _tool("--reassess", data, "--l2-mb", "50", "--json", str(tmp_path / "r.json"),
+                tmp_path=tmp_path, launcher=())
+    assert got.returncode == 0, got.stderr[-2000:]
+    assert "stored / bands / fused" in got.stdout
+    out = json.load(open(tmp_path / "r.json"))
+    assert out["assessed"]["model"]["p0_w"] == pytest.approx(214, abs=1)
+    assert out["l2_bytes"] == 50 * 2 ** 20 and len(out["assessed"]["workloads"]) == 6
+    for w in out["assessed"]["workloads"]:
+        assert w["ratio_roof_fused"] < w["ratio_roof_stored"] < w["ratio_roof"]
+        assert (w["ratio_roof_bands"] < w["ratio_roof_stored"]) == w["case"].startswith("granite")

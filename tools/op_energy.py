@@ -35,13 +35,25 @@ condition number, says how well. Per workload it then gives:
   * `op_energy_pred`: the op's energy predicted from its parts' fit at its measured time
     (how far the parts explain the whole);
   * the power roof, t >= (e_F F + e_B B) / (P_cap - P_0): the least time at the cap,
-    for the op as built (y through HBM) and with y never leaving the chip (`fused`);
-  * `ratio_roof`: the op / torch's GEMM2 ratio that roof leaves, both at the cap.
+    for the op as built (y through HBM, x once per split) and for three designs:
+      stored  any design that stores y: x once, W once, y's round trip, the output;
+      bands   y kept in L2 by token bands (a band's y at most an L2, `--l2-mb`), which
+              re-read every expert's W once per band: x + W ceil(y / L2) + out. It moves
+              fewer bytes than `stored` only where W < 2 L2 (the W re-read per L2 of y
+              against that L2's round trip), and assumes a band's y never reaches HBM;
+      fused   y never leaving the chip and nothing re-read: x + W + out, a floor no
+              known design reaches (a token's k rows come from k experts' weights);
+  * `ratio_roof` (`_stored`, `_bands`, `_fused`): the op / torch's GEMM2 ratio each roof
+    leaves, both at the cap.
+
+`--reassess JSON` runs the fit and the roofs again on a JSON this tool wrote (the bytes
+recomputed from its workloads), without a GPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import statistics
@@ -64,20 +76,30 @@ from megatron_overlap.ops.op import prepare  # noqa: E402
 from megatron_overlap.ops.reference import grouped_mm  # noqa: E402
 
 ARMS = ("op", "gemm2(torch)", "gemm2(ours)", "gather_rs")
+L2_BYTES = 50 * 2 ** 20  # an H100's or H200's L2 (`--l2-mb`)
+TOP = 2.0  # the figure's axis ends here (op / torch's GEMM2)
+ROOF_RATIOS = ("ratio", "ratio_roof", "ratio_roof_stored", "ratio_roof_bands", "ratio_roof_fused")
 PARTS = ARMS[1:]
 
 
-def arm_bytes(sizes: dict, splits: int) -> dict:
-    """B of each arm (bytes) from `roofline.op_bytes`' x, w, y, out at L = `splits`."""
+def arm_bytes(sizes: dict, splits: int, l2_bytes: int = L2_BYTES) -> dict:
+    """B of each arm (bytes) from `roofline.op_bytes`' x, w, y, out at L = `splits`, and
+    of two designs not built: `stored` and `bands` (module doc)."""
     x, w, y, out = sizes["x"], sizes["w"], sizes["y"], sizes["out"]
+    if not l2_bytes > 0:
+        raise ValueError(f"l2_bytes must be > 0, got {l2_bytes}")
     return {"op": splits * x + w + 2 * y + out, "gemm2(torch)": x + w + y,
             "gemm2(ours)": splits * x + w + y, "gather_rs": y + out,
+            # the least any design moves that stores y (x once: no split re-reads it)
+            "stored": x + w + 2 * y + out,
+            # y kept in L2 by token bands of at most an L2 of y each: W once per band
+            "bands": x + w * math.ceil(y / l2_bytes) + out,
             "fused": x + w + out}  # (the op with y never leaving the chip)
 
 
 def arm_flops(flops: int) -> dict:
     return {"op": flops, "gemm2(torch)": flops, "gemm2(ours)": flops, "gather_rs": 0,
-            "fused": flops}
+            "stored": flops, "bands": flops, "fused": flops}
 
 
 def window_calls(ms_per_call: float, window_s: float) -> int:
@@ -132,12 +154,14 @@ def assess(rows: list[dict], cap_w: float) -> dict:
     for row in rows:
         op = row["arms"]["op"]
         roof = {k: power_roof_ms(model, row["flops"][k], row["bytes"][k], cap_w)
-                for k in ("op", "gemm2(torch)", "fused")}
+                for k in ("op", "gemm2(torch)", "stored", "bands", "fused")}
         pred = energy_j(model, op["ms_per_call"] * 1e-3, row["flops"]["op"], row["bytes"]["op"])
         per.append(dict(case=row["case"], op_ms=op["ms_per_call"],
                         op_energy_j=op.get("energy_j_per_call"), op_energy_pred=pred,
                         roof_ms=roof, op_over_roof=op["ms_per_call"] / roof["op"],
                         ratio_roof=roof["op"] / roof["gemm2(torch)"],
+                        ratio_roof_stored=roof["stored"] / roof["gemm2(torch)"],
+                        ratio_roof_bands=roof["bands"] / roof["gemm2(torch)"],
                         ratio_roof_fused=roof["fused"] / roof["gemm2(torch)"],
                         ratio=op["ms_per_call"] / row["arms"]["gemm2(torch)"]["ms_per_call"]))
     return dict(model=model, cap_w=cap_w, workloads=per)
@@ -236,7 +260,8 @@ def measure_case(case: OpCase, args, backend: str, device: str, group) -> dict:
         arms[arm]["how"] = text
     return dict(case=case.label(), model=case.model, layout=case.layout, seq=case.seq,
                 routing=case.routing, comm_ctas=lp.plan.comm_ctas, splits=lp.splits,
-                arms=arms, flops=arm_flops(flops), bytes=arm_bytes(sizes, lp.splits))
+                batch=case.batch, arms=arms, flops=arm_flops(flops),
+                bytes=arm_bytes(sizes, lp.splits, l2_bytes(args)))
 
 
 def table(rows: list[dict], assessed: dict) -> list[str]:
@@ -257,14 +282,14 @@ def table(rows: list[dict], assessed: dict) -> list[str]:
         out += ["", f"Fit on the parts ({m['points']} points): P_0 = {m['p0_w']:.0f} W, e_F = "
                 f"{m['e_flop_pj']:.3f} pJ/FLOP, e_B = {m['e_byte_pj']:.1f} pJ/byte, rms "
                 f"{m['rms_rel']:.1%}, max {m['max_rel']:.1%}, cond {m['cond']:.0f}; cap {assessed['cap_w']:.0f} W.", "",
-                "| workload | op ms | op J measured / from its parts | power roof ms (op / "
-                "y on chip) | op / roof | op / torch GEMM2: measured / roof / roof y on chip |",
-                "|---|---|---|---|---|---|"]
+                "| workload | op ms | op J measured / from its parts | op's power roof ms "
+                "| op / roof | op / torch GEMM2: measured / op's roof / stored / bands / "
+                "fused |", "|---|---|---|---|---|---|"]
         for w in assessed["workloads"]:
+            roofs = " / ".join(f"{w[k]:.2f}" for k in ROOF_RATIOS[1:])
             out.append(f"| {w['case']} | {w['op_ms']:.3f} | {fmt(w['op_energy_j'], '.3f')} / "
-                       f"{w['op_energy_pred']:.3f} | {w['roof_ms']['op']:.3f} / "
-                       f"{w['roof_ms']['fused']:.3f} | {w['op_over_roof']:.2f} | "
-                       f"{w['ratio']:.2f} / {w['ratio_roof']:.2f} / {w['ratio_roof_fused']:.2f} |")
+                       f"{w['op_energy_pred']:.3f} | {w['roof_ms']['op']:.3f} | "
+                       f"{w['op_over_roof']:.2f} | {w['ratio']:.2f} / {roofs} |")
     return out
 
 
@@ -276,22 +301,62 @@ def figure(assessed: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     ws = assessed["workloads"]
-    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(ws)), 4))
-    for i, (key, label) in enumerate((("ratio", "op, measured"),
-                                      ("ratio_roof", "op's power roof (y through HBM)"),
-                                      ("ratio_roof_fused", "power roof, y on chip"))):
-        ax.bar([j + 0.27 * (i - 1) for j in range(len(ws))], [w[key] for w in ws], 0.27,
-               label=label)
+    fig, ax = plt.subplots(figsize=(max(7, 1.5 * len(ws)), 4.5))
+    labels = ("op, measured", "op's power roof (x once per split, y through HBM)",
+              "roof of any design storing y (x once)", "roof of L2-sized token bands",
+              "roof with y on chip, nothing re-read")
+    width = 0.8 / len(ROOF_RATIOS)
+    for i, (key, label) in enumerate(zip(ROOF_RATIOS, labels)):
+        xs = [j + width * (i - (len(ROOF_RATIOS) - 1) / 2) for j in range(len(ws))]
+        ax.bar(xs, [min(w[key], TOP) for w in ws], width, label=label)
+        for x, w in zip(xs, ws):  # bands whose W re-reads exceed the axis: their value
+            if w[key] > TOP:
+                ax.text(x, TOP, f"{w[key]:.1f}", ha="center", va="bottom", fontsize=6)
     ax.axhline(1.10, color="k", linestyle="--", linewidth=1, label="target 1.10x")
     # "model/layout/S=../routing" reads as two short lines: the model, then S
     ticks = [f"{w['case'].split('/')[0]}\n{w['case'].split('/')[2]}" for w in ws]
     ax.set_xticks(range(len(ws)), ticks, fontsize=8)
     ax.set_ylabel("time / torch's GEMM2 alone")
     ax.set_title(f"The op at the power cap ({assessed['cap_w']:.0f} W)")
-    ax.legend(fontsize=8, loc="lower right")
+    ax.set_ylim(0, TOP * 1.25)
+    ax.legend(fontsize=7, loc="upper left", ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def l2_bytes(args) -> int:
+    """--l2-mb, else the GPU's L2 (torch's device properties), else `L2_BYTES`."""
+    if args.l2_mb is not None:
+        return int(args.l2_mb * 2 ** 20)
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_properties(0).L2_cache_size
+    return L2_BYTES
+
+
+def reassess(path: str, l2: int, cap_w: float | None) -> tuple[list[dict], dict]:
+    """(rows, assessment) of a JSON this tool wrote, every arm's bytes and FLOPs
+    recomputed from its workloads (a file from before a design was added lacks it)."""
+    with open(path) as f:
+        data = json.load(f)
+    rows = data["results"]
+    for row in rows:
+        flops = row["flops"]["op"]
+        sizes = op_bytes({k: row[k] for k in ("model", "layout", "seq", "batch") if k in row}
+                         | {"gemm_flops": flops})
+        row.update(flops=arm_flops(flops), bytes=arm_bytes(sizes, row["splits"], l2))
+    cap = cap_w or data["assessed"]["cap_w"]
+    return rows, assess(rows, cap)
+
+
+def report(rows: list[dict], assessed: dict, args, env: dict) -> None:
+    print("\n".join(table(rows, assessed)))
+    if not assessed:
+        print("no energy fit: NVML's energy counter or the power cap is not available here")
+    if args.png and assessed:
+        figure(assessed, args.png)
+    write_json(args.json, dict(env=env, command=" ".join(sys.argv), l2_bytes=l2_bytes(args),
+                               results=rows, assessed=assessed))
 
 
 def main() -> int:
@@ -303,28 +368,30 @@ def main() -> int:
     ap.add_argument("--preset", default=None)
     ap.add_argument("--cap-w", type=float, default=None,
                     help="the power cap (W); default NVML's enforced limit")
+    ap.add_argument("--l2-mb", type=float, default=None,
+                    help="the L2 of the bands design (MiB); default the GPU's")
+    ap.add_argument("--reassess", default="", help="a JSON of this tool: fit and roofs again")
     ap.add_argument("--png", default="", help="the roof figure here (rank 0)")
     add_run_args(ap)
     args = ap.parse_args()
     if not (args.window_s > 0 and args.rounds >= 1 and args.warmup >= 0
-            and (args.cap_w is None or args.cap_w > 0)):
-        ap.error("--window-s and --cap-w must be > 0, --rounds >= 1, --warmup >= 0")
+            and (args.cap_w is None or args.cap_w > 0)
+            and (args.l2_mb is None or args.l2_mb > 0)):
+        ap.error("--window-s, --cap-w and --l2-mb must be > 0, --rounds >= 1, --warmup >= 0")
+    if args.reassess:  # no GPU, no process group
+        with open(args.reassess) as f:
+            env = json.load(f)["env"]
+        report(*reassess(args.reassess, l2_bytes(args), args.cap_w), args, env)
+        return 0
     backend, device = smoke_setup(args)
     if args.smoke:
         args.window_s = min(args.window_s, 0.02)
-    rank0 = dist.get_rank() == 0
     rows = [measure_case(case, args, backend, device, dist.group.WORLD) for case in cases(args)]
     cap = args.cap_w or rows[0]["arms"]["op"].get("power_limit_w")
     measured = all(r["arms"][a]["energy_j_per_call"] for r in rows for a in ARMS)
     assessed = assess(rows, cap) if measured and cap else {}
-    if rank0:
-        print("\n".join(table(rows, assessed)))
-        if not assessed:
-            print("no energy fit: NVML's energy counter or the power cap is not available here")
-        if args.png and assessed:
-            figure(assessed, args.png)
-        write_json(args.json, dict(env=env_info(), command=" ".join(sys.argv), results=rows,
-                                   assessed=assessed))
+    if dist.get_rank() == 0:
+        report(rows, assessed, args, env_info())
     dist.destroy_process_group()
     return 0
 
