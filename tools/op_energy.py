@@ -349,13 +349,13 @@ def reassess(path: str, l2: int, cap_w: float | None) -> tuple[list[dict], dict]
     return rows, assess(rows, cap)
 
 
-def report(rows: list[dict], assessed: dict, args, env: dict) -> None:
+def report(rows: list[dict], assessed: dict, args, env: dict, command: str) -> None:
     print("\n".join(table(rows, assessed)))
     if not assessed:
         print("no energy fit: NVML's energy counter or the power cap is not available here")
     if args.png and assessed:
         figure(assessed, args.png)
-    write_json(args.json, dict(env=env, command=" ".join(sys.argv), l2_bytes=l2_bytes(args),
+    write_json(args.json, dict(env=env, command=command, l2_bytes=l2_bytes(args),
                                results=rows, assessed=assessed))
 
 
@@ -379,9 +379,10 @@ def main() -> int:
             and (args.l2_mb is None or args.l2_mb > 0)):
         ap.error("--window-s, --cap-w and --l2-mb must be > 0, --rounds >= 1, --warmup >= 0")
     if args.reassess:  # no GPU, no process group
-        with open(args.reassess) as f:
-            env = json.load(f)["env"]
-        report(*reassess(args.reassess, l2_bytes(args), args.cap_w), args, env)
+        with open(args.reassess) as f:  # (the measurement's command, then this one)
+            data = json.load(f)
+        command = f"{data['command'].split(' ; ')[0]} ; {' '.join(sys.argv)}"
+        report(*reassess(args.reassess, l2_bytes(args), args.cap_w), args, data["env"], command)
         return 0
     backend, device = smoke_setup(args)
     if args.smoke:
@@ -391,7 +392,7 @@ def main() -> int:
     measured = all(r["arms"][a]["energy_j_per_call"] for r in rows for a in ARMS)
     assessed = assess(rows, cap) if measured and cap else {}
     if dist.get_rank() == 0:
-        report(rows, assessed, args, env_info())
+        report(rows, assessed, args, env_info(), " ".join(sys.argv))
     dist.destroy_process_group()
     return 0
 
