@@ -2,6 +2,7 @@
 parts' energy fit, the power roof, and a run of the tool on the interpreter."""
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -32,18 +33,26 @@ def test_the_ops_bytes_are_its_two_parts_and_y_on_chip_saves_ys_round_trip():
         sizes, splits=1)["op"] == b["stored"]
 
 
-def test_token_bands_move_fewer_bytes_than_storing_y_only_where_w_is_under_two_l2s():
-    """A band's y (at most an L2) stays on chip, every band re-reads W: per L2 of y that
-    is W against the L2's round trip, 2 L2. Granite's 32 MiB of W is under 2 x 50 MiB,
-    Qwen's 384 MiB is not; an L2 as large as y is one band, nothing re-read (= fused)."""
-    qwen = dict(model="qwen", layout="TP1EP1", seq=4096, gemm_flops=2 * 131072 * 2048 * 768)
+def test_blocks_that_keep_y_in_l2_pay_only_where_their_re_reads_cost_less_than_ys_trip():
+    """A block's y (at most an L2) stays on chip; every token band re-reads W, every
+    column split x. Bands alone beat storing y only where W < 2 L2, splits alone where
+    x < 2 L2 (per L2 of y, the re-read against the L2's round trip): Granite's 32 MiB of W
+    pays, so its best blocks are bands; Qwen's 330 MiB of W and 176 MiB of x do not,
+    and no mix of the two does. An L2 as large as y is one block, nothing re-read."""
+    qwen = dict(model="qwen", layout="TP1EP1", seq=4096, gemm_flops=2 * 65536 * 2048 * 1408)
     for row, cheaper in ((GRANITE_4K, True), (qwen, False)):
         sizes = roofline.op_bytes(row)
-        assert (sizes["w"] < 2 * op_energy.L2_BYTES) is cheaper
+        x, w, y, out = sizes["x"], sizes["w"], sizes["y"], sizes["out"]
+        assert (w < 2 * op_energy.L2_BYTES) is cheaper and x > 2 * op_energy.L2_BYTES
         b = op_energy.arm_bytes(sizes, splits=4)
-        assert (b["bands"] < b["stored"]) is cheaper
-        assert b["fused"] < min(b["bands"], b["stored"]) <= b["stored"] < b["op"]
-        assert op_energy.arm_bytes(sizes, 4, l2_bytes=sizes["y"])["bands"] == b["fused"]
+        assert (b["blocks"] < b["stored"]) is cheaper
+        n = math.ceil(y / op_energy.L2_BYTES)
+        assert b["blocks"] <= min(x + w * n + out, x * n + w + out)
+        got, bands, splits = op_energy.l2_blocks(sizes, op_energy.L2_BYTES)
+        assert got == b["blocks"] == w * bands + x * splits + out and bands * splits >= n
+        assert b["fused"] < min(b["blocks"], b["stored"]) <= b["stored"] < b["op"]
+        assert op_energy.arm_bytes(sizes, 4, l2_bytes=y)["blocks"] == b["fused"]
+    assert op_energy.l2_blocks(roofline.op_bytes(GRANITE_4K), op_energy.L2_BYTES)[1:] == (6, 1)
     with pytest.raises(ValueError, match="l2_bytes must be > 0"):
         op_energy.arm_bytes(sizes, 4, l2_bytes=0)
 
@@ -113,7 +122,7 @@ def test_an_op_running_at_its_roof_reads_one_and_the_roof_ratio_is_the_energies_
     dyn = lambda arm: 0.35 * f[arm] + 45.0 * b[arm]  # noqa: E731
     assert w["ratio_roof"] == pytest.approx(dyn("op") / dyn("gemm2(torch)"), rel=1e-4)
     assert w["ratio_roof_fused"] < w["ratio_roof_stored"] < w["ratio_roof"]
-    assert w["ratio_roof_bands"] == pytest.approx(dyn("bands") / dyn("gemm2(torch)"), rel=1e-4)
+    assert w["ratio_roof_blocks"] == pytest.approx(dyn("blocks") / dyn("gemm2(torch)"), rel=1e-4)
     lines = op_energy.table([dict(case="granite", arms={
         a: dict(v, power_w_from_energy=700.0, sm_clock_mhz_mean=1700.0, power_cap_share=1.0)
         for a, v in arms.items()})], got)
@@ -155,16 +164,16 @@ def test_the_tool_refuses_flags_that_cannot_run_naming_them(flags, tmp_path):
 
 
 def test_reassessing_a_stored_measurement_adds_the_designs_roofs_without_a_gpu(tmp_path):
-    """The H100's measurement, written before the stored and bands designs existed: the
+    """The H100's measurement, written before the stored and blocks designs existed: the
     fit is the one published (P_0 214 W) and every workload gains their roofs."""
     data = os.path.join(TOOLS, "..", "docs", "data", "op_energy_h100_TP1EP1.json")
     got = _tool("--reassess", data, "--l2-mb", "50", "--json", str(tmp_path / "r.json"),
                 tmp_path=tmp_path, launcher=())
     assert got.returncode == 0, got.stderr[-2000:]
-    assert "stored / bands / fused" in got.stdout
+    assert "stored / blocks / fused" in got.stdout
     out = json.load(open(tmp_path / "r.json"))
     assert out["assessed"]["model"]["p0_w"] == pytest.approx(214, abs=1)
     assert out["l2_bytes"] == 50 * 2 ** 20 and len(out["assessed"]["workloads"]) == 6
     for w in out["assessed"]["workloads"]:
         assert w["ratio_roof_fused"] < w["ratio_roof_stored"] < w["ratio_roof"]
-        assert (w["ratio_roof_bands"] < w["ratio_roof_stored"]) == w["case"].startswith("granite")
+        assert (w["ratio_roof_blocks"] < w["ratio_roof_stored"]) == w["case"].startswith("granite")

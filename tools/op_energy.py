@@ -37,13 +37,16 @@ condition number, says how well. Per workload it then gives:
   * the power roof, t >= (e_F F + e_B B) / (P_cap - P_0): the least time at the cap,
     for the op as built (y through HBM, x once per split) and for three designs:
       stored  any design that stores y: x once, W once, y's round trip, the output;
-      bands   y kept in L2 by token bands (a band's y at most an L2, `--l2-mb`), which
-              re-read every expert's W once per band: x + W ceil(y / L2) + out. It moves
+      blocks  y kept in L2 by blocks of B token bands x L column splits, each block's y
+              at most an L2 (`--l2-mb`): every band re-reads every expert's W, every
+              split re-reads x, so W B + x L + out, at the (B, L) with the fewest bytes
+              (`l2_blocks`; B = 1 is column splits, L = 1 token bands). Bands alone move
               fewer bytes than `stored` only where W < 2 L2 (the W re-read per L2 of y
-              against that L2's round trip), and assumes a band's y never reaches HBM;
+              against that L2's round trip), splits alone where x < 2 L2; assumes a
+              block's y never reaches HBM and no tile is left part-empty;
       fused   y never leaving the chip and nothing re-read: x + W + out, a floor no
               known design reaches (a token's k rows come from k experts' weights);
-  * `ratio_roof` (`_stored`, `_bands`, `_fused`): the op / torch's GEMM2 ratio each roof
+  * `ratio_roof` (`_stored`, `_blocks`, `_fused`): the op / torch's GEMM2 ratio each roof
     leaves, both at the cap.
 
 `--reassess JSON` runs the fit and the roofs again on a JSON this tool wrote (the bytes
@@ -78,13 +81,13 @@ from megatron_overlap.ops.reference import grouped_mm  # noqa: E402
 ARMS = ("op", "gemm2(torch)", "gemm2(ours)", "gather_rs")
 L2_BYTES = 50 * 2 ** 20  # an H100's or H200's L2 (`--l2-mb`)
 TOP = 2.0  # the figure's axis ends here (op / torch's GEMM2)
-ROOF_RATIOS = ("ratio", "ratio_roof", "ratio_roof_stored", "ratio_roof_bands", "ratio_roof_fused")
+ROOF_RATIOS = ("ratio", "ratio_roof", "ratio_roof_stored", "ratio_roof_blocks", "ratio_roof_fused")
 PARTS = ARMS[1:]
 
 
 def arm_bytes(sizes: dict, splits: int, l2_bytes: int = L2_BYTES) -> dict:
     """B of each arm (bytes) from `roofline.op_bytes`' x, w, y, out at L = `splits`, and
-    of two designs not built: `stored` and `bands` (module doc)."""
+    of two designs not built: `stored` and `blocks` (module doc)."""
     x, w, y, out = sizes["x"], sizes["w"], sizes["y"], sizes["out"]
     if not l2_bytes > 0:
         raise ValueError(f"l2_bytes must be > 0, got {l2_bytes}")
@@ -92,14 +95,22 @@ def arm_bytes(sizes: dict, splits: int, l2_bytes: int = L2_BYTES) -> dict:
             "gemm2(ours)": splits * x + w + y, "gather_rs": y + out,
             # the least any design moves that stores y (x once: no split re-reads it)
             "stored": x + w + 2 * y + out,
-            # y kept in L2 by token bands of at most an L2 of y each: W once per band
-            "bands": x + w * math.ceil(y / l2_bytes) + out,
+            "blocks": l2_blocks(sizes, l2_bytes)[0],
             "fused": x + w + out}  # (the op with y never leaving the chip)
+
+
+def l2_blocks(sizes: dict, l2_bytes: int) -> tuple[int, int, int]:
+    """(bytes, B, L) of the blocks design (module doc) with the fewest bytes: B token
+    bands x L column splits, B L >= ceil(y / L2), W read B times and x L times."""
+    x, w, y, out = sizes["x"], sizes["w"], sizes["y"], sizes["out"]
+    blocks = math.ceil(y / l2_bytes)
+    return min((w * b + x * math.ceil(blocks / b) + out, b, math.ceil(blocks / b))
+               for b in range(1, blocks + 1))
 
 
 def arm_flops(flops: int) -> dict:
     return {"op": flops, "gemm2(torch)": flops, "gemm2(ours)": flops, "gather_rs": 0,
-            "stored": flops, "bands": flops, "fused": flops}
+            "stored": flops, "blocks": flops, "fused": flops}
 
 
 def window_calls(ms_per_call: float, window_s: float) -> int:
@@ -154,14 +165,14 @@ def assess(rows: list[dict], cap_w: float) -> dict:
     for row in rows:
         op = row["arms"]["op"]
         roof = {k: power_roof_ms(model, row["flops"][k], row["bytes"][k], cap_w)
-                for k in ("op", "gemm2(torch)", "stored", "bands", "fused")}
+                for k in ("op", "gemm2(torch)", "stored", "blocks", "fused")}
         pred = energy_j(model, op["ms_per_call"] * 1e-3, row["flops"]["op"], row["bytes"]["op"])
         per.append(dict(case=row["case"], op_ms=op["ms_per_call"],
                         op_energy_j=op.get("energy_j_per_call"), op_energy_pred=pred,
                         roof_ms=roof, op_over_roof=op["ms_per_call"] / roof["op"],
                         ratio_roof=roof["op"] / roof["gemm2(torch)"],
                         ratio_roof_stored=roof["stored"] / roof["gemm2(torch)"],
-                        ratio_roof_bands=roof["bands"] / roof["gemm2(torch)"],
+                        ratio_roof_blocks=roof["blocks"] / roof["gemm2(torch)"],
                         ratio_roof_fused=roof["fused"] / roof["gemm2(torch)"],
                         ratio=op["ms_per_call"] / row["arms"]["gemm2(torch)"]["ms_per_call"]))
     return dict(model=model, cap_w=cap_w, workloads=per)
@@ -283,7 +294,7 @@ def table(rows: list[dict], assessed: dict) -> list[str]:
                 f"{m['e_flop_pj']:.3f} pJ/FLOP, e_B = {m['e_byte_pj']:.1f} pJ/byte, rms "
                 f"{m['rms_rel']:.1%}, max {m['max_rel']:.1%}, cond {m['cond']:.0f}; cap {assessed['cap_w']:.0f} W.", "",
                 "| workload | op ms | op J measured / from its parts | op's power roof ms "
-                "| op / roof | op / torch GEMM2: measured / op's roof / stored / bands / "
+                "| op / roof | op / torch GEMM2: measured / op's roof / stored / blocks / "
                 "fused |", "|---|---|---|---|---|---|"]
         for w in assessed["workloads"]:
             roofs = " / ".join(f"{w[k]:.2f}" for k in ROOF_RATIOS[1:])
@@ -303,13 +314,13 @@ def figure(assessed: dict, path: str) -> None:
     ws = assessed["workloads"]
     fig, ax = plt.subplots(figsize=(max(7, 1.5 * len(ws)), 4.5))
     labels = ("op, measured", "op's power roof (x once per split, y through HBM)",
-              "roof of any design storing y (x once)", "roof of L2-sized token bands",
+              "roof of any design storing y (x once)", "roof of L2-sized blocks (bands x splits)",
               "roof with y on chip, nothing re-read")
     width = 0.8 / len(ROOF_RATIOS)
     for i, (key, label) in enumerate(zip(ROOF_RATIOS, labels)):
         xs = [j + width * (i - (len(ROOF_RATIOS) - 1) / 2) for j in range(len(ws))]
         ax.bar(xs, [min(w[key], TOP) for w in ws], width, label=label)
-        for x, w in zip(xs, ws):  # bands whose W re-reads exceed the axis: their value
+        for x, w in zip(xs, ws):  # a roof past the axis: its value
             if w[key] > TOP:
                 ax.text(x, TOP, f"{w[key]:.1f}", ha="center", va="bottom", fontsize=6)
     ax.axhline(1.10, color="k", linestyle="--", linewidth=1, label="target 1.10x")
@@ -369,7 +380,7 @@ def main() -> int:
     ap.add_argument("--cap-w", type=float, default=None,
                     help="the power cap (W); default NVML's enforced limit")
     ap.add_argument("--l2-mb", type=float, default=None,
-                    help="the L2 of the bands design (MiB); default the GPU's")
+                    help="the L2 of the blocks design (MiB); default the GPU's")
     ap.add_argument("--reassess", default="", help="a JSON of this tool: fit and roofs again")
     ap.add_argument("--png", default="", help="the roof figure here (rank 0)")
     add_run_args(ap)
