@@ -179,3 +179,18 @@ def test_the_ops_l_is_within_the_targets_on_every_captured_h100_sweep(h100_devic
     assert len(regrets[True]) == 12 and len(regrets[False]) == 12
     for part in regrets.values():
         assert statistics.fmean(part) <= 0.01 and max(part) <= 0.03
+
+
+def test_a_fresh_h100_capture_with_the_shipped_file_confirms_its_l(h100_device):
+    """The S = 512 capture made after the h100 file gained the splits' roofline (12
+    workloads, TP1EP1 and TP2EP1, 30 samples): the rebuilt request plans the L the op
+    recorded there (so the capture is of the shipped planner), and the op's own capture
+    of it is within mean <= 1%, max <= 3% of the fastest L of the same sweep."""
+    paths = [DATA / f"op_graph_h100_s512confirm_{lay}.json" for lay in ("TP1EP1", "TP2EP1")]
+    regrets = []
+    for r, measured in _captured(paths):
+        assert split_sweep.replanned(r, "h100")[0] == r["splits"], r["case"]
+        planner = r["stats"][split_sweep.OP]["median"]
+        regrets.append(planner / min(measured.values()) - 1)
+    assert len(regrets) == 12
+    assert statistics.fmean(regrets) <= 0.01 and max(regrets) <= 0.03
