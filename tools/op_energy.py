@@ -345,11 +345,9 @@ def l2_bytes(args) -> int:
     return L2_BYTES
 
 
-def reassess(path: str, l2: int, cap_w: float | None) -> tuple[list[dict], dict]:
-    """(rows, assessment) of a JSON this tool wrote, every arm's bytes and FLOPs
+def reassess(data: dict, l2: int, cap_w: float | None) -> tuple[list[dict], dict]:
+    """(rows, assessment) of a JSON this tool wrote (loaded), every arm's bytes and FLOPs
     recomputed from its workloads (a file from before a design was added lacks it)."""
-    with open(path) as f:
-        data = json.load(f)
     rows = data["results"]
     for row in rows:
         flops = row["flops"]["op"]
@@ -393,7 +391,7 @@ def main() -> int:
         with open(args.reassess) as f:  # (the measurement's command, then this one)
             data = json.load(f)
         command = f"{data['command'].split(' ; ')[0]} ; {' '.join(sys.argv)}"
-        report(*reassess(args.reassess, l2_bytes(args), args.cap_w), args, data["env"], command)
+        report(*reassess(data, l2_bytes(args), args.cap_w), args, data["env"], command)
         return 0
     backend, device = smoke_setup(args)
     if args.smoke:
