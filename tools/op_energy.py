@@ -258,7 +258,7 @@ def measure(calls: dict, window_s: float, rounds: int, warmup: int, group=None) 
                     calls=count[a], windows=len(windows[a])) for a in calls}
 
 
-def measure_case(case: OpCase, args, backend: str, device: str, group) -> dict:
+def measure_case(case: OpCase, args, backend: str, device: str, group, l2: int) -> dict:
     """One workload's arms measured, with the FLOPs and bytes of each."""
     inp = rank_inputs(case, dist.get_rank(), device)
     cfg = OverlapConfig.from_env(backend=backend, preset=args.preset)
@@ -272,7 +272,7 @@ def measure_case(case: OpCase, args, backend: str, device: str, group) -> dict:
     return dict(case=case.label(), model=case.model, layout=case.layout, seq=case.seq,
                 routing=case.routing, comm_ctas=lp.plan.comm_ctas, splits=lp.splits,
                 batch=case.batch, arms=arms, flops=arm_flops(flops),
-                bytes=arm_bytes(sizes, lp.splits, l2_bytes(args)))
+                bytes=arm_bytes(sizes, lp.splits, l2))
 
 
 def table(rows: list[dict], assessed: dict) -> list[str]:
@@ -358,13 +358,13 @@ def reassess(data: dict, l2: int, cap_w: float | None) -> tuple[list[dict], dict
     return rows, assess(rows, cap)
 
 
-def report(rows: list[dict], assessed: dict, args, env: dict, command: str) -> None:
+def report(rows: list[dict], assessed: dict, args, l2: int, env: dict, command: str) -> None:
     print("\n".join(table(rows, assessed)))
     if not assessed:
         print("no energy fit: NVML's energy counter or the power cap is not available here")
     if args.png and assessed:
         figure(assessed, args.png)
-    write_json(args.json, dict(env=env, command=command, l2_bytes=l2_bytes(args),
+    write_json(args.json, dict(env=env, command=command, l2_bytes=l2,
                                results=rows, assessed=assessed))
 
 
@@ -391,17 +391,20 @@ def main() -> int:
         with open(args.reassess) as f:  # (the measurement's command, then this one)
             data = json.load(f)
         command = f"{data['command'].split(' ; ')[0]} ; {' '.join(sys.argv)}"
-        report(*reassess(data, l2_bytes(args), args.cap_w), args, data["env"], command)
+        l2 = l2_bytes(args)
+        report(*reassess(data, l2, args.cap_w), args, l2, data["env"], command)
         return 0
     backend, device = smoke_setup(args)
     if args.smoke:
         args.window_s = min(args.window_s, 0.02)
-    rows = [measure_case(case, args, backend, device, dist.group.WORLD) for case in cases(args)]
+    l2 = l2_bytes(args)  # (the L2 every workload's blocks design and the JSON state)
+    rows = [measure_case(case, args, backend, device, dist.group.WORLD, l2)
+            for case in cases(args)]
     cap = args.cap_w or rows[0]["arms"]["op"].get("power_limit_w")
     measured = all(r["arms"][a]["energy_j_per_call"] for r in rows for a in ARMS)
     assessed = assess(rows, cap) if measured and cap else {}
     if dist.get_rank() == 0:
-        report(rows, assessed, args, env_info(), " ".join(sys.argv))
+        report(rows, assessed, args, l2, env_info(), " ".join(sys.argv))
     dist.destroy_process_group()
     return 0
 
