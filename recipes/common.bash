@@ -10,8 +10,9 @@ NODE_RANK=${NODE_RANK:-0}
 MASTER_ADDR=${MASTER_ADDR:-localhost}
 MASTER_PORT=${MASTER_PORT:-6000}
 MEGATRON_LM=${MEGATRON_LM:-.}
-if [[ ! -f "$MEGATRON_LM/pretrain_gpt.py" ]]; then
-    echo "$RECIPE: no pretrain_gpt.py in MEGATRON_LM=$MEGATRON_LM (a Megatron-LM checkout)" >&2
+SCRIPT=${SCRIPT:-pretrain_gpt.py}  # (recipes/qwen_hybrid.sh: pretrain_hybrid.py)
+if [[ ! -f "$MEGATRON_LM/$SCRIPT" ]]; then
+    echo "$RECIPE: no $SCRIPT in MEGATRON_LM=$MEGATRON_LM (a Megatron-LM checkout)" >&2
     exit 2
 fi
 DP=$((GPUS_PER_NODE * NNODES / TP))
@@ -26,10 +27,13 @@ DISTRIBUTED_ARGS=(
     --master_port "$MASTER_PORT"
 )
 
-OVERLAP_ARGS=(
-    --spec megatron_overlap.mcore moe_overlap_gpt_spec
-    --moe-overlap
-)
+# --moe-overlap is the whole switch: every MoE layer of the model Megatron-LM builds becomes
+# an OverlapMoELayer (rank 0 prints how many at build). MOE_OVERLAP=0: the stock layer, same
+# line otherwise (the A/B baseline, core-TE).
+OVERLAP_ARGS=()
+if [[ "${MOE_OVERLAP:-1}" != 0 ]]; then
+    OVERLAP_ARGS+=(--moe-overlap)
+fi
 
 if [[ -n "${DATA_PATH:-}" ]]; then
     DATA_ARGS=(--data-path "$DATA_PATH" --split 99,1,0 --tokenizer-type HuggingFaceTokenizer
@@ -60,15 +64,16 @@ if ((TP > 1)); then
 fi
 
 LOGGING_ARGS=(
-    --log-interval 10
+    --log-interval "${LOG_INTERVAL:-10}"
     --eval-iters 0
+    --eval-interval "${TRAIN_ITERS:-100}"  # (Megatron-LM needs one even with no evaluation)
 )
 if [[ -n "${CHECKPOINT_PATH:-}" ]]; then
     LOGGING_ARGS+=(--save "$CHECKPOINT_PATH" --load "$CHECKPOINT_PATH")
 fi
 
-# Megatron-LM's pretrain_gpt.py, unmodified: megatron_overlap.mcore.launch runs it with the
-# --moe-overlap* flags added to its parser (its own extra_args_provider kept).
-exec torchrun "${DISTRIBUTED_ARGS[@]}" -m megatron_overlap.mcore.launch "$MEGATRON_LM/pretrain_gpt.py" \
+# Megatron-LM's pretrain_gpt.py (or pretrain_hybrid.py), unmodified: megatron_overlap.mcore.launch
+# runs it with the --moe-overlap* flags added to its parser (its own extra_args_provider kept).
+exec torchrun "${DISTRIBUTED_ARGS[@]}" -m megatron_overlap.mcore.launch "$MEGATRON_LM/$SCRIPT" \
     "${MODEL_ARGS[@]}" "${MOE_ARGS[@]}" "${OVERLAP_ARGS[@]}" "${DATA_ARGS[@]}" \
     "${TRAINING_ARGS[@]}" "${MODEL_PARALLEL_ARGS[@]}" "${LOGGING_ARGS[@]}" "$@"

@@ -6,7 +6,7 @@
 # (checked layouts: TP1EP1 TP2EP1 TP1EP2 TP2EP2 TP4EP1 TP1EP4). Data: DATA_PATH (a Megatron .bin/.idx prefix,
 # TOKENIZER_MODEL), else --mock-data. Extra arguments are Megatron-LM's or ours, e.g.
 # --moe-overlap-calibration h200 or --moe-overlap-comm-ctas 8; without --moe-overlap
-# (OVERLAP_ARGS) the same line trains Megatron's stock MoE layer.
+# (MOE_OVERLAP=0) the same line trains Megatron's stock MoE layer. NUM_LAYERS sets the depth.
 # Numbers: megatron_overlap/mcore/models.py deepseek_config (the published config.json).
 # The first layer is dense (--moe-layer-freq); MLA with YaRN rope. No --qk-layernorm: with
 # q_lora_rank null Megatron would also norm the query input, which DeepSeek-V2-Lite lacks;
@@ -16,7 +16,7 @@ set -euo pipefail
 
 MODEL_ARGS=(
     --transformer-impl transformer_engine
-    --num-layers 27
+    --num-layers "${NUM_LAYERS:-27}"
     --hidden-size 2048
     --ffn-hidden-size 10944
     --num-attention-heads 16
@@ -49,7 +49,7 @@ MOE_ARGS=(
     --num-experts 64
     --moe-router-topk 6
     --moe-ffn-hidden-size 1408
-    --moe-layer-freq "([0]+[1]*26)"
+    --moe-layer-freq "${MOE_LAYER_FREQ:-([0]+[1]*$((${NUM_LAYERS:-27} - 1)))}"
     --moe-router-pre-softmax
     --moe-router-dtype fp32
     --moe-shared-expert-intermediate-size 2816

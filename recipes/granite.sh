@@ -6,7 +6,7 @@
 # (checked layouts: TP1EP1 TP2EP1 TP1EP2 TP2EP2 TP4EP1 TP1EP4). Data: DATA_PATH (a Megatron .bin/.idx prefix,
 # TOKENIZER_MODEL), else --mock-data. Extra arguments are Megatron-LM's or ours, e.g.
 # --moe-overlap-calibration h200 or --moe-overlap-comm-ctas 8; without --moe-overlap
-# (OVERLAP_ARGS) the same line trains Megatron's stock MoE layer.
+# (MOE_OVERLAP=0) the same line trains Megatron's stock MoE layer. NUM_LAYERS sets the depth.
 # Numbers: megatron_overlap/mcore/models.py granite_config (the published config.json).
 # Not expressible as Megatron-LM flags: attention_multiplier 0.015625 (Megatron scales by
 # 1/sqrt(64)) and the embedding / residual / logits multipliers (12, 0.22, 6): element-wise,
@@ -15,7 +15,7 @@ set -euo pipefail
 
 MODEL_ARGS=(
     --transformer-impl transformer_engine
-    --num-layers 24
+    --num-layers "${NUM_LAYERS:-24}"
     --hidden-size 1024
     --ffn-hidden-size 512
     --num-attention-heads 16

@@ -6,13 +6,13 @@
 # (checked layouts: TP1EP1 TP2EP1 TP1EP2 TP2EP2 TP4EP1 TP1EP4). Data: DATA_PATH (a Megatron .bin/.idx prefix,
 # TOKENIZER_MODEL), else --mock-data. Extra arguments are Megatron-LM's or ours, e.g.
 # --moe-overlap-calibration h200 or --moe-overlap-comm-ctas 8; without --moe-overlap
-# (OVERLAP_ARGS) the same line trains Megatron's stock MoE layer.
+# (MOE_OVERLAP=0) the same line trains Megatron's stock MoE layer. NUM_LAYERS sets the depth.
 # Numbers: megatron_overlap/mcore/models.py qwen_config (the published config.json).
 set -euo pipefail
 
 MODEL_ARGS=(
     --transformer-impl transformer_engine
-    --num-layers 24
+    --num-layers "${NUM_LAYERS:-24}"
     --hidden-size 2048
     --ffn-hidden-size 5632
     --num-attention-heads 16

@@ -7,12 +7,15 @@ one spawned group of 2 gloo ranks (Megatron imported once per rank).
 import argparse
 import functools
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
 from dist_harness import run_ranks
+
+from megatron_overlap.planner.presets import CALIBRATION_DIR
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU backends")
 ARCHS = ("granite", "qwen", "deepseek")
@@ -148,8 +151,8 @@ def test_flags_parse_into_the_overlap_config_and_the_layer_policy(tmp_path):
                                         overlap_config_from_args)
     from megatron_overlap.ops import OverlapConfig
 
-    cal = tmp_path / "h200.json"
-    cal.write_text("{}")
+    cal = tmp_path / "h200.json"  # (a calibration file must load at parse time)
+    shutil.copy(CALIBRATION_DIR / "h200.json", cal)
     cfg = overlap_config_from_args(_parse([
         "--moe-overlap", "--moe-overlap-comm-ctas", "8", "--moe-overlap-splits", "auto",
         "--moe-overlap-backend", "reference", "--moe-overlap-calibration", str(cal)]))

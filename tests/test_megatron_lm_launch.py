@@ -37,6 +37,8 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU backends"
 REPO = Path(__file__).resolve().parent.parent
 RECIPES = sorted((REPO / "recipes").glob("*.sh"))
 LAYOUTS = ((1, 1), (2, 1), (1, 2), (2, 2), (4, 1), (1, 4))
+#: the Megatron-LM script of each recipe that does not run pretrain_gpt.py
+SCRIPTS = {"qwen_hybrid": "pretrain_hybrid.py"}
 
 SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
          "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
@@ -319,7 +321,7 @@ def test_launcher_runs_an_unmodified_script_with_the_overlap_flags(tmp_path):
 
 
 # ---------------------------------------------------------------- recipes
-def _recipe_argv(recipe, tp, ep, tmp_path):
+def _recipe_argv(recipe, tp, ep, tmp_path, **extra_env):
     """What `TP=tp EP=ep bash recipe` hands torchrun (a stand-in that writes its argv)."""
     bin_dir, out = tmp_path / "bin", tmp_path / f"{recipe.stem}-{tp}-{ep}.argv"
     bin_dir.mkdir(exist_ok=True)
@@ -329,18 +331,21 @@ def _recipe_argv(recipe, tp, ep, tmp_path):
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     megatron_lm = tmp_path / "Megatron-LM"
     megatron_lm.mkdir(exist_ok=True)
-    (megatron_lm / "pretrain_gpt.py").write_text("")
+    for script in SCRIPTS.values():
+        (megatron_lm / script).write_text("")
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", TORCHRUN_ARGV=str(out),
                TP=str(tp), EP=str(ep), MEGATRON_LM=str(megatron_lm))
-    for key in ("DATA_PATH", "CHECKPOINT_PATH", "GPUS_PER_NODE", "NNODES", "SEQ"):
+    for key in ("DATA_PATH", "CHECKPOINT_PATH", "GPUS_PER_NODE", "NNODES", "SEQ", "NUM_LAYERS",
+                "MOE_OVERLAP", "SCRIPT", "HYBRID_LAYER_PATTERN", "MOE_LAYER_FREQ"):
         env.pop(key, None)
+    env.update(extra_env)
     done = subprocess.run(["bash", str(recipe)], env=env, capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 0, done.stderr
     argv = out.read_bytes().decode().split("\0")[:-1]
     i = argv.index("-m")
     assert argv[i + 1] == "megatron_overlap.mcore.launch"
-    assert argv[i + 2] == str(megatron_lm / "pretrain_gpt.py")
+    assert argv[i + 2] == str(megatron_lm / SCRIPTS.get(recipe.stem, "pretrain_gpt.py"))
     torchrun = dict(zip(argv[:i:2], argv[1:i:2]))
     seen = dict(kv.split("=", 1) for kv in Path(f"{out}.env").read_bytes().decode().split("\0")
                 if "=" in kv)
@@ -372,11 +377,13 @@ def _recipe_worker(rank, world, lines):
         validate_args(args)
         c = core_transformer_config_from_args(args)
         overlap = overlap_config_from_args(args)
-        if overlap.preset is not None:
-            get_preset(overlap.preset)
+        preset = None if overlap is None else overlap.preset
+        if preset is not None:
+            get_preset(preset)
         found.append(dict(
             spec=args.spec, impl=args.transformer_impl, overlap=overlap is not None,
-            dispatcher=c.moe_token_dispatcher_type, preset=overlap.preset,
+            pattern=getattr(args, "hybrid_layer_pattern", None),
+            dispatcher=c.moe_token_dispatcher_type, preset=preset,
             fields={k: getattr(c, k, None) for k in _RECIPE_FIELDS}))
     return found
 
@@ -407,23 +414,48 @@ def recipe_runs(tmp_path_factory):
         cases.append((recipe.stem, "calibration"))  # the README's example: the h200 preset
         _, argv, exported = _recipe_argv(recipe, 1, 1, tmp)
         lines.append((1, argv + ["--moe-overlap-calibration", "h200"], exported))
+        cases.append((recipe.stem, "depth 4"))  # one GPU's training-loop check
+        _, argv, exported = _recipe_argv(recipe, 1, 1, tmp, NUM_LAYERS="4")
+        lines.append((1, argv, exported))
+        cases.append((recipe.stem, "stock"))
+        _, argv, exported = _recipe_argv(recipe, 1, 1, tmp, MOE_OVERLAP="0")
+        lines.append((1, argv, exported))
     return dict(zip(cases, run_ranks(1, _recipe_worker, lines)[0]))
 
 
 def test_recipes_exist_for_every_model():
-    assert [r.stem for r in RECIPES] == ["deepseek", "granite", "qwen"]
+    assert [r.stem for r in RECIPES] == ["deepseek", "granite", "qwen", "qwen_hybrid"]
 
 
-def test_every_recipe_line_parses_through_megatron_lm_with_the_overlap_spec(recipe_runs):
+def test_every_recipe_line_parses_through_megatron_lm_with_the_flag_alone(recipe_runs):
     for case, r in recipe_runs.items():
-        assert r["spec"] == ["megatron_overlap.mcore", "moe_overlap_gpt_spec"], case
-        assert r["impl"] == "transformer_engine" and r["overlap"], case
+        assert r["spec"] is None, case  # Megatron's own spec choice: no --spec needed
+        assert r["impl"] == "transformer_engine", case
+        assert r["overlap"] == (case[1] != "stock"), case
         assert r["dispatcher"] == "allgather", case
 
 
-def test_recipe_calibration_example_names_a_shipped_preset(recipe_runs):
+def test_recipe_depth_and_moe_layer_pattern_come_from_the_environment(recipe_runs):
     for model in ("granite", "qwen", "deepseek"):
+        assert recipe_runs[(model, "depth 4")]["fields"]["num_layers"] == 4, model
+    # DeepSeek-V2-Lite's dense first layer, then MoE, at any depth
+    assert recipe_runs[("deepseek", "depth 4")]["fields"]["moe_layer_freq"] == [0, 1, 1, 1]
+    assert recipe_runs[("qwen_hybrid", "depth 4")]["pattern"] == "*E" * 4
+
+
+def test_recipe_calibration_example_names_a_shipped_preset(recipe_runs):
+    for model in ("granite", "qwen", "deepseek", "qwen_hybrid"):
         assert recipe_runs[(model, "calibration")]["preset"] == "h200"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=[f"TP{tp}EP{ep}" for tp, ep in LAYOUTS])
+def test_the_hybrid_recipe_is_qwen_with_attention_and_moe_as_layers_of_their_own(
+        recipe_runs, layout):
+    hybrid, gpt = recipe_runs[("qwen_hybrid", *layout)], recipe_runs[("qwen", *layout)]
+    assert hybrid["pattern"] == "*E" * 24 and gpt["pattern"] is None
+    assert hybrid["fields"]["num_layers"] == 48
+    assert {k: v for k, v in hybrid["fields"].items() if k != "num_layers"} == {
+        k: v for k, v in gpt["fields"].items() if k != "num_layers"}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=[f"TP{tp}EP{ep}" for tp, ep in LAYOUTS])

@@ -40,6 +40,13 @@ for s in "$@"; do
     te)  # Transformer Engine from the parts staged by earlier calls (tools/te_wheels.sh)
       stage te_install 180 "$REPO/tools/te_wheels.sh" install \
         && export PYTHONPATH=/tmp/site:${TE_TARGET:-/tmp/te_site} ;;
+    train_loop)  # Megatron-LM's own training loop from the recipes (.mlm: core_r0.19.0's
+      # pretrain_gpt.py, pretrain_hybrid.py and their builders), stock vs --moe-overlap. The
+      # wheel ships the dataset helpers compiled but no Makefile for initialize's `make`.
+      printf 'all:\n\t@true\n' > /tmp/site/megatron/core/datasets/Makefile
+      stage train_loop ${TRAIN_SECS:-570} python3 "$REPO/tools/train_loop.py" \
+        --megatron-lm "$REPO/.mlm" --models ${TRAIN_MODELS_LOOP:-granite,qwen,deepseek,qwen_hybrid} \
+        --iters ${TRAIN_ITERS_LOOP:-50} --json "$OUT/train_loop.json" -- --no-gradient-accumulation-fusion ;;
     te_gpu_tests) stage te_gpu_tests ${TE_TEST_SECS:-300} python3 -m pytest -q -m gpu -p no:cacheprovider \
         --rootdir "$REPO" -c "$REPO/pyproject.toml" -rs "$REPO/tests/test_mcore_te_gpu.py" \
         "$REPO/tests/test_megatron_lm_launch_gpu.py" ;;

@@ -8,15 +8,17 @@ Importing this package imports megatron.core (the rest of megatron_overlap does 
     spec = with_grouped_experts(spec)  # non-TE grouped experts (else SequentialMLP)
     spec = with_overlap_moe(spec, overlap_config_from_args(args), layer_policy_from_args(args))
 
-or, in a Megatron-LM launch: `--spec megatron_overlap.mcore moe_overlap_gpt_spec --moe-overlap`
-with `extra_args_provider=moe_overlap_args_provider(its_own_provider_or_None)`;
-`torchrun ... -m megatron_overlap.mcore.launch pretrain_gpt.py ...` does that for an
-unmodified Megatron-LM script (recipes/). `load_hf_checkpoint(folder, tp, ep, overlap=...)`
+or, on a model already built by any builder, `overlap_moe_layers(model, config, policy)`
+(convert.py); in a Megatron-LM launch `--moe-overlap` alone, through
+`torchrun ... -m megatron_overlap.mcore.launch pretrain_gpt.py ...` (recipes/) or a script
+passing `extra_args_provider=moe_overlap_args_provider(its_own_provider_or_None)`
+(megatron_lm.py). `load_hf_checkpoint(folder, tp, ep, overlap=...)`
 builds the same models from a local Hugging Face checkpoint (hf.py).
 """
 
 from .args import (add_moe_overlap_args, layer_policy_from_args, moe_overlap_args_provider,
                    overlap_config_from_args)
+from .convert import OverlapBuildError, OverlapReport, overlap_moe_layers
 from .experts import GroupedGemmExperts
 from .hf import load_hf_checkpoint
 from .layer import OverlapMoELayer
@@ -25,7 +27,8 @@ from .policy import LayerPolicy
 from .spec import moe_overlap_gpt_spec, with_grouped_experts, with_overlap_moe
 
 __all__ = [
-    "GroupedGemmExperts", "LayerPolicy", "OverlapMoELayer", "add_moe_overlap_args",
+    "GroupedGemmExperts", "LayerPolicy", "OverlapBuildError", "OverlapMoELayer",
+    "OverlapReport", "add_moe_overlap_args", "overlap_moe_layers",
     "build_deepseek", "layer_policy_from_args",
     "build_granite", "build_model", "build_qwen", "load_hf_checkpoint", "moe_overlap_args_provider",
     "moe_overlap_gpt_spec", "overlap_config_from_args", "with_grouped_experts",

@@ -1,8 +1,9 @@
 """`--moe-overlap` flags for Megatron launch scripts, and the OverlapConfig they describe.
 
-Megatron-LM scripts take one `extra_args_provider(parser)`; pass `add_moe_overlap_args`, or,
-where the script already passes one (`pretrain_gpt.py` passes modelopt's `add_modelopt_args`
-when modelopt is installed), `moe_overlap_args_provider(that_one)`, which adds both.
+Megatron-LM scripts take one `extra_args_provider(parser)`; pass
+`moe_overlap_args_provider(its own provider or None)`, which adds both sets of flags and
+hooks the model builders (`megatron_lm.py`: `--moe-overlap` is then the whole switch);
+`add_moe_overlap_args` only adds the flags, for parsers of your own.
 `overlap_config_from_args(args)` turns the parsed
 flags into the OverlapConfig the spec helpers hand to every OverlapMoELayer; without
 `--moe-overlap` it returns None and the spec helpers leave the model stock.
@@ -15,6 +16,7 @@ import os
 from collections.abc import Callable
 
 from ..ops import OverlapConfig
+from ..planner import load_preset_file, preset_names
 from .policy import FUSE_CHOICES, LayerPolicy
 
 BACKEND_CHOICES = ("auto", "triton", "interpret", "reference")
@@ -32,13 +34,34 @@ def _auto_or_positive_int(text: str) -> int | None:
     return value
 
 
+def _calibration(text: str) -> str:
+    """A shipped preset's name or a calibration JSON that loads; else an argparse error
+    (at parse time, naming the flag), not an error at the first forward."""
+    if text.endswith(".json") or os.sep in text:
+        try:
+            load_preset_file(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from err
+        return text
+    known = preset_names()
+    if text not in known:
+        raise argparse.ArgumentTypeError(f"unknown calibration preset {text!r}; shipped: "
+                                         f"{', '.join(known)} (or a calibration .json file)")
+    return text
+
+
 def add_moe_overlap_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the `--moe-overlap*` flags to `parser` and return it (extra_args_provider form)."""
     group = parser.add_argument_group(
         "moe overlap", "Overlapped GEMM2 + combine + reduce-scatter for allgather MoE layers "
                        "(megatron-overlap)")
     group.add_argument("--moe-overlap", action="store_true",
-                       help="Replace MoELayer by OverlapMoELayer; without it the model is stock.")
+                       help="Make every MoE layer of the model an OverlapMoELayer (GPT, its "
+                       "MTP block, HybridModel; any --spec); rank 0 prints at build how many "
+                       "are overlapped and why any runs stock. Without it the model is stock.")
+    group.add_argument("--moe-overlap-strict", action="store_true",
+                       help="With --moe-overlap: a MoE layer that would run stock (another "
+                       "dispatcher, fp8, a width the op cannot read, ...) is an error at build.")
     group.add_argument("--moe-overlap-comm-ctas", type=_auto_or_positive_int, default=None,
                        metavar="auto|N", help="Communication CTAs C; auto (default) lets the "
                        "planner choose before every launch; an explicit N wins.")
@@ -67,7 +90,8 @@ def add_moe_overlap_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                        "every SM, the Hopper default), partition (SMs of their own, the "
                        "paper's scheme) or auto (the device default; also "
                        "MEGATRON_OVERLAP_PLACEMENT).")
-    group.add_argument("--moe-overlap-calibration", default=None, metavar="PRESET|FILE",
+    group.add_argument("--moe-overlap-calibration", type=_calibration, default=None,
+                       metavar="PRESET|FILE",
                        help="Shipped calibration preset (e.g. h200, h100) or a calibration "
                        "JSON (tools/calibrate.py); default: the shipped calibration for this "
                        "device.")
@@ -82,12 +106,17 @@ def moe_overlap_args_provider(other: ArgsProvider | None = None) -> ArgsProvider
     flags: `pretrain(..., extra_args_provider=moe_overlap_args_provider(add_modelopt_args))`.
 
     Like Megatron's providers, `other` returns the parser (None is taken as "the same one").
-    Where `other` already added the flags they are not added twice.
+    Where `other` already added the flags they are not added twice. Called by Megatron-LM's
+    parser, it also hooks megatron.training's model builders (`megatron_lm.py`), so that
+    `--moe-overlap` alone overlaps every MoE layer of the model the script builds.
     """
     if other is not None and not callable(other):
         raise ValueError(f"extra_args_provider must be callable, got {type(other).__name__}")
 
     def provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        from .megatron_lm import install_build_hooks
+
+        install_build_hooks()  # (Megatron parses before it builds: `--moe-overlap` applies)
         if other is not None:
             returned = other(parser)
             parser = parser if returned is None else returned

@@ -27,11 +27,12 @@ copy, no wait, no host sync in the layer at all.
 Why OverlapMoELayer installs this class and no spec does: megatron-core 0.19.2's
 `MoESubmodules` has builders for the experts, the shared experts and the router only;
 `MoELayer.__init__` builds the dispatcher itself from `config.moe_token_dispatcher_type`
-and offers no hook for another class. So `OverlapMoELayer.__init__`, after Megatron's,
-replaces a dispatcher that is exactly `MoEAllGatherTokenDispatcher` (not the inference
-dispatchers that subclass it) by this one, built with the arguments Megatron built it
-with, and only where the fused path is supported: elsewhere the dispatcher stays
-Megatron's own object. This class overrides none of Megatron's methods, so the stock
+and offers no hook for another class. This class adds methods and no state, so
+OverlapMoELayer, after Megatron's __init__ built the dispatcher (with the process groups
+Megatron handed the layer, `pg_collection`), gives that same object this class, where it
+is exactly `MoEAllGatherTokenDispatcher` (not the inference dispatchers that subclass it)
+and the fused path is supported: elsewhere the dispatcher stays Megatron's own. This class
+overrides none of Megatron's methods, so the stock
 path (overlap off, a size the planner leaves stock) runs Megatron's `dispatch_postprocess`
 and combine unchanged; only the fused path calls the methods below, and each leaves the
 dispatcher's state as Megatron's postprocess leaves it. What the op reads of a dispatch
@@ -44,7 +45,6 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
 
 from ..ops import gather_rows, interpreting
@@ -137,20 +137,8 @@ class Deferred:
 class OverlapAllGatherDispatcher(MoEAllGatherTokenDispatcher):
     """Megatron's allgather dispatcher plus the fused path's postprocesses (module doc).
 
-    Built by OverlapMoELayer with MoEAllGatherTokenDispatcher's arguments; Megatron's
-    methods are inherited untouched."""
-
-    @classmethod
-    def built_like(cls, layer, pg_collection=None) -> OverlapAllGatherDispatcher:
-        """This dispatcher built and wired as `MoELayer.__init__` builds its allgather one
-        for `layer` (given the `pg_collection` the layer was given)."""
-        if pg_collection is None:
-            pg_collection = get_default_pg_collection()
-        dispatcher = cls(layer.num_local_experts, layer.local_expert_indices,
-                         config=layer.config, pg_collection=pg_collection)
-        if layer.shared_expert_overlap:
-            dispatcher.set_shared_experts(layer.shared_experts)
-        return dispatcher
+    Megatron's allgather dispatcher object, its class swapped by OverlapMoELayer; Megatron's
+    methods are inherited untouched, and no state is added (module doc)."""
 
     def single_sync_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor):
         """`dispatch_postprocess` (non-fused permute) with one host sync: the same

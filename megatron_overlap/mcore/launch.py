@@ -1,7 +1,7 @@
 """Run a Megatron-LM training script unmodified, its parser taking the `--moe-overlap*` flags.
 
     torchrun $DISTRIBUTED_ARGS -m megatron_overlap.mcore.launch $MEGATRON_LM/pretrain_gpt.py \
-        <Megatron-LM arguments> --spec megatron_overlap.mcore moe_overlap_gpt_spec --moe-overlap
+        <Megatron-LM arguments> --moe-overlap
 
 Megatron-LM's scripts parse their flags with `megatron.training.arguments.parse_args`
 (`pretrain_gpt.py` through `parse_and_validate_args`, which calls it), passing one
@@ -10,7 +10,10 @@ running the script as `__main__` (its directory first on sys.path, as `python sc
 would put it), this wraps that function so that the provider it is given becomes
 `moe_overlap_args_provider(provider)`: the script's own flags stay, ours are added. A script
 edited to pass `moe_overlap_args_provider(...)` itself runs the same (the flags are added
-once). Everything else is the script's: data, training loop, checkpoints, logging.
+once). It also hooks megatron.training's model builders (`megatron_lm.py`), so that
+`--moe-overlap` alone makes every MoE layer of the model the script builds (GPT, its MTP
+block, HybridModel; any `--spec`) an OverlapMoELayer, and rank 0 prints at build how many
+are. Everything else is the script's: data, training loop, checkpoints, logging.
 """
 
 from __future__ import annotations
@@ -21,14 +24,18 @@ import runpy
 import sys
 
 from .args import moe_overlap_args_provider
+from .megatron_lm import install_build_hooks
 
 USAGE = ("usage: python -m megatron_overlap.mcore.launch SCRIPT.py [SCRIPT ARGUMENTS...]\n"
          "(e.g. Megatron-LM's pretrain_gpt.py, under torchrun -m)")
 
 
 def install() -> None:
-    """Wrap `megatron.training.arguments.parse_args` (once) to add the `--moe-overlap*` flags."""
+    """Wrap `megatron.training.arguments.parse_args` (once) to add the `--moe-overlap*` flags,
+    and hook the model builders (`megatron_lm.install_build_hooks`)."""
     from megatron.training import arguments
+
+    install_build_hooks()
 
     if getattr(arguments.parse_args, "_moe_overlap", False):
         return

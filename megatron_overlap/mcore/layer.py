@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import inspect
 import logging
 import warnings
 from itertools import chain
@@ -82,6 +81,8 @@ class OverlapMoELayer(MoELayer):
             (`ops.fusion_decision`: both predicted times), None before the first or with
             `LayerPolicy.fuse = "always"`.
         decisions: how many distinct (C, L) or stock-path decisions this layer has logged.
+        unsupported_reason: why this layer runs the stock path at every size (known at
+            build: another dispatcher, fp8, a width the op cannot read, ...), or None.
 
     Before the first call of each size, the layer asks the planner whether the fused op
     beats the stock steps it replaces there (`ops.fusion_decision`, from the device
@@ -92,21 +93,57 @@ class OverlapMoELayer(MoELayer):
     def __init__(self, *args, overlap_config: OverlapConfig | None = None,
                  policy: LayerPolicy | None = None, **kwargs):
         super().__init__(*args, **kwargs)
+        self._adopt(overlap_config, policy)
+
+    @classmethod
+    def adopt(cls, layer: MoELayer, overlap_config: OverlapConfig | None = None,
+              policy: LayerPolicy | None = None) -> "OverlapMoELayer":
+        """`layer`, a built megatron.core MoELayer, made an OverlapMoELayer in place: the
+        same module, parameters, process groups and dispatcher object, so a model built by
+        any Megatron builder (GPT, its MTP block, HybridModel, a user's spec) changes no
+        weight, no state-dict key and no initialization when its MoE layers are adopted
+        (`overlap_moe_layers`). Only an exact MoELayer is adopted (a subclass may have
+        moved the two override points: ValueError); an OverlapMoELayer gets the new
+        config and policy."""
+        if isinstance(layer, OverlapMoELayer):
+            layer.overlap_config = layer._checked_config(overlap_config) or OverlapConfig()
+            layer.policy = layer._checked_policy(policy) or LayerPolicy()
+            layer._fusion.clear()
+            return layer
+        if type(layer) is not MoELayer:
+            raise ValueError(f"cannot adopt the custom MoE class {type(layer).__qualname__}; "
+                             "only megatron.core MoELayer becomes an OverlapMoELayer")
+        layer.__class__ = cls  # (Megatron's __init__ ran; ours runs below)
+        layer._adopt(overlap_config, policy)
+        return layer
+
+    @staticmethod
+    def _checked_config(overlap_config):
         if overlap_config is not None and not isinstance(overlap_config, OverlapConfig):
             raise ValueError("overlap_config must be an OverlapConfig, got "
                              f"{type(overlap_config).__name__}")
+        return overlap_config
+
+    @staticmethod
+    def _checked_policy(policy):
         if policy is not None and not isinstance(policy, LayerPolicy):
             raise ValueError(f"policy must be a LayerPolicy, got {type(policy).__name__}")
-        self.overlap_config = overlap_config or OverlapConfig()
-        self.policy = policy or LayerPolicy()
+        return policy
+
+    def _adopt(self, overlap_config, policy) -> None:
+        """The overlap's state on a layer whose MoELayer.__init__ has run."""
+        self.overlap_config = self._checked_config(overlap_config) or OverlapConfig()
+        self.policy = self._checked_policy(policy) or LayerPolicy()
         self.overlap_enabled = True
         self.last_plan = None
         self.last_rows = None
         self.decisions = 0
-        self._unsupported = self._why_unsupported()
+        self.unsupported_reason = self._why_unsupported()
         self._stacks = OperandStacks()  # expert weights, stacked once per change
-        if self._unsupported is None:
-            self._install_dispatcher(args, kwargs)
+        if self.unsupported_reason is None:
+            # Megatron's own dispatcher object, with the process groups it was built with,
+            # gains the fused path's methods (the class adds no state: dispatch.py)
+            self.token_dispatcher.__class__ = OverlapAllGatherDispatcher
             pack_expert_weights(self.experts)  # (then the stacks are views: no copy at all)
         self._fused_pending = False  # routed_experts_compute already did the combine
         self._routed_by_op = False  # this call's routed output came from the fused op
@@ -130,22 +167,30 @@ class OverlapMoELayer(MoELayer):
             return "latent MoE projections"
         if c.overlap_dispatch_backward_with_experts_wgrad:
             return "overlap_dispatch_backward_with_experts_wgrad"
+        return self._row_bytes_refusal()
+
+    def _row_bytes_refusal(self) -> str | None:
+        """The Triton backends read FC2's input [rows, K] by tensor descriptors, whose rows
+        must be 16-byte multiples; K = the expert FFN width on this rank, in the dtype the
+        layer computes in (Megatron's --bf16 / --fp16, else params_dtype)."""
+        c = self.config
+        if self.overlap_config.backend == "reference":
+            return None
+        ffn = (c.moe_ffn_hidden_size or c.ffn_hidden_size) // (c.expert_tensor_parallel_size or 1)
+        dtype = torch.bfloat16 if c.bf16 else torch.float16 if c.fp16 else c.params_dtype
+        if ffn * dtype.itemsize % 16:
+            return (f"an expert FFN width of {ffn} per rank in {str(dtype).removeprefix('torch.')} "
+                    f"({ffn * dtype.itemsize} B a row; the fused GEMM2 reads 16-byte multiples)")
         return None
 
-    def _install_dispatcher(self, args, kwargs) -> None:
-        """Megatron's allgather dispatcher -> OverlapAllGatherDispatcher, built with the
-        arguments MoELayer.__init__ built it with (no spec hook exists: dispatch.py)."""
-        given = inspect.signature(MoELayer.__init__).bind(self, *args, **kwargs).arguments
-        self.token_dispatcher = OverlapAllGatherDispatcher.built_like(
-            self, given.get("pg_collection"))
 
     def _use_overlap(self, hidden_states) -> bool:
         """Overlap this call? The same answer on every rank of the group: it reads only
         the gathered [M, H] activations' size, the configuration and the device."""
         if not self.overlap_enabled:
             return False
-        if self._unsupported is not None:
-            _warn_once(self._unsupported, f"{self._unsupported} is not supported; those MoE "
+        if self.unsupported_reason is not None:
+            _warn_once(self.unsupported_reason, f"{self.unsupported_reason} is not supported; those MoE "
                        "layers run the stock Megatron path")
             return False
         if capturing(hidden_states):
@@ -281,7 +326,7 @@ class OverlapMoELayer(MoELayer):
         one forward call (not split into steps that other calls may interleave: the
         ungated output waits on this layer between its steps)."""
         steps = getattr(self, "fwd_execution_map", ())  # a list, or one step's name
-        if not (self.overlap_enabled and self._unsupported is None and self.use_shared_expert
+        if not (self.overlap_enabled and self.unsupported_reason is None and self.use_shared_expert
                 and not self.shared_expert_overlap and not self.shared_experts_recompute
                 and getattr(self.shared_experts, "use_shared_expert_gate", False)
                 and getattr(self.config, "cuda_graph_impl", "none") == "none"
