@@ -43,24 +43,14 @@ The flag protocol, in full (the only subtle part of the operator):
     `atomic_add(done, 1, release, sys)`; sys scope so that its peer stores are ordered
     for observers on other GPUs. The program that sees C+H-1 acquired them all (it may
     be a helper: the barrier, reset and epoch logic do not care which launch it is in).
-  * barrier, `signal[src]` on every rank (int32, in symmetric memory): that last program
-    stores `epoch` into `signal[rank]` of every peer (`atomic_xchg`, release, sys), then
-    waits until its own `signal[src] >= epoch` for every src (acquire, sys). Epochs grow
-    by one per call, so the words never need resetting and a fast rank that already
-    wrote epoch+1 still satisfies a slow rank's wait for epoch.
-  * agreement: before its epoch, the last program stores what this rank launched, the
-    descriptor (epoch, call number, M, N, partial dtype; DESC_WORDS int32), into
-    `desc[epoch % 2][rank]` of every peer (relaxed atomics of the thread that then
-    releases the epoch), and after each wait compares `desc[epoch % 2][src]` with its
-    own. A difference records `6 << 24 | src` and both descriptors (`record`); the host
-    raises OverlapMismatchError naming them, on every rank (each sees the other's). The
-    two parities keep a fast peer's next descriptor from overwriting the one a slow rank
-    is about to read (a peer is at most one call ahead). The call number counts the
-    host's op calls on the group, including calls that raised before launching, so a
-    rank that raised and calls again differs from its peer's earlier call; a CUDA graph
-    replays the numbers of its capture, on every rank alike. C, L and the tail helpers
-    are each rank's own (no peer reads them). Cost: DESC_WORDS more stores per peer and
-    loads per source, in one program per call.
+  * barrier, agreement and recovery: the last program to finish runs the cross-rank
+    barrier of `flags.py` (whose docstring is the cross-rank protocol in full): it
+    publishes this rank's arrival and descriptor (epoch, generation, M, N, kind) to every
+    peer, waits for theirs, compares them, and after a fault (a wait ran out, a peer
+    gave up on this call or faulted, another epoch or generation) recovers the group
+    with its peers, on the device. C, L and the tail helpers are each rank's own (no
+    peer reads them). Cost: one program's DESC_WORDS + 1 stores per peer, and a load
+    per source per poll.
   * reset: the last program zeroes `done`, `ready[0..L-1]` and the claims for the next
     call (every GEMM2 tile has published, every wait has ended and every program has
     made its last claim by then). After a time-out the host zeroes them.
@@ -69,12 +59,12 @@ The flag protocol, in full (the only subtle part of the operator):
     cannot reach call n+2 before that peer has passed the barrier of call n+1.
   * bounded waits: every spin stops after `timeout_us` microseconds of the GPU's global
     timer (the host's monotonic clock under the interpreter) or `max_spins` polls, and records
-    `kind << 24 | value` in `error` (kind 1: split `value` never became ready; kind 2:
-    rank `value` never reached the barrier; kind 6: rank `value` launched another call,
-    see the agreement); the host raises. A hang is a bug.
-  * CUDA graphs: nothing allocates, the flags reset themselves, and the epoch is a
-    device word (`epoch_ptr`: the last program stores the call's epoch after the barrier;
-    the next call's programs read it + 1), as is the parity that picks this call's slots
+    `kind << 24 | value` in `error` (kind 1: split `value` never became ready; kinds
+    2, 6-8: the barrier's, `flags.py`); the host raises. A hang is a bug.
+  * CUDA graphs: nothing allocates, the flags reset themselves, and the epoch and
+    generation are device words (`epoch_ptr`, `flags.STATE_WORDS`: the last program
+    stores the call's epoch after the barrier; the next call's programs read it + 1),
+    as is the parity that picks this call's slots
     (GatherRS's and the final sum's), so a replay of captured calls goes on counting.
   * trace (TRACE, a constexpr: off in the op): every program stores, for each split it has
     items in, when it arrived at the split, when its wait ended and when its items were
@@ -90,9 +80,10 @@ import triton
 import triton.language as tl
 
 from .flags import (DESC_WORDS, ERR_BARRIER_TIMEOUT, ERR_MISMATCH,  # noqa: F401 (re-exported)
-                    ERR_READY_TIMEOUT, MAX_WAIT_TIMEOUT_S, RECORD_WORDS, WAIT_TIMEOUT_S,
-                    agreement_kernel, barrier, launch_agreement, now_ns, signal_words,
-                    timeout_us, wait_at_least)
+                    ERR_PEER_FAULT, ERR_READY_TIMEOUT, ERR_RECOVERY, KIND_FAILED,
+                    KIND_REFERENCE, MAX_WAIT_TIMEOUT_S, PENDING, RECORD_WORDS, RECOVERED,
+                    STATE_WORDS, WAIT_TIMEOUT_S, agreement_kernel, barrier, launch_agreement,
+                    now_ns, signal_words, timeout_us, wait_at_least)
 from .gemm2_layout import column_alignment, next_pow2, split_width
 from .launch_cache import LaunchCache
 
@@ -185,14 +176,14 @@ def _combine_item(item, split, y_ptr, table_ptr, prob_ptr, dst_ptrs, partial_lik
 @triton.jit(do_not_specialize=["tokens_per_rank", "num_splits", "rank", "world", "topk",
                                "num_experts", "gemm_col_tiles", "gemm_last_col_tiles",
                                "max_spins", "timeout_us", "pid_base", "comm_programs",
-                               "helpers", "call_no", "dtype_code"])
+                               "helpers", "kind"])
 def gather_rs_kernel(
     # pointers
     y_ptr, table_ptr, prob_ptr, dst_ptrs, signal_ptrs, ready_ptr, done_ptr, error_ptr,
     tile_start_ptr, partial_like_ptr, epoch_ptr, record_ptr, trace_ptr, claim_ptr,
-    # sizes and protocol values (call_no, dtype_code: this launch's descriptor)
+    # sizes and protocol values (kind: this launch's descriptor word beside M and N)
     tokens_per_rank, N, split_width, num_splits, rank, world, topk, num_experts,
-    gemm_col_tiles, gemm_last_col_tiles, max_spins, timeout_us, call_no, dtype_code,
+    gemm_col_tiles, gemm_last_col_tiles, max_spins, timeout_us, kind,
     # programs: [0, comm_programs) launched before GEMM2; [comm_programs, + helpers) by a
     # second launch after it (pid_base = comm_programs), for the last split only
     pid_base, comm_programs, helpers,
@@ -285,8 +276,9 @@ def gather_rs_kernel(
     if tl.atomic_add(done_ptr, 1, sem="release", scope="sys") == all_programs - 1:
         tl.atomic_add(done_ptr, 0, sem="acquire", scope="sys")
         if world > 1:
-            barrier(signal_ptrs, error_ptr, record_ptr, epoch, rank, world, call_no,
-                     tokens_per_rank * world, N, dtype_code, max_spins, timeout_ns)
+            # (the epoch it returns: this call's, or where the group restarts after a fault)
+            epoch = barrier(signal_ptrs, epoch_ptr, error_ptr, record_ptr, epoch, rank, world,
+                            tokens_per_rank * world, N, kind, max_spins, timeout_ns)
             # every program of the call has read the epoch (each added to `done` after)
             tl.store(epoch_ptr, epoch)
         tl.store(done_ptr, 0)
@@ -324,7 +316,7 @@ def launch_gather_rs(
     token_major: bool = False, maxnreg: int | None = None,
     width: int | None = None, gemm_last_col_tiles: int | None = None,
     wait_timeout_s: float = WAIT_TIMEOUT_S, record: torch.Tensor | None = None,
-    call_no: int = 0, dtype_code: int = 0, trace: torch.Tensor | None = None,
+    kind: int = 0, trace: torch.Tensor | None = None,
     y_evict_first: bool = False, claims: torch.Tensor | None = None,
 ):
     """Launch exactly `programs` communication CTAs. y [T, N] in GEMM2's row order, or
@@ -340,8 +332,8 @@ def launch_gather_rs(
     holds the N - (L-1) sw columns left (default `gemm_col_tiles`); `wait_timeout_s`: the
     bound of every wait in seconds (with `max_spins` polls); `epoch`: the group's
     int32 call counter on this device (read and advanced by the call where world > 1;
-    `dst_ptrs` then holds both parities' tables, [2, world]); `call_no`, `dtype_code`:
-    this launch's descriptor beside M and N, agreed on at the barrier, and `record`
+    `dst_ptrs` then holds both parities' tables, [2, world]); `kind`: this launch's
+    descriptor word beside M and N (`flags.py`), agreed on at the barrier, and `record`
     (int32 [RECORD_WORDS], default `error`'s word, where world 1 never writes it) where
     a mismatch is recorded; `trace`: int64 [programs + helpers, L, 3], where each program
     stores (arrived, wait ended, items done), GPU global-timer ns, of every split it has
@@ -370,7 +362,7 @@ def launch_gather_rs(
             width or split_width(hidden, splits), splits, rank, world, table.shape[1],
             tile_start.numel() - 1, gemm_col_tiles,
             gemm_col_tiles if gemm_last_col_tiles is None else gemm_last_col_tiles,
-            max_spins, timeout_us(wait_timeout_s), call_no, dtype_code,
+            max_spins, timeout_us(wait_timeout_s), kind,
             programs if launch_helpers else 0, programs, helpers,
             y.stride(0), y.stride(1), dst_slot_stride, dst_row_stride)
     meta = dict(BLOCK_TM=block_tm, BLOCK_TN=block_tn, TOPK_POW2=slots,

@@ -473,9 +473,11 @@ def test_counts_off_the_host_must_be_int32_or_int64():
     from megatron_overlap.ops.validation import host_counts
 
     with pytest.raises(ValueError, match="int32 or int64"):
-        host_counts(torch.zeros(3, dtype=torch.int16, device="meta"), 6, 3)
+        host_counts(torch.zeros(3, dtype=torch.int16, device="meta"), 6, 3,
+                    torch.device("meta"))
     for dtype in (torch.int32, torch.int64):
-        counts, on_device = host_counts(torch.zeros(3, dtype=dtype, device="meta"), 6, 3)
+        counts, on_device = host_counts(torch.zeros(3, dtype=dtype, device="meta"), 6, 3,
+                                        torch.device("meta"))
         assert counts is None and on_device.dtype == dtype
 
 

@@ -50,7 +50,7 @@ def kernels():
     comm_ints = {n: "i32" for n in ("tokens_per_rank", "N", "split_width", "num_splits", "rank",
                                     "world", "topk", "num_experts", "gemm_col_tiles",
                                     "gemm_last_col_tiles",
-                                    "max_spins", "timeout_us", "call_no", "dtype_code",
+                                    "max_spins", "timeout_us", "kind",
                                     "pid_base", "comm_programs", "helpers",
                                     "stride_ym", "stride_yn")}
     comm_ints.update(dst_slot_stride="i64", dst_row_stride="i32")
@@ -89,13 +89,14 @@ def kernels():
                grs.gather_rs_kernel, _signature(comm_ptrs, comm_ints, meta), meta,
                dict(num_warps=4, maxnreg=SHARED_COMM_MAXNREG), attrs)
     yield ("agreement", grs.agreement_kernel,
-           _signature({"signal_ptrs": "*i64", "epoch_ptr": "*i32", "error_ptr": "*i32",
+           _signature({"signal_ptrs": "*i64", "state_ptr": "*i32", "error_ptr": "*i32",
                        "record_ptr": "*i32"},
-                      {n: "i32" for n in ("rank", "world", "call_no", "tokens", "N",
-                                          "dtype_code", "max_spins", "timeout_us")}, {}),
+                      {n: "i32" for n in ("rank", "world", "tokens", "N", "kind",
+                                          "max_spins", "timeout_us")}, {}),
            {}, dict(num_warps=1), None)
     yield ("sum_partials", sp.sum_partials_kernel,
-           _signature({"recv_ptr": "*bf16", "out_ptr": "*bf16", "epoch_ptr": "*i32"},
+           _signature({"recv_ptr": "*bf16", "out_ptr": "*bf16", "epoch_ptr": "*i32",
+                       "error_ptr": "*i32"},
                       {"numel": "i32", "slot_stride": "i32", "parity_stride": "i32"},
                       {"WORLD": 0, "BLOCK": 0}),
            dict(WORLD=2, BLOCK=2048), dict(num_warps=4), None)

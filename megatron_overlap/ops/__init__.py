@@ -2,7 +2,7 @@
 
 from .buffer import OverlapBuffer
 from .capture import CapturedCall
-from .errors import OverlapMismatchError, OverlapTimeoutError
+from .errors import OverlapMismatchError, OverlapPeerError, OverlapTimeoutError
 from .config import OverlapConfig
 from .fusion import fusion_decision
 from .expert_weights import BIAS_COLUMNS, ExpertWeightStack, with_bias_columns
@@ -11,6 +11,7 @@ from .helpers import add_gated_shared_, capturing, gather_rows, interpreting, we
 from .op import gemm2_gather_rs
 
 __all__ = ["BIAS_COLUMNS", "ExpertWeightStack", "grouped_mm_accepts", "OverlapBuffer", "OverlapConfig", "OverlapMismatchError",
+           "OverlapPeerError",
            "OverlapTimeoutError", "fusion_decision",
            "gemm2_gather_rs", "with_bias_columns",
            # the layer's helpers (ops/helpers.py) and CUDA-graph capture (ops/capture.py)

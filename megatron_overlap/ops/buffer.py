@@ -12,13 +12,17 @@ descriptors [2 parities][D][DESC_WORDS], `gather_rs.signal_words`), padded to 12
 two parity halves of fixed size, each [D slots][Md rows][N] partials of this call's
 geometry. Local flags: ready[L_MAX], done, error, and the mismatch record (int32).
 
-Ranks that disagree: every call's descriptor (epoch, call number, M, N,
-partial dtype) is agreed on in the kernels' barrier (`gather_rs`); the host adds no
-collective per call. The only host collective of a call, growing the peer memory, is
-entered only after the same agreement, run alone (`agreement_kernel`), has passed on
-this rank, so a rank never waits in a collective its peer skipped; the group's first
-allocation agrees through the allocation's own all-gather. The halves do not move
-when the geometry changes inside them, so a new (Md, N, dtype) needs no quiesce.
+Ranks that disagree, and faults: every call's descriptor (epoch, generation, M, N,
+kind) is agreed on in the kernels' barrier, which also recovers the group after a fault
+(`kernels/flags.py`, the protocol in full); the host adds no collective per call. The
+only host collectives of a call, growing the peer memory and the reference path's
+reduce-scatter, are entered only after the same agreement, run alone
+(`agreement_kernel`), has passed on this rank, so a rank never waits in a collective
+its peer skipped; a call that raises on the host before it launched still arrives at
+the barrier (`announce_raise`), marked failed, so that its peers raise for it at once
+instead of waiting out the bound. The group's first allocation agrees through the
+allocation's own all-gather. The halves do not move when the geometry changes inside
+them, so a new (Md, N, dtype) needs no quiesce.
 """
 
 from __future__ import annotations
@@ -33,32 +37,12 @@ import torch.distributed as dist
 from ..kernels import gather_rs as grs
 from ..kernels import sum_partials
 from .config import MAX_SPLITS, PARTIAL_DTYPES
-from .errors import ErrorWord, OverlapMismatchError, OverlapTimeoutError, describe_mismatch
+from .errors import (ErrorWord, OverlapMismatchError, OverlapTimeoutError, describe_error,
+                     describe_mismatch)
 from .peer_memory import PeerMemory
 from .stream_ops import StreamOps
 
 L_MAX = MAX_SPLITS  # readiness words: one per split
-
-#: op calls per process group so far, this process (id(group) -> [group, calls]): every
-#: call counts, including one that raises before it launches, so a rank that raised and
-#: calls again carries a call number its peers do not (the launch descriptor, `launch`)
-_CALLS: dict[int, list] = {}
-
-
-def _calls_of(group) -> list:
-    entry = _CALLS.get(id(group))
-    if entry is None or entry[0] is not group:
-        entry = _CALLS[id(group)] = [group, 0]
-    return entry
-
-
-def note_call(group) -> int:
-    """Count one op call on `group` (the op's first step, before any check can raise);
-    the call's number."""
-    entry = _calls_of(group)
-    entry[1] += 1
-    return entry[1]
-
 
 def dtype_code(dtype: torch.dtype) -> int:
     """The partial dtype as a descriptor word (0: none of PARTIAL_DTYPES)."""
@@ -93,6 +77,11 @@ class OverlapBuffer(ErrorWord):
     def exists(cls, group, device: torch.device, backend: str) -> bool:
         return (id(group), str(device), backend) in cls._instances
 
+    @classmethod
+    def of_group(cls, group, device: torch.device) -> "list[OverlapBuffer]":
+        """The group's buffers on `device`, of any backend."""
+        return [b for b in cls._instances.values() if b.group is group and b.device == device]
+
     def __init__(self, group, device: torch.device, backend: str):
         self.group = group
         self.device = device
@@ -107,19 +96,20 @@ class OverlapBuffer(ErrorWord):
         self._no_peers = torch.zeros(1, dtype=torch.int64, device=device)  # world 1's tables
         self.done = torch.zeros(1, dtype=torch.int32, device=device)
         self.error = torch.zeros(1, dtype=torch.int32, device=device)
-        # the calls of this group so far (the barrier's epoch), on the device: GatherRS
-        # reads and advances it, so replays of captured calls go on counting
-        self.epoch = torch.zeros(1, dtype=torch.int32, device=device)
+        # the protocol state (the barrier's epoch, generation, pending round;
+        # `flags.STATE_WORDS`), on the device: GatherRS reads and advances it, so replays
+        # of captured calls go on counting and recover as eager ones do
+        self.epoch = torch.zeros(grs.STATE_WORDS, dtype=torch.int32, device=device)
+        self.arrived = False  # this op call has reached the barrier here (`begin_call`)
         self.captured = False  # some launch of it went into a CUDA graph
         self.broken: str | None = None
         self.broken_type: type = OverlapTimeoutError  # what a refused call raises
         # where GatherRS records a mismatch: both descriptors and the peer (RECORD_WORDS)
         self.record = torch.zeros(grs.RECORD_WORDS, dtype=torch.int32, device=device)
-        self._calls = _calls_of(group)  # [group, op calls on it]: the descriptor's number
         self.wait_bounds: tuple | None = None  # (seconds, polls) of the latest launch's waits
         self._memory: PeerMemory | None = None
         self._layout: tuple | None = None  # (rows per rank Md, hidden, partial dtype)
-        self._shape_words = (0, 0, 0)  # the descriptor's (M, N, dtype code) of the layout
+        self._shape_words = (0, 0, 0)  # the descriptor's (M, N, kind) of the layout
         self._ptr_table: torch.Tensor | None = None  # [2, world]: each parity's slots
         self._recv_views: list[torch.Tensor] = []  # recv(0), recv(1)
         self._slots_at = (0, 0)  # (byte offset of the slots, bytes per parity): fixed
@@ -164,23 +154,61 @@ class OverlapBuffer(ErrorWord):
         self._shape_words = (rows * self.world, hidden, dtype_code(dtype))
         self._recv_views = [self.recv(parity) for parity in (0, 1)]
 
-    def _descriptor(self, tokens: int, hidden: int, dtype: torch.dtype) -> tuple:
-        """(call number, M, N, dtype code): what this rank launches (as GatherRS's)."""
-        return (self._calls[1] & 0x7FFFFFFF, tokens, hidden, dtype_code(dtype))
+    @staticmethod
+    def _descriptor(tokens: int, hidden: int, dtype: torch.dtype, kind: int = 0) -> tuple:
+        """(M, N, kind): what this rank launches (as GatherRS's, beside its epoch and
+        generation); `kind`: a KIND_* flag."""
+        return (tokens, hidden, dtype_code(dtype) | kind << 8)
 
     def _agree(self, desc: tuple) -> None:
-        """The barrier and agreement of this call alone, before a collective growth:
-        raises (OverlapMismatchError, OverlapTimeoutError) unless every peer launched
-        the same call. A peer that did not raises from its own GatherRS's barrier."""
+        """The barrier and agreement of this call alone (before a host collective):
+        raises (OverlapMismatchError, OverlapTimeoutError, OverlapPeerError) unless every
+        peer launched the same call. A peer that did not raises from its own barrier."""
+        self.check(sync=True)  # (an earlier call's error first, with its own message)
+        self._launch_agreement(desc)
+        self.check(sync=True)
+
+    def _launch_agreement(self, desc: tuple) -> None:
         seconds, polls = self.wait_bounds or (grs.WAIT_TIMEOUT_S, (1 << 31) - 1)
         self.wait_bounds = (seconds, polls)
-        self.check(sync=True)  # (an earlier call's error first, with its own message)
+        self.arrived = True
         grs.launch_agreement(self._signal_ptrs, self.epoch, self.error, self.record,
-                             rank=self.rank, world=self.world, call_no=desc[0],
-                             tokens=desc[1], hidden=desc[2], dtype_code=desc[3],
-                             max_spins=polls, wait_timeout_s=seconds)
+                             rank=self.rank, world=self.world, tokens=desc[0],
+                             hidden=desc[1], kind=desc[2], max_spins=polls,
+                             wait_timeout_s=seconds)
         self._pending = (None, self.error.clone(), None)  # (a synchronizing copy)
-        self.check(sync=True)
+
+    def agree_reference(self, tokens: int, hidden: int, dtype: torch.dtype) -> None:
+        """Before the reference path's reduce-scatter on this group: every peer must run
+        the reference path for the same M and N (a peer on peer memory would never join
+        the collective); raises otherwise, as its peers do."""
+        if self._memory is not None:
+            self._agree(self._descriptor(tokens, hidden, dtype, grs.KIND_REFERENCE))
+
+    @classmethod
+    def begin_call(cls, group) -> None:
+        """An op call on `group` starts: none of its buffers has arrived for it yet."""
+        for buf in cls._instances.values():
+            if buf.group is group:
+                buf.arrived = False
+
+    @classmethod
+    def announce_raise(cls, group, err: BaseException) -> None:
+        """This rank's op call raises before it launched: arrive at the barrier of each
+        of the group's buffers with a failed call, so that every peer raises for it at
+        once (its own wait bounds) rather than after waiting out the bound."""
+        for buf in list(cls._instances.values()):
+            if buf.group is not group or buf.arrived or buf._memory is None:
+                continue
+            buf._launch_agreement((0, 0, grs.KIND_FAILED << 8))
+            code = int(buf.error[0])  # (peers raise a mismatch for this call: expected)
+            buf._pending = None
+            buf.clear_flags()
+            buf.record.zero_()
+            if code >> 24 in (grs.ERR_BARRIER_TIMEOUT, grs.ERR_PEER_FAULT,
+                              grs.ERR_RECOVERY) or code & (grs.RECOVERED | grs.PENDING):
+                err.add_note("at its barrier: " + describe_error(code, buf.rank, None,
+                                                                 buf.wait_bounds))
 
     def _allocate(self, need: int, desc: tuple | None) -> None:
         """New peer memory (collective) with parity halves of at least `need` bytes, the
@@ -192,7 +220,8 @@ class OverlapBuffer(ErrorWord):
         if desc is not None:
             for src, (other, _, _) in enumerate(every):
                 if other != desc:
-                    self._raise_mismatch((0,) + desc, (0,) + other, src, host=True)
+                    raise OverlapMismatchError(describe_mismatch(
+                        self.rank, (0, 0) + desc, src, other and (0, 0) + other, host=True))
         half = max(max(n, h) for _, n, h in every)
         signal_bytes = -(-4 * grs.signal_words(self.world) // 128) * 128
         # (the old memory is freed after the new one's allocation, whose barrier waits
@@ -201,29 +230,22 @@ class OverlapBuffer(ErrorWord):
                                            self.rank, self.world)
         self._signal_ptrs = torch.tensor(self._memory.peer_ptrs, dtype=torch.int64,
                                          device=self.device)
-        self.epoch.zero_()  # fresh barrier words are zero on every rank
+        self.epoch.zero_()  # fresh barrier words are zero on every rank (generation 0)
         self._slots_at = (signal_bytes, half)
         self._ptr_table = torch.tensor(
             [p + signal_bytes + parity * half for parity in (0, 1) for p in self._memory.peer_ptrs],
             dtype=torch.int64, device=self.device)
         self._layout = None
 
-    def _raise_mismatch(self, mine: tuple, other: tuple, src: int, host: bool = False):
-        """Raise OverlapMismatchError naming both descriptors ((epoch, call, M, N, dtype
-        code) each); where the ranks' epochs or call numbers differ the buffer is broken
-        until `reset` (they would differ for every later call too)."""
-        message, fatal = describe_mismatch(self.rank, mine, src, other, host)
-        if fatal:
-            self.broken, self.broken_type = message, OverlapMismatchError
-        raise OverlapMismatchError(message)
-
-    def mismatch(self) -> None:
-        """Raise the mismatch GatherRS recorded (the error word held ERR_MISMATCH; `check`)."""
+    def mismatch(self, code: int) -> None:
+        """Raise the mismatch the barrier recorded (`code`: the error word, ERR_MISMATCH
+        with its recovery flags; `check`), naming both descriptors."""
         record = self.record.tolist()
         self.record.zero_()
         words = grs.DESC_WORDS
-        self._raise_mismatch(tuple(record[:words]), tuple(record[words:2 * words]),
-                             record[2 * words])
+        raise OverlapMismatchError(describe_mismatch(
+            self.rank, tuple(record[:words]), record[2 * words], tuple(record[words:2 * words]),
+            flags=code & (grs.RECOVERED | grs.PENDING)))
 
     def recv(self, parity: int) -> torch.Tensor:
         cap, hidden, dtype = self._layout
@@ -234,12 +256,13 @@ class OverlapBuffer(ErrorWord):
 
     def reset(self) -> None:
         """Forget a failed state; collective: rebuilds peer memory on every rank (the
-        largest any rank had) and restarts the group's epochs and call numbers."""
+        largest any rank had) and restarts the group's epochs and generations. Needed
+        only after a launch failed mid-call or a GEMM2 producer never published (the
+        barrier recovers the group from faults between ranks by itself)."""
         self.broken, self.broken_type = None, OverlapTimeoutError
         self._pending = None
         self.clear_flags()
         self.record.zero_()
-        self._calls[1] = 0
         if self._memory is not None:
             self._allocate(self._slots_at[1], None)
 
@@ -264,10 +287,10 @@ class OverlapBuffer(ErrorWord):
         output itself (the kernel writes partial_like there and reads no address table)."""
         if self.world == 1:
             return CommTarget(self._no_peers, self._no_peers, 0, out.stride(0), out, {})
+        self.arrived = True
         return CommTarget(self._ptr_table, self._signal_ptrs, self._layout[0] * out.shape[1],
                           out.shape[1], self._recv_views[0],
-                          dict(record=self.record, call_no=self._calls[1] & 0x7FFFFFFF,
-                               dtype_code=self._shape_words[2]))
+                          dict(record=self.record, kind=self._shape_words[2]))
 
     def sum_partials(self, out: torch.Tensor) -> None:
         """`out` = the sum over ranks of the partials in this call's parity slots (its
@@ -275,4 +298,5 @@ class OverlapBuffer(ErrorWord):
         if self.world > 1:
             recv = self._recv_views[0]
             sum_partials.launch_sum_partials(recv, out, self.world, epoch=self.epoch,
-                                    parity_stride=self._slots_at[1] // recv.element_size())
+                                             parity_stride=self._slots_at[1] // recv.element_size(),
+                                             error=self.error)

@@ -18,9 +18,15 @@ class OverlapTimeoutError(RuntimeError):
 
 
 class OverlapMismatchError(RuntimeError):
-    """Ranks of the group launched calls that do not pair (other M, N or partial dtype,
-    or another call: a rank raised before launching one its peers launched). Raised on
-    every rank, naming what each launched."""
+    """Ranks of the group launched calls that do not pair (other M, N, partial dtype or
+    backend, or a rank whose call failed or raised before launching). Raised on every
+    rank, naming what each launched."""
+
+
+class OverlapPeerError(RuntimeError):
+    """Another rank of the group faulted (a wait there ran out, or it gave up on this
+    rank's call): this call's output is not computed. Raised on every rank the fault
+    reached; the group recovers by itself (the message says when)."""
 
 
 def _dtype_name(code: int) -> str:
@@ -30,28 +36,44 @@ def _dtype_name(code: int) -> str:
         PARTIAL_DTYPES) else f"dtype code {code}"
 
 
-def describe_mismatch(rank: int, mine: tuple, src: int, other: tuple | None,
-                      host: bool = False) -> tuple[str, bool]:
-    """(message, whether the buffer must be reset) for descriptors (epoch, call number,
-    M, N, partial dtype code) of this rank and of rank `src` that differ; `host`: found
-    by the first allocation's all-gather (no epochs yet)."""
-    def launched(r, d):
-        if d is None:
-            return f"rank {r} was resetting its buffer (OverlapBuffer.reset)"
-        epoch, call, m, n, code = d
-        at = "" if host else f" (launch {epoch} of the buffer)"
-        return f"rank {r} launched call {call}{at} with M={m}, N={n}, partials {_dtype_name(code)}"
+def _launched(rank: int, desc: tuple | None, host: bool) -> str:
+    """What one descriptor (epoch, generation, M, N, kind) says rank `rank` launched."""
+    if desc is None:
+        return f"rank {rank} was resetting its buffer (OverlapBuffer.reset)"
+    epoch, gen, m, n, kind = desc
+    what = kind >> 8
+    if what & grs.KIND_FAILED:
+        return (f"rank {rank}'s call failed before its barrier or raised before it launched "
+                f"(its own error says why)")
+    at = "" if host else f" (epoch {epoch}, generation {gen})"
+    path = " on the reference backend" if what & grs.KIND_REFERENCE else ""
+    return f"rank {rank} launched a call{at}{path} with M={m}, N={n}, partials " \
+           f"{_dtype_name(kind & 0xFF)}"
 
-    fatal = other is None or mine[:2] != other[:2]
+
+def describe_mismatch(rank: int, mine: tuple, src: int, other: tuple | None,
+                      host: bool = False, flags: int = 0) -> str:
+    """The message of descriptors (epoch, generation, M, N, kind) of this rank and of
+    rank `src` that differ; `host`: found by the first allocation's all-gather (no
+    epochs yet); `flags`: the barrier's recovery flags, where the ranks' epochs or
+    generations differed (a fault)."""
     head = (f"gemm2_gather_rs: the ranks of the group launched calls that do not pair: "
-            f"{launched(rank, mine)}; {launched(src, other)}")
-    if fatal:
-        return (head + ". Their call counts differ (a rank raised before launching, or "
-                "skipped, a call its peers launched), so every later call would pair wrongly "
-                "too: the buffer refuses calls until OverlapBuffer.reset() is called on every "
-                "rank"), True
+            f"{_launched(rank, mine, host)}; {_launched(src, other, host)}")
+    if flags:
+        return head + recovery_note(flags)
     return (head + ". Every rank of the group raises this for the call; its output is "
-            "not computed. The next call the ranks make alike runs (no reset needed)"), False
+            "not computed. The next call the ranks make alike runs")
+
+
+def recovery_note(flags: int) -> str:
+    """What the group does after a fault, from the barrier's flags (`flags.py`)."""
+    if flags & grs.RECOVERED:
+        return (". The group recovered in this call (every rank raised for it or for its "
+                "previous call): the next call runs on every rank, no reset needed")
+    if flags & grs.PENDING:
+        return (". Not every rank joined the recovery within the bound yet: each rank's next "
+                "call finishes it and raises; the call after runs (no reset needed)")
+    return ""
 
 
 def _waited(bounds) -> str:
@@ -82,11 +104,21 @@ def describe_error(code: int, rank: int, expected: int | None = None,
                 f"output is wrong (a router that "
                 f"gives some token fewer than top-k experts needs the host counts: "
                 f"the layer's LayerPolicy(host_counts=True), --moe-overlap-host-counts)")
+    src, flags = value & 0xFFFF, value & ~0xFFFF
     if kind == grs.ERR_MISMATCH:
-        return f"GatherRS on rank {rank}: rank {value} launched another call (see the record)"
+        return f"GatherRS on rank {rank}: rank {src} launched another call (see the record)"
     if kind == grs.ERR_BARRIER_TIMEOUT:
         return (f"GatherRS on rank {rank} timed out at the cross-rank barrier waiting for "
-                f"rank {value}{_waited(bounds)}")
+                f"rank {src}{_waited(bounds)}; its output is not computed"
+                + recovery_note(flags))
+    if kind == grs.ERR_PEER_FAULT:
+        return (f"gemm2_gather_rs on rank {rank}: rank {src} faulted (a wait there ran out, "
+                f"or it gave up waiting for this rank's call); this call's output is not "
+                f"computed" + recovery_note(flags))
+    if kind == grs.ERR_RECOVERY:
+        return (f"gemm2_gather_rs on rank {rank}: this call only finished the group's "
+                f"recovery from an earlier fault; its output is not computed"
+                + recovery_note(flags))
     return f"GatherRS on rank {rank} reported unknown error code {code:#x}"
 
 
@@ -105,7 +137,8 @@ class ErrorWord:
         self.error.zero_()
 
     def check(self, sync: bool = True) -> None:
-        """Raise OverlapTimeoutError if an earlier launch recorded a time-out."""
+        """Raise what an earlier launch recorded (a time-out, a mismatch, a peer's fault,
+        bad input found on the device)."""
         if self.broken:
             raise self.broken_type(self.broken + ("" if "reset()" in self.broken else
                                    " (the buffer must be rebuilt: call OverlapBuffer.reset "
@@ -127,7 +160,12 @@ class ErrorWord:
             raise ValueError(describe_error(code, self.rank))
         if code >> 24 == grs.ERR_MISMATCH:  # (flags reset as after any call that ran)
             self.error.zero_()
-            self.mismatch()  # raises, naming both ranks' descriptors
+            self.mismatch(code)  # raises, naming both ranks' descriptors
+        if code >> 24 in (grs.ERR_BARRIER_TIMEOUT, grs.ERR_PEER_FAULT, grs.ERR_RECOVERY):
+            # (the barrier recovers the group by itself: `kernels/flags.py`)
+            self.clear_flags()
+            raise (OverlapTimeoutError if code >> 24 == grs.ERR_BARRIER_TIMEOUT else
+                   OverlapPeerError)(describe_error(code, self.rank, expected, self.wait_bounds))
         if code:
             self.broken = describe_error(code, self.rank, expected, self.wait_bounds)
             self.clear_flags()

@@ -22,6 +22,7 @@ On rank r the result equals what Megatron's allgather dispatcher computes with F
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import warnings
@@ -34,15 +35,15 @@ from ..kernels import gemm2
 from ..kernels.routing_table import combine_table
 from ..planner import Workload, expert_row_tiles
 from . import launcher
-from .buffer import OverlapBuffer, note_call
+from .buffer import OverlapBuffer
 from .groups import call_backend, group_size_rank
 from .config import OverlapConfig
 from .grouped import grouped_mm, grouped_wgrad
 from .planning import LaunchPlan, PlanRequest, launch_tiles, log_decision, plan_launch
 from .routing import Router, Routing
 from .reference import all_gather, reference_forward
-from .validation import (aligned, capture_refusal, capturing, check_int, check_options,
-                         expert_count, host_counts, to_device, validate)
+from .validation import (MAX_TOKENS, MAX_TOPK, aligned, capture_refusal, capturing, check_int,
+                         check_options, expert_count, host_counts, to_device, validate)
 
 def _forward(x, weight, probs, counts_dev, table, launch):
     """(out, y) of a prepared launch: the overlapped kernels or the reference path."""
@@ -166,15 +167,28 @@ def gemm2_gather_rs(
     launch = prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs,
                      group, comm_ctas=comm_ctas, splits=splits, config=config,
                      expected_rows=expected_rows, defer_slots=None)
-    if grads:
-        out = _Gemm2GatherRS.apply(x, weight, probs, launch.counts_dev, token_index,
-                                   launch.table, launch)
-    else:  # inference and prefill: no autograd node to build
-        out = _forward(x, weight, probs, launch.counts_dev, launch.table, launch)[0]
+    with _arrives_on_raise(group):
+        if grads:
+            out = _Gemm2GatherRS.apply(x, weight, probs, launch.counts_dev, token_index,
+                                       launch.table, launch)
+        else:  # inference and prefill: no autograd node to build
+            out = _forward(x, weight, probs, launch.counts_dev, launch.table, launch)[0]
     if launch.buffer is not None:
         launch.buffer.note_launch(launch.plan.w_comp if launch.counts is not None else None,
                                   sync=launch.config.sync_errors, captured=launch.captured)
     return (out, launch.plan) if return_plan else out
+
+
+@contextlib.contextmanager
+def _arrives_on_raise(group):
+    """A call that raises before its barrier still arrives there, marked failed, so
+    that its peers raise for it at once (`OverlapBuffer.announce_raise`)."""
+    try:
+        yield
+    except Exception as err:
+        if group is not None and dist.is_initialized():
+            OverlapBuffer.announce_raise(group, err)
+        raise
 
 
 @dataclass(frozen=True)
@@ -227,12 +241,17 @@ class Launch:
 def _checked_call(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs, group,
                   comm_ctas, splits, config, expected_rows) -> Call:
     """Validate the call and choose its backend (raises ValueError naming the argument)."""
-    config = check_options(config, comm_ctas, splits)
+    # (sizes as Python ints from here on: numpy's would reach the kernels and caches)
+    config, comm_ctas, splits = check_options(config, comm_ctas, splits)
+    num_tokens = check_int("num_tokens", num_tokens, 1, MAX_TOKENS)
+    topk = check_int("topk", topk, 1, MAX_TOPK)
     world, rank = group_size_rank(group)
     experts = expert_count(x, weight)
-    counts, counts_dev = host_counts(tokens_per_expert, x.shape[0], experts)
+    counts, counts_dev = host_counts(tokens_per_expert, x.shape[0], experts, x.device)
     padded = expected_rows is not None
-    if padded and not 0 <= check_int("expected_rows", expected_rows, None) <= x.shape[0]:
+    if padded:
+        expected_rows = check_int("expected_rows", expected_rows, None)
+    if padded and not 0 <= expected_rows <= x.shape[0]:
         raise ValueError(f"expected_rows must lie in [0, {x.shape[0]}] (x's rows), got "
                          f"{expected_rows}")
     validate(x, weight, counts, token_index, num_tokens, topk, probs, world, padded)
@@ -244,6 +263,8 @@ def _checked_call(x, weight, tokens_per_expert, token_index, num_tokens, topk, p
         padded = False  # (the rows past the table's are in no expert's: GEMM2 skips them)
     captured = capturing(x)
     backend = call_backend(config, x, counts, group, world, captured)
+    if weight.shape[1] == 0:  # N = 0: nothing to combine; the reference's empty [M/D, 0]
+        backend = "reference"
     return Call(config, backend, group, world, rank, experts, counts, counts_dev,
                 token_index.contiguous(),  # (the kernels index it as a flat array)
                 num_tokens, topk, num_splits,
@@ -251,7 +272,7 @@ def _checked_call(x, weight, tokens_per_expert, token_index, num_tokens, topk, p
                 expected_rows, captured)
 
 
-def _reference_launch(call: Call, device: torch.device) -> Launch:
+def _reference_launch(call: Call, device: torch.device, hidden: int, dtype) -> Launch:
     """The baseline's launch: its table built with torch alone (device counts: it splits
     the rows on the host anyway)."""
     counts, token_index = call.counts, call.token_index
@@ -262,6 +283,9 @@ def _reference_launch(call: Call, device: torch.device) -> Launch:
     table = combine_table(token_index.to(torch.int64), call.num_tokens, call.topk)
     counts_dev = (call.counts_dev if call.counts_dev is not None
                   else torch.tensor(counts, dtype=torch.int64))
+    for buf in OverlapBuffer.of_group(call.group, device) if call.world > 1 else ():
+        # (a peer on peer memory would never join the reduce-scatter: agree first)
+        buf.agree_reference(call.num_tokens, hidden, dtype)
     return Launch(call, to_device(counts_dev, device), table)
 
 
@@ -291,11 +315,20 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
     queues it on GatherRS's stream (`Routing.slots`), so that GEMM2 starts after the
     first pass; off, the table is complete when this returns (tools that read it before
     a launch); None (the op): as the tiles say (`TileConfig.gemm_places_from_marks`)."""
-    note_call(group)  # (first: a call that raises below still counts, `buffer.note_call`)
+    OverlapBuffer.begin_call(group)
+    with _arrives_on_raise(group):
+        return _prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs,
+                        group, comm_ctas, splits, config, expected_rows, defer_slots)
+
+
+def _prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs, group,
+             comm_ctas, splits, config, expected_rows, defer_slots) -> Launch:
     call = _checked_call(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs,
                          group, comm_ctas, splits, config, expected_rows)
+    num_tokens, topk, expected_rows = call.num_tokens, call.topk, call.expected_rows
     if call.backend == "reference":
-        return _reference_launch(call, x.device)
+        return _reference_launch(call, x.device, weight.shape[1],
+                                 call.config.partial_dtype or x.dtype)
     if x.shape[1] * x.element_size() % 16:
         raise ValueError(f"the {call.backend} backend needs 16-byte rows for its tensor "
                          f"descriptors: K * itemsize = {x.shape[1]} * {x.element_size()} "

@@ -9,6 +9,7 @@ the device (`kernels/routing_table.py`), raised at the next call.
 from __future__ import annotations
 
 import numbers
+import operator
 
 import torch
 
@@ -25,11 +26,13 @@ MAX_TOKENS = (1 << 31) - 1
 
 
 def check_int(name: str, value, lo: int | None, hi: int | None = None) -> int:
-    """value as an int in [lo, hi] (None: unbounded), else a TypeError / ValueError
-    naming `name` (Python and numpy ints pass; bools, floats and tensors do not)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    """value as a Python int in [lo, hi] (None: unbounded), else a TypeError / ValueError
+    naming `name`. Integer-like scalars (numpy's) pass and come back as int, so that no
+    cache or kernel argument downstream ever sees another type; bools, floats and
+    tensors (a CUDA one would synchronize) do not."""
+    if isinstance(value, (bool, torch.Tensor)) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    value = int(value)
+    value = operator.index(value)
     if lo is None:
         return value
     if value < lo or (hi is not None and value > hi):
@@ -38,18 +41,19 @@ def check_int(name: str, value, lo: int | None, hi: int | None = None) -> int:
     return value
 
 
-def check_options(config, comm_ctas, splits):
-    """The op's keyword options: the config (None = the defaults), and an explicit C
-    and L, which override the config's where given (0 is an error, not "unset")."""
+def check_options(config, comm_ctas, splits) -> tuple:
+    """(config, C, L): the op's keyword options, checked: the config (None = the
+    defaults), and an explicit C and L as ints, which override the config's where given
+    (0 is an error, not "unset")."""
     if config is None:
         config = OverlapConfig()
     elif not isinstance(config, OverlapConfig):
         raise TypeError(f"config must be an OverlapConfig or None, got {type(config).__name__}")
     if comm_ctas is not None:
-        check_int("comm_ctas", comm_ctas, 1)
+        comm_ctas = check_int("comm_ctas", comm_ctas, 1)
     if splits is not None:
-        check_int("splits", splits, 1, MAX_SPLITS)
-    return config
+        splits = check_int("splits", splits, 1, MAX_SPLITS)
+    return config, comm_ctas, splits
 
 
 def expert_count(x, weight) -> int:
@@ -63,9 +67,13 @@ def expert_count(x, weight) -> int:
     return weight.shape[0]
 
 
-def host_counts(tokens_per_expert, rows: int, experts: int):
-    """(host list or None, device-ready tensor) of the per-expert row counts."""
+def host_counts(tokens_per_expert, rows: int, experts: int, device: torch.device):
+    """(host list or None, device-ready tensor) of the per-expert row counts (a tensor
+    on the CPU or on x's `device`)."""
     if isinstance(tokens_per_expert, torch.Tensor):
+        if tokens_per_expert.device.type != "cpu" and tokens_per_expert.device != device:
+            raise ValueError(f"tokens_per_expert must be on the CPU or on x's device "
+                             f"({device}), got a tensor on {tokens_per_expert.device}")
         if tokens_per_expert.dim() != 1 or tokens_per_expert.numel() != experts:
             raise ValueError(f"tokens_per_expert must have {experts} entries (one per local "
                              f"expert), got shape {tuple(tokens_per_expert.shape)}")
