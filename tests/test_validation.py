@@ -1,0 +1,46 @@
+"""Issue 55, the inputs: integer-like sizes are ints from the public boundary on, and
+odd tensors give the reference backend's answer or an error naming the argument (one
+rank, the interpreter)."""
+
+import numpy as np
+import pytest
+import torch
+
+from megatron_overlap.ops import OverlapConfig, gemm2_gather_rs
+from routing_cases import routed_problem
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU backends")
+INTERP = OverlapConfig(backend="interpret")
+REF = OverlapConfig(backend="reference")
+
+
+def _call(p, tokens, topk, config=INTERP, **kw):
+    return gemm2_gather_rs(p["x"], p["weight"], p["counts"], p["token_index"], tokens, topk,
+                           p["probs"], config=config, **kw)
+
+
+def test_numpy_integer_sizes_are_accepted_and_do_not_poison_later_calls_of_the_shape():
+    """numpy.int64 sizes on the first call of a shape (what fills every cache keyed on
+    it) give the plain ints' bits, and a later call with plain ints still runs."""
+    p = routed_problem(0, 1, tokens=40, experts=3, topk=2, ffn=16, hidden=24, seed=3)
+    first = _call(p, np.int64(40), np.int64(2), comm_ctas=np.int64(3), splits=np.int32(2))
+    again = _call(p, 40, 2, comm_ctas=3, splits=2)
+    assert torch.equal(first, again)
+    want = _call(p, 40, 2, config=REF)
+    assert torch.allclose(first.float(), want.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_a_zero_hidden_size_gives_the_reference_backends_empty_result():
+    p = routed_problem(0, 1, tokens=24, experts=3, topk=2, ffn=16, hidden=8)
+    p["weight"] = p["weight"][:, :0]  # [E, 0, K]
+    got = _call(p, 24, 2)
+    want = _call(p, 24, 2, config=REF)
+    assert got.shape == want.shape == (24, 0) and got.dtype == want.dtype
+
+
+def test_counts_on_another_device_than_x_are_an_error_naming_them():
+    p = routed_problem(0, 1, tokens=24, experts=3, topk=2, ffn=16, hidden=32)
+    p["counts"] = p["counts"].to("meta")
+    with pytest.raises(ValueError, match=r"tokens_per_expert must be on the CPU or on x's "
+                                         r"device \(cpu\), got a tensor on meta"):
+        _call(p, 24, 2)
