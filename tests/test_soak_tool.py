@@ -53,3 +53,28 @@ def test_soak_counts_a_failing_call_and_flags_memory_growth(monkeypatch, tmp_pat
     assert soak.verdict([], None, soak.growth(grown)) == \
         "memory growth: cuda_allocated, peer_memory"
     assert not soak.growth(flat[:2])["judged"]
+
+
+def _soak_rank(rank, world, path):
+    import soak as tool
+
+    argv = SMOKE[:1] + ["--calls", "8", "--report-every", "4", "--check-every", "4",
+                        "--tokens", "16,32", "--seeds", "1", "--wait-timeout-s", "4",
+                        "--fault-every", "3"]
+    return tool.main(argv + (["--json", path] if rank == 0 else []))
+
+
+def test_soak_injects_faults_on_two_ranks_and_every_rank_detects_each_with_no_wrong_result(
+        tmp_path):
+    """Two gloo ranks: a mismatched size (call 3) and a skipped call (call 6): every
+    rank raises for each (the fault call or its next), the calls that return around
+    them match the reference, and the run's verdict is ok."""
+    from dist_harness import run_ranks
+
+    out = tmp_path / "soak.json"
+    assert run_ranks(2, _soak_rank, str(out), timeout=300) == [0, 0]
+    r = json.loads(out.read_text())
+    f = r["faults"]
+    assert f["injected"] == f["detected_every_rank"] == 2 and f["undetected"] == []
+    assert f["wrong_results"] == 0 and f["checked"] >= 4
+    assert r["failures"] == 0 and r["verdict"].startswith("ok")
