@@ -13,13 +13,11 @@ from .launch_cache import LaunchCache
 
 
 @triton.jit(do_not_specialize=["numel"])
-def sum_partials_kernel(recv_ptr, out_ptr, epoch_ptr, error_ptr, numel, slot_stride,
-                        parity_stride, WORLD: tl.constexpr, BLOCK: tl.constexpr):
+def sum_partials_kernel(recv_ptr, out_ptr, epoch_ptr, numel, slot_stride, parity_stride,
+                        WORLD: tl.constexpr, BLOCK: tl.constexpr):
     """out[i] = sum over src of recv[src, i], in fp32 (recv slots are contiguous), where
     recv is the receive slots of the parity of the epoch at `epoch_ptr` (the call whose
-    GatherRS has just stored it): recv_ptr + (epoch % 2) * parity_stride. Where the
-    error word at `error_ptr` is set (the call faulted, or an earlier one whose error the
-    host has not read yet), out is NaN: never a plausible sum of other calls' partials.
+    GatherRS has just stored it): recv_ptr + (epoch % 2) * parity_stride.
 
     The rank loop is unrolled (WORLD is a constexpr: one binary per group size) so the
     WORLD loads of a thread are in flight together; a runtime loop issued them one after
@@ -31,7 +29,6 @@ def sum_partials_kernel(recv_ptr, out_ptr, epoch_ptr, error_ptr, numel, slot_str
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for src in tl.static_range(WORLD):
         acc += tl.load(recv_ptr + src * slot_stride + offs, mask=ok, other=0.0).to(tl.float32)
-    acc = tl.where(tl.load(error_ptr) == 0, acc, float("nan"))
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -40,16 +37,13 @@ _SUM_PARTIALS = LaunchCache(sum_partials_kernel)
 
 def launch_sum_partials(recv: torch.Tensor, out: torch.Tensor, world: int,
                         block: int = 2048, num_warps: int = 4, kernel=sum_partials_kernel,
-                        epoch: torch.Tensor | None = None, parity_stride: int = 0,
-                        error: torch.Tensor | None = None):
+                        epoch: torch.Tensor | None = None, parity_stride: int = 0):
     """recv [world, >=Md, N] contiguous slots -> out [Md, N] contiguous; with `epoch`, the
-    slots `(epoch % 2) * parity_stride` elements past recv (the op's two parities); with
-    `error` (the buffer's error word), NaN where it is set. Block
+    slots `(epoch % 2) * parity_stride` elements past recv (the op's two parities). Block
     and warps: the fastest of 37 variants on one H200 at Md = 8192 and 32768, N = 2048
     (docs/RESULTS.md)."""
     epoch = epoch if epoch is not None else _zero_word(out.device)
-    error = error if error is not None else _zero_word(out.device)
-    args = (recv, out, epoch, error, out.numel(), recv.stride(0), parity_stride)
+    args = (recv, out, epoch, out.numel(), recv.stride(0), parity_stride)
     meta = dict(WORLD=world, BLOCK=block, num_warps=num_warps)
     grid = (triton.cdiv(out.numel(), block),)
     if kernel is sum_partials_kernel:

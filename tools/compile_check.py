@@ -95,8 +95,7 @@ def kernels():
                                           "max_spins", "timeout_us")}, {}),
            {}, dict(num_warps=1), None)
     yield ("sum_partials", sp.sum_partials_kernel,
-           _signature({"recv_ptr": "*bf16", "out_ptr": "*bf16", "epoch_ptr": "*i32",
-                       "error_ptr": "*i32"},
+           _signature({"recv_ptr": "*bf16", "out_ptr": "*bf16", "epoch_ptr": "*i32"},
                       {"numel": "i32", "slot_stride": "i32", "parity_stride": "i32"},
                       {"WORLD": 0, "BLOCK": 0}),
            dict(WORLD=2, BLOCK=2048), dict(num_warps=4), None)

@@ -298,5 +298,4 @@ class OverlapBuffer(ErrorWord):
         if self.world > 1:
             recv = self._recv_views[0]
             sum_partials.launch_sum_partials(recv, out, self.world, epoch=self.epoch,
-                                             parity_stride=self._slots_at[1] // recv.element_size(),
-                                             error=self.error)
+                                    parity_stride=self._slots_at[1] // recv.element_size())
