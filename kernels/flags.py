@@ -36,10 +36,11 @@ epoch e = the last epoch + 1 in generation g:
     nowhere and only waits for the round again (nothing republished).
 A call that faulted, or only finished a pending round, raises on its rank (ERR_* with
 the RECOVERED or PENDING flag: `ops/errors.py`); its output is not computed. A call
-that failed on its own device before its barrier (a readiness time-out, counts that
-miss the rows) arrives with KIND_FAILED, and a call that raised on the host before
-launching arrives with it through `agreement_kernel`: peers raise for that call too,
-no round. So after any fault every rank raises for the call it happened in or for its
+that raised on the host before launching arrives with KIND_FAILED through
+`agreement_kernel`: peers raise for that call too, no round. (An earlier call's error
+that reaches the host at a call's start is raised after that call has launched, so
+that its peers pair with it: raising it before would make them raise for this call,
+one call late on CUDA, and so on back and forth.) So after any fault every rank raises for the call it happened in or for its
 next call, and the call after pairs: recovery needs no host call and no collective, and
 CUDA-graph replays go on counting (every word above is on the device). A rank whose
 peer skipped a call detects it only where the skipped call's wait ran out before the
@@ -259,8 +260,6 @@ def barrier(signal_ptrs, state_ptr, error_ptr, record_ptr, epoch, rank, world, t
     the ERR_ kinds.)"""
     gen = tl.load(state_ptr + 1)
     pending = tl.load(state_ptr + 2)
-    if tl.atomic_add(error_ptr, 0, sem="relaxed", scope="gpu") != 0:
-        kind = kind | (1 << 8)  # this rank's call failed before its barrier: peers raise
     if pending != 0:  # a round this rank entered and not every peer did: finish it first
         epoch = _rendezvous(signal_ptrs, state_ptr, error_ptr, epoch, pending, 0, rank,
                             world, max_spins, timeout_ns)

@@ -164,7 +164,7 @@ class OverlapBuffer(ErrorWord):
         """The barrier and agreement of this call alone (before a host collective):
         raises (OverlapMismatchError, OverlapTimeoutError, OverlapPeerError) unless every
         peer launched the same call. A peer that did not raises from its own barrier."""
-        self.check(sync=True)  # (an earlier call's error first, with its own message)
+        self.take_stale(sync=True)  # (an earlier call's error: raised after this call)
         self._launch_agreement(desc)
         self.check(sync=True)
 

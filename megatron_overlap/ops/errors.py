@@ -126,7 +126,10 @@ class ErrorWord:
     """`OverlapBuffer`'s error word on its way to the host: each launch queues its copy
     into pinned memory behind it and `check` reads it once it has arrived (the buffer
     holds `error`, `ready`, `claims`, `done`, `broken`, `broken_type`, `_pending`, the
-    pinned word and its event, and raises a recorded mismatch with `mismatch`)."""
+    pinned word and its event, `deferred`, and raises a recorded mismatch with
+    `mismatch`)."""
+
+    deferred: Exception | None = None  # an earlier call's error, raised after this launch
 
     def clear_flags(self) -> None:
         """The kernels' flags back to zero (a call's last program leaves them so): after
@@ -170,6 +173,23 @@ class ErrorWord:
             self.broken = describe_error(code, self.rank, expected, self.wait_bounds)
             self.clear_flags()
             raise OverlapTimeoutError(self.broken)
+
+    def take_stale(self, sync: bool) -> None:
+        """An earlier launch's error, if it has reached the host (`sync`: wait for it),
+        kept in `deferred` rather than raised: the call goes on, pairing with its peers'
+        launches, and raises it after launching (`raise_deferred`). A broken buffer
+        raises at once (it refuses the call)."""
+        if self.broken:
+            self.check()
+        try:
+            self.check(sync=sync)
+        except (ValueError, RuntimeError) as err:
+            self.deferred = self.deferred or err
+
+    def raise_deferred(self) -> None:
+        err, self.deferred = self.deferred, None
+        if err is not None:
+            raise err
 
     def note_launch(self, expected: int | None, sync: bool, captured: bool = False) -> None:
         """Queue the error word's copy to the host behind this call, for `check`

@@ -176,6 +176,7 @@ def gemm2_gather_rs(
     if launch.buffer is not None:
         launch.buffer.note_launch(launch.plan.w_comp if launch.counts is not None else None,
                                   sync=launch.config.sync_errors, captured=launch.captured)
+        launch.buffer.raise_deferred()  # (an earlier call's error, found at this one's start)
     return (out, launch.plan) if return_plan else out
 
 
@@ -335,7 +336,7 @@ def _prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs,
                          f"is not a multiple of 16 (K % 8 == 0 for bf16)")
     buf = OverlapBuffer.get(group, x.device, call.backend)
     if not call.captured:  # (a capture may not query events; the warm-up call checked)
-        buf.check(sync=False)
+        buf.take_stale(sync=False)
     # (the rows to plan for: the counted ones, or with the counts on the device and x
     # padded, the caller's expectation)
     rows = expected_rows if call.padded else call.token_index.shape[0]
