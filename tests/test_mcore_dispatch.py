@@ -118,7 +118,7 @@ def test_single_sync_postprocess_gives_megatrons_outputs_and_state(case):
     disp = _dispatcher(OverlapAllGatherDispatcher, routing, local, topk)
     got = disp.single_sync_postprocess(hidden, probs)
     assert _equal(got, want) and _same_state(_state(disp), state)
-    permuted = disp.permuted(*got)  # what the op reads
+    permuted = disp.permuted(*got, te_row_map=False)  # what the op reads
     assert isinstance(permuted, Permuted) and _equal(
         (permuted.rows, permuted.counts, permuted.probs, permuted.token_index),
         (*want, state["reversed_local_input_permutation_mapping"]))
@@ -198,14 +198,37 @@ def test_deferred_postprocess_declines_a_capacity_factor():
 
 
 def test_fused_permutes_token_index_is_megatrons_permutation_order():
-    """TE's fused permute keeps no token of each row: `Permuted` rebuilds it from the
-    local map (expert-major, token-ascending), what the unfused permute records."""
+    """TE's fused permute keeps no token of each row (its mapping is a row-id map):
+    `Permuted` rebuilds it from the local map (expert-major, token-ascending), what the
+    unfused permute records; the caller says so, the config's flag is not read."""
     routing = torch.rand(9, 4).argsort(dim=1) < 2
     disp = _dispatcher(OverlapAllGatherDispatcher, routing, [1, 2], 2)
     out = disp.dispatch_postprocess(torch.randn(9, 4), torch.rand(9, 4))
     order = disp.reversed_local_input_permutation_mapping
-    disp.config.moe_permute_fusion = True
-    assert torch.equal(disp.permuted(*out).token_index, order)
+    disp.reversed_local_input_permutation_mapping = torch.full_like(order, -1)  # TE's map
+    assert torch.equal(disp.permuted(*out, te_row_map=True).token_index, order)
+
+
+@settings(max_examples=30, deadline=None)
+@given(routings())
+def test_our_postprocesses_give_the_token_of_each_row_with_moe_permute_fusion_set(case):
+    """The fused path runs its own postprocesses whatever `moe_permute_fusion` says: with
+    the flag on, the settled and single-sync rows still carry Megatron's unfused
+    permutation order as their tokens (not a rebuild from TE's row-id map)."""
+    routing, probs, local, topk = case
+    hidden = torch.randn(routing.shape[0], 4)
+    want, state = _megatron(routing, probs, local, topk, hidden)
+    order = state["reversed_local_input_permutation_mapping"]
+    disp = _dispatcher(OverlapAllGatherDispatcher, routing, local, topk,
+                       moe_permute_fusion=True)
+    late = disp.deferred_postprocess(hidden, probs, topk, pad=True)
+    if late is not None:
+        settled = disp.settle(late)
+        assert settled._local_map is None and torch.equal(settled.token_index, order)
+        disp.routing_map = routing
+    single = disp.permuted(*disp.single_sync_postprocess(hidden, probs), te_row_map=False)
+    assert _equal((single.rows, single.counts, single.probs), want)
+    assert single._local_map is None and torch.equal(single.token_index, order)
 
 
 def test_rows_bound_is_top_k_rows_per_token_capped_by_the_local_experts_unless_too_loose():

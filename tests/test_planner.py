@@ -317,9 +317,11 @@ def test_step_costs_round_trip_through_the_preset_and_reject_bad_values():
 
 
 def _h200_decision(tokens: int, hidden: int, ffn: int, topk: int, experts: int,
-                   world: int = 1, stock_launches: int = 0, local: int | None = None):
+                   world: int = 1, stock_launches: int = 0, local: int | None = None,
+                   stock_permute_fused: bool = False, fused_combine: float | None = None):
     """The fuse-or-not decision the op would make on an H200 (shared placement, tail
-    helpers, L = the default), uniform routing."""
+    helpers, L = the default), uniform routing; `fused_combine`: BW_te in place of the
+    shipped one."""
     from megatron_overlap.planner import (DeviceSpec, KernelSpec, Workload, decide_fusion,
                                           get_preset, plan)
 
@@ -332,9 +334,12 @@ def _h200_decision(tokens: int, hidden: int, ffn: int, topk: int, experts: int,
     w = dataclasses.replace(w, topk=topk, local_topk=rows / tokens)
     kernel = KernelSpec(128, 128, 32, 512, 2, 1, True, True)
     device = DeviceSpec("NVIDIA H200", 132)
+    costs = preset.step_costs
+    if fused_combine is not None:
+        costs = dataclasses.replace(costs, fused_combine_bytes_per_us=fused_combine)
     return decide_fusion(w, plan(w, kernel, device, preset.calibration), kernel, device,
-                         preset.calibration, preset.step_costs, element_bytes=2,
-                         stock_launches=stock_launches)
+                         preset.calibration, costs, element_bytes=2,
+                         stock_launches=stock_launches, stock_permute_fused=stock_permute_fused)
 
 
 @pytest.mark.parametrize("tokens, want", [(256, False), (1024, False), (4 * 4096, True),
@@ -358,6 +363,41 @@ def test_the_stock_paths_extra_launches_and_the_groups_host_work_move_the_decisi
     one, two = _h200_decision(8192, 2048, 1408, 4, 60), _h200_decision(8192, 2048, 1408, 4, 60,
                                                                        world=2)
     assert two.fused_us - one.fused_us > 200  # H_group (and the group's own plan)
+
+
+def test_stock_path_under_moe_permute_fusion_is_priced_with_tes_one_pass_unpermute():
+    """`stock_permute_fused`: the unfused side's unpermute moves its (T + M) N b bytes at
+    BW_te instead of BW_comb, nothing else changes (the fused side least of all). Granite
+    at B x S = 4 x 4096 (16384 tokens x top-8 rows, hidden 1024, bf16) fuses against
+    Megatron's unpermute; against a TE unpermute 3x as fast the stock path is priced
+    faster there and the layer keeps it. Uncalibrated (BW_te None): Megatron's rate."""
+    bw_comb = 1_000_000.0  # the shipped H200 BW_comb, bytes per us
+    bytes_moved = (16384 * 8 + 16384) * 1024 * 2
+    megatron = _h200_decision(16384, 1024, 512, 8, 32)
+    te = _h200_decision(16384, 1024, 512, 8, 32, stock_permute_fused=True,
+                        fused_combine=3 * bw_comb)
+    assert megatron.fuse and not te.fuse, (megatron, te)
+    assert te.fused_us == megatron.fused_us
+    assert megatron.unfused_us - te.unfused_us == pytest.approx(
+        bytes_moved / bw_comb - bytes_moved / (3 * bw_comb))
+    # the flag alone moves nothing where BW_te is not calibrated; BW_te alone neither
+    assert _h200_decision(16384, 1024, 512, 8, 32, stock_permute_fused=True) == megatron
+    assert _h200_decision(16384, 1024, 512, 8, 32, fused_combine=3 * bw_comb) == megatron
+
+
+def test_fused_combine_rate_is_optional_but_positive_where_given():
+    from megatron_overlap.planner import StepCosts, get_preset
+
+    costs = dict(get_preset("h200").to_json()["step_costs"])
+    assert StepCosts(**dict(costs, fused_combine_bytes_per_us=None)).fused_combine_bytes_per_us \
+        is None
+    for bad in (0.0, -1.0, float("inf"), True):
+        with pytest.raises(ValueError, match="StepCosts.fused_combine_bytes_per_us"):
+            StepCosts(**dict(costs, fused_combine_bytes_per_us=bad))
+    from megatron_overlap.planner import decide_fusion
+    with pytest.raises(ValueError, match="stock_permute_fused"):
+        decide_fusion(None, None, None, None, None, get_preset("h200").step_costs,
+                      element_bytes=2, stock_permute_fused=1)
 
 
 def test_k_epi_and_topk_scale_rho_only_where_calibrated():

@@ -188,13 +188,16 @@ class OverlapAllGatherDispatcher(MoEAllGatherTokenDispatcher):
                         host_copy)
 
     def permuted(self, rows: torch.Tensor, tokens_per_expert: torch.Tensor,
-                 probs: torch.Tensor) -> Permuted:
-        """The op's view of the postprocess just run (`dispatch_postprocess` or
-        `single_sync_postprocess`, whose outputs are the arguments)."""
-        fused = self.config.moe_permute_fusion  # (TE's permute: no token of each row)
+                 probs: torch.Tensor, *, te_row_map: bool) -> Permuted:
+        """The op's view of the postprocess just run, whose outputs are the arguments:
+        `te_row_map` says which one it was, Megatron's `dispatch_postprocess` with TE's
+        fused permute (its permutation mapping is TE's row-id map, not the token of each
+        row) or one recording the token of each row (ours, or Megatron's unfused). Named
+        by the caller, not read from `config.moe_permute_fusion`: the fused path runs its
+        own postprocesses whatever that flag says."""
         return Permuted(rows, tokens_per_expert, probs, self.hidden_shape_before_permute[0],
-                        self.tp_ep_group, _local_map=self.local_map if fused else None,
-                        _token_index=None if fused else
+                        self.tp_ep_group, _local_map=self.local_map if te_row_map else None,
+                        _token_index=None if te_row_map else
                         self.reversed_local_input_permutation_mapping)
 
     def settle(self, deferred: Deferred) -> Permuted | None:
@@ -211,7 +214,8 @@ class OverlapAllGatherDispatcher(MoEAllGatherTokenDispatcher):
         self.local_probs = deferred.probs[:rows]
         self.reversed_local_input_permutation_mapping = (
             self.reversed_local_input_permutation_mapping[:rows])
-        return self.permuted(deferred.permuted[:rows], counts, self.local_probs)
+        return self.permuted(deferred.permuted[:rows], counts, self.local_probs,
+                             te_row_map=False)
 
     def permuted_on_device(self, deferred: Deferred) -> Permuted:
         """A deferred postprocess as the op takes it with the counts on the device: every

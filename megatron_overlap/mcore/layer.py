@@ -211,8 +211,11 @@ class OverlapMoELayer(MoELayer):
         return True
 
     def _fusion_for(self, hidden_states):
-        """The planner's fuse-or-not answer for calls of this many tokens (cached)."""
-        key = (hidden_states.shape[0], hidden_states.dtype)
+        """The planner's fuse-or-not answer for calls of this many tokens (cached), against
+        the stock path as it runs here: TE's fused unpermute under `moe_permute_fusion`
+        (read per call, as Megatron's dispatcher reads it)."""
+        te_unpermute = bool(self.config.moe_permute_fusion)
+        key = (hidden_states.shape[0], hidden_states.dtype, te_unpermute)
         found = self._fusion.get(key)
         if found is None:
             c, local = self.config, self.num_local_experts
@@ -224,7 +227,7 @@ class OverlapMoELayer(MoELayer):
                 local_experts=local, experts=c.num_moe_experts, dtype=key[1],
                 device=hidden_states.device, group=self.token_dispatcher.tp_ep_group,
                 config=self.overlap_config, stock_launches=self._stock_launches(),
-                padded=padded)
+                padded=padded, stock_permute_fused=te_unpermute)
             if len(self._fusion) >= 64:  # (bounded: a sweep of sizes)
                 self._fusion.clear()
             self._fusion[key] = found
@@ -241,9 +244,9 @@ class OverlapMoELayer(MoELayer):
     def _capture_refusal(self, hidden_states) -> str | None:
         """Why this call, captured into a CUDA graph, could not replay the routing of each
         replay (None: it can). It can where nothing reaches the host: inference, and the
-        counts kept on the device
-        (`_permute`: every expert local, grouped experts, no fused permute, no
-        capacity factor)."""
+        counts kept on the device (`_permute`: every expert local or the rows padded,
+        grouped experts, no capacity factor; `moe_permute_fusion` does not matter, the
+        fused path never takes TE's permute)."""
         c = self.config
         if not in_inference(self, chain((hidden_states,), self.parameters())):
             return "gradients (capture the forward in eval mode under torch.no_grad)"
@@ -252,8 +255,8 @@ class OverlapMoELayer(MoELayer):
                 c.num_moe_experts) is None:
             return ("expert parallelism with a loose bound of the rows (top-k x EP > "
                     "MAX_PADDING x top-k: the rows are counted on the host)")
-        if c.moe_permute_fusion or c.moe_expert_capacity_factor:
-            return "TE's fused permute or a capacity factor (the rows are split on the host)"
+        if c.moe_expert_capacity_factor:
+            return "a capacity factor (the rows are split on the host)"
         if needs_host_counts(self.experts, hidden_states):
             return f"{type(self.experts).__name__} experts (they split the rows on the host)"
         if self.policy.host_counts:
@@ -272,14 +275,16 @@ class OverlapMoELayer(MoELayer):
                  decision.unfused_us)
 
     def _permute(self, hidden_states, probs) -> Permuted | Deferred:
-        """The dispatched rows sorted by local expert: Megatron's postprocess where TE
-        permutes; else, where the rows are known or (in inference) bounded without the
-        counts, one not waiting for them (`Deferred`), which keeps them on the device
-        where FC1 runs on device offsets, `LayerPolicy.host_counts` is off and every
-        expert is local (M x top-k rows) or the rows are padded; else one sync."""
+        """The dispatched rows sorted by local expert: where the rows are known or (in
+        inference) bounded without the counts, a postprocess not waiting for them
+        (`Deferred`), which keeps them on the device where FC1 runs on device offsets,
+        `LayerPolicy.host_counts` is off and every expert is local (M x top-k rows) or
+        the rows are padded; else one sync. Whatever `moe_permute_fusion` says: TE's
+        fused permute syncs the host twice (the counts, its probabilities' selection)
+        and keeps no token of each row, which the op would rebuild with one more sync
+        (`Permuted.token_index`); ours gives the op the tokens at one sync or none (on one
+        H200, Granite 4 x 16384 prefill: 302 ms against 322 ms with TE's)."""
         disp, c = self.token_dispatcher, self.config
-        if c.moe_permute_fusion:
-            return disp.permuted(*disp.dispatch_postprocess(hidden_states, probs))
         pad = in_inference(self, chain((hidden_states, probs), self.experts.parameters()))
         # (the permuted rows have hidden_states' dtype and device, and rows iff it has)
         on_device = (not needs_host_counts(self.experts, hidden_states)
@@ -291,7 +296,8 @@ class OverlapMoELayer(MoELayer):
 
     def _one_sync(self, hidden_states, probs) -> Permuted:
         disp = self.token_dispatcher
-        return disp.permuted(*single_sync_postprocess(disp, hidden_states, probs))
+        return disp.permuted(*single_sync_postprocess(disp, hidden_states, probs),
+                             te_row_map=False)
 
     def _fc1(self, permuted, hidden_states, probs) -> tuple[Permuted, FC2Operands]:
         """(the rows as the op takes them, FC1 + activation and the FC2 weight). A

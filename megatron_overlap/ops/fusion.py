@@ -3,7 +3,8 @@
 The MoE layer asks before it routes a call of a new size down either path (the paths
 differ from FC1 on). The fused side is priced with the plan the op would launch (the
 same tiles, kernel family, calibration and L), the stock side with GEMM2 alone, the
-unpermute and the reduce-scatter (`planner.fusion`). Only sizes go in (uniform
+unpermute (Megatron's, or TE's fused one where the stock layer runs under
+`moe_permute_fusion`) and the reduce-scatter (`planner.fusion`). Only sizes go in (uniform
 routing), so every rank of a group decides alike; the decision is cached per size.
 """
 
@@ -28,14 +29,17 @@ NO_MODEL = FusionDecision(True, math.nan, math.nan, None)
 def fusion_decision(*, num_tokens: int, hidden: int, ffn: int, topk: int,
                     local_experts: int, experts: int, dtype: torch.dtype,
                     device: torch.device, group=None, config: OverlapConfig | None = None,
-                    stock_launches: int = 0, padded: bool = False) -> FusionDecision:
+                    stock_launches: int = 0, padded: bool = False,
+                    stock_permute_fused: bool = False) -> FusionDecision:
     """The model's answer for one MoE layer call of `num_tokens` gathered tokens.
 
     Args: the call's sizes (`ffn` = GEMM2's K on this rank, `local_experts` of `experts`
     on this rank, top-k), the activations' dtype and device, the layer's reduce-scatter
     group and config; `stock_launches`: kernel launches the stock experts make beyond
     the fused path's (`planner.fusion`); `padded`: the rows reach the op padded to a
-    bound (inference under EP), which puts GEMM2's output in row order.
+    bound (inference under EP), which puts GEMM2's output in row order;
+    `stock_permute_fused`: the stock path unpermutes with TE's fused kernel (the layer's
+    `config.moe_permute_fusion`).
 
     Returns NO_MODEL (fuse) on the reference backend and where neither the config's
     preset nor the device's shipped calibration has `step_costs`.
@@ -70,4 +74,5 @@ def fusion_decision(*, num_tokens: int, hidden: int, ffn: int, topk: int,
                         local_topk=local_topk)
     return decide_fusion(workload, plan, cache.kernel, cache.device, cache.calib,
                          preset.step_costs, element_bytes=dtype.itemsize,
-                         stock_launches=stock_launches)
+                         stock_launches=stock_launches,
+                         stock_permute_fused=stock_permute_fused)
