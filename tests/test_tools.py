@@ -794,3 +794,95 @@ def test_grid_report_reads_both_halves_of_the_recorded_fuse_or_not_grid(tmp_path
     h100 = report_grid.load_points(data, "h100")
     assert len(h100) == 9 and {p["mode"] for p in h100} == {"prefill"}
     assert min(p["ratio"] for p in h100) >= 0.99
+
+
+def _fake_prefill(monkeypatch, argv, ms):
+    """prefill.run_all on a stand-in model whose call records (overlap on, both MoE
+    fusion flags) and takes `ms[(overlap, fused)]`: (results, the calls' states)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_overlap.mcore import baselines
+
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1)
+    state, calls = {"overlap": False}, []
+
+    class Model(torch.nn.Module):
+        vocab_size = 8
+
+        def __init__(self):
+            super().__init__()
+            self.config = config
+
+        def forward(self, *args, **kwargs):
+            flags = (config.moe_permute_fusion, config.moe_router_fusion)
+            calls.append((state["overlap"], *flags))
+            return (state["overlap"], flags[0])
+
+    def time_once(forward, device, grad=False):
+        return ms[forward()] / 1e3
+
+    monkeypatch.setattr(prefill, "_setup", lambda args: torch.device("cpu"))
+    monkeypatch.setattr(prefill, "build_model", lambda *a, **k: Model())
+    monkeypatch.setattr(prefill, "_inputs", lambda *a: (None, None))
+    monkeypatch.setattr(prefill, "_time_once", time_once)
+    monkeypatch.setattr(prefill.dist, "get_world_size", lambda: 1)
+    monkeypatch.setattr(prefill, "check_moe_fusions_available", lambda: None)
+    monkeypatch.setattr(baselines, "set_overlap_enabled",
+                        lambda model, on: state.update(overlap=on))
+    return prefill.run_all(prefill.parse_args(argv)), calls
+
+
+def test_prefill_times_both_moe_flag_baselines_in_one_schedule_and_records_them(monkeypatch):
+    """--baselines default,fused: four arms, each call under its own flags (both Megatron
+    fusions set together), stock / overlap per baseline; --moe-fusions alone: the fused
+    flags in both arms, named as the primary's."""
+    ms = {(False, False): 40.0, (True, False): 20.0, (False, True): 30.0, (True, True): 20.0}
+    (r,), calls = _fake_prefill(monkeypatch, ["--seq", "16", "--abba", "--iters", "4",
+                                              "--baselines", "default,fused"], ms)
+    assert set(r["policies"]) == {"stock", "overlap", "stock-fused", "overlap-fused"}
+    assert r["speedups_by_baseline"] == {"default": 2.0, "fused": 1.5} and r["speedup"] == 2.0
+    assert r["baselines"] == ["default", "fused"] and r["moe_fusions"] is False
+    assert all(permute == router for _, permute, router in calls)
+    assert {c for c in calls} == {(o, f, f) for o in (False, True) for f in (False, True)}
+    (r,), calls = _fake_prefill(monkeypatch, ["--seq", "16", "--abba", "--iters", "2",
+                                              "--moe-fusions"], ms)
+    assert set(r["policies"]) == {"stock", "overlap"} and r["moe_fusions"] is True
+    assert r["speedups_by_baseline"] == {"fused": 1.5} and all(c[1] for c in calls)
+    with pytest.raises(ValueError, match="--moe-fusions is --baselines fused"):
+        prefill.parse_args(["--moe-fusions", "--baselines", "default"])
+    with pytest.raises(ValueError, match="--baselines"):
+        prefill.parse_args(["--baselines", "default,default"])
+
+
+def test_report_shows_the_fused_flags_ratio_beside_the_default_one(tmp_path):
+    rows = [_result("qwen", 4096, 1.2), _result("qwen", 16384, 1.1)]
+    for r, tuned in zip(rows, (1.05, 0.98)):
+        r["speedups_by_baseline"] = dict(default=r["speedup"], fused=tuned)
+    text = report.prefill_section("t", rows, str(tmp_path))
+    assert "| speedup, fused MoE flags |" in text
+    assert "| 1.200x |" in text and "| 1.050x |" in text and "| 0.980x |" in text
+    assert f"| {math.sqrt(1.05 * 0.98):.3f}x | 0.980x |" in text
+    assert "fused MoE flags" not in report.prefill_section("t", rows[:0] + [
+        _result("qwen", 4096, 1.2)], str(tmp_path))
+
+
+def test_grid_report_adds_the_fused_flags_ratio_from_its_own_files(tmp_path):
+    """`gridfused_*` files (stage grid_fused) are read with --prefix gridfused, never
+    with the plain grid's; each row carries stock / overlap under the fused flags."""
+    import json
+
+    import report_grid
+
+    pol = lambda ms: dict(median_ms=ms)  # noqa: E731
+    runs = [dict(model="qwen", batch=4, seq=s, policies={
+        "stock": pol(12.0), "overlap": pol(10.0), "stock-fused": pol(10.0),
+        "overlap-fused": pol(9.0 + i)}, speedups_by_baseline=dict(default=1.2,
+                                                                  fused=10.0 / (9.0 + i)))
+        for i, s in enumerate((4096, 16384))]
+    (tmp_path / "gridfused_h200_prefill_qwen_B4.json").write_text(json.dumps(runs))
+    assert report_grid.load_points(str(tmp_path), "h200") == []
+    points = report_grid.load_points(str(tmp_path), "h200", prefix="gridfused")
+    text = report_grid.table(points) + "\n" + report_grid.summary(points)
+    assert "| on / off, fused MoE flags |" in text and "| 1.11x |" in text
+    assert "fused MoE flags: min 1.000x over 2 points, geomean at S >= 4096 " \
+           f"{math.sqrt(10 / 9):.3f}x" in text

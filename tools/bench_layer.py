@@ -14,6 +14,9 @@ prefill of random tokens, whose routing is as skewed as the prefill's there. Eac
 records the input's expert load (max_e / mean over the TP x EP group). `--cuda-graph`
 adds "graph": the overlapped layer captured into one CUDA graph and replayed, its replay
 checked against the eager fused layer (stock stays eager: it syncs the host).
+`--moe-fusions` runs both arms under Megatron's `--moe-permute-fusion --moe-router-fusion`;
+`--baselines default,fused` times both flag sets in one schedule (the second's arms
+suffixed "-fused"; `speedups_by_baseline`: stock / overlap under each).
 """
 
 from __future__ import annotations
@@ -29,6 +32,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 from benchlib import abba, env_info, summarize, write_json  # noqa: E402
 
 from megatron_overlap.mcore import prefill  # noqa: E402
+from megatron_overlap.mcore.baselines import (BASELINES, add_baseline_args, arm,  # noqa: E402
+                                              baselines_from_args,
+                                              check_moe_fusions_available, set_moe_fusions)
 from megatron_overlap.mcore.policy import LayerPolicy  # noqa: E402
 from megatron_overlap.mcore.layer import (OverlapMoELayer, fused_at_every_size,  # noqa: E402
                                            set_overlap_enabled)
@@ -150,8 +156,10 @@ def _build_arms(model_name, tp, ep, seq, batch, args, device) -> dict:
     return cases
 
 
-def _agreement(layer, hidden) -> tuple[float, float]:
-    """(relative error, max |diff|) of the overlapped layer's output against stock's."""
+def _agreement(layer, hidden, fused: bool) -> tuple[float, float]:
+    """(relative error, max |diff|) of the overlapped layer's output against stock's,
+    both under Megatron's MoE fusions or both without."""
+    set_moe_fusions(layer, fused)
     with torch.no_grad():  # outputs agree before anything is timed
         layer.overlap_enabled = False
         ref = layer(hidden)[0].float()
@@ -161,25 +169,30 @@ def _agreement(layer, hidden) -> tuple[float, float]:
 
 
 def layer_case(model_name, tp, ep, seq, batch, args, device):
-    """Stock and overlapped layer of every implementation, timed ABBA in one schedule.
-    Policies of the first --impls entry are "stock" / "overlap", the others' carry the
-    implementation's name ("stock-local"); speedups are over the first's stock."""
+    """Stock and overlapped layer of every implementation and baseline, timed ABBA in one
+    schedule. Policies of the first --impls entry are "stock" / "overlap", the others'
+    carry the implementation's name ("stock-local"), those of a later --baselines entry
+    its name too ("stock-fused"); speedups are over the first's stock."""
     cases = _build_arms(model_name, tp, ep, seq, batch, args, device)
-    primary = args.impls[0]
+    primary, first = args.impls[0], args.baseline_list[0]
 
-    def run(layer, hidden, overlap: bool):
+    def run(layer, hidden, overlap: bool, fused: bool):
         def fn():
             layer.overlap_enabled = overlap
+            set_moe_fusions(layer, fused)
             with torch.no_grad():
                 layer(hidden)
         return fn
 
     policies, checks = {}, {}
     for impl, (layer, hidden) in cases.items():
-        checks[impl] = _agreement(layer, hidden)
-        policies[_policy(impl, primary, "stock")] = run(layer, hidden, False)
-        policies[_policy(impl, primary, "overlap")] = run(layer, hidden, True)
+        for b in args.baseline_list:
+            checks[arm(impl, b, first)] = _agreement(layer, hidden, BASELINES[b])
+            for name in ("stock", "overlap"):
+                policies[arm(_policy(impl, primary, name), b, first)] = run(
+                    layer, hidden, name == "overlap", BASELINES[b])
     layer, hidden = cases[primary]
+    set_moe_fusions(layer, BASELINES[first])
     err, max_diff = checks[primary]
     skew = routing_skew(layer, hidden)
     graph = _captured_layer(layer, hidden, device) if args.cuda_graph else None
@@ -190,6 +203,9 @@ def layer_case(model_name, tp, ep, seq, batch, args, device):
     plan = layer.last_plan
     base = stats["stock"]["median"]
     extra = {"speedups": {k: base / v["median"] for k, v in stats.items() if k != "stock"},
+             "speedups_by_baseline": {b: stats[arm("stock", b, first)]["median"]
+                                      / stats[arm("overlap", b, first)]["median"]
+                                      for b in args.baseline_list},
              "agreement": {impl: dict(rel_err=e, max_abs_diff=d) for impl, (e, d) in checks.items()}}
     if graph is not None:
         extra["graph"] = graph.summary()
@@ -197,6 +213,7 @@ def layer_case(model_name, tp, ep, seq, batch, args, device):
             extra["speedup_graph"] = base / stats["graph"]["median"]
         graph.release()
     return dict(model=model_name, tp=tp, ep=ep, seq=seq, batch=batch, impls=args.impls,
+                baselines=args.baseline_list, moe_fusions=BASELINES[first],
                 rel_err=err, max_abs_diff=max_diff, input_layer=args.input_layer, routing=skew,
                 decision=None if plan is None else dict(C=plan.comm_ctas, L=plan.splits,
                                                         P=plan.compute_slots),
@@ -219,8 +236,10 @@ def summary_line(r: dict, name: str, args) -> str:
     st, primary = r["stats"], r["impls"][0]
     arms = ", ".join(f"{k} {v['median']:.3f} ms" for k, v in st.items())
     ratios = ", ".join(f"{k} {v:.2f}x" for k, v in r["speedups"].items())
+    flags = ", ".join(f"{k} MoE flags {v:.2f}x" for k, v in r["speedups_by_baseline"].items())
     line = (f"layer {name} TP{args.tp}EP{args.ep} S={r['seq']}: {arms}; over stock-{primary}: "
-            f"{ratios}; rel. err {r['rel_err']:.1e}, max |diff| {r['max_abs_diff']:.2e}, "
+            f"{ratios}; stock / overlap: {flags}; rel. err {r['rel_err']:.1e}, "
+            f"max |diff| {r['max_abs_diff']:.2e}, "
             f"decision {r['decision']}, max_e/mean {r['routing']['max_over_mean']:.2f}")
     if "graph" in st:
         line += f", graph replay = eager: {r['graph']['equal']}"
@@ -244,6 +263,7 @@ def main() -> int:
                          "(Transformer Engine spec, TEGroupedMLP: stock = core-TE), local "
                          "(GroupedGemmExperts over torch._grouped_mm)")
     add_fuse_arg(ap)
+    add_baseline_args(ap)
     ap.add_argument("--tiny", action="store_true")
     add_input_layer_arg(ap)
     ap.add_argument("--no-bias-swiglu-fusion", action="store_true",
@@ -257,10 +277,16 @@ def main() -> int:
     args.impls = args.impls.split(",")
     if not args.impls or any(i not in IMPLS for i in args.impls) or len(set(args.impls)) < len(args.impls):
         ap.error(f"--impls: distinct entries of {', '.join(IMPLS)}, got {','.join(args.impls)}")
+    try:
+        args.baseline_list = baselines_from_args(args)
+    except ValueError as e:
+        ap.error(str(e))
     if args.preload:
         prefill._preload(args.preload)
     setup_args = argparse.Namespace(tp=args.tp, ep=args.ep, seed=0, preload=args.preload)
     device = prefill._setup(setup_args)
+    if "fused" in args.baseline_list:
+        check_moe_fusions_available()
     if args.cuda_graph and device.type != "cuda":
         ap.error("--cuda-graph needs CUDA")
     results = []

@@ -387,35 +387,48 @@ def _graph_cells(r) -> str:
             f"{r['speedup_graph']:.3f}x | {'yes' if check.get('equal') else 'no'} |")
 
 
+def _fused_ratio(r) -> float | None:
+    """stock / overlap with Megatron's MoE fusions on in both arms (`--moe-fusions`,
+    `--baselines ...,fused`), or None where the run did not time them."""
+    return r.get("speedups_by_baseline", {}).get("fused")
+
+
 def prefill_section(tag, prefill, out_dir) -> str:
     """Table, geomeans and a speedup-vs-S plot of complete-model prefill runs (with the
     captured forward's columns where the run timed it, `--cuda-graph`)."""
     graphs = any(r.get("cuda_graph") for r in prefill)
+    fused = any(_fused_ratio(r) for r in prefill)  # (a run with Megatron's MoE fusions on)
     lines = [f"### Complete-model prefill, {tag} (python -m megatron_overlap.mcore.prefill "
              "--abba" + (" --cuda-graph" if graphs else "") + ")\n",
              "| model | layout | B x S | stock ms [95% CI] | overlap ms [95% CI] | speedup | "
              "layers overlapped | max_e/mean over layers |"
-             + (" graph ms [95% CI] | stock / graph | replay = eager |" if graphs else ""),
-             "|---|---|---|---|---|---|---|---|" + ("---|---|---|" if graphs else "")]
+             + (" graph ms [95% CI] | stock / graph | replay = eager |" if graphs else "")
+             + (" speedup, fused MoE flags |" if fused else ""),
+             "|---|---|---|---|---|---|---|---|" + ("---|---|---|" if graphs else "")
+             + ("---|" if fused else "")]
     for r in sorted(prefill, key=lambda r: (r["model"], r["tp"], r["ep"], r["seq"])):
         head = (f"| {r['model']} | TP{r['tp']}EP{r['ep']} | {r['batch']}x{r['seq']}"
                 + ("*" if "source" in r else "") + " | ")
         if r.get("oom"):
-            lines.append(head + "OOM | OOM | - | - | - |" + (" OOM | - | - |" if graphs else ""))
+            lines.append(head + "OOM | OOM | - | - | - |" + (" OOM | - | - |" if graphs else "")
+                         + (" OOM |" if fused else ""))
             continue
         st, ov = r["policies"]["stock"], r["policies"]["overlap"]
         lines.append(head + f"{st['median_ms']:.2f} [{st['ci95_ms'][0]:.2f}, {st['ci95_ms'][1]:.2f}]"
                      f" | {ov['median_ms']:.2f} [{ov['ci95_ms'][0]:.2f}, "
                      f"{ov['ci95_ms'][1]:.2f}] | {r['speedup']:.3f}x | {_overlapped(r)} | "
-                     f"{_layer_loads(r)} |" + (_graph_cells(r) if graphs else ""))
+                     f"{_layer_loads(r)} |" + (_graph_cells(r) if graphs else "")
+                     + (f" {_fused_ratio(r) or 0:.3f}x |" if fused else ""))
     if any("source" in r for r in prefill):
         lines.append("\n\\* parsed from the run's printed report (its JSON did not come back "
                      "from the device machine; see the file's `source`)")
     done = [r for r in prefill if not r.get("oom")]
     groups = sorted({(r["model"], r["tp"], r["ep"]) for r in done})
     lines.append("\n| model | layout | geomean speedup (all S) | (S >= 4096) | min |"
-                 + (" graph: geomean (all S) | min |" if graphs else ""))
-    lines.append("|---|---|---|---|---|" + ("---|---|" if graphs else ""))
+                 + (" graph: geomean (all S) | min |" if graphs else "")
+                 + (" fused MoE flags: geomean (S >= 4096) | min |" if fused else ""))
+    lines.append("|---|---|---|---|---|" + ("---|---|" if graphs else "")
+                 + ("---|---|" if fused else ""))
     for m, tp, ep in groups:
         rs = [r for r in done if (r["model"], r["tp"], r["ep"]) == (m, tp, ep)]
         big = [r["speedup"] for r in rs if r["seq"] >= 4096]
@@ -424,6 +437,10 @@ def prefill_section(tag, prefill, out_dir) -> str:
         graphed = [r["speedup_graph"] for r in rs if "speedup_graph" in r]
         if graphs:
             row += (f" {geomean(graphed):.3f}x | {min(graphed):.3f}x |" if graphed else " - | - |")
+        if fused:
+            tuned = [x for r in rs if (x := _fused_ratio(r))]
+            big = [x for r in rs if r["seq"] >= 4096 and (x := _fused_ratio(r))]
+            row += (f" {geomean(big):.3f}x | {min(tuned):.3f}x |" if big else " - | - |")
         lines.append(row)
     try:
         import matplotlib

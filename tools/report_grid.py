@@ -8,7 +8,10 @@ points are not one population) (megatron_overlap.mcore.prefill --abba
 on = the planner's per-size choice, on / off measured, the decision with its predicted
 saving, the host syncs per MoE layer call where the run counted them) and
 OUT/grid_on_over_off.png (on / off across S per model, measured and as the model
-predicts it: off / (off - the predicted saving of every MoE layer)).
+predicts it: off / (off - the predicted saving of every MoE layer)). Where a run timed
+Megatron's MoE fusions too (`--baselines default,fused`, stage `grid_fused`, files
+`gridfused_{device}_*`: `--prefix gridfused`), each row adds on / off with both arms
+under those flags, and the summary its geomean.
 """
 
 from __future__ import annotations
@@ -23,11 +26,11 @@ import re
 NAME = re.compile(r"_(prefill|train)_([a-z]+)_B(\d+)\.json$")
 
 
-def load_points(data: str, device: str) -> list[dict]:
-    """Every grid point of `device`'s grid files under `data` (grid_{device}_*.json),
+def load_points(data: str, device: str, prefix: str = "grid") -> list[dict]:
+    """Every grid point of `device`'s grid files under `data` ({prefix}_{device}_*.json),
     sorted by mode, model, B, S."""
     points = []
-    for path in glob.glob(os.path.join(data, f"grid_{device}_*.json")):
+    for path in glob.glob(os.path.join(data, f"{prefix}_{device}_*.json")):
         match = NAME.search(path)
         if not match:
             continue
@@ -52,14 +55,17 @@ def _point(mode: str, r: dict) -> dict:
                 ratio=off / on, fused=f"{len(fused)}/{len(layers)}",
                 first=layers[0] if layers else None, predicted_saved_ms=saved_ms,
                 predicted_ratio=off / (off - saved_ms) if off > saved_ms else math.inf,
+                fused_ratio=r.get("speedups_by_baseline", {}).get("fused"),
                 syncs={k: v["syncs_per_call"] for k, v in costs.items()},
                 host_us={k: v["host_us_per_call"] for k, v in costs.items()})
 
 
 def table(points: list[dict]) -> str:
+    tuned = any(p["fused_ratio"] for p in points)  # (Megatron's MoE fusions timed too)
     head = ("| mode | model | B | S | off ms | on ms | on / off | fused layers | first layer "
             "predicted fused / unfused us | predicted saving ms (fwd) | measured saving ms "
-            "| syncs per MoE call off / on |\n|" + "---|" * 12)
+            "| syncs per MoE call off / on |" + (" on / off, fused MoE flags |" if tuned else "")
+            + "\n|" + "---|" * (13 if tuned else 12))
     rows = [head]
     for p in points:
         d = p["first"] or {}
@@ -68,7 +74,8 @@ def table(points: list[dict]) -> str:
         rows.append(f"| {p['mode']} | {p['model']} | {p['batch']} | {p['seq']} | "
                     f"{p['off']:.1f} | {p['on']:.1f} | {p['ratio']:.2f}x | {p['fused']} | "
                     f"{d.get('fused_us', '')} / {d.get('unfused_us', '')} | "
-                    f"{p['predicted_saved_ms']:.1f} | {p['off'] - p['on']:.1f} | {syncs} |")
+                    f"{p['predicted_saved_ms']:.1f} | {p['off'] - p['on']:.1f} | {syncs} |"
+                    + (f" {p['fused_ratio'] or 0:.2f}x |" if tuned else ""))
     return "\n".join(rows)
 
 
@@ -79,8 +86,19 @@ def summary(points: list[dict]) -> str:
         big = [p["ratio"] for p in sel if p["seq"] >= 4096]
         geo = math.exp(sum(map(math.log, big)) / len(big)) if big else float("nan")
         lines.append(f"{mode}: min on/off {min(p['ratio'] for p in sel):.3f}x over {len(sel)} "
-                     f"points; geomean at S >= 4096 {geo:.3f}x")
+                     f"points; geomean at S >= 4096 {geo:.3f}x" + _fused_summary(sel))
     return "\n".join(lines)
+
+
+def _fused_summary(sel: list[dict]) -> str:
+    """The same min and geomean with both arms under Megatron's MoE fusions, where timed."""
+    tuned = [p for p in sel if p["fused_ratio"]]
+    if not tuned:
+        return ""
+    big = [p["fused_ratio"] for p in tuned if p["seq"] >= 4096]
+    geo = math.exp(sum(map(math.log, big)) / len(big)) if big else float("nan")
+    return (f"; fused MoE flags: min {min(p['fused_ratio'] for p in tuned):.3f}x over "
+            f"{len(tuned)} points, geomean at S >= 4096 {geo:.3f}x")
 
 
 def figure(points: list[dict], path: str) -> None:
@@ -119,11 +137,14 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--data", default="docs/data")
     p.add_argument("--device", default="h200", help="the files' device tag (grid_DEVICE_*)")
+    p.add_argument("--prefix", default="grid",
+                   help="the files' prefix: grid (stage grid_te), gridfused (grid_fused)")
     p.add_argument("--out", default="build/grid")
     args = p.parse_args()
-    points = load_points(args.data, args.device)
+    points = load_points(args.data, args.device, args.prefix)
     if not points:
-        raise SystemExit(f"no grid_{args.device}_*_{{prefill,train}}_*_B*.json under {args.data}")
+        raise SystemExit(f"no {args.prefix}_{args.device}_*_{{prefill,train}}_*_B*.json "
+                         f"under {args.data}")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "grid.md"), "w") as f:
         f.write(table(points) + "\n\n" + summary(points) + "\n")

@@ -8,9 +8,12 @@ OverlapMoELayer; `--abba` builds the overlapped model once and times both polici
 ABBA-interleaved on the same weights (toggling the layers' overlap); `--cuda-graph`
 adds a third, "graph": the overlapped forward captured into one CUDA graph per S and
 replayed (the stock dropless layers sync the host and cannot be captured, so stock
-stays eager). `--impl te` builds the model on Transformer Engine as Megatron-LM's default
-flags do (stock = core-TE); `--train` times a training step (forward with labels and the
-loss's backward, no optimizer) instead of the inference forward. Latency is the
+stays eager). `--moe-fusions` runs both arms under Megatron's `--moe-permute-fusion
+--moe-router-fusion`; `--baselines default,fused` times both flag sets in one schedule
+(`baselines`: the second's arms are "stock-fused" / "overlap-fused"). `--impl te`
+builds the model on Transformer Engine as Megatron-LM's default flags do (stock =
+core-TE); `--train` times a training step (forward with labels and the loss's
+backward, no optimizer) instead of the inference forward. Latency is the
 median over iterations of the slowest rank's time, with a 95% bootstrap interval.
 The B sequences are split over the attention data-parallel ranks (world / TP), so the
 TP x EP group of every MoE layer sees M = B * S tokens in every layout.
@@ -42,6 +45,8 @@ import torch.distributed as dist
 from ..stats import bootstrap_ci
 from ..ops import CapturedCall
 from .args import add_moe_overlap_args, layer_policy_from_args, overlap_config_from_args
+from .baselines import (BASELINES, add_baseline_args, arm, baselines_from_args,
+                        check_moe_fusions_available, set_moe_fusions, use_arm)
 from .host_costs import measure_host_costs
 from .layer import fused_at_every_size, overlap_layers, set_overlap_enabled
 from .models import CONFIGS, IMPLS, build_model
@@ -93,8 +98,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--preload", default=None, metavar="FILE.py|MODULE",
                    help="imported (its install() called) before Megatron builds anything")
     p.add_argument("--log-level", default="INFO", help="rank 0's level (decision lines at INFO)")
+    add_baseline_args(p)
     add_moe_overlap_args(p)
     args = p.parse_args(argv)
+    args.baseline_list = baselines_from_args(args)
     try:
         args.seq_list = ([int(v) for v in args.seqs.split(",")] if args.seqs else [args.seq])
     except ValueError:
@@ -242,6 +249,8 @@ def _inference_rng_tracker(args, device) -> None:
 
 def run_all(args) -> list[dict]:
     device = _setup(args)
+    if "fused" in args.baseline_list:
+        check_moe_fusions_available()
     overlap, policy = overlap_config_from_args(args), layer_policy_from_args(args)
     fusion = {"bias_activation_fusion": False} if args.no_bias_swiglu_fusion else {}
     if args.cuda_graph:
@@ -259,6 +268,7 @@ def run_all(args) -> list[dict]:
                             overlap=overlap, policy=policy, tiny=args.tiny, impl=args.impl,
                             **fusion).to(device)
     model.train(args.train)
+    set_moe_fusions(model, BASELINES[args.baseline_list[0]])
     results = []
     for seq in args.seq_list:
         try:
@@ -273,8 +283,9 @@ def run_all(args) -> list[dict]:
 def _header(args, seq: int, device) -> dict:
     return dict(model=args.model, tp=args.tp, ep=args.ep, world=dist.get_world_size(),
                 batch=args.batch, seq=seq, tokens=args.batch * seq, impl=args.impl,
-                experts=args.experts,
-                tiny=args.tiny, device=str(device), cuda_graph=args.cuda_graph,
+                experts=args.experts, baselines=args.baseline_list,
+                moe_fusions=BASELINES[args.baseline_list[0]], tiny=args.tiny,
+                device=str(device), cuda_graph=args.cuda_graph,
                 mode="train" if args.train else "prefill",
                 swiglu_fusion=device.type == "cuda" and not args.no_bias_swiglu_fusion)
 
@@ -291,53 +302,86 @@ def _training_step(model, tokens, positions):
 def _run_seq(args, model, seq: int, overlap, device) -> dict:
     tokens, positions = _inputs(args, seq, getattr(model, "hf_vocab_size", model.vocab_size),
                                 device)  # (a checkpoint's ids: no padding rows)
-    policies = ["stock", "overlap"] if args.abba else ["overlap" if overlap else "stock"]
+    primary = args.baseline_list[0]
+    names = ["stock", "overlap"] if args.abba else ["overlap" if overlap else "stock"]
+    arms = {arm(n, b, primary): (n, b) for b in args.baseline_list for n in names}
+    policies = list(arms)
     work = (_training_step(model, tokens, positions) if args.train
             else lambda: model(tokens, positions, None))
     forwards = {p: work for p in policies}
     grad = args.train
     for policy in policies:  # warm-up: compilation, buffers, plan caches
-        set_overlap_enabled(model, policy == "overlap")
+        use_arm(model, arms[policy])
         for _ in range(args.warmup):
             _time_once(forwards[policy], device, grad)
     graph = None
     if args.cuda_graph:
+        use_arm(model, ("overlap", primary))  # (captured under the primary's flags)
         graph = _captured_forward(model, tokens, positions, device)
         if graph.error is None:
             policies.append("graph")
+            arms["graph"] = ("overlap", primary)
             forwards["graph"] = graph.replay
             for _ in range(args.warmup):
                 _time_once(graph.replay, device)
     samples = {p: [] for p in policies}
     for policy in _schedule(policies, args.iters):
-        set_overlap_enabled(model, policy != "stock")
+        use_arm(model, arms[policy])
         samples[policy].append(_time_once(forwards[policy], device, grad))
-    result = _header(args, seq, device) | dict(policies={})
-    for policy, values in samples.items():
-        med = statistics.median(values)
-        lo, hi = bootstrap_ci(values)
-        result["policies"][policy] = dict(median_ms=med * 1e3, ci95_ms=(lo * 1e3, hi * 1e3),
-                                          tokens_per_s=args.batch * seq / med,
-                                          samples_ms=[v * 1e3 for v in values])
+    result = _header(args, seq, device) | _timings(args, seq, samples)
     stock = result["policies"].get("stock")
-    if stock and "overlap" in samples:
-        result["speedup"] = stock["median_ms"] / result["policies"]["overlap"]["median_ms"]
     if graph is not None:
         result["graph"] = graph.summary()
         if stock and "graph" in samples:
             result["speedup_graph"] = stock["median_ms"] / result["policies"]["graph"]["median_ms"]
         graph.release()
     if args.host_costs:
-        result["host_costs"] = _host_costs(model, policies, forwards, device, grad)
-    result["decisions_rank0"] = decisions(model) if overlap else []
+        result["host_costs"] = _host_costs(model, arms, forwards, device, grad)
+    if overlap and len(args.baseline_list) > 1:
+        by_baseline = _decisions_by_baseline(args, model, work, device)
+        result.update(decisions_by_baseline=by_baseline, decisions_rank0=by_baseline[primary])
+    else:
+        result["decisions_rank0"] = decisions(model) if overlap else []
     return result
 
 
-def _host_costs(model, policies, forwards, device, grad: bool) -> dict:
+def _timings(args, seq: int, samples: dict) -> dict:
+    """Each policy's median, CI and samples; stock / overlap under the primary baseline
+    (`speedup`) and under each (`speedups_by_baseline`)."""
+    policies = {}
+    for policy, values in samples.items():
+        med = statistics.median(values)
+        lo, hi = bootstrap_ci(values)
+        policies[policy] = dict(median_ms=med * 1e3, ci95_ms=(lo * 1e3, hi * 1e3),
+                                tokens_per_s=args.batch * seq / med,
+                                samples_ms=[v * 1e3 for v in values])
+    out = dict(policies=policies)
+    if "stock" in policies and "overlap" in policies:
+        primary = args.baseline_list[0]
+        out["speedup"] = policies["stock"]["median_ms"] / policies["overlap"]["median_ms"]
+        out["speedups_by_baseline"] = {
+            b: (policies[arm("stock", b, primary)]["median_ms"]
+                / policies[arm("overlap", b, primary)]["median_ms"])
+            for b in args.baseline_list}
+    return out
+
+
+def _decisions_by_baseline(args, model, work, device) -> dict:
+    """{baseline: decisions} after one more (untimed) overlapped call under each one's
+    flags: the layers keep only their latest call's decision."""
+    found = {}
+    for baseline in args.baseline_list:
+        use_arm(model, ("overlap", baseline))
+        _time_once(work, device, args.train)
+        found[baseline] = decisions(model)
+    return found
+
+
+def _host_costs(model, arms, forwards, device, grad: bool) -> dict:
     """{policy: HostCosts.as_dict()} of one more step of each eager policy."""
     out = {}
-    for policy in (p for p in policies if p != "graph"):
-        set_overlap_enabled(model, policy == "overlap")
+    for policy in (p for p in arms if p != "graph"):
+        use_arm(model, arms[policy])
         _sync(device)
         with torch.set_grad_enabled(grad):
             out[policy] = measure_host_costs(model, forwards[policy]).as_dict()
@@ -364,8 +408,8 @@ def report(result: dict) -> str:
         lo, hi = r["ci95_ms"]
         lines.append(f"  {policy:<8} median {r['median_ms']:9.2f} ms  [95% CI {lo:.2f}, {hi:.2f}]"
                      f"  {r['tokens_per_s']:12.0f} tok/s")
-    if "speedup" in result:
-        lines.append(f"  speedup stock/overlap: {result['speedup']:.3f}x")
+    for baseline, x in result.get("speedups_by_baseline", {}).items():
+        lines.append(f"  speedup stock/overlap ({baseline} MoE flags): {x:.3f}x")
     if "speedup_graph" in result:
         lines.append(f"  speedup stock/graph: {result['speedup_graph']:.3f}x (stock eager)")
     graph = result.get("graph")
