@@ -21,17 +21,13 @@ import pytest
 import torch
 
 from dist_harness import run_ranks
+from test_megatron_lm_launch import SMALL as LAUNCH_SMALL
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU backends")
 
-SMALL = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
-         "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "32",
-         "--seq-length", "64", "--max-position-embeddings", "64", "--micro-batch-size", "1",
-         "--moe-grouped-gemm", "--moe-token-dispatcher-type", "allgather",
-         "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "255",
-         "--swiglu", "--attention-dropout", "0.0", "--hidden-dropout", "0.0",
-         "--no-bias-swiglu-fusion", "--no-gradient-accumulation-fusion",
-         "--use-cpu-initialization", "--disable-bias-linear"]
+#: test_megatron_lm_launch's small line, without biases (Megatron's TE MoE with biases
+#: needs --no-bias-dropout-fusion; the recipes' models have none)
+SMALL = [*LAUNCH_SMALL, "--disable-bias-linear"]
 LOCAL = ["--transformer-impl", "local", "--no-persist-layer-norm"]
 OVERLAP = ["--moe-overlap", "--moe-overlap-backend", "reference"]
 

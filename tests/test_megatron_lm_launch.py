@@ -331,7 +331,7 @@ def _recipe_argv(recipe, tp, ep, tmp_path, **extra_env):
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     megatron_lm = tmp_path / "Megatron-LM"
     megatron_lm.mkdir(exist_ok=True)
-    for script in SCRIPTS.values():
+    for script in {"pretrain_gpt.py", *SCRIPTS.values()}:
         (megatron_lm / script).write_text("")
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", TORCHRUN_ARGV=str(out),
                TP=str(tp), EP=str(ep), MEGATRON_LM=str(megatron_lm))

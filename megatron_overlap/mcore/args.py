@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from collections.abc import Callable
 
 from ..ops import OverlapConfig
@@ -107,16 +108,18 @@ def moe_overlap_args_provider(other: ArgsProvider | None = None) -> ArgsProvider
 
     Like Megatron's providers, `other` returns the parser (None is taken as "the same one").
     Where `other` already added the flags they are not added twice. Called by Megatron-LM's
-    parser, it also hooks megatron.training's model builders (`megatron_lm.py`), so that
-    `--moe-overlap` alone overlaps every MoE layer of the model the script builds.
+    parser (megatron.training loaded), it also hooks megatron.training's model builders
+    (`megatron_lm.py`), so that `--moe-overlap` alone overlaps every MoE layer of the model
+    the script builds.
     """
     if other is not None and not callable(other):
         raise ValueError(f"extra_args_provider must be callable, got {type(other).__name__}")
 
     def provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-        from .megatron_lm import install_build_hooks
+        if "megatron.training" in sys.modules:  # Megatron-LM's parser is calling: it parses
+            from .megatron_lm import install_build_hooks  # before it builds, so the flag applies
 
-        install_build_hooks()  # (Megatron parses before it builds: `--moe-overlap` applies)
+            install_build_hooks()
         if other is not None:
             returned = other(parser)
             parser = parser if returned is None else returned
