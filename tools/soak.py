@@ -9,7 +9,10 @@ Each call draws M (tokens), the routing's skew, C and L (None: the planner's) fr
 sets, the same draw on every rank, and runs `gemm2_gather_rs` with its waits bounded
 (`--wait-timeout-s`) and a watchdog on the host (`--call-timeout-s`: a call that takes
 longer dumps every thread's stack and ends the process, exit code 1: a hang). Every
-`--check-every` calls the output is compared with the reference backend's. Host memory
+`--check-every` calls the output is compared with the reference's (`reference_out`:
+each rank's full partial by the reference path's torch ops, summed over the group by an
+all-reduce; on CPU tensors where the ranks share a GPU, whose group is gloo since NCCL
+refuses two ranks on one device). Host memory
 (RSS), CUDA memory (allocated, reserved) and the buffer's peer (symmetric) memory and
 caches are sampled at the start, every `--report-every` calls and at the end; the
 verdict compares the end with the first sample after warm-up (the first
@@ -52,6 +55,8 @@ from benchlib import env_info, write_json  # noqa: E402
 
 from megatron_overlap.ops import OverlapBuffer, OverlapConfig, gemm2_gather_rs  # noqa: E402
 from megatron_overlap.ops import planning  # noqa: E402
+from megatron_overlap.ops.reference import reference_forward  # noqa: E402
+from megatron_overlap.kernels.routing_table import combine_table  # noqa: E402
 from megatron_overlap.routing import route  # noqa: E402
 
 MIB = 1 << 20
@@ -108,7 +113,9 @@ def setup():
     if "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         cuda = torch.cuda.is_available()
         if not dist.is_initialized():  # (a test's ranks come with their group)
-            dist.init_process_group("nccl" if cuda else "gloo")
+            # (ranks that share a GPU: gloo, as NCCL refuses two ranks on one device)
+            shared = cuda and int(os.environ["WORLD_SIZE"]) > torch.cuda.device_count()
+            dist.init_process_group("nccl" if cuda and not shared else "gloo")
             _OWNED.append(dist.group.WORLD)
         if cuda:
             # (ranks may share one GPU: peer memory through CUDA IPC then, slower)
@@ -198,11 +205,11 @@ class Faults:
     input rank 0 calls in a size fault, what each call of a fault's window did, and
     every output returned there checked against its input's reference output."""
 
-    def __init__(self, every: int, pool: list, group, world: int, rank: int, reference):
+    def __init__(self, every: int, pool: list, group, world: int, rank: int):
         self.every = every if group is not None else 0
         self.group, self.world, self.rank = group, world, rank
-        self.wants = [gemm2_gather_rs(*_op_args(inp, group), config=reference)
-                      for inp in pool] if self.every else []
+        self.wants = [reference_out(inp, group, world, rank) for inp in pool] \
+            if self.every else []
         self.log: list[dict] = []  # per fault: kind, whether this rank raised (call, next)
         self.checked = self.wrong = 0
 
@@ -253,6 +260,20 @@ class Faults:
                     checked=sum(c for c, _ in wrong), wrong_results=sum(w for _, w in wrong))
 
 
+def reference_out(inp: dict, group, world: int, rank: int) -> torch.Tensor:
+    """This rank's [M / D, N] of the input by the reference path's torch ops: its own
+    partial, summed over the group (a CPU all-reduce where the group is gloo)."""
+    table = combine_table(inp["token_index"].long(), inp["tokens"], inp["topk"])
+    counts = torch.tensor(inp["counts"], device=inp["x"].device)
+    full = reference_forward(inp["x"], inp["weight"], counts, inp["counts"], table, None,
+                             None, 1)[0].float()
+    if world > 1:
+        on_cpu = dist.get_backend(group) == "gloo"
+        full = full.cpu() if on_cpu else full
+        dist.all_reduce(full, group=group)
+    return full.chunk(world)[rank].to(inp["x"].device, inp["x"].dtype)
+
+
 def _op_args(inp: dict, group) -> tuple:
     return (inp["x"], inp["weight"], inp["counts"], inp["token_index"], inp["tokens"],
             inp["topk"], None, group)
@@ -273,9 +294,8 @@ def _attempt(op_args, config, kwargs, group, device, backend):
 def run(args) -> dict:
     group, world, rank, device, backend = setup()
     config = OverlapConfig.from_env(backend=backend, wait_timeout_s=args.wait_timeout_s)
-    reference = OverlapConfig(backend="reference")
     pool = build_pool(args, world, rank, device)
-    faults = Faults(args.fault_every, pool, group, world, rank, reference)
+    faults = Faults(args.fault_every, pool, group, world, rank)
     rng = random.Random(args.seed)  # (the same draws on every rank)
     hidden = SHAPES[args.model][0]
     samples = [sample(0, device)]
@@ -301,7 +321,7 @@ def run(args) -> dict:
             failures.append(dict(call=call, M=inp["tokens"], C=c, L=l,
                                  error=f"{type(err).__name__}: {err}"[:400]))
         if out is not None and call % args.check_every == 0 and faults.window(call) is None:
-            want = gemm2_gather_rs(*_op_args(inp, group), config=reference)
+            want = reference_out(inp, group, world, rank)
             checks.append(dict(call=call, rel_err=rel_err(out, want)))
         if call % args.report_every == 0 or call == args.calls:
             samples.append(sample(call, device))
