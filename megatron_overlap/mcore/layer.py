@@ -150,7 +150,7 @@ class OverlapMoELayer(MoELayer):
         self._gated_shared = None  # (shared output before its gate, gate logits) to add
         self._last_key = None
         self.last_fusion = None
-        self._fusion: dict[tuple, object] = {}  # the fuse-or-not answer per (tokens, dtype)
+        self._fusion: dict[tuple, object] = {}  # fuse-or-not per (tokens, dtype, TE unpermute)
 
     def _why_unsupported(self) -> str | None:
         c = self.config
