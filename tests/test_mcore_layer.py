@@ -531,7 +531,7 @@ def _biased_case(tp, ep, x, grad):
 
 def _toggle_and_fallback(config, x, grad):
     """overlap_enabled=False is the stock path (an unsupported config: test_mcore_te_experts)."""
-    from megatron_overlap.mcore.layer import set_overlap_enabled
+    from megatron_overlap.mcore.convert import set_overlap_enabled
     from megatron_overlap.mcore.spec import with_overlap_moe
     from megatron_overlap.ops import OverlapConfig
     from megatron_overlap.mcore.policy import LayerPolicy

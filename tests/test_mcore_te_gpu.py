@@ -41,7 +41,8 @@ def _te_model_parity(rank, world, name, bias):
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_overlap.mcore.layer import OverlapMoELayer, fused_at_every_size, set_overlap_enabled
+    from megatron_overlap.mcore.convert import fused_at_every_size, set_overlap_enabled
+    from megatron_overlap.mcore.layer import OverlapMoELayer
     from megatron_overlap.mcore.models import build_model
     from megatron_overlap.ops import OverlapConfig
     from megatron.core.transformer.moe.experts import TEGroupedMLP

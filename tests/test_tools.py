@@ -628,7 +628,8 @@ def _layer_input_case(rank, world):
     import bench_layer
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_overlap.mcore.layer import OverlapMoELayer, set_overlap_enabled
+    from megatron_overlap.mcore.convert import set_overlap_enabled
+    from megatron_overlap.mcore.layer import OverlapMoELayer
     from megatron_overlap.mcore.models import build_model
     from megatron_overlap.ops import OverlapConfig
 

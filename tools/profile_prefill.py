@@ -30,7 +30,8 @@ from power import sampled  # noqa: E402
 from profile_layer import kind_of  # noqa: E402
 
 from megatron_overlap.mcore import prefill  # noqa: E402
-from megatron_overlap.mcore.layer import OverlapMoELayer, set_overlap_enabled  # noqa: E402
+from megatron_overlap.mcore.convert import set_overlap_enabled  # noqa: E402
+from megatron_overlap.mcore.layer import OverlapMoELayer  # noqa: E402
 from megatron_overlap.mcore.models import build_model  # noqa: E402
 from megatron_overlap.ops import OverlapConfig  # noqa: E402
 

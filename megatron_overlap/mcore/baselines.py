@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from .layer import set_overlap_enabled
+from .convert import set_overlap_enabled
 
 #: Megatron config fields each baseline sets (both False: Megatron-LM's defaults)
 BASELINES = {"default": False, "fused": True}

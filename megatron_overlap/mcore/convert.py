@@ -17,6 +17,8 @@ and `strict=True` turns any such layer into an error.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 from dataclasses import dataclass
 
 from megatron.core.transformer.moe.moe_layer import MoELayer
@@ -116,3 +118,33 @@ def overlap_moe_layers(model, overlap_config: OverlapConfig | None = None,
             f"--moe-overlap-strict: {len(stock)} of {report.moe_layers} MoE layers cannot be "
             "overlapped: " + "; ".join(f"{s.name}: {s.reason}" for s in stock))
     return report
+
+
+# ---------------------------------------------------------------- a built model's layers
+def overlap_layers(model) -> list:
+    """Every OverlapMoELayer of `model`, in order."""
+    return [m for m in model.modules() if isinstance(m, OverlapMoELayer)]
+
+
+def set_overlap_enabled(model, enabled: bool) -> int:
+    """Turn the overlap of every OverlapMoELayer in `model` on or off; returns their count."""
+    layers = overlap_layers(model)
+    for layer in layers:
+        layer.overlap_enabled = enabled
+    return len(layers)
+
+
+@contextlib.contextmanager
+def fused_at_every_size(model):
+    """Every OverlapMoELayer in `model` overlapped and runs the fused op whatever its size,
+    as a CUDA-graph capture runs them: the eager forward a replay is checked against."""
+    layers = overlap_layers(model)
+    enabled = [(layer.overlap_enabled, layer.policy) for layer in layers]
+    for layer in layers:
+        layer.overlap_enabled = True
+        layer.policy = dataclasses.replace(layer.policy, fuse="always")
+    try:
+        yield
+    finally:
+        for layer, (on, policy) in zip(layers, enabled):
+            layer.overlap_enabled, layer.policy = on, policy

@@ -22,7 +22,7 @@ import warnings
 import torch
 
 from . import dispatch
-from .layer import overlap_layers
+from .convert import overlap_layers
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,8 +26,6 @@ the op could not replay) runs the stock path after one warning.
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import logging
 import warnings
 from itertools import chain
@@ -424,32 +422,3 @@ class OverlapMoELayer(MoELayer):
             log.info("moe-overlap layer %s: C=%d R=%d L=%d P=%d predicted T=%.1f (%s), %s",
                      self.layer_number, plan.comm_ctas, plan.reservation, plan.splits,
                      plan.compute_slots, plan.predicted, plan.source, sig)
-
-
-def overlap_layers(model) -> list:
-    """Every OverlapMoELayer of `model`, in order."""
-    return [m for m in model.modules() if isinstance(m, OverlapMoELayer)]
-
-
-def set_overlap_enabled(model, enabled: bool) -> int:
-    """Turn the overlap of every OverlapMoELayer in `model` on or off; returns their count."""
-    layers = overlap_layers(model)
-    for layer in layers:
-        layer.overlap_enabled = enabled
-    return len(layers)
-
-
-@contextlib.contextmanager
-def fused_at_every_size(model):
-    """Every OverlapMoELayer in `model` overlapped and runs the fused op whatever its size,
-    as a CUDA-graph capture runs them: the eager forward a replay is checked against."""
-    layers = overlap_layers(model)
-    enabled = [(layer.overlap_enabled, layer.policy) for layer in layers]
-    for layer in layers:
-        layer.overlap_enabled = True
-        layer.policy = dataclasses.replace(layer.policy, fuse="always")
-    try:
-        yield
-    finally:
-        for layer, (on, policy) in zip(layers, enabled):
-            layer.overlap_enabled, layer.policy = on, policy

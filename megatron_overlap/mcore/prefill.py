@@ -48,7 +48,7 @@ from .args import add_moe_overlap_args, layer_policy_from_args, overlap_config_f
 from .baselines import (BASELINES, add_baseline_args, arm, baselines_from_args,
                         check_moe_fusions_available, set_moe_fusions, use_arm)
 from .host_costs import measure_host_costs
-from .layer import fused_at_every_size, overlap_layers, set_overlap_enabled
+from .convert import fused_at_every_size, overlap_layers, set_overlap_enabled
 from .models import CONFIGS, IMPLS, build_model
 
 
