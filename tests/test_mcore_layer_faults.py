@@ -1,0 +1,91 @@
+"""A fault inside a training step of OverlapMoELayer: an exception on every rank of the
+group within the op's bound (no hang), and the layer's next step correct with no reset
+call (the op's recovery, `kernels/flags.py`; README "Faults between ranks").
+
+Two gloo ranks, TP1EP2 (the op reduce-scatters over both), the interpreter backend, the
+fused path at every size. The fault: rank 0's op refuses its call before launching (an
+invalid C), as a bad input on one rank would; rank 1's op then sees its peer's call marked
+failed, does not pair with it and raises too. Megatron's own collectives before the op (the dispatcher's
+all-gather) run on both ranks, as they do when one rank's op input is bad."""
+
+import functools
+
+import pytest
+import torch
+
+from dist_harness import run_ranks
+from test_mcore_layer import _config, _moe_spec, _rel_diff, _run
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU backends")
+WAIT_S = 6.0
+
+
+def _step(layer, x, grad):
+    """(outcome, output error against the stock step or the exception's class name)."""
+    try:
+        return "ok", _run(layer, x, grad)
+    except Exception as err:  # noqa: BLE001 - reported to the parent process
+        return "raised", f"{type(err).__name__}: {err}"
+
+
+def _faulted_steps(rank, world):
+    import time
+
+    import mcore_shims
+
+    mcore_shims.install()
+    from megatron.core import parallel_state as ps
+
+    import megatron_overlap.mcore.layer as layer_module
+    from megatron_overlap.mcore import LayerPolicy, with_overlap_moe
+    from megatron_overlap.ops import OverlapConfig
+
+    ps.initialize_model_parallel(1, 1, expert_model_parallel_size=2)
+    config, spec = _config(1, 2), _moe_spec("grouped")
+    g = torch.Generator().manual_seed(100 + rank)
+    x, grad = torch.randn(12, 2, 32, generator=g), torch.randn(12, 2, 32, generator=g)
+    torch.manual_seed(1234)
+    ref = _run(spec(config=config), x, grad)
+    torch.manual_seed(1234)
+    layer = with_overlap_moe(spec, OverlapConfig(backend="interpret", wait_timeout_s=WAIT_S),
+                             LayerPolicy(fuse="always"))(config=config)
+
+    def error(outcome):
+        out, dx, grads = outcome[1]
+        return max(_rel_diff(out, ref[0]), _rel_diff(dx, ref[1]),
+                   max(_rel_diff(grads[k], ref[2][k]) for k in ref[2]))
+
+    res = {"before": _step(layer, x, grad)}
+    real = layer_module.gemm2_gather_rs
+    if rank == 0:  # this rank's op refuses its call before it launches
+        layer_module.gemm2_gather_rs = functools.partial(real, comm_ctas=0)
+    start = time.monotonic()
+    res["fault"] = _step(layer, x, grad)
+    res["fault_s"] = time.monotonic() - start
+    layer_module.gemm2_gather_rs = real
+    res["after"] = _step(layer, x, grad)
+    ps.destroy_model_parallel()
+    return {k: (v[0], error(v)) if isinstance(v, tuple) and v[0] == "ok" else v
+            for k, v in res.items()}
+
+
+@pytest.fixture(scope="module")
+def steps():
+    return run_ranks(2, _faulted_steps, timeout=300)
+
+
+def test_a_fault_in_one_ranks_step_raises_on_every_rank_within_the_bound(steps):
+    for rank, res in enumerate(steps):
+        kind, message = res["fault"]
+        assert kind == "raised", (rank, res)
+        assert res["fault_s"] < 2 * WAIT_S + 10, (rank, res["fault_s"])
+    assert "comm_ctas" in steps[0]["fault"][1]  # the refusing rank names its argument
+    # its peer learns it in the barrier: a call marked failed does not pair
+    assert steps[1]["fault"][1].startswith(
+        ("OverlapMismatchError", "OverlapPeerError", "OverlapTimeoutError")), steps
+
+
+def test_the_layers_next_step_is_correct_without_a_reset(steps):
+    for rank, res in enumerate(steps):
+        assert res["before"][0] == "ok" and res["before"][1] < 1e-5, (rank, res)
+        assert res["after"][0] == "ok" and res["after"][1] < 1e-5, (rank, res)
