@@ -6,7 +6,7 @@ are in `gather_rs.py`'s docstring; this is the cross-rank part, in full.
 Words. Each rank's signal area (int32, in peer memory; D = world) holds, per source
 rank s: `arrive[s]`, the epoch s last arrived with (or minus an epoch this rank gave
 up on); `desc[2][s]`, s's descriptor per epoch parity (epoch, generation, M, N, kind:
-the partial dtype's code | KIND_FAILED or KIND_REFERENCE << 8); `rec[s]`, the last
+the partial dtype's code | KIND_FAILED or KIND_REFERENCE << 8 | the call tag << 16); `rec[s]`, the last
 recovery round s entered; `recep[2][s]`, the epoch s published with its round (per
 round parity). Each rank's local state (`OverlapBuffer.epoch`, STATE_WORDS): the last
 call's epoch, the generation g (rounds completed) and a pending round (0: none). Only
@@ -42,10 +42,13 @@ that reaches the host at a call's start is raised after that call has launched, 
 that its peers pair with it: raising it before would make them raise for this call,
 one call late on CUDA, and so on back and forth.) So after any fault every rank raises for the call it happened in or for its
 next call, and the call after pairs: recovery needs no host call and no collective, and
-CUDA-graph replays go on counting (every word above is on the device). A rank whose
-peer skipped a call detects it only where the skipped call's wait ran out before the
-skipping rank's next call arrived (calls pair in order; a late call and a skipped one
-look alike) or where their shapes differ.
+CUDA-graph replays go on counting (every word above is on the device). Calls pair in
+order, and a late call and a skipped one look alike: a rank whose peer skipped a call
+detects it where the skipped call's wait ran out before the skipping rank's next call
+arrived, where their shapes differ, or where the caller tags its calls (`call_tag`, in
+bits 16-30 of the kind word; OverlapMoELayer tags each call with its layer and count):
+then the skipping rank's next call and its peers' skipped one differ in kind, and every
+rank raises instead of completing a mix of two calls.
 
 Scopes: descriptors relaxed, each arrival and round a release of the same thread,
 read with acquire: what a rank stored before its arrival (its partial sums) is visible

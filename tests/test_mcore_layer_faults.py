@@ -64,6 +64,12 @@ def _faulted_steps(rank, world):
     res["fault_s"] = time.monotonic() - start
     layer_module.gemm2_gather_rs = real
     res["after"] = _step(layer, x, grad)
+    # rank 1's count of fused calls runs one ahead, as if it had made a call its peer did
+    # not: their call tags differ, both raise, the counts restart alike
+    if rank == 1:
+        layer._fused_calls += 1
+    res["desync"] = _step(layer, x, grad)
+    res["resync"] = _step(layer, x, grad)
     ps.destroy_model_parallel()
     return {k: (v[0], error(v)) if isinstance(v, tuple) and v[0] == "ok" else v
             for k, v in res.items()}
@@ -89,3 +95,11 @@ def test_the_layers_next_step_is_correct_without_a_reset(steps):
     for rank, res in enumerate(steps):
         assert res["before"][0] == "ok" and res["before"][1] < 1e-5, (rank, res)
         assert res["after"][0] == "ok" and res["after"][1] < 1e-5, (rank, res)
+
+
+def test_a_rank_a_call_ahead_raises_with_its_peer_by_call_tag_and_they_meet_again(steps):
+    for rank, res in enumerate(steps):
+        kind, message = res["desync"]
+        assert kind == "raised" and message.startswith("OverlapMismatchError"), (rank, res)
+        assert "call_tag=" in message, message
+        assert res["resync"][0] == "ok" and res["resync"][1] < 1e-5, (rank, res)

@@ -119,3 +119,30 @@ def test_other_sizes_a_raise_before_launching_and_another_backend_raise_on_every
             assert {"sizes": "M=48", "raises": "raised before it launched",
                     "backend": "on the reference backend"}[case] in message, message
         _correct(res[case + ", then"])
+
+
+def _skip_without_a_pause(rank, world):
+    """Issue 55's case exactly: the last rank skips a call and makes its next one at once,
+    while its peers still wait in the skipped one; with call tags (the seed) the two calls
+    do not pair."""
+    last = world - 1
+    res = {"first": _call(rank, world, 6, call_tag=6)}
+    if rank != last:
+        res["skipped"] = _call(rank, world, 7, check=False, call_tag=7)
+    res["next"] = _call(rank, world, 8, check=False, call_tag=8)
+    res["then"] = _call(rank, world, 9, check=False, call_tag=9)
+    # then calls the ranks make alike (each after an all-reduce): a recovery that was
+    # pending may take one of them, the rest are correct
+    res["after"] = [_call(rank, world, 10 + i, call_tag=10 + i) for i in range(3)]
+    return res
+
+
+def test_call_tags_turn_a_skip_paired_with_the_next_call_into_errors_on_every_rank():
+    for rank, res in enumerate(run_ranks(2, _skip_without_a_pause, timeout=300)):
+        assert res["first"][0] == "ok" and res["first"][1] < 1e-2, (rank, res)
+        # no call between the first and the last returns: each raises, none mixes calls
+        middle = [res[k] for k in ("skipped", "next", "then") if k in res]
+        assert all(outcome[0] in ERRORS for outcome in middle), (rank, res)
+        after = res["after"]
+        assert all(o[0] in ERRORS or (o[0] == "ok" and o[1] < 1e-2) for o in after), res
+        assert [o[0] for o in after[1:]] == ["ok", "ok"], (rank, res)

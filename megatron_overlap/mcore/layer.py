@@ -143,6 +143,7 @@ class OverlapMoELayer(MoELayer):
             # gains the fused path's methods (the class adds no state: dispatch.py)
             self.token_dispatcher.__class__ = OverlapAllGatherDispatcher
             pack_expert_weights(self.experts)  # (then the stacks are views: no copy at all)
+        self._fused_calls = 0  # (the op's call tags: `_call_tag`)
         self._fused_pending = False  # routed_experts_compute already did the combine
         self._routed_by_op = False  # this call's routed output came from the fused op
         self._gated_shared = None  # (shared output before its gate, gate logits) to add
@@ -379,14 +380,30 @@ class OverlapMoELayer(MoELayer):
         permuted, (h, weight) = self._fc1(self._permute(hidden_states, probs),
                                           hidden_states, probs)
         # probs are already in h (the activation applied them, as Megatron's experts do).
-        out, plan = gemm2_gather_rs(h, weight.to(h.dtype), permuted.counts,
-                                    permuted.token_index, permuted.num_tokens,
-                                    self.config.moe_router_topk, None, permuted.group,
-                                    config=self.overlap_config, return_plan=True,
-                                    expected_rows=permuted.expected_rows)
+        try:
+            out, plan = gemm2_gather_rs(h, weight.to(h.dtype), permuted.counts,
+                                        permuted.token_index, permuted.num_tokens,
+                                        self.config.moe_router_topk, None, permuted.group,
+                                        config=self.overlap_config, return_plan=True,
+                                        expected_rows=permuted.expected_rows,
+                                        call_tag=self._call_tag())
+        except Exception:
+            # every rank raises for a fault or its next call: the counts restart, and meet
+            # again after at most one more mismatch
+            self._fused_calls = 0
+            raise
         self._note_decision(plan, permuted, weight)
         self._fused_pending = True
         return out, None
+
+    def _call_tag(self) -> int:
+        """This call's tag (`gemm2_gather_rs(call_tag=...)`): the layer's number and its
+        count of fused calls, alike on every rank of the group (they call the layers in
+        one order), so that a rank that skipped a call raises with its peers instead of
+        pairing its next call with their skipped one."""
+        tag = ((self.layer_number or 0) % 128) << 8 | self._fused_calls % 256
+        self._fused_calls += 1
+        return tag
 
     def combine(self, output):
         """Stock reduce-scatter, unless routed_experts_compute already combined."""

@@ -124,7 +124,8 @@ class OverlapBuffer(ErrorWord):
             self._event = torch.cuda.Event()
 
     # ---------------------------------------------------------------- memory
-    def ensure(self, rows: int, hidden: int, dtype: torch.dtype, captured: bool = False) -> None:
+    def ensure(self, rows: int, hidden: int, dtype: torch.dtype, captured: bool = False,
+               call_tag: int = 0) -> None:
         """Receive slots for `rows` tokens per rank x `hidden` columns of `dtype`.
 
         The slots of a call are [D][rows][hidden] at the start of each parity half, whose
@@ -137,6 +138,8 @@ class OverlapBuffer(ErrorWord):
         if self.world == 1:  # no peers: the output is the only slot (`launch_comm`)
             return
         layout = (rows, hidden, dtype)
+        # (this call's descriptor, agreed on in its barrier: `call_tag` in the kind word)
+        self._shape_words = (rows * self.world, hidden, dtype_code(dtype) | call_tag << 16)
         if layout == self._layout:
             return
         need = -(-self.world * rows * hidden * (torch.finfo(dtype).bits // 8) // 128) * 128
@@ -146,19 +149,19 @@ class OverlapBuffer(ErrorWord):
                                    "its receive slots must grow to this call's rows or hidden "
                                    "size; make one eager call of the largest shapes before "
                                    "capturing")
-            desc = self._descriptor(rows * self.world, hidden, dtype)
+            desc = self._descriptor(rows * self.world, hidden, dtype, call_tag=call_tag)
             if self._memory is not None:
                 self._agree(desc)
             self._allocate(need, desc)
         self._layout = layout
-        self._shape_words = (rows * self.world, hidden, dtype_code(dtype))
         self._recv_views = [self.recv(parity) for parity in (0, 1)]
 
     @staticmethod
-    def _descriptor(tokens: int, hidden: int, dtype: torch.dtype, kind: int = 0) -> tuple:
+    def _descriptor(tokens: int, hidden: int, dtype: torch.dtype, kind: int = 0,
+                    call_tag: int = 0) -> tuple:
         """(M, N, kind): what this rank launches (as GatherRS's, beside its epoch and
-        generation); `kind`: a KIND_* flag."""
-        return (tokens, hidden, dtype_code(dtype) | kind << 8)
+        generation); `kind`: a KIND_* flag; the caller's call tag in bits 16-30."""
+        return (tokens, hidden, dtype_code(dtype) | kind << 8 | call_tag << 16)
 
     def _agree(self, desc: tuple) -> None:
         """The barrier and agreement of this call alone (before a host collective):
@@ -178,12 +181,13 @@ class OverlapBuffer(ErrorWord):
                              wait_timeout_s=seconds)
         self._pending = (None, self.error.clone(), None)  # (a synchronizing copy)
 
-    def agree_reference(self, tokens: int, hidden: int, dtype: torch.dtype) -> None:
+    def agree_reference(self, tokens: int, hidden: int, dtype: torch.dtype,
+                        call_tag: int = 0) -> None:
         """Before the reference path's reduce-scatter on this group: every peer must run
         the reference path for the same M and N (a peer on peer memory would never join
         the collective); raises otherwise, as its peers do."""
         if self._memory is not None:
-            self._agree(self._descriptor(tokens, hidden, dtype, grs.KIND_REFERENCE))
+            self._agree(self._descriptor(tokens, hidden, dtype, grs.KIND_REFERENCE, call_tag))
 
     @classmethod
     def begin_call(cls, group) -> None:

@@ -41,14 +41,14 @@ def _launched(rank: int, desc: tuple | None, host: bool) -> str:
     if desc is None:
         return f"rank {rank} was resetting its buffer (OverlapBuffer.reset)"
     epoch, gen, m, n, kind = desc
-    what = kind >> 8
+    what, tag = kind >> 8 & 0xFF, kind >> 16
     if what & grs.KIND_FAILED:
         return (f"rank {rank}'s call failed before its barrier or raised before it launched "
                 f"(its own error says why)")
     at = "" if host else f" (epoch {epoch}, generation {gen})"
     path = " on the reference backend" if what & grs.KIND_REFERENCE else ""
     return f"rank {rank} launched a call{at}{path} with M={m}, N={n}, partials " \
-           f"{_dtype_name(kind & 0xFF)}"
+           f"{_dtype_name(kind & 0xFF)}, call_tag={tag}"
 
 
 def describe_mismatch(rank: int, mine: tuple, src: int, other: tuple | None,

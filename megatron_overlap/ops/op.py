@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import operator
 import warnings
 from dataclasses import dataclass
 
@@ -44,6 +45,10 @@ from .routing import Router, Routing
 from .reference import all_gather, reference_forward
 from .validation import (MAX_TOKENS, MAX_TOPK, aligned, capture_refusal, capturing, check_int,
                          check_options, expert_count, host_counts, to_device, validate)
+
+#: call tags live in bits 16-30 of the descriptor's kind word (`OverlapBuffer._descriptor`)
+MAX_CALL_TAG = 1 << 15
+
 
 def _forward(x, weight, probs, counts_dev, table, launch):
     """(out, y) of a prepared launch: the overlapped kernels or the reference path."""
@@ -115,6 +120,7 @@ def gemm2_gather_rs(
     config: OverlapConfig | None = None,
     return_plan: bool = False,
     expected_rows: int | None = None,
+    call_tag: int = 0,
 ):
     """Overlapped GEMM2 + top-k combine + reduce-scatter; returns this rank's [M/D, N].
 
@@ -144,6 +150,12 @@ def gemm2_gather_rs(
             padded permutation under EP in inference). The value is the rows the
             planner expects where the counts stay on the device (e.g. M x top-k x local
             / all experts under uniform routing). Not with gradients.
+        call_tag: an int in [0, 2**15) that every rank of the group passes alike for the
+            same call (OverlapMoELayer: its layer and its call count). Calls whose tags
+            differ do not pair: every rank raises OverlapMismatchError for them. Calls
+            pair in order, so without tags a rank that skipped a call and makes its next
+            one before its peers' wait ran out pairs it with their skipped one, a wrong
+            result on both; with tags both raise, and the next call alike runs.
 
     CUDA graphs: a call captured under torch.no_grad with tokens_per_expert a CUDA
     tensor and a Triton backend replays correctly for whatever the captured x, counts
@@ -166,7 +178,7 @@ def gemm2_gather_rs(
                            "(capture the forward under torch.no_grad)")
     launch = prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs,
                      group, comm_ctas=comm_ctas, splits=splits, config=config,
-                     expected_rows=expected_rows, defer_slots=None)
+                     expected_rows=expected_rows, defer_slots=None, call_tag=call_tag)
     with _arrives_on_raise(group):
         if grads:
             out = _Gemm2GatherRS.apply(x, weight, probs, launch.counts_dev, token_index,
@@ -273,7 +285,8 @@ def _checked_call(x, weight, tokens_per_expert, token_index, num_tokens, topk, p
                 expected_rows, captured)
 
 
-def _reference_launch(call: Call, device: torch.device, hidden: int, dtype) -> Launch:
+def _reference_launch(call: Call, device: torch.device, hidden: int, dtype,
+                      call_tag: int) -> Launch:
     """The baseline's launch: its table built with torch alone (device counts: it splits
     the rows on the host anyway)."""
     counts, token_index = call.counts, call.token_index
@@ -286,7 +299,7 @@ def _reference_launch(call: Call, device: torch.device, hidden: int, dtype) -> L
                   else torch.tensor(counts, dtype=torch.int64))
     for buf in OverlapBuffer.of_group(call.group, device) if call.world > 1 else ():
         # (a peer on peer memory would never join the reduce-scatter: agree first)
-        buf.agree_reference(call.num_tokens, hidden, dtype)
+        buf.agree_reference(call.num_tokens, hidden, dtype, call_tag)
     return Launch(call, to_device(counts_dev, device), table)
 
 
@@ -309,7 +322,7 @@ def _plan_request(call: Call, tiles: TileConfig, routing: Routing, x, hidden: in
 
 def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=None,
             group=None, *, comm_ctas=None, splits=None, config=None,
-            expected_rows=None, defer_slots: bool | None = False) -> Launch:
+            expected_rows=None, defer_slots: bool | None = False, call_tag: int = 0) -> Launch:
     """The op's pipeline up to the launch: check the call, route (offsets and combine
     table on the device), plan (C, L, tiles) and size the buffer's slots.
     `defer_slots`: the routing's second pass (the table) is left to the launch, which
@@ -319,17 +332,28 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
     OverlapBuffer.begin_call(group)
     with _arrives_on_raise(group):
         return _prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs,
-                        group, comm_ctas, splits, config, expected_rows, defer_slots)
+                        group, comm_ctas, splits, config, expected_rows, defer_slots,
+                        _checked_tag(call_tag))
+
+
+def _checked_tag(call_tag) -> int:
+    try:
+        tag = operator.index(call_tag)
+    except TypeError:
+        tag = -1
+    if isinstance(call_tag, bool) or not 0 <= tag < MAX_CALL_TAG:
+        raise ValueError(f"call_tag must be an int in [0, {MAX_CALL_TAG}), got {call_tag!r}")
+    return tag
 
 
 def _prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs, group,
-             comm_ctas, splits, config, expected_rows, defer_slots) -> Launch:
+             comm_ctas, splits, config, expected_rows, defer_slots, call_tag) -> Launch:
     call = _checked_call(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs,
                          group, comm_ctas, splits, config, expected_rows)
     num_tokens, topk, expected_rows = call.num_tokens, call.topk, call.expected_rows
     if call.backend == "reference":
         return _reference_launch(call, x.device, weight.shape[1],
-                                 call.config.partial_dtype or x.dtype)
+                                 call.config.partial_dtype or x.dtype, call_tag)
     if x.shape[1] * x.element_size() % 16:
         raise ValueError(f"the {call.backend} backend needs 16-byte rows for its tensor "
                          f"descriptors: K * itemsize = {x.shape[1]} * {x.element_size()} "
@@ -347,7 +371,7 @@ def _prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs,
     # must come before the event it forks from, the routing's
     hidden = weight.shape[1]
     buf.ensure(num_tokens // call.world, hidden, call.config.partial_dtype or x.dtype,
-               call.captured)
+               call.captured, call_tag)
     dest = (torch.empty(call.token_index.shape[0], dtype=torch.int32, device=x.device)
             if tiles.token_major else None)
     if defer_slots is None:  # deferred where GEMM2 does not read dest: row order, or
