@@ -42,6 +42,8 @@ def load(pattern):
 def op_rows(rows):
     out = []
     for r in rows:
+        if "stats" not in r:  # another tool's file under the op_ prefix (op_energy.py's)
+            continue
         st = {k: v["median"] for k, v in r["stats"].items()}
         ci = {k: (v["ci_low"], v["ci_high"]) for k, v in r["stats"].items()}
         sweep = {int(k.split("=")[1]): v for k, v in st.items() if k.startswith("sweep")}
