@@ -322,6 +322,7 @@ def _captured(layer, stock, x):
     import dataclasses
 
     import megatron_overlap.mcore.layer as layer_module
+    from megatron_overlap.mcore.convert import fused_at_every_size
 
     config, policy, real = layer.overlap_config, layer.policy, layer_module.capturing
     noted = layer.last_plan, layer.last_rows, layer._last_key  # (what later checks read)
@@ -332,7 +333,7 @@ def _captured(layer, stock, x):
         layer.overlap_config, layer._fusion = small, {}
         below = layer(x)[0], layer._routed_by_op  # eager: the model says stock
         layer.overlap_enabled = False
-        with layer_module.fused_at_every_size(layer):  # a capture's eager reference
+        with fused_at_every_size(layer):  # a capture's eager reference
             everywhere = layer(x)[0], layer._routed_by_op
         restored = (layer.overlap_enabled is False and layer.overlap_config is small
                     and layer.policy is policy)
