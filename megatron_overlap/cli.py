@@ -88,6 +88,9 @@ def _run_plan(args) -> int:
         "source": decision.source,
         "solver_us": solver_us,
         "solver_first_us": first_us,
+        # the model above is the paper's partition placement; what the op runs by default
+        "placement": "partition",
+        "op_default": {"placement": "shared", "comm_ctas": preset.device.available_sms},
     }
     if args.plot:
         from .plots import plot_plan_curve
@@ -108,6 +111,10 @@ def _run_plan(args) -> int:
         print(f"{c:>4} {r:>5} {p:>5} {t:>11.3f}{mark}")
     print(f"C* = {decision.comm_ctas} ({decision.source}), R = {decision.reservation}, "
           f"P = {decision.compute_slots}, solved in {solver_us:.1f} us")
+    print(f"(the paper's partition placement: C CTAs on SMs of their own, what the op runs "
+          f"with --moe-overlap-placement partition. Its default on a GPU is the shared "
+          f"placement where it fits: one GatherRS CTA beside GEMM2's on every SM, C = G = "
+          f"{preset.device.available_sms})")
     if args.plot:
         print(f"wrote {args.plot}")
     return 0

@@ -80,3 +80,14 @@ def test_plan_models_the_ops_tail_helpers_and_local_rows_when_asked():
     assert local["rho"] == pytest.approx(helped["rho"] * 3 / 5)  # (2 + 1) / (4 + 1)
     bad = run(h200 + ["--local-topk", "-1"])
     assert bad.returncode == 2 and "local_topk" in bad.stderr
+
+
+def test_plan_says_which_placement_its_c_is_for_and_what_the_op_runs_by_default():
+    argv = [sys.executable, "-m", "megatron_overlap", "plan", "--preset", "h200", "--tokens",
+            "16384", "--hidden", "2048", "--ffn", "1408", "--world", "2", "--splits", "2",
+            "--expert-counts", "4096,4096,4096,4096"]
+    text = run(argv).stdout
+    assert "the paper's partition placement" in text and "C = G = 132" in text
+    found = json.loads(run(argv + ["--json"]).stdout)
+    assert found["placement"] == "partition"
+    assert found["op_default"] == {"placement": "shared", "comm_ctas": 132}
