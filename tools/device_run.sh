@@ -47,6 +47,11 @@ for s in "$@"; do
       stage train_loop ${TRAIN_SECS:-570} python3 "$REPO/tools/train_loop.py" \
         --megatron-lm "$REPO/.mlm" --models ${TRAIN_MODELS_LOOP:-granite,qwen,deepseek,qwen_hybrid} \
         --iters ${TRAIN_ITERS_LOOP:-50} --json "$OUT/train_loop.json" -- --no-gradient-accumulation-fusion ;;
+    unpermute_rate)  # TE's fused unpermute and Megatron's, timed at the three models' shapes,
+      # written into this device's calibration (the fuse-or-not's step costs; after `te`)
+      cp "$REPO/megatron_overlap/planner/calibrations/$CAL_NAME.json" "$OUT/$CAL_NAME.json"
+      stage unpermute_rate 150 python3 "$REPO/tools/unpermute_rate.py" \
+        --json "$OUT/unpermute_$CAL_NAME.json" --write-calibration "$OUT/$CAL_NAME.json" ;;
     te_gpu_tests) stage te_gpu_tests ${TE_TEST_SECS:-300} python3 -m pytest -q -m gpu -p no:cacheprovider \
         --rootdir "$REPO" -c "$REPO/pyproject.toml" -rs "$REPO/tests/test_mcore_te_gpu.py" \
         "$REPO/tests/test_megatron_lm_launch_gpu.py" ;;
