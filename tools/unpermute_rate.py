@@ -86,13 +86,17 @@ def measure_case(tokens: int, hidden: int, experts: int, topk: int, samples: int
                 bytes_per_us={k: moved / statistics.median(v) for k, v in times.items()})
 
 
+def three_digits(value: float) -> float:
+    return float(f"{value:.3g}")
+
+
 def write_calibration(path: Path, rates: dict) -> None:
-    """Set the measured rates in a calibration file's step costs (rounded to 1 kB/us)."""
+    """Set the measured rates in a calibration file's step costs (3 significant digits)."""
     data = json.loads(path.read_text())
     preset = data.get("preset", data)
     costs = preset["step_costs"]
-    costs["combine_bytes_per_us"] = round(rates["megatron"], -3)
-    costs["fused_combine_bytes_per_us"] = round(rates["te_fused"], -3)
+    costs["combine_bytes_per_us"] = three_digits(rates["megatron"])
+    costs["fused_combine_bytes_per_us"] = three_digits(rates["te_fused"])
     path.write_text(json.dumps(data, indent=1) + "\n")
 
 
