@@ -35,7 +35,6 @@ from megatron.core.tensor_parallel.random import (
     get_expert_parallel_rng_tracker_name,
 )
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron.core.utils import get_pg_rank, get_pg_size
 

@@ -35,7 +35,7 @@ from megatron.core.transformer.moe.experts import TEGroupedMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
 
-from ..ops import (ExpertWeightStack, OverlapConfig, add_gated_shared_, capturing,
+from ..ops import (OverlapConfig, add_gated_shared_, capturing,
                    fusion_decision, gemm2_gather_rs, interpreting)
 from .dispatch import Deferred, OverlapAllGatherDispatcher, Permuted, rows_bound
 from .experts import host_counts, in_inference, needs_host_counts, te_fc1_is_grouped

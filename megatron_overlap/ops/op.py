@@ -24,26 +24,23 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import operator
-import warnings
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from ..kernels import gemm2
 from ..kernels.routing_table import combine_table
 from ..planner import Workload, expert_row_tiles
 from . import launcher
 from .buffer import OverlapBuffer
 from .groups import call_backend, group_size_rank
-from .config import OverlapConfig
+from .config import OverlapConfig, TileConfig
 from .grouped import grouped_mm, grouped_wgrad
 from .planning import LaunchPlan, PlanRequest, launch_tiles, log_decision, plan_launch
 from .routing import Router, Routing
 from .reference import all_gather, reference_forward
-from .validation import (MAX_TOKENS, MAX_TOPK, aligned, capture_refusal, capturing, check_int,
+from .validation import (MAX_TOKENS, MAX_TOPK, aligned, capturing, check_int,
                          check_options, expert_count, host_counts, to_device, validate)
 
 #: call tags live in bits 16-30 of the descriptor's kind word (`OverlapBuffer._descriptor`)
