@@ -331,3 +331,45 @@ def test_a_calibration_that_does_not_exist_is_an_argparse_error_naming_the_flag(
     err = capsys.readouterr().err
     assert "argument --moe-overlap-calibration" in err and message in err, err
     assert parser.parse_args(["--moe-overlap-calibration", "h200"]).moe_overlap_calibration == "h200"
+
+
+def _adopt_again():
+    """A layer adopted again decides its support again: a width the Triton backends cannot
+    read runs stock there and fuses on the reference backend."""
+    from megatron_overlap.mcore import overlap_moe_layers
+    from megatron_overlap.ops import OverlapConfig
+
+    narrow = [a if a != "32" else "18" for a in SMALL] + LOCAL
+    model, _ = _build(narrow + ["--moe-overlap", "--moe-overlap-backend", "interpret"])
+    again = overlap_moe_layers(model, OverlapConfig(backend="reference"))
+    return dict(stock=len(again.stock), overlapped=len(again.overlapped),
+                fused=_step(model) is not None and all(
+                    m.last_rows is not None for _, m in _moe_layers(model)))
+
+
+def test_a_layer_adopted_again_decides_its_support_again():
+    r = run_ranks(1, _adopt_again_worker)[0]
+    assert r == dict(stock=0, overlapped=2, fused=True), r
+
+
+def _adopt_again_worker(rank, world):
+    import mcore_shims
+
+    mcore_shims.install()
+    mcore_shims.install_megatron_training()
+    return _adopt_again()
+
+
+@pytest.mark.parametrize("model", [None, [], "model", [torch.nn.Linear(2, 2), 3]])
+def test_overlap_moe_layers_refuses_what_is_not_a_module_naming_the_argument(model):
+    from megatron_overlap.mcore import overlap_moe_layers
+
+    with pytest.raises(ValueError, match="model must be a torch.nn.Module"):
+        overlap_moe_layers(model)
+
+
+def test_overlap_moe_layers_refuses_a_config_of_another_type():
+    from megatron_overlap.mcore import overlap_moe_layers
+
+    with pytest.raises(ValueError, match="overlap_config must be an OverlapConfig"):
+        overlap_moe_layers(torch.nn.Linear(2, 2), overlap_config="interpret")

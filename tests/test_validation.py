@@ -49,7 +49,7 @@ def test_counts_on_another_device_than_x_are_an_error_naming_them():
 @pytest.mark.parametrize("tag", [-1, 1 << 15, 1.5, True, "3"])
 def test_a_call_tag_out_of_its_range_is_an_error_naming_it(tag):
     p = routed_problem(0, 1, tokens=24, experts=3, topk=2, ffn=16, hidden=8)
-    with pytest.raises(ValueError, match="call_tag must be an int in"):
+    with pytest.raises((TypeError, ValueError), match="call_tag must be an int"):
         _call(p, 24, 2, call_tag=tag)
 
 

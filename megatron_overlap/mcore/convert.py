@@ -21,10 +21,11 @@ import contextlib
 import dataclasses
 from dataclasses import dataclass
 
+import torch
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
 from ..ops import OverlapConfig
-from .layer import OverlapMoELayer
+from .layer import OverlapMoELayer, checked_overlap_args
 from .policy import LayerPolicy
 
 
@@ -93,7 +94,11 @@ def overlap_moe_layers(model, overlap_config: OverlapConfig | None = None,
     `strict`, any MoE layer left stock raises OverlapBuildError naming each, after the
     others were adopted.
     """
-    modules = model if isinstance(model, (list, tuple)) else [model]
+    checked_overlap_args(overlap_config, policy)
+    modules = list(model) if isinstance(model, (list, tuple)) else [model]
+    if not modules or not all(isinstance(m, torch.nn.Module) for m in modules):
+        raise ValueError("model must be a torch.nn.Module or a non-empty list of them (one "
+                         f"per pipeline stage), got {type(model).__name__}")
     overlapped, stock, experts, dispatchers = [], [], [], []
     for index, module in enumerate(modules):
         prefix = f"model[{index}]." if len(modules) > 1 else ""

@@ -58,6 +58,17 @@ def _warn_once(key: str, message: str) -> None:
         warnings.warn(f"megatron-overlap: {message}")
 
 
+def checked_overlap_args(overlap_config, policy) -> tuple:
+    """(overlap_config, policy) as given, each None or of its type, else a ValueError
+    naming it (the layer, the spec helpers and `overlap_moe_layers` take both)."""
+    if overlap_config is not None and not isinstance(overlap_config, OverlapConfig):
+        raise ValueError("overlap_config must be an OverlapConfig, got "
+                         f"{type(overlap_config).__name__}")
+    if policy is not None and not isinstance(policy, LayerPolicy):
+        raise ValueError(f"policy must be a LayerPolicy, got {type(policy).__name__}")
+    return overlap_config, policy
+
+
 class OverlapMoELayer(MoELayer):
     """MoELayer whose GEMM2 + combine + reduce-scatter run overlapped (see module doc).
 
@@ -102,36 +113,21 @@ class OverlapMoELayer(MoELayer):
         weight, no state-dict key and no initialization when its MoE layers are adopted
         (`overlap_moe_layers`). Only an exact MoELayer is adopted (a subclass may have
         moved the two override points: ValueError); an OverlapMoELayer gets the new
-        config and policy."""
-        if isinstance(layer, OverlapMoELayer):
-            layer.overlap_config = layer._checked_config(overlap_config) or OverlapConfig()
-            layer.policy = layer._checked_policy(policy) or LayerPolicy()
-            layer._fusion.clear()
-            return layer
-        if type(layer) is not MoELayer:
-            raise ValueError(f"cannot adopt the custom MoE class {type(layer).__qualname__}; "
-                             "only megatron.core MoELayer becomes an OverlapMoELayer")
-        layer.__class__ = cls  # (Megatron's __init__ ran; ours runs below)
+        config and policy, and its support is decided again (the backend may differ)."""
+        if not isinstance(layer, OverlapMoELayer):
+            if type(layer) is not MoELayer:
+                raise ValueError(f"cannot adopt the custom MoE class "
+                                 f"{type(layer).__qualname__}; only megatron.core MoELayer "
+                                 "becomes an OverlapMoELayer")
+            layer.__class__ = cls  # (Megatron's __init__ ran; ours runs below)
         layer._adopt(overlap_config, policy)
         return layer
 
-    @staticmethod
-    def _checked_config(overlap_config):
-        if overlap_config is not None and not isinstance(overlap_config, OverlapConfig):
-            raise ValueError("overlap_config must be an OverlapConfig, got "
-                             f"{type(overlap_config).__name__}")
-        return overlap_config
-
-    @staticmethod
-    def _checked_policy(policy):
-        if policy is not None and not isinstance(policy, LayerPolicy):
-            raise ValueError(f"policy must be a LayerPolicy, got {type(policy).__name__}")
-        return policy
-
     def _adopt(self, overlap_config, policy) -> None:
         """The overlap's state on a layer whose MoELayer.__init__ has run."""
-        self.overlap_config = self._checked_config(overlap_config) or OverlapConfig()
-        self.policy = self._checked_policy(policy) or LayerPolicy()
+        overlap_config, policy = checked_overlap_args(overlap_config, policy)
+        self.overlap_config = overlap_config or OverlapConfig()
+        self.policy = policy or LayerPolicy()
         self.overlap_enabled = True
         self.last_plan = None
         self.last_rows = None
@@ -153,7 +149,9 @@ class OverlapMoELayer(MoELayer):
 
     def _why_unsupported(self) -> str | None:
         c = self.config
-        if type(self.token_dispatcher) is not MoEAllGatherTokenDispatcher:
+        # (OverlapAllGatherDispatcher: a layer adopted again)
+        if type(self.token_dispatcher) not in (MoEAllGatherTokenDispatcher,
+                                               OverlapAllGatherDispatcher):
             name = type(self.token_dispatcher).__name__
             return f"the {name} dispatcher (only allgather is fused)"
         if hasattr(self, "_inference_token_dispatcher"):

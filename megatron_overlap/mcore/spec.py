@@ -43,7 +43,7 @@ from .architectures import with_latent_kv_norm_where_needed
 from .args import layer_policy_from_args, overlap_config_from_args
 from .policy import LayerPolicy
 from .experts import GroupedGemmExperts
-from .layer import OverlapMoELayer
+from .layer import OverlapMoELayer, checked_overlap_args
 
 
 def _moe_class(obj):
@@ -123,11 +123,7 @@ def with_overlap_moe(spec, overlap_config: OverlapConfig | None = None,
     there gets the new config. A custom MoELayer subclass raises ValueError (we cannot
     know it keeps the two override points intact).
     """
-    if overlap_config is not None and not isinstance(overlap_config, OverlapConfig):
-        raise ValueError("overlap_config must be an OverlapConfig, got "
-                         f"{type(overlap_config).__name__}")
-    if policy is not None and not isinstance(policy, LayerPolicy):
-        raise ValueError(f"policy must be a LayerPolicy, got {type(policy).__name__}")
+    checked_overlap_args(overlap_config, policy)
 
     def swap(node):
         cls = _moe_class(node)

@@ -330,17 +330,7 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
     with _arrives_on_raise(group):
         return _prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs,
                         group, comm_ctas, splits, config, expected_rows, defer_slots,
-                        _checked_tag(call_tag))
-
-
-def _checked_tag(call_tag) -> int:
-    try:
-        tag = operator.index(call_tag)
-    except TypeError:
-        tag = -1
-    if isinstance(call_tag, bool) or not 0 <= tag < MAX_CALL_TAG:
-        raise ValueError(f"call_tag must be an int in [0, {MAX_CALL_TAG}), got {call_tag!r}")
-    return tag
+                        check_int("call_tag", call_tag, 0, MAX_CALL_TAG - 1))
 
 
 def _prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs, group,
