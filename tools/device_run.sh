@@ -84,19 +84,20 @@ for s in "$@"; do
     grid_fused)  # core-TE and --moe-overlap, each under Megatron's default MoE flags and under
       # --moe-permute-fusion --moe-router-fusion (both arms the same flags), one ABBA schedule
       # per point (--baselines default,fused): prefill at published depth, S = 4096, 16384,
-      # and a 4-layer training step at S = 4096; B = 4, TP1EP1. Needs the `te` stage first.
+      # and a 4-layer training step at S = 4096 (GRID_FUSED_TRAIN_SEQS); B = 4
+      # (GRID_FUSED_BATCHES), TP1EP1. Needs the `te` stage first.
       # Bounded 3 x (90 + 50) s = 7 min; report: tools/report_grid.py --prefix gridfused
-      for m in ${GRID_MODELS:-granite qwen deepseek}; do
-        stage gridfused_prefill_$m ${GRID_FUSED_PREFILL_SECS:-90} torchrun --nproc-per-node 1 \
-          -m megatron_overlap.mcore.prefill --impl te --model $m --tp 1 --ep 1 --batch 4 \
+      for B in ${GRID_FUSED_BATCHES:-4}; do for m in ${GRID_MODELS:-granite qwen deepseek}; do
+        stage gridfused_prefill_${m}_B$B ${GRID_FUSED_PREFILL_SECS:-90} torchrun --nproc-per-node 1 \
+          -m megatron_overlap.mcore.prefill --impl te --model $m --tp 1 --ep 1 --batch $B \
           --seqs ${GRID_FUSED_SEQS:-4096,16384} --iters ${GRID_FUSED_ITERS:-6} --warmup 1 --abba \
           --baselines default,fused ${GRID_ARGS:-} \
-          --json "$OUT/gridfused_${TAG:-}prefill_${m}_B4.json"
-        stage gridfused_train_$m ${GRID_FUSED_TRAIN_SECS:-50} torchrun --nproc-per-node 1 \
+          --json "$OUT/gridfused_${TAG:-}prefill_${m}_B$B.json"
+        stage gridfused_train_${m}_B$B ${GRID_FUSED_TRAIN_SECS:-50} torchrun --nproc-per-node 1 \
           -m megatron_overlap.mcore.prefill --impl te --train --layers 4 --model $m --tp 1 \
-          --ep 1 --batch 4 --seqs 4096 --iters ${GRID_FUSED_ITERS:-6} --warmup 2 --abba \
-          --baselines default,fused ${GRID_ARGS:-} \
-          --json "$OUT/gridfused_${TAG:-}train_${m}_B4.json"; done ;;
+          --ep 1 --batch $B --seqs ${GRID_FUSED_TRAIN_SEQS:-4096} --iters ${GRID_FUSED_ITERS:-6} \
+          --warmup 2 --abba --baselines default,fused ${GRID_ARGS:-} \
+          --json "$OUT/gridfused_${TAG:-}train_${m}_B$B.json"; done; done ;;
     env) stage env 60 bash -c "nvidia-smi; nvidia-smi topo -m; python3 -c 'import torch,triton; print(torch.__version__, triton.__version__, torch.cuda.device_count())'" ;;
     gpu_tests) stage gpu_tests ${GPU_TEST_SECS:-420} python3 -m pytest -q -m gpu -p no:cacheprovider \
         --rootdir "$REPO" -c "$REPO/pyproject.toml" ${GPU_TEST_K:+-k "$GPU_TEST_K"} \
