@@ -23,22 +23,12 @@ so a second launch of H programs (pid C..C+H-1, queued after GEMM2 on its stream
 the last split's items with the C programs (stride C+H there); the helpers skip the
 earlier splits. H = 0 is the plain scheme.
 
-Claimed items (DYNAMIC_ITEMS, `claims`): instead of that fixed stride, every program
-claims its items of split s one at a time from a counter, `claims[s]` (a relaxed atomic
-add; the item is the value it returns), until the counter passes the split's items. A
-program that its SM's GEMM2 CTAs slow down then takes fewer items, and the tail helpers,
-which start from split 0, take whatever is left of earlier splits when GEMM2 ends
-instead of only the last split's share. An item is combined whole by one program with
-the same instructions (`_combine_item`), so the bits do not depend on who claimed it.
-
 The flag protocol, in full (the only subtle part of the operator):
   * readiness, `ready[s]` (local int32, one per split): written only by GEMM2 tiles
     (`atomic_add(+1, release, gpu)` after their stores); read here by
     `atomic_add(0, acquire, gpu)` until it reaches the tiles per split, row tiles
-    (`tile_start[E]`, on the device) x GEMM2 column tiles per split; with the fixed
-    stride programs with no item in split s do not wait for it, with claimed items every
-    program waits before it claims (the wait of a split whose items are all claimed ends
-    at its first poll: its claimants waited for it).
+    (`tile_start[E]`, on the device) x GEMM2 column tiles per split; programs with no
+    item in split s do not wait for it.
   * completion, `done` (local int32): after its last store every program does
     `atomic_add(done, 1, release, sys)`; sys scope so that its peer stores are ordered
     for observers on other GPUs. The program that sees C+H-1 acquired them all (it may
@@ -51,9 +41,9 @@ The flag protocol, in full (the only subtle part of the operator):
     with its peers, on the device. C, L and the tail helpers are each rank's own (no
     peer reads them). Cost: one program's DESC_WORDS + 1 stores per peer, and a load
     per source per poll.
-  * reset: the last program zeroes `done`, `ready[0..L-1]` and the claims for the next
-    call (every GEMM2 tile has published, every wait has ended and every program has
-    made its last claim by then). After a time-out the host zeroes them.
+  * reset: the last program zeroes `done` and `ready[0..L-1]` for the next call (every
+    GEMM2 tile has published and every wait has ended by then). After a time-out the host
+    zeroes them.
   * double buffering: receive slots alternate by epoch parity, so a rank that runs ahead
     into call n+1 never overwrites slots a slower peer is still summing for call n; it
     cannot reach call n+2 before that peer has passed the barrier of call n+1.
@@ -66,11 +56,6 @@ The flag protocol, in full (the only subtle part of the operator):
     stores the call's epoch after the barrier; the next call's programs read it + 1),
     as is the parity that picks this call's slots
     (GatherRS's and the final sum's), so a replay of captured calls goes on counting.
-  * trace (TRACE, a constexpr: off in the op): every program stores, for each split it has
-    items in, when it arrived at the split, when its wait ended and when its items were
-    done (the GPU's global timer, ns) into trace[pid, split]; the tail helpers' first
-    arrival is when GEMM2's SMs fell idle (always stored at the last split; with claimed
-    items at each earlier split they took items of). `tools/op_trace.py` reads it.
 """
 
 from __future__ import annotations
@@ -83,24 +68,19 @@ from .flags import (DESC_WORDS, ERR_BARRIER_TIMEOUT, ERR_MISMATCH,  # noqa: F401
                     ERR_PEER_FAULT, ERR_READY_TIMEOUT, ERR_RECOVERY, KIND_FAILED,
                     KIND_REFERENCE, MAX_WAIT_TIMEOUT_S, PENDING, RECORD_WORDS, RECOVERED,
                     STATE_WORDS, WAIT_TIMEOUT_S, agreement_kernel, barrier, launch_agreement,
-                    now_ns, signal_words, timeout_us, wait_at_least)
+                    signal_words, timeout_us, wait_at_least)
 from .gemm2_layout import column_alignment, next_pow2, split_width
 from .launch_cache import LaunchCache
 
 
 @triton.jit
 def _combine_item(item, split, y_ptr, table_ptr, prob_ptr, dst_ptrs, partial_like_ptr,
-                  claim_ptr, tokens_per_rank, split_width, end_col, col_blocks, rank, world,
+                  tokens_per_rank, split_width, end_col, col_blocks, rank, world,
                   topk, parity, stride_ym, stride_yn, dst_slot_stride, dst_row_stride,
                   BLOCK_TM: tl.constexpr, BLOCK_TN: tl.constexpr, TOPK_POW2: tl.constexpr,
-                  HAS_PROBS: tl.constexpr, SLOT_LOOP: tl.constexpr, TOKEN_MAJOR: tl.constexpr,
-                  Y_EVICT: tl.constexpr, CLAIM: tl.constexpr):
+                  HAS_PROBS: tl.constexpr, SLOT_LOOP: tl.constexpr, TOKEN_MAJOR: tl.constexpr):
     """One item of a split: BLOCK_TM tokens of destination `dst` x BLOCK_TN columns, their
-    top-k rows summed in fp32 and stored into dst's receive slot (inlined into both item
-    loops of `gather_rs_kernel`: same instructions whoever runs the item). With CLAIM it
-    returns the program's next item, claimed from `claim_ptr` after this item's loads are
-    issued: the claim's round trip (and the CTA barrier that hands its value to every
-    thread) then overlaps them, where claimed before the loads it delayed every item."""
+    top-k rows summed in fp32 and stored into dst's receive slot."""
     slots = tl.arange(0, TOPK_POW2)
     dst = item % world
     rest = item // world
@@ -127,15 +107,13 @@ def _combine_item(item, split, y_ptr, table_ptr, prob_ptr, dst_ptrs, partial_lik
                 if HAS_PROBS:  # the probabilities are indexed by GEMM2 row
                     row = tl.load(table_ptr + src, mask=slot_ok, other=-1)
                 val = tl.load(y_ptr + src[:, None] * stride_ym + cols[None, :] * stride_yn,
-                              mask=has[:, None] & col_ok[None, :], other=0.0,
-                              eviction_policy=Y_EVICT).to(tl.float32)
+                              mask=has[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
             else:
                 row = tl.load(table_ptr + tokens * topk + j, mask=slot_ok, other=-1)
                 has = row >= 0
                 val = tl.load(y_ptr + row[:, None].to(tl.int64) * stride_ym
                               + cols[None, :] * stride_yn,
-                              mask=has[:, None] & col_ok[None, :], other=0.0,
-                              eviction_policy=Y_EVICT).to(tl.float32)
+                              mask=has[:, None] & col_ok[None, :], other=0.0).to(tl.float32)
             if HAS_PROBS:
                 val = val * tl.load(prob_ptr + row, mask=has, other=0.0).to(tl.float32)[:, None]
             acc += val
@@ -148,16 +126,12 @@ def _combine_item(item, split, y_ptr, table_ptr, prob_ptr, dst_ptrs, partial_lik
         has = rows >= 0
         vals = tl.load(y_ptr + rows[:, :, None].to(tl.int64) * stride_ym
                        + cols[None, None, :] * stride_yn,
-                       mask=has[:, :, None] & col_ok[None, None, :], other=0.0,
-                       eviction_policy=Y_EVICT)
+                       mask=has[:, :, None] & col_ok[None, None, :], other=0.0)
         vals = vals.to(tl.float32)
         if HAS_PROBS:
             w = tl.load(prob_ptr + rows, mask=has, other=0.0).to(tl.float32)
             vals = vals * w[:, :, None]
         acc = tl.sum(vals, axis=1)  # [TM, TN]
-    claimed = item
-    if CLAIM:
-        claimed = tl.atomic_add(claim_ptr, 1, sem="relaxed", scope="gpu")
     if world == 1:  # no peers: the partials are this rank's output, partial_like
         base = partial_like_ptr
     else:
@@ -170,7 +144,6 @@ def _combine_item(item, split, y_ptr, table_ptr, prob_ptr, dst_ptrs, partial_lik
         + cols[None, :]
     tl.store(out, acc.to(partial_like_ptr.dtype.element_ty),
              mask=tok_ok[:, None] & col_ok[None, :])
-    return claimed
 
 
 @triton.jit(do_not_specialize=["tokens_per_rank", "num_splits", "rank", "world", "topk",
@@ -180,7 +153,7 @@ def _combine_item(item, split, y_ptr, table_ptr, prob_ptr, dst_ptrs, partial_lik
 def gather_rs_kernel(
     # pointers
     y_ptr, table_ptr, prob_ptr, dst_ptrs, signal_ptrs, ready_ptr, done_ptr, error_ptr,
-    tile_start_ptr, partial_like_ptr, epoch_ptr, record_ptr, trace_ptr, claim_ptr,
+    tile_start_ptr, partial_like_ptr, epoch_ptr, record_ptr,
     # sizes and protocol values (kind: this launch's descriptor word beside M and N)
     tokens_per_rank, N, split_width, num_splits, rank, world, topk, num_experts,
     gemm_col_tiles, gemm_last_col_tiles, max_spins, timeout_us, kind,
@@ -193,8 +166,7 @@ def gather_rs_kernel(
     # meta-parameters
     BLOCK_TM: tl.constexpr, BLOCK_TN: tl.constexpr, TOPK_POW2: tl.constexpr,
     HAS_PROBS: tl.constexpr, COL_ALIGN: tl.constexpr, SLOT_LOOP: tl.constexpr,
-    ITEM_STAGES: tl.constexpr, TOKEN_MAJOR: tl.constexpr, TRACE: tl.constexpr,
-    Y_EVICT: tl.constexpr, DYNAMIC_ITEMS: tl.constexpr,
+    ITEM_STAGES: tl.constexpr, TOKEN_MAJOR: tl.constexpr,
 ):
     tl.static_assert(SLOT_LOOP or not TOKEN_MAJOR, "a token-major y is read one slot at a time")
     pid = tl.program_id(0) + pid_base
@@ -222,56 +194,21 @@ def gather_rs_kernel(
         # idle: its items are shared by the communication CTAs and the tail helpers.
         stride = tl.where(last, all_programs, comm_programs)
         first = tl.where(pid < stride, pid, items)  # helpers skip the earlier splits
-        may_work = first < items
-        if DYNAMIC_ITEMS:  # any program may claim any item, the helpers' too
-            may_work = items > 0
-        if TRACE:
-            arrived = now_ns()
-        if may_work & (alive == 1):
+        if (first < items) & (alive == 1):
             ok = wait_at_least(ready_ptr + split, expected, max_spins, timeout_ns, "gpu")
             if ok == 0:
                 tl.atomic_cas(error_ptr, 0, (1 << 24) | split)
                 alive = alive * 0
-        if TRACE:
-            ready_at = now_ns()
         end_col = tl.multiple_of(tl.minimum(N, (split + 1) * split_width), COL_ALIGN)
-        if DYNAMIC_ITEMS:
-            # Items claimed from the split's counter, one at a time (the next one
-            # claimed inside the current one, once its loads are issued: a scalar
-            # atomic's value reaches the CTA's threads through shared memory and a
-            # barrier, which before the loads held them back for the atomic's round trip;
-            # sm_90 SASS checked): a program slowed by its SM's GEMM2 CTAs takes fewer,
-            # and the tail helpers take what is left of earlier splits when GEMM2 ends.
-            # Each item is combined whole by one program: the fixed stride's bits.
-            item = tl.atomic_add(claim_ptr + split, 1, sem="relaxed", scope="gpu")
-            had = item < items
-            while item < items:
-                item = _combine_item(item, split, y_ptr, table_ptr, prob_ptr, dst_ptrs,
-                                     partial_like_ptr, claim_ptr + split, tokens_per_rank,
-                                     split_width, end_col, col_blocks, rank, world, topk,
-                                     parity, stride_ym, stride_yn, dst_slot_stride,
-                                     dst_row_stride, BLOCK_TM, BLOCK_TN, TOPK_POW2, HAS_PROBS,
-                                     SLOT_LOOP, TOKEN_MAJOR, Y_EVICT, True)
-        else:
-            # ITEM_STAGES > 1: Triton's pipeliner turns the table and y gathers of the
-            # next ITEM_STAGES - 1 items into cp.async copies into shared memory, so a CTA
-            # keeps rows in flight beyond what its registers hold. It acts only on a loop
-            # that carries its own num_stages (a dot-free loop ignores the kernel-level
-            # one), so not on the claims' while loop.
-            had = first < items
-            for item in tl.range(first, items, stride, num_stages=ITEM_STAGES):
-                _combine_item(item, split, y_ptr, table_ptr, prob_ptr, dst_ptrs,
-                              partial_like_ptr, claim_ptr, tokens_per_rank, split_width,
-                              end_col, col_blocks, rank, world, topk, parity, stride_ym,
-                              stride_yn, dst_slot_stride, dst_row_stride, BLOCK_TM, BLOCK_TN,
-                              TOPK_POW2, HAS_PROBS, SLOT_LOOP, TOKEN_MAJOR, Y_EVICT, False)
-        if TRACE:  # (arrived, wait ended, items done) of this program's split, in ns;
-            # a helper's arrival always: when GEMM2's SMs fell idle
-            if had | (last & (pid >= comm_programs)):
-                at = trace_ptr + (pid * num_splits + split).to(tl.int64) * 3
-                tl.store(at, arrived)
-                tl.store(at + 1, ready_at)
-                tl.store(at + 2, now_ns())
+        # ITEM_STAGES > 1: Triton's pipeliner turns the table and y gathers of the next
+        # ITEM_STAGES - 1 items into cp.async copies into shared memory, so a CTA keeps
+        # rows in flight beyond what its registers hold. It acts only on a loop that
+        # carries its own num_stages (a dot-free loop ignores the kernel-level one).
+        for item in tl.range(first, items, stride, num_stages=ITEM_STAGES):
+            _combine_item(item, split, y_ptr, table_ptr, prob_ptr, dst_ptrs, partial_like_ptr,
+                          tokens_per_rank, split_width, end_col, col_blocks, rank, world,
+                          topk, parity, stride_ym, stride_yn, dst_slot_stride, dst_row_stride,
+                          BLOCK_TM, BLOCK_TN, TOPK_POW2, HAS_PROBS, SLOT_LOOP, TOKEN_MAJOR)
     tl.debug_barrier()
     if tl.atomic_add(done_ptr, 1, sem="release", scope="sys") == all_programs - 1:
         tl.atomic_add(done_ptr, 0, sem="acquire", scope="sys")
@@ -284,8 +221,6 @@ def gather_rs_kernel(
         tl.store(done_ptr, 0)
         for split in range(num_splits):
             tl.store(ready_ptr + split, 0)
-            if DYNAMIC_ITEMS:
-                tl.store(claim_ptr + split, 0)
 
 
 # (max_shared: its CTAs share SMs with GEMM2's: the tail helpers, the shared placement)
@@ -316,8 +251,7 @@ def launch_gather_rs(
     token_major: bool = False, maxnreg: int | None = None,
     width: int | None = None, gemm_last_col_tiles: int | None = None,
     wait_timeout_s: float = WAIT_TIMEOUT_S, record: torch.Tensor | None = None,
-    kind: int = 0, trace: torch.Tensor | None = None,
-    y_evict_first: bool = False, claims: torch.Tensor | None = None,
+    kind: int = 0,
 ):
     """Launch exactly `programs` communication CTAs. y [T, N] in GEMM2's row order, or
     with `token_major` [M * k, N] with slot j of token t at row t * k + j, which needs
@@ -335,14 +269,7 @@ def launch_gather_rs(
     `dst_ptrs` then holds both parities' tables, [2, world]); `kind`: this launch's
     descriptor word beside M and N (`flags.py`), agreed on at the barrier, and `record`
     (int32 [RECORD_WORDS], default `error`'s word, where world 1 never writes it) where
-    a mismatch is recorded; `trace`: int64 [programs + helpers, L, 3], where each program
-    stores (arrived, wait ended, items done), GPU global-timer ns, of every split it has
-    items in (`check_trace`; None: the kernel without those stores); `y_evict_first`:
-    y's loads marked first to leave L2 (each row of y is read once), so GEMM2's x and W
-    stay there (`TileConfig.comm_evict_first`); `claims`: int32 [>= L] zeros, each
-    split's item counter, from which programs claim their items one at a time instead of
-    taking every (C + H)-th (`TileConfig.comm_dynamic_items`; None: the fixed stride),
-    left zero by the call's last program."""
+    a mismatch is recorded."""
     if token_major and not slot_loop:
         raise ValueError("a token-major y is gathered one slot at a time (slot_loop=True)")
     hidden = y.shape[1]
@@ -351,13 +278,8 @@ def launch_gather_rs(
     # (the kernel reads probs[row] at prob_ptr + row: a strided view must be copied)
     has_probs = probs is not None
     probs = probs.contiguous() if has_probs else y
-    if trace is not None:
-        check_trace(trace, programs + helpers, splits, y.device)
-    if claims is not None:
-        check_claims(claims, splits, y.device)
     args = (y, table, probs, dst_ptrs, signal_ptrs, ready, done,
             error, tile_start, partial_like, epoch, error if record is None else record,
-            error if trace is None else trace, error if claims is None else claims,
             tokens_per_rank, hidden,
             width or split_width(hidden, splits), splits, rank, world, table.shape[1],
             tile_start.numel() - 1, gemm_col_tiles,
@@ -368,8 +290,7 @@ def launch_gather_rs(
     meta = dict(BLOCK_TM=block_tm, BLOCK_TN=block_tn, TOPK_POW2=slots,
                 HAS_PROBS=has_probs, COL_ALIGN=column_alignment(hidden, splits, width),
                 SLOT_LOOP=slot_loop, ITEM_STAGES=stages, TOKEN_MAJOR=token_major,
-                TRACE=trace is not None, Y_EVICT="evict_first" if y_evict_first else "",
-                DYNAMIC_ITEMS=claims is not None, num_warps=num_warps, num_stages=1)
+                num_warps=num_warps, num_stages=1)
     if maxnreg is not None:
         meta["maxnreg"] = maxnreg
     if warmup:
@@ -378,32 +299,6 @@ def launch_gather_rs(
     if kernel is gather_rs_kernel:
         return _GATHER_RS.launch(grid, args, meta, stream=stream)
     return kernel[grid](*args, **meta)
-
-
-def check_trace(trace: torch.Tensor, programs: int, splits: int, device) -> None:
-    """A trace buffer must be int64 [>= programs (C + H), L, 3] on y's device."""
-    if not (isinstance(trace, torch.Tensor) and trace.dtype == torch.int64
-            and trace.dim() == 3 and trace.shape[0] >= programs
-            and tuple(trace.shape[1:]) == (splits, 3) and trace.is_contiguous()
-            and trace.device == device):
-        raise ValueError(f"trace must be a contiguous int64 tensor [>= {programs}, {splits}, "
-                         f"3] on {device}, got {_described(trace)}")
-
-
-def check_claims(claims: torch.Tensor, splits: int, device) -> None:
-    """The item counters must be a contiguous int32 tensor of >= L words on y's device."""
-    if not (isinstance(claims, torch.Tensor) and claims.dtype == torch.int32
-            and claims.dim() == 1 and claims.numel() >= splits and claims.is_contiguous()
-            and claims.device == device):
-        raise ValueError(f"claims must be a contiguous int32 tensor [>= {splits}] on "
-                         f"{device}, got {_described(claims)}")
-
-
-def _described(value) -> str:
-    """A refused argument, as its error message shows it."""
-    if isinstance(value, torch.Tensor):
-        return f"{tuple(value.shape)} {value.dtype} on {value.device}"
-    return type(value).__name__
 
 
 def gather_rs_reference(y: torch.Tensor, token_index: torch.Tensor, num_tokens: int,

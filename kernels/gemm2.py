@@ -64,7 +64,7 @@ def grouped_gemm2_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EXPERTS_POW2: tl.constexpr, UPCAST: tl.constexpr, COL_ALIGN: tl.constexpr,
     FLATTEN: tl.constexpr, SCATTER: tl.constexpr, MARK_WORDS: tl.constexpr,
-    FROM_DEST: tl.constexpr, TAIL_EVICT_LAST: tl.constexpr,
+    FROM_DEST: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
@@ -123,15 +123,7 @@ def grouped_gemm2_kernel(
             row_ok = rows < end_row
         out = acc.to(y_ptr.dtype.element_ty)
         store_ok = row_ok[:, None] & (cols < end_col)[None, :]
-        # the last split's y kept in L2 for its combine after GEMM2 (a constexpr branch
-        # first: with the switch off the binary is the one measured, with no hint code)
-        if TAIL_EVICT_LAST:
-            if split == num_splits - 1:
-                tl.store(y_tile, out, mask=store_ok, eviction_policy="evict_last")
-            else:
-                tl.store(y_tile, out, mask=store_ok)
-        else:
-            tl.store(y_tile, out, mask=store_ok)
+        tl.store(y_tile, out, mask=store_ok)
         tl.debug_barrier()  # every thread's stores are issued before the release below
         tl.atomic_add(ready_ptr + split, 1, sem="release", scope="gpu")
 
@@ -183,7 +175,7 @@ def packed_offsets_host(counts: list[int], block_m: int, device) -> tuple[torch.
 
 def _gemm2_args(x, weight, y, row_start, tile_start, ready, splits, block_m, block_n,
                 block_k, num_warps, num_stages, upcast, flatten, places=None, maxnreg=None,
-                width=None, tail_evict_last=False):
+                width=None):
     num_experts, hidden, k = weight.shape
     x_desc = descriptor(TensorDescriptor, x, (block_m, block_k))
     w_desc = descriptor(TensorDescriptor, weight.view(num_experts * hidden, k),
@@ -194,8 +186,7 @@ def _gemm2_args(x, weight, y, row_start, tile_start, ready, splits, block_m, blo
                 EXPERTS_POW2=next_pow2(num_experts), UPCAST=upcast,
                 COL_ALIGN=column_alignment(hidden, splits, width), FLATTEN=flatten,
                 SCATTER=places is not None, MARK_WORDS=mark_words(places),
-                FROM_DEST=from_dest(places), TAIL_EVICT_LAST=tail_evict_last,
-                num_warps=num_warps, num_stages=num_stages)
+                FROM_DEST=from_dest(places), num_warps=num_warps, num_stages=num_stages)
     if maxnreg is not None:
         meta["maxnreg"] = maxnreg
     return args, meta
@@ -208,7 +199,6 @@ def launch_grouped_gemm2(
     kernel=grouped_gemm2_kernel, upcast: bool = False, warmup: bool = False,
     flatten: bool = False, places: TokenPlaces | None = None, impl: str = "triton",
     launcher: bool = False, maxnreg: int | None = None, width: int | None = None,
-    tail_evict_last: bool = False,
 ):
     """Launch with exactly `programs` persistent CTAs. x [T, K], weight [E, N, K]; y [T, N],
     or with `places` (`TokenPlaces`) a token-major [M k, N] with row j of the product
@@ -221,8 +211,7 @@ def launch_grouped_gemm2(
     caps the registers per thread (None: the compiler's choice; the Gluon kernel's
     `gemm2_ws.MAXNREG`), so that other kernels' CTAs fit beside two of these per SM.
     `width`: the split width sw (default ceil(N/L); a larger one narrows the last split,
-    `split_col_tiles`). `tail_evict_last`: the last split's y stored with the L2
-    evict-last policy (`TileConfig.gemm_tail_evict_last`; same values either way).
+    `split_col_tiles`).
     """
     if width is not None:
         split_col_tiles(weight.shape[1], splits, width, block_n)  # (raises if it does not fit)
@@ -234,15 +223,14 @@ def launch_grouped_gemm2(
                             programs=programs, block_m=block_m, block_n=block_n,
                             block_k=block_k, num_warps=num_warps, num_stages=num_stages,
                             places=places, publisher=impl != "gluon_inline_publish",
-                            warmup=warmup, launcher=launcher, maxnreg=maxnreg, width=width,
-                            tail_evict_last=tail_evict_last)
+                            warmup=warmup, launcher=launcher, maxnreg=maxnreg, width=width)
     if launcher:
         raise ValueError("launcher=True is for the Gluon kernels: use grouped_gemm2_launcher")
     if x.shape[0] == 0:
         return None  # no rows, no tiles: every split is ready with zero tiles
     args, meta = _gemm2_args(x, weight, y, row_start, tile_start, ready, splits, block_m,
                              block_n, block_k, num_warps, num_stages, upcast, flatten, places,
-                             maxnreg, width, tail_evict_last)
+                             maxnreg, width)
     if warmup:
         return kernel.warmup(*args, grid=(1,), **meta)
     if kernel is grouped_gemm2_kernel:
@@ -255,7 +243,7 @@ def grouped_gemm2_launcher(x, weight, y, row_start, tile_start, ready, *, splits
                            num_warps: int = 4, num_stages: int = 3, upcast: bool = False,
                            flatten: bool = False, places: TokenPlaces | None = None,
                            impl: str = "triton", maxnreg: int | None = None,
-                           width: int | None = None, tail_evict_last: bool = False):
+                           width: int | None = None):
     """A callable `launch(stream=None)` that launches GEMM2 (as `launch_grouped_gemm2`),
     with its kernel compiled and loaded now: launched after GatherRS, GEMM2 must not wait
     for a JIT compile or a lazy module load while communication CTAs spin on its flags."""
@@ -265,14 +253,13 @@ def grouped_gemm2_launcher(x, weight, y, row_start, tile_start, ready, *, splits
                                     splits=splits, programs=programs, block_m=block_m,
                                     block_n=block_n, block_k=block_k, num_warps=num_warps,
                                     num_stages=num_stages, places=places, impl=impl,
-                                    launcher=True, maxnreg=maxnreg, width=width,
-                                    tail_evict_last=tail_evict_last)
+                                    launcher=True, maxnreg=maxnreg, width=width)
     _check_places(x, weight, y, places)
     if x.shape[0] == 0:
         return lambda stream=None: None
     args, meta = _gemm2_args(x, weight, y, row_start, tile_start, ready, splits, block_m,
                              block_n, block_k, num_warps, num_stages, upcast, flatten, places,
-                             maxnreg, width, tail_evict_last)
+                             maxnreg, width)
     hit = _GEMM2.compiled(args, meta)
     return lambda stream=None: _GEMM2.launch((programs,), args, meta, hit, stream=stream)
 

@@ -167,8 +167,7 @@ def _publish_partition(descs, bufs, bars, ptrs, sizes, BLOCK_M: gl.constexpr,
 def _mma_partition(bufs, bars, ptrs, sizes, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                    BLOCK_K: gl.constexpr, SEARCH_STEPS: gl.constexpr, STAGES: gl.constexpr,
                    SLOTS: gl.constexpr, COL_ALIGN: gl.constexpr, SCATTER: gl.constexpr,
-                   MARK_WORDS: gl.constexpr, FROM_DEST: gl.constexpr, PUBLISHER: gl.constexpr,
-                   TAIL_EVICT_LAST: gl.constexpr):
+                   MARK_WORDS: gl.constexpr, FROM_DEST: gl.constexpr, PUBLISHER: gl.constexpr):
     """One warpgroup: wgmma over the ring, then the epilogue (a layout change through
     shared memory for row-contiguous 16-byte stores) and the tile's publication."""
     a_bufs, b_bufs = bufs
@@ -221,15 +220,7 @@ def _mma_partition(bufs, bars, ptrs, sizes, BLOCK_M: gl.constexpr, BLOCK_N: gl.c
         out = gl.convert_layout(acc.to(y_ptr.dtype.element_ty), out_layout)
         y_tile = y_ptr + out_rows[:, None].to(gl.int64) * stride_ym + cols[None, :] * stride_yn
         store_ok = row_ok[:, None] & (cols < end_col)[None, :]
-        # the last split's y kept in L2 for its combine after GEMM2 (a constexpr branch
-        # first: with the switch off the binary is the one measured, with no hint code)
-        if TAIL_EVICT_LAST:
-            if split == num_splits - 1:
-                gl.store(y_tile, out, mask=store_ok, eviction_policy="evict_last")
-            else:
-                gl.store(y_tile, out, mask=store_ok)
-        else:
-            gl.store(y_tile, out, mask=store_ok)
+        gl.store(y_tile, out, mask=store_ok)
         _barrier()  # the warpgroup's stores are issued (CTA-ordered) before thread 0 goes on
         if PUBLISHER:
             slot = i % SLOTS
@@ -247,7 +238,7 @@ def grouped_gemm2_ws_kernel(
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
     SEARCH_STEPS: gl.constexpr, STAGES: gl.constexpr, COL_ALIGN: gl.constexpr,
     SCATTER: gl.constexpr, MARK_WORDS: gl.constexpr, FROM_DEST: gl.constexpr,
-    PUBLISHER: gl.constexpr, TAIL_EVICT_LAST: gl.constexpr,
+    PUBLISHER: gl.constexpr,
 ):
     SLOTS: gl.constexpr = 4  # stored tiles the publisher may lag behind
     a_bufs = gl.allocate_shared_memory(x_desc.dtype, [STAGES] + x_desc.block_type.shape,
@@ -274,7 +265,7 @@ def grouped_gemm2_ws_kernel(
         gl.warp_specialize([
             (_mma_partition, (bufs, bars, ptrs, sizes, BLOCK_M, BLOCK_N, BLOCK_K,
                               SEARCH_STEPS, STAGES, SLOTS, COL_ALIGN, SCATTER, MARK_WORDS,
-                              FROM_DEST, True, TAIL_EVICT_LAST)),
+                              FROM_DEST, True)),
             (_load_partition, (descs, bufs, bars, ptrs, sizes, BLOCK_M, BLOCK_N, BLOCK_K,
                                SEARCH_STEPS, STAGES, SLOTS)),
             (_publish_partition, (descs, bufs, bars, ptrs, sizes, BLOCK_M, BLOCK_N, BLOCK_K,
@@ -284,7 +275,7 @@ def grouped_gemm2_ws_kernel(
         gl.warp_specialize([
             (_mma_partition, (bufs, bars, ptrs, sizes, BLOCK_M, BLOCK_N, BLOCK_K,
                               SEARCH_STEPS, STAGES, SLOTS, COL_ALIGN, SCATTER, MARK_WORDS,
-                              FROM_DEST, False, TAIL_EVICT_LAST)),
+                              FROM_DEST, False)),
             (_load_partition, (descs, bufs, bars, ptrs, sizes, BLOCK_M, BLOCK_N, BLOCK_K,
                                SEARCH_STEPS, STAGES, SLOTS)),
         ], [1], [24])
@@ -297,7 +288,7 @@ def _smem_layout(rows: int, cols: int):
 
 
 def _ws_args(x, weight, y, row_start, tile_start, ready, splits, block_m, block_n, block_k,
-             stages, places, publisher, maxnreg=None, width=None, tail_evict_last=False):
+             stages, places, publisher, maxnreg=None, width=None):
     num_experts, hidden, k = weight.shape
     a_layout, b_layout = _smem_layout(block_m, block_k), _smem_layout(block_n, block_k)
     x_desc = descriptor(TensorDescriptor, x, (block_m, block_k), a_layout)
@@ -309,7 +300,7 @@ def _ws_args(x, weight, y, row_start, tile_start, ready, splits, block_m, block_
                 SEARCH_STEPS=(num_experts - 1).bit_length(), STAGES=stages,
                 COL_ALIGN=column_alignment(hidden, splits, width), SCATTER=places is not None,
                 MARK_WORDS=mark_words(places), FROM_DEST=from_dest(places),
-                PUBLISHER=publisher, TAIL_EVICT_LAST=tail_evict_last, num_warps=4,
+                PUBLISHER=publisher, num_warps=4,
                 maxnreg=MAXNREG if maxnreg is None else maxnreg)
     return args, meta
 
@@ -327,8 +318,7 @@ def launch_grouped_gemm2_ws(x, weight, y, row_start, tile_start, ready, *, split
                             num_warps: int = 4, num_stages: int = 3,
                             places: TokenPlaces | None = None, publisher: bool = True,
                             warmup: bool = False, launcher: bool = False,
-                            maxnreg: int | None = None, width: int | None = None,
-                            tail_evict_last: bool = False):
+                            maxnreg: int | None = None, width: int | None = None):
     """`gemm2.launch_grouped_gemm2`'s contract (x [T, K] and weight [E, N, K] in bf16, y,
     offsets, ready flags, optional token-major places) with the warp-specialized kernel. With `warmup`
     it returns the compiled kernel; with `launcher` a `launch(stream=None)` callable whose
@@ -339,8 +329,7 @@ def launch_grouped_gemm2_ws(x, weight, y, row_start, tile_start, ready, *, split
     if x.shape[0] == 0:
         return (lambda stream=None: None) if launcher else None
     args, meta = _ws_args(x, weight, y, row_start, tile_start, ready, splits, block_m,
-                          block_n, block_k, num_stages, places, publisher, maxnreg, width,
-                          tail_evict_last)
+                          block_n, block_k, num_stages, places, publisher, maxnreg, width)
     if warmup:
         return grouped_gemm2_ws_kernel.warmup(*args, grid=(1,), **meta)
     if launcher:

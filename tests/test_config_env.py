@@ -156,3 +156,23 @@ def test_the_megatron_flags_build_their_config_from_env_with_the_flags_winning(m
     monkeypatch.setenv("MEGATRON_OVERLAP_PLACEMENT", "partition")
     config = overlap_config_from_args(Args())
     assert (config.tail_helpers, config.placement) == (False, "shared")
+
+
+def test_a_tiles_file_naming_a_removed_switch_loads_as_one_without_it(tmp_path):
+    """Tiles files written while TileConfig had the experiment switches measured as no
+    gain (all off by default, removed since) still load: the switch is ignored, the
+    tiles are the file's, and TileConfig no longer takes the field."""
+    import dataclasses
+
+    best = {"gemm": [128, 128, 64, 4, 3, False], "comm": [32, 512, 4, True, 1, True],
+            "placement": "shared"}
+    plain = tmp_path / "plain.json"
+    plain.write_text(json.dumps({"best": best}))
+    removed = ("comm_evict_first", "comm_dynamic_items", "gemm_places_from_marks",
+               "gemm_tail_evict_last")
+    old = tmp_path / "old.json"
+    old.write_text(json.dumps({"best": {**best, **{name: True for name in removed}}}))
+    config_module.load_tiles.cache_clear()
+    assert config_module.load_tiles(str(old)) == config_module.load_tiles(str(plain))
+    fields = {f.name for f in dataclasses.fields(config_module.TileConfig)}
+    assert not fields & set(removed)

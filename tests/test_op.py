@@ -34,9 +34,6 @@ ROW_ORDER = _row_order_config()  # GEMM2's output in its own row order (not toke
 # one small communication CTA beside GEMM2's on every SM of the virtual device
 SHARED = OverlapConfig(backend="interpret",
                        tiles=dataclasses.replace(INTERPRET_TILES, placement="shared"))
-# GatherRS's items claimed from a counter per split (TileConfig.comm_dynamic_items)
-CLAIMED = OverlapConfig(backend="interpret",
-                        tiles=dataclasses.replace(INTERPRET_TILES, comm_dynamic_items=True))
 
 
 def call(p, tokens, topk, config, probs=False, group=None, **kw):
@@ -64,24 +61,15 @@ def test_output_independent_of_comm_ctas_and_splits():
     assert all(torch.equal(o, first) for o in outs.values())
 
 
-@pytest.mark.parametrize("claimed", [False, True])
 @pytest.mark.parametrize("splits,widths", [(2, (24, 32, 40, 47)), (3, (16, 20, 23)),
                                            (4, (12, 14, 15))])
-def test_narrower_last_split_gives_the_same_bits_and_writes_every_element(splits, widths,
-                                                                          claimed):
+def test_narrower_last_split_gives_the_same_bits_and_writes_every_element(splits, widths):
     """Splits 0..L-2 of width sw and a last one of the N - (L-1) sw columns left (the
     default sw = ceil(N/L) first): GEMM2's exact tile counts per split, GatherRS's items
-    (with the fixed stride or claimed) and the readiness counts agree, and the sum order
-    is the same."""
-    import dataclasses
-
-    from megatron_overlap.ops.config import INTERPRET_TILES
-
+    and the readiness counts agree, and the sum order is the same."""
     p = routed_problem(0, 1, tokens=40, experts=4, topk=3, ffn=16, hidden=48)
-    cfg = dataclasses.replace(INTERP, tiles=dataclasses.replace(
-        INTERPRET_TILES, comm_dynamic_items=claimed))
     launch = op_module.prepare(p["x"], p["weight"], p["counts"], p["token_index"], 40, 3,
-                               config=cfg, splits=splits)
+                               config=INTERP, splits=splits)
     outs = []
     for width in widths:
         out = torch.full((40, 48), float("nan"), dtype=p["x"].dtype)
@@ -276,9 +264,8 @@ def test_the_ops_second_routing_pass_waits_for_the_launch_and_gives_the_same_bit
 
 def test_the_op_defers_the_second_routing_pass_only_where_gemm2_does_not_read_dest(tmp_path):
     """The op's choice (`prepare(defer_slots=None)`): a token-major y keeps the second
-    pass before GEMM2, which reads its dest, unless the tiles say GEMM2 counts its
-    places (`TileConfig.gemm_places_from_marks`); row order defers it (GEMM2 reads
-    nothing of it); every choice gives the same bits."""
+    pass before GEMM2, which reads its dest; row order defers it (GEMM2 reads nothing of
+    it); both give the same bits."""
     import dataclasses
 
     from megatron_overlap.ops.config import INTERPRET_TILES
@@ -287,13 +274,10 @@ def test_the_op_defers_the_second_routing_pass_only_where_gemm2_does_not_read_de
     tokens, topk = 24, 2
     p = routed_problem(0, 1, tokens=tokens, experts=5, topk=topk, ffn=16, hidden=32)
     args = (p["x"], p["weight"], p["counts"].tolist(), p["token_index"], tokens, topk)
-    marks = dataclasses.replace(INTERP, tiles=dataclasses.replace(
-        INTERPRET_TILES, gemm_places_from_marks=True))
     row_order = dataclasses.replace(INTERP, tiles=dataclasses.replace(
         INTERPRET_TILES, token_major=False))
     outs = []
-    for config, deferred, reads_dest in ((INTERP, False, True), (marks, True, False),
-                                         (row_order, True, False)):
+    for config, deferred, reads_dest in ((INTERP, False, True), (row_order, True, False)):
         r = prepare(*args, config=config, defer_slots=None).routing
         assert (r.slots is not None) is deferred
         assert (r.places is not None and r.places.dest is r.dest) is reads_dest
@@ -748,8 +732,6 @@ def _two_rank_scenarios(rank, world):
         outs["shared"] = call(p, tokens, topk, SHARED, probs=True, group=group)
         outs["shared C=3"] = call(p, tokens, topk, SHARED, probs=True, group=group,
                                   comm_ctas=3, splits=4)
-        outs["claimed"] = call(p, tokens, topk, CLAIMED, probs=True, group=group,
-                               comm_ctas=3, splits=4)
         ref = call(p, tokens, topk, REF, probs=True, group=group)
         first = outs[(1, 1)]
         results[name] = dict(
@@ -807,8 +789,8 @@ def test_two_ranks_match_fp64_and_are_bitwise_stable_over_c_and_l(two_ranks, cas
 # ---------------------------------------------------------------- four ranks (gloo)
 def _four_rank_scenarios(rank, world):
     """TP2EP2 (two ranks per expert group, the rows in row order) and EP4: each rank's
-    output against fp64, and the calls over C, L, the placement, the tail helpers and
-    claimed items that differ from the first (how many elements)."""
+    output against fp64, and the calls over C, L, the placement and the tail helpers
+    that differ from the first (how many elements)."""
     import torch.distributed as dist
 
     group = dist.group.WORLD
@@ -821,7 +803,7 @@ def _four_rank_scenarios(rank, world):
         outs = [call(p, 48, 2, INTERP, probs=True, group=group, comm_ctas=c, splits=l)
                 for c, l in ((1, 1), (3, 2), (8, 4), (16, 2))]
         outs += [call(p, 48, 2, config, probs=True, group=group, comm_ctas=3, splits=2)
-                 for config in (SHARED, NO_HELPERS, CLAIMED)]
+                 for config in (SHARED, NO_HELPERS)]
         results[name] = dict(err=rel_err(outs[0], full.chunk(world)[rank]),
                              differing={i: int((o != outs[0]).sum())
                                         for i, o in enumerate(outs)

@@ -13,14 +13,6 @@ captured into a CUDA graph and replayed (checked against its eager output first)
 the host's work gone from all three, op / GEMM2 alone is the GPU's ratio.
 `--lset 1,2,4,8` times the op at each L (C planned for it); with `--graph-sweep` the
 C and L sweeps are captured too, and the regret they give carries no host noise.
-`--tile-arms evict_first,dynamic_items` captures the op with each tile variant beside
-it, as "planner(graph,NAME)": `evict_first`, y's loads evict-first
-(`TileConfig.comm_evict_first`); `dynamic_items`, items claimed from a counter per
-split (`TileConfig.comm_dynamic_items`); `places_from_marks`, GEMM2 counting y's rows
-with the table off its path (`TileConfig.gemm_places_from_marks`); `tail_evict_last`,
-GEMM2 storing the last split's y evict-last in L2 (`TileConfig.gemm_tail_evict_last`);
-`A+B` both. Each
-arm's eager output must be the default's, bit for bit, before anything is timed.
 
 `--confirm N`: the sweep's fastest C is the minimum of many noisy medians, so the
 regret it gives is biased up (the winner's curse: the largest on two H200s, 28.6%, had a 95% CI
@@ -43,14 +35,12 @@ sys.path.insert(0, os.path.dirname(__file__))
 from benchlib import (abba, add_run_args, env_info,  # noqa: E402
                       smoke_setup, summarize, without_samples, write_json)
 from tune_tiles import tiles_from_json  # noqa: E402
-from workloads import (TILE_ARMS, add_case_args, cases, on_every_sm, rank_inputs,  # noqa: E402
-                       tile_arms)
+from workloads import add_case_args, cases, on_every_sm, rank_inputs  # noqa: E402
 
 from megatron_overlap.ops import OverlapConfig, gemm2_gather_rs  # noqa: E402
 from megatron_overlap.ops.capture import CapturedCall  # noqa: E402
 from megatron_overlap.ops.op import prepare  # noqa: E402
-from megatron_overlap.ops.planning import (SPLIT_CANDIDATES, default_tiles,  # noqa: E402
-                                           split_predictions)
+from megatron_overlap.ops.planning import SPLIT_CANDIDATES, split_predictions  # noqa: E402
 from megatron_overlap.ops import launcher  # noqa: E402
 from megatron_overlap.ops.reference import grouped_mm, reference_forward  # noqa: E402
 from megatron_overlap.planner import compute_slots  # noqa: E402
@@ -60,11 +50,10 @@ REFERENCE = OverlapConfig(backend="reference")
 
 def policies_for(inp: dict, group, c_values, preset: str | None,
                  backend: str, tiles=None, graphs: bool = False, l_values=(),
-                 graph_sweep: bool = False, tile_arms=None) -> tuple[dict, dict]:
+                 graph_sweep: bool = False) -> tuple[dict, dict]:
     """The timed callables of one workload, and facts about them (`graphs`: with the
     captured policies of `captured_policies`; `l_values`: the op at each L, the planner
-    choosing C for it; `graph_sweep`: the C and L sweeps captured too; `tile_arms`:
-    {name: TileConfig}, the op with those tiles captured as "planner(graph,name)")."""
+    choosing C for it; `graph_sweep`: the C and L sweeps captured too)."""
     cfg = OverlapConfig.from_env(backend=backend, preset=preset, tiles=tiles)
     args = (inp["x"], inp["weight"], inp["counts_list"], inp["token_index"], inp["tokens"],
             inp["topk"], None, group)
@@ -118,8 +107,7 @@ def policies_for(inp: dict, group, c_values, preset: str | None,
     if graphs:
         pol_graph, graph_checks = captured_policies(inp, group, cfg, launch,
                                                     c_values if graph_sweep else (),
-                                                    l_values if graph_sweep else (),
-                                                    tile_arms or {})
+                                                    l_values if graph_sweep else ())
         pol.update(pol_graph)
     ls = sorted({*l_values, *SPLIT_CANDIDATES})
     facts = dict(world=launch.world, comm_ctas=plan.comm_ctas, compute_slots=plan.compute_slots,
@@ -133,8 +121,8 @@ def policies_for(inp: dict, group, c_values, preset: str | None,
     return pol, facts
 
 
-def captured_policies(inp: dict, group, cfg, launch, c_values=(), l_values=(),
-                      tile_arms=None) -> tuple[dict, dict]:
+def captured_policies(inp: dict, group, cfg, launch, c_values=(),
+                      l_values=()) -> tuple[dict, dict]:
     """The op, torch's GEMM2 alone and the prepared reference, each captured into a CUDA
     graph and replayed: the three without any host work, so their ratios are the GPU's.
     The op gets its counts as a CUDA tensor (what a capture needs; Megatron's
@@ -161,8 +149,6 @@ def captured_policies(inp: dict, group, cfg, launch, c_values=(), l_values=(),
     }
     calls.update({f"graph C={c}": op(comm_ctas=c) for c in c_values})
     calls.update({f"graph L={l}": op(splits=l) for l in l_values})
-    calls.update({f"planner(graph,{name})": op(config=dataclasses.replace(cfg, tiles=t))
-                  for name, t in (tile_arms or {}).items()})
     pol, checks = {}, {}
     for name, fn in calls.items():
         captured = CapturedCall(fn, inp["x"].device)
@@ -193,27 +179,18 @@ def confirm(pol: dict, oracle_c: int, planner_c: int, samples: int, warmup: int,
 
 
 def check_against_reference(inp, group, c_values, backend: str, tiles=None,
-                            l_values=(), tile_arms=None) -> float:
+                            l_values=()) -> float:
     """The largest relative error against the reference path over C* (and the planned
-    L), C = 3, the largest swept C and each L of `l_values`; each of `tile_arms` must
-    give C*'s output bit for bit (the variants change who combines what, not the sums)."""
+    L), C = 3, the largest swept C and each L of `l_values`."""
     args = (inp["x"], inp["weight"], inp["counts_list"], inp["token_index"], inp["tokens"],
             inp["topk"], None, group)
     ref = gemm2_gather_rs(*args, config=REFERENCE).float()
     cfg = OverlapConfig.from_env(backend=backend, sync_errors=True, tiles=tiles)
     worst = 0.0
     choices = [dict(comm_ctas=c) for c in (None, 3, max(c_values))]
-    planned = None
     for choice in choices + [dict(splits=l) for l in l_values]:
         out = gemm2_gather_rs(*args, config=cfg, **choice)
-        planned = out if planned is None else planned
         worst = max(worst, float((out.float() - ref).norm() / ref.norm()))
-    for name, arm_tiles in (tile_arms or {}).items():
-        out = gemm2_gather_rs(*args, config=dataclasses.replace(cfg, tiles=arm_tiles))
-        if not torch.equal(out, planned):
-            diff = float((out.float() - planned.float()).abs().max())
-            raise RuntimeError(f"tile arm {name}: its output differs from the default "
-                               f"tiles' (max abs {diff})")
     return worst
 
 
@@ -235,9 +212,6 @@ def main() -> int:
     ap.add_argument("--graph-sweep", action="store_true",
                     help="with --cuda-graph: the C and L sweeps captured too (the regret "
                          "without the host's noise)")
-    ap.add_argument("--tile-arms", default="",
-                    help="with --cuda-graph: comma list of tile variants captured beside "
-                         f"the op ({', '.join(TILE_ARMS)}; A+B both)")
     add_run_args(ap)
     args = ap.parse_args()
     backend, device = smoke_setup(args)
@@ -252,20 +226,13 @@ def main() -> int:
     l_values = [int(v) for v in args.lset.split(",")] if args.lset else []
     # (without --tiles: MEGATRON_OVERLAP_TILES's, else the defaults)
     tiles = tiles_from_json(args.tiles) or OverlapConfig.from_env().tiles
-    if args.tile_arms and not args.cuda_graph:
-        ap.error("--tile-arms needs --cuda-graph")
-    try:
-        arms = tile_arms(args.tile_arms, tiles or default_tiles(
-            backend, OverlapConfig.from_env().placement))
-    except ValueError as err:
-        ap.error(str(err))
     results = []
     for case in cases(args):
         inp = rank_inputs(case, rank, device)
-        err = check_against_reference(inp, group, c_values, backend, tiles, l_values, arms)
+        err = check_against_reference(inp, group, c_values, backend, tiles, l_values)
         pol, facts = policies_for(inp, group, c_values, args.preset, backend, tiles,
                                   graphs=args.cuda_graph, l_values=l_values,
-                                  graph_sweep=args.graph_sweep, tile_arms=arms)
+                                  graph_sweep=args.graph_sweep)
         per = abba(pol, args.samples, args.warmup, group, progress=case.label())
         stats = summarize(per)
         gemm_flops = 2 * inp["x"].shape[0] * inp["hidden"] * inp["ffn"]

@@ -45,8 +45,7 @@ def kernels():
     flags = {n: "*i32" for n in ("ready_ptr", "done_ptr", "error_ptr", "tile_start_ptr")}
     comm_ptrs = {"y_ptr": "*bf16", "table_ptr": "*i32", "prob_ptr": "*bf16",
                  "dst_ptrs": "*i64", "signal_ptrs": "*i64", **flags,
-                 "partial_like_ptr": "*bf16", "epoch_ptr": "*i32", "record_ptr": "*i32",
-                 "trace_ptr": "*i64", "claim_ptr": "*i32"}
+                 "partial_like_ptr": "*bf16", "epoch_ptr": "*i32", "record_ptr": "*i32"}
     comm_ints = {n: "i32" for n in ("tokens_per_rank", "N", "split_width", "num_splits", "rank",
                                     "world", "topk", "num_experts", "gemm_col_tiles",
                                     "gemm_last_col_tiles",
@@ -62,32 +61,22 @@ def kernels():
                or n in ("N", "split_width", "stride_ym", "dst_slot_stride", "dst_row_stride")]
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in aligned}
     # (slot loop, item rows, stages, token-major y)
-    for slot_loop, rows, stages, tokens, claimed in (
-            (True, 64, 1, False, False), (False, 64, 1, False, False),
-            (True, 16, 2, False, False), (True, 64, 1, True, False), (True, 32, 2, True, False),
-            (True, 64, 1, True, True)):
+    for slot_loop, rows, stages, tokens in (
+            (True, 64, 1, False), (False, 64, 1, False), (True, 16, 2, False),
+            (True, 64, 1, True), (True, 32, 2, True)):
         meta = dict(BLOCK_TM=rows, BLOCK_TN=1024, TOPK_POW2=4, HAS_PROBS=False, COL_ALIGN=16,
-                    SLOT_LOOP=slot_loop, ITEM_STAGES=stages, TOKEN_MAJOR=tokens, TRACE=False,
-                    Y_EVICT="", DYNAMIC_ITEMS=claimed, stride_yn=1)
-        name = (f"gather_rs slot_loop={slot_loop} item_stages={stages}" + " token_major" * tokens
-                + " claimed" * claimed)
+                    SLOT_LOOP=slot_loop, ITEM_STAGES=stages, TOKEN_MAJOR=tokens, stride_yn=1)
+        name = f"gather_rs slot_loop={slot_loop} item_stages={stages}" + " token_major" * tokens
         yield (name, grs.gather_rs_kernel, _signature(comm_ptrs, comm_ints, meta), meta,
                dict(num_warps=32), attrs)
     # the shared placement's small CTA beside GEMM2's (4 warps, capped registers)
     from megatron_overlap.ops.config import SHARED_COMM_MAXNREG, SHARED_GEMM_MAXNREG
 
-    # (traced: tools/op_trace.py; evict_first: TileConfig.comm_evict_first; claimed:
-    # TileConfig.comm_dynamic_items)
-    for trace, evict, claimed in ((False, "", False), (True, "", False),
-                                  (False, "evict_first", False), (False, "", True),
-                                  (True, "", True)):
-        meta = dict(BLOCK_TM=8, BLOCK_TN=512, TOPK_POW2=4, HAS_PROBS=False, COL_ALIGN=16,
-                    SLOT_LOOP=True, ITEM_STAGES=1, TOKEN_MAJOR=True, TRACE=trace,
-                    Y_EVICT=evict, DYNAMIC_ITEMS=claimed, stride_yn=1)
-        yield ("gather_rs shared placement token_major" + " traced" * trace
-               + f" {evict}" * bool(evict) + " claimed" * claimed,
-               grs.gather_rs_kernel, _signature(comm_ptrs, comm_ints, meta), meta,
-               dict(num_warps=4, maxnreg=SHARED_COMM_MAXNREG), attrs)
+    meta = dict(BLOCK_TM=8, BLOCK_TN=512, TOPK_POW2=4, HAS_PROBS=False, COL_ALIGN=16,
+                SLOT_LOOP=True, ITEM_STAGES=1, TOKEN_MAJOR=True, stride_yn=1)
+    yield ("gather_rs shared placement token_major", grs.gather_rs_kernel,
+           _signature(comm_ptrs, comm_ints, meta), meta,
+           dict(num_warps=4, maxnreg=SHARED_COMM_MAXNREG), attrs)
     yield ("agreement", grs.agreement_kernel,
            _signature({"signal_ptrs": "*i64", "state_ptr": "*i32", "error_ptr": "*i32",
                        "record_ptr": "*i32"},
@@ -99,16 +88,12 @@ def kernels():
                       {"numel": "i32", "slot_stride": "i32", "parity_stride": "i32"},
                       {"WORLD": 0, "BLOCK": 0}),
            dict(WORLD=2, BLOCK=2048), dict(num_warps=4), None)
-    # (row order; token-major y with places read from dest or counted from the marks;
-    # the last split's y stored evict-last)
-    for scatter, from_dest, evict in ((False, False, False), (True, True, False),
-                                      (True, False, False), (True, True, True)):
+    # (row order; token-major y with places read from dest or counted from the marks)
+    for scatter, from_dest in ((False, False), (True, True), (True, False)):
         meta = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, EXPERTS_POW2=64, UPCAST=False,
                     COL_ALIGN=16, FLATTEN=False, SCATTER=scatter,
-                    MARK_WORDS=2 if scatter else 1, FROM_DEST=from_dest,
-                    TAIL_EVICT_LAST=evict)
-        yield (f"grouped_gemm2 scatter={scatter}" + " from_dest" * from_dest
-               + " tail_evict_last" * evict,
+                    MARK_WORDS=2 if scatter else 1, FROM_DEST=from_dest)
+        yield (f"grouped_gemm2 scatter={scatter}" + " from_dest" * from_dest,
                gemm2.grouped_gemm2_kernel,
                _gemm2_signature("tensordesc<bf16[128,64]>", meta), meta,
                dict(num_warps=4, num_stages=3), None)
@@ -117,16 +102,14 @@ def kernels():
 
     layout = repr(gl.NVMMASharedLayout.get_default_for([128, 64], gl.bfloat16))
     shared = SHARED_GEMM_MAXNREG["gluon"]
-    for publisher, maxnreg, from_dest, evict in ((True, gemm2_ws.MAXNREG, True, False),
-                                                 (False, gemm2_ws.MAXNREG, True, False),
-                                                 (True, shared, True, False),
-                                                 (True, shared, False, False),
-                                                 (True, shared, True, True)):
+    for publisher, maxnreg, from_dest in ((True, gemm2_ws.MAXNREG, True),
+                                          (False, gemm2_ws.MAXNREG, True),
+                                          (True, shared, True), (True, shared, False)):
         meta = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, SEARCH_STEPS=6, STAGES=3,
                     COL_ALIGN=16, SCATTER=True, MARK_WORDS=2, FROM_DEST=from_dest,
-                    PUBLISHER=publisher, TAIL_EVICT_LAST=evict)
+                    PUBLISHER=publisher)
         yield (f"grouped_gemm2_ws publisher={publisher} maxnreg={maxnreg}"
-               + " from_marks" * (not from_dest) + " tail_evict_last" * evict,
+               + " from_marks" * (not from_dest),
                gemm2_ws.grouped_gemm2_ws_kernel,
                _gemm2_signature(f"tensordesc<bf16[128,64],{layout}>", meta), meta,
                dict(num_warps=4, maxnreg=maxnreg), None)

@@ -91,25 +91,3 @@ def op_kwargs(inp: dict, group) -> dict:
     return dict(x=inp["x"], weight=inp["weight"], tokens_per_expert=inp["counts_list"],
                 token_index=inp["token_index"], num_tokens=inp["tokens"], topk=inp["topk"],
                 probs=None, group=group)
-
-
-#: --tile-arms (bench_op, op_trace): GatherRS variants beside the default tiles, as
-#: TileConfig changes
-TILE_ARMS = {"evict_first": dict(comm_evict_first=True),
-             "dynamic_items": dict(comm_dynamic_items=True),
-             "places_from_marks": dict(gemm_places_from_marks=True),
-             "tail_evict_last": dict(gemm_tail_evict_last=True)}
-
-
-def tile_arms(spec: str, base) -> dict:
-    """{name: TileConfig} for a comma list of TILE_ARMS names (A+B: both changes)."""
-    arms = {}
-    for name in filter(None, spec.split(",")):
-        change = {}
-        for part in name.split("+"):
-            if part not in TILE_ARMS:
-                raise ValueError(f"--tile-arms: unknown arm {part!r} (known: "
-                                 f"{', '.join(TILE_ARMS)})")
-            change.update(TILE_ARMS[part])
-        arms[name] = dataclasses.replace(base, **change)
-    return arms

@@ -171,23 +171,7 @@ class TileConfig:
     overlapped time on H200 (docs/RESULTS.md, "Kernel choices measured"). Where the compiled kernels
     do not fit one SM together the op plans and launches the partition instead.
     `gemm_maxnreg` / `comm_maxnreg`: explicit register caps per thread (None: the
-    placement's default). `comm_evict_first`: GatherRS loads y with the evict-first
-    policy (each row is read once), so its stream of y leaves GEMM2's x and W in L2;
-    off: within noise on one H200 (same bits either way). `comm_dynamic_items`: GatherRS's
-    programs claim their items of a split one at a time from a counter instead of
-    taking every (C + H)-th, so a program its SM's GEMM2 CTAs slow down takes fewer and
-    the tail helpers also take what is left of earlier splits when GEMM2 ends (with the
-    fixed stride they share only the last split); off: no gain on one H200, whose
-    trace left no backlog when GEMM2 ends (same bits either way: `kernels/gather_rs.py`,
-    "Claimed items"). `gemm_places_from_marks`: GEMM2 counts each token-major row's
-    place from the routing's first pass (its token's expert mask), so the second pass
-    (the combine table) leaves GEMM2's path for GatherRS's stream; off, GEMM2 reads the
-    place the second pass wrote. Off: on one H200 counting made the op 1.23x-1.43x
-    slower (two dependent loads in front of every tile's K loop) against 4-15 us of
-    routing taken off GEMM2's path (same bits either way). `gemm_tail_evict_last`: GEMM2
-    stores the last split's y with the L2 evict-last policy, so that more of it is still
-    in L2 when GatherRS combines it after GEMM2 ends (the tail); the other splits' y
-    and x and W keep the normal policy (same bits either way).
+    placement's default).
     """
 
     block_m: int
@@ -206,10 +190,6 @@ class TileConfig:
     gemm_maxnreg: int | None = None  # register cap per GEMM2 thread (None: the kernel's own)
     comm_maxnreg: int | None = None  # register cap per GatherRS thread (None: the compiler's)
     placement: str = "partition"  # "partition": comm CTAs on SMs of their own; "shared"
-    comm_evict_first: bool = False  # GatherRS's y loads marked first to leave L2
-    comm_dynamic_items: bool = False  # GatherRS's items claimed from a counter per split
-    gemm_places_from_marks: bool = False  # GEMM2 counts y's rows; the table off its path
-    gemm_tail_evict_last: bool = False  # the last split's y stored evict-last in L2
 
     def __post_init__(self) -> None:
         from ..kernels.gemm2 import IMPLS
@@ -250,8 +230,7 @@ class TileConfig:
                     or (pow2 and v & (v - 1))):
                 kind = "a power of two" if pow2 else "an int"
                 raise ValueError(f"TileConfig.{name} must be {kind} in [{lo}, {hi}], got {v!r}")
-        for name in ("gemm_flatten", "comm_slot_loop", "token_major", "comm_evict_first",
-                     "comm_dynamic_items", "gemm_places_from_marks", "gemm_tail_evict_last"):
+        for name in ("gemm_flatten", "comm_slot_loop", "token_major"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"TileConfig.{name} must be a bool, got {getattr(self, name)!r}")
 
@@ -280,7 +259,10 @@ SHARED_COMM_MAXNREG = 96
 
 @functools.lru_cache(maxsize=8)  # read once: the default is looked up on every launch
 def load_tiles(path: str) -> TileConfig:
-    """The tiles `tools/tune_tiles.py` chose (its JSON's `best`), on top of GPU_TILES."""
+    """The tiles `tools/tune_tiles.py` chose (its JSON's `best`), on top of GPU_TILES.
+    Keys of `best` other than those read here are ignored, so a file that names a switch
+    removed after it measured no gain (comm_evict_first, comm_dynamic_items,
+    gemm_places_from_marks, gemm_tail_evict_last; all off by default) still loads."""
     import json
 
     try:
@@ -297,12 +279,7 @@ def load_tiles(path: str) -> TileConfig:
                           comm_slot_loop=slot_loop, token_major=token_major,
                           gemm_impl=str(impl[0]) if impl else GPU_TILES.gemm_impl,
                           # files from before the placement: 32-warp CTAs, partitioned
-                          placement=str(best.get("placement", "partition")),
-                          comm_evict_first=_flag(best.get("comm_evict_first", False)),
-                          comm_dynamic_items=_flag(best.get("comm_dynamic_items", False)),
-                          gemm_places_from_marks=_flag(best.get("gemm_places_from_marks",
-                                                                False)),
-                          gemm_tail_evict_last=_flag(best.get("gemm_tail_evict_last", False)))
+                          placement=str(best.get("placement", "partition")))
     except (OSError, KeyError, ValueError, TypeError, AttributeError) as err:
         raise ValueError(f"{path}: not a tune_tiles result ({type(err).__name__}: {err})") from err
 

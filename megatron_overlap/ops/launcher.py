@@ -46,7 +46,7 @@ def _gemm2_args(buf: OverlapBuffer, lp: LaunchPlan, hidden: int, width: int, pla
                 block_n=t.block_n, block_k=t.block_k, num_warps=t.gemm_warps,
                 num_stages=t.gemm_stages, upcast=buf.backend == "interpret",
                 flatten=t.gemm_flatten, places=places, impl=t.gemm_impl, maxnreg=t.gemm_maxnreg,
-                width=width, tail_evict_last=t.gemm_tail_evict_last)
+                width=width)
 
 
 def _launch_comm(buf: OverlapBuffer, lp: LaunchPlan, y, routing: Routing, probs, out,
@@ -65,9 +65,7 @@ def _launch_comm(buf: OverlapBuffer, lp: LaunchPlan, y, routing: Routing, probs,
         dst_row_stride=target.row_stride, programs=lp.plan.comm_ctas,
         block_tm=lp.family.comm_tm, block_tn=lp.family.comm_tn, num_warps=t.comm_warps,
         item_stages=t.comm_stages, slot_loop=t.comm_slot_loop, helpers=helpers,
-        token_major=routing.dest is not None, maxnreg=t.comm_maxnreg,
-        y_evict_first=t.comm_evict_first,
-        claims=buf.claims if t.comm_dynamic_items else None, **target.descriptor,
+        token_major=routing.dest is not None, maxnreg=t.comm_maxnreg, **target.descriptor,
         **kw)
 
 
@@ -127,20 +125,18 @@ class _Comm:
     routing's deferred second pass (`Routing.slots`) that must precede it and the tail
     helpers, which the launch queues where its stream order needs it."""
 
-    def __init__(self, buf, lp, y, routing, probs, out, width, fork, trace=None):
+    def __init__(self, buf, lp, y, routing, probs, out, width, fork):
         self.args = (buf, lp, y, routing, probs, out, width)
         self.fork = fork
         self.helpers = lp.helpers
-        self.trace = trace
         self.slots = routing.slots
 
     def __call__(self, **kw) -> None:
-        _launch_comm(*self.args, helpers=self.helpers, trace=self.trace, **kw)
+        _launch_comm(*self.args, helpers=self.helpers, **kw)
 
 
 def launch(buf: OverlapBuffer, x, weight, routing: Routing, lp: LaunchPlan, probs, out,
-           y=None, width: int | None = None, fork=None,
-           trace: torch.Tensor | None = None) -> torch.Tensor:
+           y=None, width: int | None = None, fork=None) -> torch.Tensor:
     """GEMM2 and GatherRS overlapped, then the local sum over ranks into `out`; returns
     y (GEMM2's output). `width`: the split width sw (None: ceil(N/L)); a larger one
     narrows the last split to the N - (L-1) sw columns left (`gemm2.split_col_tiles`).
@@ -149,20 +145,15 @@ def launch(buf: OverlapBuffer, x, weight, routing: Routing, lp: LaunchPlan, prob
     recorded right after this call's routing table (one event record less). None
     records one here, before GEMM2: what a routing launched more than once needs
     (benchmarks, calibration), since its own event is then older than work the caller
-    queued since, such as another launch's flag reset, which GatherRS must follow.
-
-    `trace`: int64 [C + H, L, 3], GatherRS's per-split timeline (`gather_rs.check_trace`;
-    `tools/op_trace.py`); None in the op."""
+    queued since, such as another launch's flag reset, which GatherRS must follow."""
     buf.wait_bounds = (lp.wait_timeout_s, lp.max_spins)  # (for a time-out's message)
     hidden = weight.shape[1]
     width = width or gemm2.split_width(hidden, lp.splits)
-    if trace is not None:  # (before GEMM2: a refusal mid-launch would break the buffer)
-        grs.check_trace(trace, lp.plan.comm_ctas + lp.helpers, lp.splits, x.device)
     if y is None:
         y = torch.empty(x.shape[0], hidden, dtype=out.dtype, device=x.device)
     gemm_args = _gemm2_args(buf, lp, hidden, width, routing.places)
     operands = (x, weight, y, routing.row_start, routing.tile_start, buf.ready)
-    comm = _Comm(buf, lp, y, routing, probs, out, width, fork, trace)
+    comm = _Comm(buf, lp, y, routing, probs, out, width, fork)
     if buf.backend == "interpret":
         # Programs of one launch run one after another here: GEMM2 must finish first.
         gemm2.launch_grouped_gemm2(*operands, **gemm_args)

@@ -325,7 +325,7 @@ def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=N
     `defer_slots`: the routing's second pass (the table) is left to the launch, which
     queues it on GatherRS's stream (`Routing.slots`), so that GEMM2 starts after the
     first pass; off, the table is complete when this returns (tools that read it before
-    a launch); None (the op): as the tiles say (`TileConfig.gemm_places_from_marks`)."""
+    a launch); None (the op): deferred where GEMM2 does not read the table (row order)."""
     OverlapBuffer.begin_call(group)
     with _arrives_on_raise(group):
         return _prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs,
@@ -361,9 +361,8 @@ def _prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs,
                call.captured, call_tag)
     dest = (torch.empty(call.token_index.shape[0], dtype=torch.int32, device=x.device)
             if tiles.token_major else None)
-    if defer_slots is None:  # deferred where GEMM2 does not read dest: row order, or
-        # a token-major y whose places GEMM2 counts itself
-        defer_slots = dest is None or tiles.gemm_places_from_marks
+    if defer_slots is None:  # deferred where GEMM2 does not read dest: row order
+        defer_slots = dest is None
     counts = call.counts if call.counts is not None else to_device(call.counts_dev, x.device)
     routing = Router.get(x.device).route(call.token_index, counts, buf.error, tiles.block_m,
                                          num_tokens, topk, dest, call.padded, defer_slots)

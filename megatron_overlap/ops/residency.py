@@ -30,13 +30,13 @@ def compiled_occupancies(device: torch.device, flags: tuple, t: TileConfig, comm
     y = torch.empty(t.block_m, t.block_n, dtype=torch.bfloat16, device=device)
     idx = torch.zeros(2, dtype=torch.int32, device=device)
     marks = torch.zeros(t.block_m, dtype=torch.int32, device=device)  # (one expert: one word)
-    places = (TokenPlaces(marks, marks, 1, 1, None if t.gemm_places_from_marks else marks)
+    places = (TokenPlaces(marks, marks, 1, 1, marks)
               if t.token_major else None)  # (the kernel variant the op will launch)
     gk = gemm2.launch_grouped_gemm2(
         x, w, y, idx, idx, ready, splits=1, programs=1, block_m=t.block_m,
         block_n=t.block_n, block_k=t.block_k, num_warps=t.gemm_warps,
         num_stages=t.gemm_stages, flatten=t.gemm_flatten, warmup=True, places=places,
-        impl=t.gemm_impl, maxnreg=t.gemm_maxnreg, tail_evict_last=t.gemm_tail_evict_last)
+        impl=t.gemm_impl, maxnreg=t.gemm_maxnreg)
     table = torch.zeros(1, slots, dtype=torch.int32, device=device)
     ptrs = torch.zeros(1, dtype=torch.int64, device=device)
     ck = grs.launch_gather_rs(
@@ -45,8 +45,7 @@ def compiled_occupancies(device: torch.device, flags: tuple, t: TileConfig, comm
         max_spins=1, partial_like=y, dst_slot_stride=0, dst_row_stride=1, programs=1,
         block_tm=comm_tm, block_tn=comm_tn, num_warps=t.comm_warps,
         item_stages=t.comm_stages, slot_loop=t.comm_slot_loop, warmup=True,
-        token_major=t.token_major, maxnreg=t.comm_maxnreg, y_evict_first=t.comm_evict_first,
-        claims=ready if t.comm_dynamic_items else None)
+        token_major=t.token_major, maxnreg=t.comm_maxnreg)
     occ, resources = [], {}
     for name, k in (("gemm2", gk), ("gather_rs", ck)):
         k._init_handles()  # (warps from the binary: a warp-specialized one has more)
