@@ -74,13 +74,17 @@ from .launch_cache import LaunchCache
 
 
 @triton.jit
-def _combine_item(item, split, y_ptr, table_ptr, prob_ptr, dst_ptrs, partial_like_ptr,
-                  tokens_per_rank, split_width, end_col, col_blocks, rank, world,
-                  topk, parity, stride_ym, stride_yn, dst_slot_stride, dst_row_stride,
+def _combine_item(item, split, geometry, src, receive,
                   BLOCK_TM: tl.constexpr, BLOCK_TN: tl.constexpr, TOPK_POW2: tl.constexpr,
                   HAS_PROBS: tl.constexpr, SLOT_LOOP: tl.constexpr, TOKEN_MAJOR: tl.constexpr):
     """One item of a split: BLOCK_TM tokens of destination `dst` x BLOCK_TN columns, their
-    top-k rows summed in fp32 and stored into dst's receive slot."""
+    top-k rows summed in fp32 and stored into dst's receive slot. `geometry`: the split's
+    (tokens per rank, split width, end column, column blocks); `src`: y and its strides,
+    the routing table, the probabilities and k; `receive`: the receive slots' addresses,
+    the partial sums' pointer type and strides, and (rank, world, parity)."""
+    tokens_per_rank, split_width, end_col, col_blocks = geometry
+    y_ptr, stride_ym, stride_yn, table_ptr, prob_ptr, topk = src
+    dst_ptrs, partial_like_ptr, dst_slot_stride, dst_row_stride, rank, world, parity = receive
     slots = tl.arange(0, TOPK_POW2)
     dst = item % world
     rest = item // world
@@ -151,6 +155,8 @@ def _combine_item(item, split, y_ptr, table_ptr, prob_ptr, dst_ptrs, partial_lik
                                "max_spins", "timeout_us", "pid_base", "comm_programs",
                                "helpers", "kind"])
 def gather_rs_kernel(
+    # (flat, not tuples: `LaunchCache` keys and launches the binary on flat arguments, and
+    # do_not_specialize is per argument; `_combine_item` takes them grouped)
     # pointers
     y_ptr, table_ptr, prob_ptr, dst_ptrs, signal_ptrs, ready_ptr, done_ptr, error_ptr,
     tile_start_ptr, partial_like_ptr, epoch_ptr, record_ptr,
@@ -184,6 +190,8 @@ def gather_rs_kernel(
     if world > 1:
         epoch = tl.load(epoch_ptr) + 1
     parity = epoch % 2
+    src = (y_ptr, stride_ym, stride_yn, table_ptr, prob_ptr, topk)
+    receive = (dst_ptrs, partial_like_ptr, dst_slot_stride, dst_row_stride, rank, world, parity)
     for split in range(num_splits):
         last = split == num_splits - 1
         expected = row_tiles * tl.where(last, gemm_last_col_tiles, gemm_col_tiles)
@@ -205,10 +213,9 @@ def gather_rs_kernel(
         # rows in flight beyond what its registers hold. It acts only on a loop that
         # carries its own num_stages (a dot-free loop ignores the kernel-level one).
         for item in tl.range(first, items, stride, num_stages=ITEM_STAGES):
-            _combine_item(item, split, y_ptr, table_ptr, prob_ptr, dst_ptrs, partial_like_ptr,
-                          tokens_per_rank, split_width, end_col, col_blocks, rank, world,
-                          topk, parity, stride_ym, stride_yn, dst_slot_stride, dst_row_stride,
-                          BLOCK_TM, BLOCK_TN, TOPK_POW2, HAS_PROBS, SLOT_LOOP, TOKEN_MAJOR)
+            _combine_item(item, split, (tokens_per_rank, split_width, end_col, col_blocks),
+                          src, receive, BLOCK_TM, BLOCK_TN, TOPK_POW2, HAS_PROBS,
+                          SLOT_LOOP, TOKEN_MAJOR)
     tl.debug_barrier()
     if tl.atomic_add(done_ptr, 1, sem="release", scope="sys") == all_programs - 1:
         tl.atomic_add(done_ptr, 0, sem="acquire", scope="sys")
