@@ -189,12 +189,8 @@ def _one_gpu_inference(rank, world):
 
 
 def _host_syncs(fn):
-    """(fn(), the host syncs during it), as `tools/profile_prefill.py` counts them."""
-    import os
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
-    from profile_prefill import host_syncs
+    """(fn(), the host syncs during it), as the prefill's `--host-costs` counts them."""
+    from megatron_overlap.mcore.host_costs import host_syncs
 
     return host_syncs(fn)
 

@@ -2,7 +2,6 @@
 
 import argparse
 import dataclasses
-import inspect
 import math
 import os
 import statistics
@@ -17,7 +16,7 @@ import calibrate  # noqa: E402
 import report  # noqa: E402
 from megatron_overlap.mcore import prefill  # noqa: E402
 
-#: recorded benchmark runs, trimmed to what tools/analyze_runs.py reads (tests/data/README.md)
+#: recorded prefill runs, trimmed to what tools/fit_fusion.py reads (tests/data/README.md)
 GOLDEN = os.path.join(os.path.dirname(__file__), "data")
 
 
@@ -251,37 +250,11 @@ def test_k_epi_fit_recovers_the_per_wave_part_that_does_not_scale_with_k():
     assert calibrate.fit_k_epi(704, 1.0, 352, 1.2) is None  # slower at half K: no fit
 
 
-def test_planner_replay_reproduces_every_recorded_decision_of_the_partition_runs():
-    import dataclasses
+def _fit_fusion(monkeypatch, capsys, *argv) -> str:
+    import fit_fusion
 
-    import analyze_runs
-    from megatron_overlap.planner import get_preset
-
-    # the calibrations those runs were measured with, whatever ships later
-    rhoref_calib = dataclasses.replace(
-        get_preset("h200").calibration, rho_ref=1.5895580396349993, c_max=56, c_sat=None,
-        k_epi=None, topk_ref=None, overlap_factor=None)
-    kepi_calib = dataclasses.replace(rhoref_calib, k_epi=600, topk_ref=4)
-    for runs, calib in (("h200x2-rhoref,h200x2-rhoref-p50", rhoref_calib),
-                        ("h200x2-kepi600,h200x2-kepi600-p50", kepi_calib),
-                        ("h200x2-tailhelpers,h200x2-tailhelpers-p50", kepi_calib)):
-        rows = analyze_runs._rows(runs, GOLDEN)
-        assert len(rows) == 54
-        assert [analyze_runs.replay_c(r, calib) for r in rows] == [r["comm_ctas"] for r in rows]
-
-
-def test_k_epi_four_point_fit_of_the_rho_ref_runs_gives_about_600():
-    import analyze_runs
-
-    a, b, rms = analyze_runs.k_epi_fit(analyze_runs._rows("h200x2-rhoref,h200x2-rhoref-p50", GOLDEN))
-    assert 550 < a / b < 650 and rms < 4.0
-
-
-def _analyze(monkeypatch, capsys, *argv) -> str:
-    import analyze_runs
-
-    monkeypatch.setattr(sys, "argv", ["analyze_runs.py", "--data", GOLDEN, *argv])
-    assert analyze_runs.main() == 0
+    monkeypatch.setattr(sys, "argv", ["fit_fusion.py", *argv, "--data", GOLDEN])
+    assert fit_fusion.main() == 0
     return capsys.readouterr().out
 
 
@@ -296,7 +269,7 @@ def test_the_shipped_step_costs_decide_the_recorded_prefills_as_measured(
     """The fuse-or-not model replayed on every recorded complete-model prefill (local
     experts): each workload's decision agrees with its median measured speedup (within
     3% of 1.0 either agrees); on two H200s two workloads contradict any one host term."""
-    out = _analyze(monkeypatch, capsys, "fusion", "--prefill", runs, "--preset", preset)
+    out = _fit_fusion(monkeypatch, capsys, "check", "--prefill", runs, "--preset", preset)
     assert f"{want} workloads decided as measured" in out
 
 
@@ -305,7 +278,7 @@ def test_the_fused_path_is_refused_where_the_model_prices_it_slower_and_taken_wh
     """Both directions at sizes of the recorded two-H200 sweep: Granite TP2EP1 lost
     overlapped at S <= 2048 (0.90x, 0.92x measured) and gained at S >= 8192 (1.15x,
     1.17x). (S = 4096, 0.915x, is one of the two workloads no host term decides right.)"""
-    out = _analyze(monkeypatch, capsys, "fusion", "--prefill", "h200x2-nothreshold")
+    out = _fit_fusion(monkeypatch, capsys, "check", "--prefill", "h200x2-nothreshold")
     lines = {int(line.split(":")[0].split("=")[-1]): line for line in out.splitlines()
              if line.strip().startswith("granite   TP2EP1")}
     assert all("stock" in lines[s] for s in (1024, 2048)), lines
@@ -319,12 +292,12 @@ def test_the_fused_path_is_refused_where_the_model_prices_it_slower_and_taken_wh
     ("h100-1gpu-nothreshold", "h100", "op_host_us")])
 def test_the_shipped_host_terms_are_the_fit_of_the_recorded_prefills(monkeypatch, capsys,
                                                                      runs, preset, field):
-    """H_op (one rank) and H_group (more) as shipped are the midpoints `fit-fusion`
+    """H_op (one rank) and H_group (more) as shipped are the midpoints `fit_fusion.py fit`
     reports: every one-rank workload decided as measured; on two H200s none decides all
     30, and the midpoint of the two bounds that conflict is shipped."""
     from megatron_overlap.planner import get_preset
 
-    out = _analyze(monkeypatch, capsys, "fit-fusion", "--prefill", runs, "--preset", preset)
+    out = _fit_fusion(monkeypatch, capsys, "fit", "--prefill", runs, "--preset", preset)
     line = next(line for line in out.splitlines() if line.startswith(field))
     shipped = getattr(get_preset(preset).step_costs, field)
     if "midpoint" in line:
@@ -332,81 +305,6 @@ def test_the_shipped_host_terms_are_the_fit_of_the_recorded_prefills(monkeypatch
     else:  # (conflicting bounds: the shipped value lies between them)
         lo, hi = (float(x) for x in line.split("> ")[1].split(")")[0].split(" and < "))
         assert hi < shipped < lo, line
-
-
-def _trace(*events):
-    return {"traceEvents": [dict(ph="X", **e) for e in events]}
-
-
-def test_host_timeline_times_each_call_from_its_host_mark_only():
-    """The profiler mirrors a record_function on the GPU (cat gpu_user_annotation, later
-    timestamps); taking those as calls once mixed two clocks' worth of rows."""
-    import host_timeline
-
-    mark = host_timeline.MARK
-    trace = _trace(
-        dict(name=mark, cat="user_annotation", ts=1000, dur=300),
-        dict(name=mark, cat="gpu_user_annotation", ts=1250, dur=500),
-        dict(name="cuLaunchKernelEx", cat="cuda_driver", ts=1100, dur=10),
-        dict(name="cudaMemcpyAsync", cat="cuda_runtime", ts=1050, dur=5),
-        dict(name="gemm", cat="kernel", ts=1200, dur=400),
-        dict(name=mark, cat="user_annotation", ts=3000, dur=300),
-        dict(name="cuLaunchKernelEx", cat="cuda_driver", ts=3120, dur=10),
-        dict(name="cudaMemcpyAsync", cat="cuda_runtime", ts=3030, dur=5),
-        dict(name="gemm", cat="kernel", ts=3250, dur=400),
-        dict(name="after", cat="cuda_runtime", ts=3500, dur=5),  # after the host range
-    )
-    calls = host_timeline.per_call(trace)
-    assert len(calls) == 2
-    assert [r[:3] for r in calls[0]] == [("host", "op call (host)", 0.0),
-                                         ("api", "cudaMemcpyAsync", 50),
-                                         ("api", "cuLaunchKernelEx", 100),
-                                         ("gpu", "gemm", 200)]
-    table = {(r["kind"], r["name"]): r for r in host_timeline.summarize_calls(calls)}
-    assert table[("gpu", "gemm")]["start_us"] == 225  # median of 200 and 250
-    assert table[("api", "cuLaunchKernelEx")]["end_us"] == 120  # median of 110 and 130
-    assert ("api", "after") not in table
-
-
-def test_layer_profile_counts_concurrent_kernels_once_in_busy_time_and_by_kind_in_sums():
-    """Two streams' kernels overlap: busy time is their union, the kinds their sums; the
-    warm-up's kernel that ends inside the block is not the block's."""
-    pytest.importorskip("megatron.core")
-    import profile_layer
-
-    mark = profile_layer.MARK
-    trace = _trace(
-        dict(name="grouped_gemm2_ws_kernel", cat="kernel", ts=900, dur=150),  # warm-up's
-        dict(name=mark, cat="user_annotation", ts=1000, dur=100),
-        dict(name=mark, cat="user_annotation", ts=1100, dur=100),
-        dict(name="grouped_gemm2_ws_kernel", cat="kernel", ts=1200, dur=400),
-        dict(name="gather_rs_kernel", cat="kernel", ts=1300, dur=400),
-        dict(name="void at::native::vectorized_elementwise_kernel<4>", cat="kernel",
-             ts=1800, dur=200),
-        dict(name="Memcpy HtoD (Pinned -> Device)", cat="gpu_memcpy", ts=2000, dur=100),
-    )
-    r = profile_layer.breakdown(trace, calls=2)
-    assert r["wall_ms"] == pytest.approx(1.1 / 2)  # 1000 -> 2100 us
-    assert r["gpu_busy_ms"] == pytest.approx((500 + 200 + 100) * 1e-3 / 2)
-    assert r["gpu_idle_ms"] == pytest.approx((200 + 100) * 1e-3 / 2)
-    assert r["kinds"] == pytest.approx({"ours: GEMM2": 0.2, "ours: GatherRS": 0.2,
-                                        "elementwise": 0.1, "copy / memset": 0.05})
-    assert r["top_kernels"][0]["per_call"] == 0.5
-    # idle 1000 -> 1200 (the first kernel waited) and 1700 -> 1800
-    assert [(k["kind"], k["ms"]) for k in r["idle_before"]] == [
-        ("ours: GEMM2", pytest.approx(0.1)), ("elementwise", pytest.approx(0.05))]
-    with pytest.raises(ValueError, match="expected 3 marked calls"):
-        profile_layer.breakdown(trace, calls=3)
-
-
-def test_layer_profile_names_our_kernels_before_the_generic_kinds():
-    import profile_layer
-
-    assert profile_layer.kind_of("gather_rows_kernel") == "ours: bounded row gather"
-    assert profile_layer.kind_of("gated_add_kernel") == "ours: gated shared add"
-    assert profile_layer.kind_of("gather_rs_kernel") == "ours: GatherRS"
-    assert profile_layer.kind_of("void at::native::vectorized_gather_kernel<16, long>") == \
-        "index / gather / scatter"
 
 
 def test_report_profile_section_gives_each_arm_its_ratio_to_stock_and_the_inputs_skew():
@@ -422,58 +320,6 @@ def test_report_profile_section_gives_each_arm_its_ratio_to_stock_and_the_inputs
     text = report.profile_section("t", data)
     assert "| qwen | 4096 | random | overlap | 5.00 | 4.00 | 1.00 | 1.20x | dense GEMM 2.00" in text
     assert "| qwen | 4096 | layer 12: 5.25 | overlap | 4.00 | 3.00 | 1.00 | 1.50x |" in text
-
-
-def test_helpers_analysis_reads_the_same_decisions_timed_without_helpers(monkeypatch, capsys):
-    import analyze_runs
-
-    monkeypatch.setattr(sys, "argv", ["analyze_runs.py", "--data", GOLDEN, "helpers", "--runs", "h200x2-tailhelpers-tp2"])
-    assert analyze_runs.main() == 0
-    out = capsys.readouterr().out
-    assert "over 12 workloads" in out and "qwen      TP2EP1  helpers S >= 4096 1.095x" in out
-    monkeypatch.setattr(sys, "argv", ["analyze_runs.py", "--data", GOLDEN, "helpers", "--runs", "h200x2-kepi600"])
-    with pytest.raises(SystemExit, match="without tail helpers"):
-        analyze_runs.main()
-
-
-def test_replay_with_neutral_overlap_terms_reproduces_the_tail_helper_runs_and_fitted_ones_move_c():
-    import dataclasses
-
-    import analyze_runs
-    from megatron_overlap.planner import get_preset
-
-    # the calibration the tail-helper runs planned with (before f and the two-point K_epi)
-    calib = dataclasses.replace(get_preset("h200").calibration, k_epi=600, overlap_factor=None)
-    rows = analyze_runs._rows("h200x2-tailhelpers,h200x2-tailhelpers-p50", GOLDEN)
-    neutral = dataclasses.replace(calib, overlap_factor=1.0)
-    assert [analyze_runs.replay_c(r, neutral) for r in rows] == [r["comm_ctas"] for r in rows]
-    fitted = dataclasses.replace(calib, overlap_factor=1.7)
-    cs = [analyze_runs.replay_c(r, fitted, tail_helpers=True, local_topk=True) for r in rows]
-    granite = [c for c, r in zip(cs, rows) if r["model"] == "granite" and r["seq"] >= 4096]
-    assert max(granite) <= 28  # below the recorded 27-33, toward the measured 16-24
-
-
-def test_replay_choosing_l_as_the_op_keeps_the_recorded_splits_and_the_full_model_picks_one(
-        monkeypatch, capsys):
-    import analyze_runs
-    from megatron_overlap.planner import get_preset
-
-    calib = get_preset("h200").calibration
-    rows = analyze_runs._rows("h200x2-tailhelpers", GOLDEN)
-    ranked = [analyze_runs.choose_splits(r, calib, "ranked") for r in rows]
-    assert [l for _, l in ranked] == [r["splits"] for r in rows]
-    # at the recorded L the rebuilt workload plans as the recorded one does
-    assert [c for c, _ in ranked] == [analyze_runs.replay_c(r, calib, tail_helpers=True,
-                                                            local_topk=True) for r in rows]
-    full = [analyze_runs.choose_splits(r, calib, "full")[1] for r in rows]
-    assert any(l == 1 != r["splits"] for l, r in zip(full, rows) if r["model"] == "granite")
-    monkeypatch.setattr(sys, "argv", ["analyze_runs.py", "--data", GOLDEN, "replay", "--runs", "h200x2-tailhelpers",
-                                      "--choose-splits", "full"])
-    assert analyze_runs.main() == 0
-    out = capsys.readouterr().out
-    moved = sum(l != r["splits"] for l, r in zip(full, rows))
-    assert f"L as recorded in {36 - moved} of 36 workloads" in out and "left out" in out
-    assert "granite/TP2EP1/S=16384/uniform: C=27 L=2 -> C=1 L=1" in out
 
 
 def test_overlap_factor_fit_recovers_the_f_and_constant_of_a_model_curve():
@@ -497,31 +343,6 @@ def test_overlap_factor_fit_recovers_the_f_and_constant_of_a_model_curve():
     # C past the model's C_max is left out rather than failing
     f2, _, _ = calibrate.fit_overlap_factor({**times, 60: 1.0}, t_comp, curve_for, grid)
     assert f2 == pytest.approx(1.7)
-
-
-def test_host_exposed_reports_each_runs_median_and_ratio(monkeypatch, capsys):
-    import analyze_runs
-
-    monkeypatch.setattr(sys, "argv", ["analyze_runs.py", "--data", GOLDEN, "host-exposed", "--runs", "h200x2-tailhelpers,h200x2-fasthost"])
-    assert analyze_runs.main() == 0
-    out = capsys.readouterr().out.splitlines()
-    assert out[0].split()[:3] == ["h200x2-tailhelpers", "ours", "0.320"] and "ratio 0.49" in out[0]
-    assert out[1].split()[:3] == ["h200x2-fasthost", "ours", "0.183"] and "ratio 0.41" in out[1]
-
-
-def test_replay_reproduces_every_decision_the_shipped_planner_recorded():
-    import analyze_runs
-    from megatron_overlap.planner import get_preset
-
-    # these two-H200 runs were planned by the op with the shipped calibration: the replay, which
-    # rebuilds each workload as the op plans it (rank 0's T / M, L ranked as the op
-    # ranks it), must land on every recorded C* and L
-    calib = get_preset("h200").calibration
-    rows = analyze_runs._rows("h200x2-shipped,h200x2-shipped-p50,h200x2-shipped-repeat,"
-                              "h200x2-shipped-finalsum", GOLDEN)
-    assert len(rows) == 126
-    assert [analyze_runs.choose_splits(r, calib, "ranked") for r in rows] == [
-        (r["comm_ctas"], r["splits"]) for r in rows]
 
 
 def test_bench_op_confirmation_times_the_planner_against_the_fastest_swept_c(monkeypatch):
@@ -561,64 +382,6 @@ def test_report_counts_no_regret_where_the_planner_chose_the_oracle_c():
     assert report.retiming_spread(new_same) == pytest.approx(0.05)
     assert report.retiming_spread(old_other) is None
     assert report.confirmed_regret(dict(comm_ctas=4)) is None
-
-
-def test_replay_reproduces_the_decisions_of_the_one_gpu_runs_at_their_group_size():
-    import analyze_runs
-    from megatron_overlap.planner import get_preset
-
-    # these one-H200 runs ran rank 0's workload of each layout alone (world 1, recorded)
-    rows = analyze_runs._rows("h200-rank0,h200-rank0-p50,h200-rank0-repeat", GOLDEN)
-    assert len(rows) == 72 and {r["world"] for r in rows} == {1}
-    calib = get_preset("h200").calibration
-    assert [analyze_runs.choose_splits(r, calib, "ranked") for r in rows] == [
-        (r["comm_ctas"], r["splits"]) for r in rows]
-
-
-def test_shared_placement_takes_every_sm_under_every_fitted_model_variant(capsys):
-    """The shared placement on one H200 (tests/data/h200-shared_*): whatever rho scale and saturation the
-    model is given, it picks C = G for all 36 workloads, so C* does not rest on rho,
-    which is calibrated for the partition's CTAs."""
-    import argparse
-
-    import analyze_runs
-
-    analyze_runs.shared_curves(argparse.Namespace(preset="h200", runs="h200-shared,h200-shared-p50",
-                                                  data=GOLDEN))
-    out = capsys.readouterr().out
-    assert out.startswith("36 workloads")
-    assert "C* over all 36 variants: [132]" in out
-
-
-def test_host_steps_time_the_ops_own_steps_in_call_order(monkeypatch):
-    """tools/host_steps.py on one interpreted op call: every wrapped step is recorded
-    inside the call, in the order the op runs them (counts written into a pinned slot
-    before the routing's first pass that sums them; its second pass, whose dest GEMM2
-    reads for a token-major y, before GEMM2's launch; GatherRS and its tail helpers
-    after it)."""
-    import host_steps
-    from workloads import OpCase, op_kwargs, rank_inputs
-
-    from megatron_overlap.ops import OverlapConfig, gemm2_gather_rs
-
-    run = op_kwargs(rank_inputs(OpCase("tiny", "TP2EP1", 16, "uniform"), 0, "cpu"), None)
-    cfg = OverlapConfig(backend="interpret")
-    gemm2_gather_rs(**run, config=cfg)  # planned and cached, as in the tool
-    host_steps.instrument(monkeypatch.setattr)
-    table = host_steps.steps_of(lambda: gemm2_gather_rs(**run, config=cfg), 2, lambda: None)
-    at = {(r["step"], r["n"]): r for r in table}
-    call = at[("op call", 0)]
-    assert all(call["start_us"] <= r["start_us"] <= r["end_us"] <= call["end_us"] for r in table)
-    assert at[("Router.route (offsets, routing table)", 0)]["calls"] == 2
-    order = [at[("CountsRing.write", 0)],
-             at[("route_rows (the routing-table kernels)", 0)],
-             at[("LaunchCache.launch routing_marks_kernel", 0)],
-             at[("LaunchCache.launch routing_slots_kernel", 0)], at[("unpack_offsets", 0)],
-             at[("LaunchCache.launch grouped_gemm2_kernel", 0)],
-             at[("LaunchCache.launch gather_rs_kernel", 0)],
-             at[("LaunchCache.launch gather_rs_kernel", 1)], at[("note_launch", 0)]]
-    assert [r["start_us"] for r in order] == sorted(r["start_us"] for r in order)
-    assert host_steps._record is None
 
 
 def _layer_input_case(rank, world):
@@ -677,103 +440,6 @@ def test_layer_benchmark_input_layer_is_what_that_layer_gets_in_a_prefill():
     assert r["skew"]["max_over_mean"] == r["skew"]["max_e"] / r["skew"]["mean"] >= 1
     assert "layer 1 of deepseek is dense" in r["dense"]
     assert "qwen has 2 layers" in r["too_deep"]  # (tiny models have two)
-
-
-def test_each_profile_arm_switches_off_its_part_and_restores_it():
-    import profile_layer
-
-    from megatron_overlap.mcore import fc2_operands as experts_module
-    from megatron_overlap.mcore import layer as layer_module
-
-    class Layer:
-        overlap_enabled = True
-
-        def _fuses_shared_gate(self, hidden):
-            return True
-
-    layer = Layer()
-    saved = (experts_module.routed_activation, layer_module.deferred_postprocess,
-             layer_module.single_sync_postprocess)
-    seen = {}
-    for arm in profile_layer.ARMS:
-        with profile_layer._arm(layer, arm):
-            # the replacements take the arguments the layer passes
-            inspect.signature(experts_module.routed_activation).bind(*[None] * 5)
-            inspect.signature(layer_module.deferred_postprocess).bind(*[None] * 4, pad=True)
-            seen[arm] = dict(
-                overlap=layer.overlap_enabled, gate=layer._fuses_shared_gate(None),
-                swiglu=experts_module.routed_activation is saved[0],
-                deferred=layer_module.deferred_postprocess is saved[1],
-                single=layer_module.single_sync_postprocess is saved[2])
-        assert layer.overlap_enabled and layer._fuses_shared_gate(None)
-        assert (experts_module.routed_activation, layer_module.deferred_postprocess,
-                layer_module.single_sync_postprocess) == saved
-    everything = dict(overlap=True, gate=True, swiglu=True, deferred=True, single=True)
-    assert seen["stock"] == everything | dict(overlap=False)
-    assert seen["overlap"] == everything
-    assert seen["overlap-megatron-swiglu"] == everything | dict(swiglu=False)
-    assert seen["overlap-single-sync"] == everything | dict(deferred=False)
-    assert seen["overlap-megatron-postprocess"] == everything | dict(deferred=False,
-                                                                      single=False)
-    assert seen["overlap-megatron-shared-gate"] == everything | dict(gate=False)
-
-
-def test_prefill_profile_gives_each_kernel_to_the_moe_layer_that_launched_it():
-    import profile_prefill
-
-    mark = profile_prefill.MARK
-
-    def ev(cat, name, ts, dur, **args):
-        return dict(ph="X", cat=cat, name=name, ts=ts, dur=dur, args=args)
-
-    trace = dict(traceEvents=[
-        ev("user_annotation", mark, 100, 50), ev("user_annotation", mark, 300, 50),
-        ev("cuda_runtime", "cudaLaunchKernel", 90, 1, correlation=1),   # before: the rest
-        ev("cuda_runtime", "cudaLaunchKernel", 110, 1, correlation=2),  # layer 0
-        ev("cuda_driver", "cuLaunchKernel", 120, 1, correlation=3),     # layer 0 (Triton's)
-        ev("cuda_runtime", "cudaLaunchKernel", 310, 1, correlation=4),  # layer 1
-        ev("kernel", "attention", 95, 30, correlation=1),
-        ev("kernel", "router", 130, 10, correlation=2),
-        ev("kernel", "gemm2", 150, 40, correlation=3),  # runs after the host range ended
-        ev("kernel", "fc1", 320, 5, correlation=4),
-        ev("kernel", "orphan", 400, 2),  # no correlation: the rest
-    ])
-    r = profile_prefill.attribute(trace)
-    assert r["layers"] == [dict(kernel_ms=0.05, span_ms=0.06), dict(kernel_ms=0.005,
-                                                                     span_ms=0.005)]
-    assert r["rest_kernel_ms"] == 0.032 and r["wall_ms"] == 0.307
-    assert r["rest_top"] == {"attention": 0.03, "orphan": 0.002}
-    assert sum(r["rest_kinds"].values()) == pytest.approx(0.032)
-    with pytest.raises(ValueError, match="marked MoE layers"):
-        profile_prefill.attribute(dict(traceEvents=[ev("kernel", "k", 0, 1)]))
-
-
-def test_the_power_sampler_gives_clock_reasons_energy_per_call_and_the_power_limit(monkeypatch):
-    """The sampled window's NVML readings, faked: the share of samples with each clock
-    event reason set, the energy counter's difference split over the calls (keys named
-    for the unit, as the prefill profile's JSON has them), the enforced power limit."""
-    import pynvml
-
-    import power
-
-    monkeypatch.setattr(torch.cuda, "clock_rate", lambda: 1800)
-    monkeypatch.setattr(torch.cuda, "power_draw", lambda: 600_000)
-    monkeypatch.setattr(power, "nvml_handle", lambda: "gpu0")
-    monkeypatch.setattr(power, "reason_reader",
-                        lambda handle: lambda: (pynvml.nvmlClocksEventReasonSwPowerCap, 61))
-    monkeypatch.setattr(power, "power_limit_w", lambda handle: 700.0)
-    energy = iter([1_000, 7_000])  # mJ before and after the window
-    monkeypatch.setattr(power, "energy_mj", lambda handle: next(energy))
-    got = power.sampled(lambda: None, period_s=0.001, calls=3, unit="forward")
-    assert got["energy_j_per_forward"] == pytest.approx(2.0) and got["forwards"] == 3
-    assert got["power_w_from_energy"] == pytest.approx(6.0 / (got["ms_per_forward"] * 3e-3))
-    assert got["clock_reasons"]["SwPowerCap"] == 1.0 and got["clock_reasons"]["GpuIdle"] == 0.0
-    assert got["temperature_c_max"] == 61 and got["sm_clock_mhz_mean"] == 1800
-    assert got["power_limit_w"] == 700.0
-    energy = iter([5_000, 5_500])
-    assert power.sampled(lambda: None, period_s=0.001)["energy_j_per_call"] == pytest.approx(0.5)
-    monkeypatch.setattr(power, "nvml_handle", lambda: None)  # no NVML: no energy
-    assert "energy_j_per_call" not in power.sampled(lambda: None, period_s=0.001)
 
 
 def test_grid_report_reads_both_halves_of_the_recorded_fuse_or_not_grid(tmp_path):

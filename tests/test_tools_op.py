@@ -1,5 +1,5 @@
-"""The one-GPU operator's diagnosis tools: the roofline table, the kernel timeline's
-summary and the correctness sweep's fp64 reference (their CPU parts)."""
+"""The one-GPU operator's tools: the roofline table, the split sweep's regret and the
+correctness sweep's fp64 reference (their CPU parts)."""
 
 import os
 import sys
@@ -10,7 +10,6 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
 
 import check_op  # noqa: E402
-import op_timeline  # noqa: E402
 import roofline  # noqa: E402
 import split_sweep  # noqa: E402
 from megatron_overlap.ops import OverlapConfig, gemm2_gather_rs  # noqa: E402
@@ -40,18 +39,6 @@ def test_roofline_table_has_a_row_per_recorded_workload_with_the_ops_ratio():
     first = rows[0]["stats"]
     ratio = first[roofline.OP]["median"] / first[roofline.GEMM2]["median"]
     assert f"| {ratio:.2f} |" in lines[2]
-
-
-def test_timeline_summary_separates_gemm2_in_the_op_the_tail_and_each_side_alone():
-    op = [("grouped_gemm2_ws_kernel", 0, 100), ("gather_rs_kernel", 1, 120),
-          ("gather_rs_kernel", 100, 130)]  # GatherRS, then its tail helpers
-    spans = {"op": [op, op], "torch_gemm2": [[("cutlass_kernel", 0, 90)]],
-             "gemm2_alone": [[("grouped_gemm2_ws_kernel", 0, 80), ("fill", 80, 81)]],
-             "comm_alone": [[("fill", 0, 1), ("gather_rs_kernel", 1, 60)]]}
-    got = op_timeline.summarize(spans)
-    assert got["gemm2_in_op"] == 100 and got["gemm2_alone"] == 80
-    assert got["comm_in_op"] == 119 and got["comm_alone"] == 59
-    assert got["tail_after_gemm2"] == 30 and got["op_span"] == 130
 
 
 def test_check_op_reference_is_the_ops_sum_over_each_tokens_rows():

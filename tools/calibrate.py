@@ -2,9 +2,10 @@
 
     torchrun --nproc-per-node 2 tools/calibrate.py --name h200 --json out/h200.json
 
-(`tools/device_run.sh calibrate` names the file after the GPU: h100, h200.) Thresholds of
-the stock path are not measured here: they are carried from the device's shipped file, and
-a new device's come from prefill sweeps (`tools/analyze_runs.py threshold`).
+(`tools/device_run.sh calibrate` names the file after the GPU: h100, h200.) The host terms
+of the fuse-or-not model's step costs are not measured here: they are carried from the
+device's shipped file, and a new device's are fitted on prefill sweeps
+(`tools/fit_fusion.py fit`).
 
 At a fixed large C on one reference workload it times
   * GEMM2 alone on P(C) programs: t_comp, the time of one cumulative compute wave;

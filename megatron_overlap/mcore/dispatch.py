@@ -5,8 +5,8 @@ Megatron-Core 0.19's `MoEAllGatherTokenDispatcher.dispatch_postprocess` synchron
 the host three times per layer: `tokens_per_expert.cpu()`, then a `masked_select` in
 `permute` and another for the permuted probabilities, each of which must learn its
 output size from the GPU. After each, the GPU idles until the host has run the Python
-that launches the next kernel (`tools/profile_layer.py`: 1.0-1.3 ms of idle GPU per
-layer at S = 4096-16384 on one H200). The counts come to the host anyway (the experts
+that launches the next kernel (a torch.profiler trace of the layer: 1.0-1.3 ms of idle
+GPU per layer at S = 4096-16384 on one H200). The counts come to the host anyway (the experts
 and the op need them), and they give both selections their size: `nonzero_static` with
 that size needs no sync (`single_sync_postprocess`). Same rows, same order, same bits
 as Megatron's (`permute` selects from the [experts, tokens] transposed map in row-major

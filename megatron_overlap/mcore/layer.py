@@ -46,8 +46,8 @@ from .policy import LayerPolicy
 log = logging.getLogger("megatron_overlap.mcore")
 _warned: set[str] = set()
 
-#: The installed dispatcher's postprocesses, called by these names (tools/profile_layer.py
-#: replaces them to switch one off).
+#: The installed dispatcher's postprocesses, called by these names (tests replace them to
+#: switch one off or break its top-k).
 deferred_postprocess = OverlapAllGatherDispatcher.deferred_postprocess
 single_sync_postprocess = OverlapAllGatherDispatcher.single_sync_postprocess
 

@@ -9,8 +9,7 @@ time each, for what is one driver call. `StreamOps` makes that call itself (ctyp
 `cuEventRecord`, `cuStreamWaitEvent`, `cuMemcpyDtoHAsync`) on the same handles torch
 holds (runtime events and streams are driver ones), so the order it builds on the GPU
 is the same. torch's own path serves where the driver library is not there, on CPU, and
-with `StreamOps.driver = False` (or an instance's `raw = False`: the A/B of
-`tools/host_steps.py`).
+with `StreamOps.driver = False` (or an instance's `raw = False`).
 """
 
 from __future__ import annotations
