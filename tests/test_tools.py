@@ -251,32 +251,6 @@ def test_k_epi_fit_recovers_the_per_wave_part_that_does_not_scale_with_k():
     assert calibrate.fit_k_epi(704, 1.0, 352, 1.2) is None  # slower at half K: no fit
 
 
-def test_planner_replay_reproduces_every_recorded_decision_of_the_partition_runs():
-    import dataclasses
-
-    import analyze_runs
-    from megatron_overlap.planner import get_preset
-
-    # the calibrations those runs were measured with, whatever ships later
-    rhoref_calib = dataclasses.replace(
-        get_preset("h200").calibration, rho_ref=1.5895580396349993, c_max=56, c_sat=None,
-        k_epi=None, topk_ref=None, overlap_factor=None)
-    kepi_calib = dataclasses.replace(rhoref_calib, k_epi=600, topk_ref=4)
-    for runs, calib in (("h200x2-rhoref,h200x2-rhoref-p50", rhoref_calib),
-                        ("h200x2-kepi600,h200x2-kepi600-p50", kepi_calib),
-                        ("h200x2-tailhelpers,h200x2-tailhelpers-p50", kepi_calib)):
-        rows = analyze_runs._rows(runs, GOLDEN)
-        assert len(rows) == 54
-        assert [analyze_runs.replay_c(r, calib) for r in rows] == [r["comm_ctas"] for r in rows]
-
-
-def test_k_epi_four_point_fit_of_the_rho_ref_runs_gives_about_600():
-    import analyze_runs
-
-    a, b, rms = analyze_runs.k_epi_fit(analyze_runs._rows("h200x2-rhoref,h200x2-rhoref-p50", GOLDEN))
-    assert 550 < a / b < 650 and rms < 4.0
-
-
 def _analyze(monkeypatch, capsys, *argv) -> str:
     import analyze_runs
 
@@ -424,58 +398,6 @@ def test_report_profile_section_gives_each_arm_its_ratio_to_stock_and_the_inputs
     assert "| qwen | 4096 | layer 12: 5.25 | overlap | 4.00 | 3.00 | 1.00 | 1.50x |" in text
 
 
-def test_helpers_analysis_reads_the_same_decisions_timed_without_helpers(monkeypatch, capsys):
-    import analyze_runs
-
-    monkeypatch.setattr(sys, "argv", ["analyze_runs.py", "--data", GOLDEN, "helpers", "--runs", "h200x2-tailhelpers-tp2"])
-    assert analyze_runs.main() == 0
-    out = capsys.readouterr().out
-    assert "over 12 workloads" in out and "qwen      TP2EP1  helpers S >= 4096 1.095x" in out
-    monkeypatch.setattr(sys, "argv", ["analyze_runs.py", "--data", GOLDEN, "helpers", "--runs", "h200x2-kepi600"])
-    with pytest.raises(SystemExit, match="without tail helpers"):
-        analyze_runs.main()
-
-
-def test_replay_with_neutral_overlap_terms_reproduces_the_tail_helper_runs_and_fitted_ones_move_c():
-    import dataclasses
-
-    import analyze_runs
-    from megatron_overlap.planner import get_preset
-
-    # the calibration the tail-helper runs planned with (before f and the two-point K_epi)
-    calib = dataclasses.replace(get_preset("h200").calibration, k_epi=600, overlap_factor=None)
-    rows = analyze_runs._rows("h200x2-tailhelpers,h200x2-tailhelpers-p50", GOLDEN)
-    neutral = dataclasses.replace(calib, overlap_factor=1.0)
-    assert [analyze_runs.replay_c(r, neutral) for r in rows] == [r["comm_ctas"] for r in rows]
-    fitted = dataclasses.replace(calib, overlap_factor=1.7)
-    cs = [analyze_runs.replay_c(r, fitted, tail_helpers=True, local_topk=True) for r in rows]
-    granite = [c for c, r in zip(cs, rows) if r["model"] == "granite" and r["seq"] >= 4096]
-    assert max(granite) <= 28  # below the recorded 27-33, toward the measured 16-24
-
-
-def test_replay_choosing_l_as_the_op_keeps_the_recorded_splits_and_the_full_model_picks_one(
-        monkeypatch, capsys):
-    import analyze_runs
-    from megatron_overlap.planner import get_preset
-
-    calib = get_preset("h200").calibration
-    rows = analyze_runs._rows("h200x2-tailhelpers", GOLDEN)
-    ranked = [analyze_runs.choose_splits(r, calib, "ranked") for r in rows]
-    assert [l for _, l in ranked] == [r["splits"] for r in rows]
-    # at the recorded L the rebuilt workload plans as the recorded one does
-    assert [c for c, _ in ranked] == [analyze_runs.replay_c(r, calib, tail_helpers=True,
-                                                            local_topk=True) for r in rows]
-    full = [analyze_runs.choose_splits(r, calib, "full")[1] for r in rows]
-    assert any(l == 1 != r["splits"] for l, r in zip(full, rows) if r["model"] == "granite")
-    monkeypatch.setattr(sys, "argv", ["analyze_runs.py", "--data", GOLDEN, "replay", "--runs", "h200x2-tailhelpers",
-                                      "--choose-splits", "full"])
-    assert analyze_runs.main() == 0
-    out = capsys.readouterr().out
-    moved = sum(l != r["splits"] for l, r in zip(full, rows))
-    assert f"L as recorded in {36 - moved} of 36 workloads" in out and "left out" in out
-    assert "granite/TP2EP1/S=16384/uniform: C=27 L=2 -> C=1 L=1" in out
-
-
 def test_overlap_factor_fit_recovers_the_f_and_constant_of_a_model_curve():
     from megatron_overlap.planner import Calibration, DeviceSpec, KernelSpec, Workload, plan
 
@@ -497,16 +419,6 @@ def test_overlap_factor_fit_recovers_the_f_and_constant_of_a_model_curve():
     # C past the model's C_max is left out rather than failing
     f2, _, _ = calibrate.fit_overlap_factor({**times, 60: 1.0}, t_comp, curve_for, grid)
     assert f2 == pytest.approx(1.7)
-
-
-def test_host_exposed_reports_each_runs_median_and_ratio(monkeypatch, capsys):
-    import analyze_runs
-
-    monkeypatch.setattr(sys, "argv", ["analyze_runs.py", "--data", GOLDEN, "host-exposed", "--runs", "h200x2-tailhelpers,h200x2-fasthost"])
-    assert analyze_runs.main() == 0
-    out = capsys.readouterr().out.splitlines()
-    assert out[0].split()[:3] == ["h200x2-tailhelpers", "ours", "0.320"] and "ratio 0.49" in out[0]
-    assert out[1].split()[:3] == ["h200x2-fasthost", "ours", "0.183"] and "ratio 0.41" in out[1]
 
 
 def test_replay_reproduces_every_decision_the_shipped_planner_recorded():
