@@ -3,7 +3,9 @@
     python tools/report.py --data docs/data --out build/report
 
 Reads op_*.json (tools/bench_op.py), layer_*.json (tools/bench_layer.py),
-profile_layer_*.json (tools/profile_layer.py) and prefill_*.json (megatron_overlap.mcore.prefill --json); writes
+profile_layer_*.json (tools/profile_layer.py), prefill_*.json and train_*.json
+(megatron_overlap.mcore.prefill --json, --train --json; one section per run, the file
+name less its `_{model}_{layout}.json`); writes
 OUT/results_tables.md (every workload's row; RESULTS.md copies the summaries) and PNG
 plots (RESULTS.md keeps a few under docs/figures/). Regret is measured: T(C*) is the planner's own
 timed run, T_oracle the fastest point of the C sweep timed in the same ABBA rounds.
@@ -400,8 +402,11 @@ def prefill_section(tag, prefill, out_dir) -> str:
     captured forward's columns where the run timed it, `--cuda-graph`)."""
     graphs = any(r.get("cuda_graph") for r in prefill)
     fused = any(_fused_ratio(r) for r in prefill)  # (a run with Megatron's MoE fusions on)
-    lines = [f"### Complete-model prefill, {tag} (python -m megatron_overlap.mcore.prefill "
-             "--abba" + (" --cuda-graph" if graphs else "") + ")\n",
+    train = tag.startswith("train_")  # (a `--train` run: the training step)
+    name = tag if train else f"prefill_{tag}"
+    lines = [f"### {'Training step' if train else 'Complete-model prefill'}, {tag} (python -m "
+             "megatron_overlap.mcore.prefill --abba" + (" --train" if train else "")
+             + (" --cuda-graph" if graphs else "") + ")\n",
              "| model | layout | B x S | stock ms [95% CI] | overlap ms [95% CI] | speedup | "
              "layers overlapped | max_e/mean over layers |"
              + (" graph ms [95% CI] | stock / graph | replay = eager |" if graphs else "")
@@ -471,10 +476,54 @@ def prefill_section(tag, prefill, out_dir) -> str:
     axes[1].axhline(1.0, color="gray", lw=0.8)
     axes[1].legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(os.path.join(out_dir, f"prefill_{tag}_speedup.png"))
+    fig.savefig(os.path.join(out_dir, f"{name}_speedup.png"))
     plt.close(fig)
-    lines.append(f"\n![prefill](prefill_{tag}_speedup.png)")
+    lines.append(f"\n![{'training step' if train else 'prefill'}]({name}_speedup.png)")
     return "\n".join(lines) + "\n"
+
+
+def train_loop_section(tag, data) -> str:
+    """Megatron-LM's own training loop, stock against `--moe-overlap` (tools/train_loop.py):
+    logged iterations, the lm loss's largest relative difference, ms per iteration."""
+    lines = [f"### Megatron-LM's training loop, {tag} (tools/train_loop.py)\n",
+             f"{data.get('layers')} layers, SEQ {data.get('seq')}, MICRO_BATCH "
+             f"{data.get('micro_batch')}, {data.get('iters')} iterations\n",
+             "| model | logged iterations | lm loss, max rel. diff | stock ms/iter | "
+             "--moe-overlap ms/iter | speedup | MoE layers overlapped |",
+             "|---|---|---|---|---|---|---|"]
+    for model, arms in data["models"].items():
+        v = arms["verdict"]
+        build = (arms["overlap"].get("build") or ["-"])[0]
+        lines.append(f"| {model} | {len(v['logged'])} | {v['loss_max_rel']:.1e} | "
+                     f"{v['stock_ms']:.1f} | {v['overlap_ms']:.1f} | {v['speedup']:.2f}x | "
+                     f"{build.split(': ', 1)[-1].split(' MoE')[0]} |")
+    return "\n".join(lines) + "\n"
+
+
+def host_costs_section(tag, rows) -> str:
+    """Host syncs and host time per MoE layer call (`--host-costs`), stock / fused."""
+    lines = [f"### Host syncs per MoE layer call, {tag} (--host-costs)\n",
+             "| model | B x S | MoE layers | syncs per MoE call stock / fused | syncs in the "
+             "forward stock / fused | host us per MoE call stock / fused |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        st, ov = r["host_costs"]["stock"], r["host_costs"]["overlap"]
+        lines.append(f"| {r['model']} | {r['batch']}x{r['seq']} | {st['calls']} | "
+                     f"{st['syncs_per_call']:g} / {ov['syncs_per_call']:g} | "
+                     f"{st['step_syncs']} / {ov['step_syncs']} | "
+                     f"{st['host_us_per_call']:.0f} / {ov['host_us_per_call']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def run_tag(path: str, kind: str = "prefill") -> str:
+    """The run a prefill file belongs to: its name less `{kind}_` and `_{model}_{layout}`
+    (`prefill_h200_core_te_qwen_TP1EP1.json` -> `h200_core_te`)."""
+    return os.path.basename(path).removesuffix(".json").rsplit("_", 2)[0].removeprefix(f"{kind}_")
+
+
+def run_tags(data: str, kind: str = "prefill") -> list[str]:
+    """Every run of `kind` (prefill or train) under `data`, one tag per run."""
+    return sorted({run_tag(p, kind) for p in glob.glob(os.path.join(data, f"{kind}_*_*_*.json"))})
 
 
 def main() -> int:
@@ -509,15 +558,32 @@ def main() -> int:
         if "stock" in data["results"][0]:
             tag = os.path.basename(path).removeprefix("profile_layer_").removesuffix(".json")
             parts.append(profile_section(tag, data))
-    for tag in sorted({os.path.basename(p).split("_")[1]
-                       for p in glob.glob(os.path.join(args.data, "prefill_*_*_*.json"))}):
-        prefill = []
-        for path in sorted(glob.glob(os.path.join(args.data, f"prefill_{tag}_*.json"))):
-            with open(path) as f:
-                data = json.load(f)
-            prefill.extend(data if isinstance(data, list) else [data])  # --seqs: a list
-        if prefill:
-            parts.append(prefill_section(tag, prefill, args.out))
+    for kind in ("prefill", "train"):  # (train_*: the same tool's `--train` runs)
+        for tag in run_tags(args.data, kind):
+            prefill = []
+            for path in sorted(glob.glob(os.path.join(args.data, f"{kind}_{tag}_*_*.json"))):
+                if run_tag(path, kind) != tag:
+                    continue
+                with open(path) as f:
+                    data = json.load(f)
+                prefill.extend(r for r in (data if isinstance(data, list) else [data])  # --seqs
+                               if "policies" in r or r.get("oom"))  # (not train_loop's file)
+            if prefill:
+                parts.append(prefill_section(tag if kind == "prefill" else f"train_{tag}",
+                                             prefill, args.out))
+    for path in sorted(glob.glob(os.path.join(args.data, "train_loop_*.json"))):
+        with open(path) as f:
+            parts.append(train_loop_section(os.path.basename(path)[len("train_loop_"):-5],
+                                            json.load(f)))
+    costs = {}
+    for path in sorted(glob.glob(os.path.join(args.data, "host_costs_*_*.json"))):
+        with open(path) as f:
+            data = json.load(f)
+        tag = os.path.basename(path).rsplit("_", 1)[0].removeprefix("host_costs_")  # less _{model}
+        costs.setdefault(tag, []).extend(
+            data if isinstance(data, list) else [data])
+    for tag, rows in sorted(costs.items()):
+        parts.append(host_costs_section(tag, rows))
     with open(os.path.join(args.out, "results_tables.md"), "w") as f:
         f.write("<!-- generated by tools/report.py; do not edit -->\n\n" + "\n".join(parts))
     print(f"wrote {args.out}/results_tables.md ({len(parts)} sections)")
