@@ -274,19 +274,19 @@ def route_rows(token_index: torch.Tensor, row_start: torch.Tensor, num_tokens: i
                                     or packed.dtype != torch.int32):
         raise ValueError(f"packed must be [3E + 2] = [{3 * experts + 2}] int32, got "
                          f"{tuple(packed.shape)} {packed.dtype}")
-    words = max(1, triton.cdiv(experts, 32))
+    words = max(1, -(-experts // 32))  # (triton.cdiv costs ~2 us a call on the host)
     marks = torch.zeros(num_tokens * words, dtype=torch.int32, device=device)
     if num_tokens == 0 or rows == 0 or experts == 0:
         if from_counts is not None:  # no kernel to fill them
             counts = row_start.to(packed.device, non_blocking=True)
             packed.copy_(torch.cat(expert_offsets(counts, from_counts[1]) + (counts,)))
         return RoutingPasses(table if num_tokens == 0 else table.fill_(-1), marks, words, None)
-    grid, fill, marks_meta, slots_meta = _routing_grid_meta(
+    grid, fill, marks_meta, slots_meta, slots_grid = _routing_grid_meta(
         rows, num_tokens, topk, experts, dest is not None, from_counts is not None, padded)
     _MARKS.launch(grid, (token_index, row_start, table, marks, error, packed, rows,
                          num_tokens, topk, experts, words,
                          from_counts[1] if from_counts else 1, fill), marks_meta)
-    slots = SlotsPass((triton.cdiv(rows, slots_meta["BLOCK_R"]),),
+    slots = SlotsPass(slots_grid,
                       (token_index, packed, table, table if dest is None else dest, marks,
                        error, rows, num_tokens, topk, experts, words), slots_meta)
     if defer_slots:
@@ -298,7 +298,7 @@ def route_rows(token_index: torch.Tensor, row_start: torch.Tensor, num_tokens: i
 @functools.lru_cache(maxsize=256)  # on the launch path of every call: computed once
 def _routing_grid_meta(rows: int, num_tokens: int, topk: int, experts: int, write_dest: bool,
                        from_counts: bool, padded: bool = False) -> tuple:
-    """(marks grid, tokens each marks program fills, marks meta, slots meta): BLOCK_R
+    """(marks grid, tokens each marks program fills, marks meta, slots meta, slots grid): BLOCK_R
     rows x every expert in registers, about 8K elements per program."""
     experts_pow2 = next_pow2(experts)
     topk_pow2 = next_pow2(topk)
@@ -311,7 +311,8 @@ def _routing_grid_meta(rows: int, num_tokens: int, topk: int, experts: int, writ
     slots = dict(BLOCK_R=block_r, EXPERTS_POW2=experts_pow2,
                  WORDS_POW2=next_pow2(triton.cdiv(experts, 32)), SPAN=SPAN,
                  WRITE_DEST=write_dest, num_warps=4)
-    return (programs,), triton.cdiv(num_tokens, programs), marks, slots
+    return ((programs,), triton.cdiv(num_tokens, programs), marks, slots,
+            (triton.cdiv(rows, block_r),))
 
 
 def combine_table(token_index: torch.Tensor, num_tokens: int, topk: int) -> torch.Tensor:
