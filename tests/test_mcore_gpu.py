@@ -8,6 +8,8 @@ and inference (under EP through the padded postprocess).
 import pytest
 import torch
 
+from megatron_overlap.ops import note_replays
+
 from dist_harness import run_ranks
 
 pytestmark = pytest.mark.gpu
@@ -249,7 +251,7 @@ def _one_gpu_graph(rank, world):
 
     from megatron_overlap.mcore.policy import LayerPolicy
     from megatron_overlap.mcore.spec import with_grouped_experts, with_overlap_moe
-    from megatron_overlap.ops import OverlapBuffer, OverlapConfig
+    from megatron_overlap.ops import OverlapConfig
 
     ALWAYS = LayerPolicy(fuse="always")
 
@@ -284,13 +286,13 @@ def _one_gpu_graph(rank, world):
             static.copy_(xs[i])
             out.fill_(float("nan"))
             graph.replay()
-            OverlapBuffer.note_replays()
+            note_replays()
             torch.cuda.synchronize()
             equal.append(torch.equal(out, want[i]))
         res["replays_equal"] = equal
         res["inputs_differ"] = not torch.equal(want[0], want[1])
         res["rel_to_stock_path"] = _rel(want[0], eager_default)
-        OverlapBuffer.note_replays()
+        note_replays()
         del graph
         model_parallel_cuda_manual_seed(7, force_reset_rng=True)
         torch.manual_seed(7)

@@ -13,10 +13,26 @@ from megatron_overlap.ops import op as op_module
 from megatron_overlap.ops.config import GPU_TILES, INTERPRET_SMS, INTERPRET_TILES, PARTITION_TILES
 from megatron_overlap.ops import launcher, planning
 from megatron_overlap.ops.routing import Router
+from megatron_overlap.ops.session import default_session
 from routing_cases import fp64_rank_partial, rel_err, routed_problem
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU backends")
 INTERP = OverlapConfig(backend="interpret")
+
+
+def CPU_SESSION():
+    """The session `gemm2_gather_rs` runs one-rank CPU calls on."""
+    return default_session(None, "cpu")
+
+
+def groups_refusal() -> str:
+    """Why a capture of a session's first call (nothing prepared yet) is refused."""
+    x = torch.empty(1)
+    try:
+        groups.call_backend(INTERP, x, None, True, False, True)
+    except RuntimeError as err:
+        return str(err)
+    return ""
 REF = OverlapConfig(backend="reference")
 NO_HELPERS = OverlapConfig(backend="interpret", tail_helpers=False)
 
@@ -68,7 +84,7 @@ def test_narrower_last_split_gives_the_same_bits_and_writes_every_element(splits
     default sw = ceil(N/L) first): GEMM2's exact tile counts per split, GatherRS's items
     and the readiness counts agree, and the sum order is the same."""
     p = routed_problem(0, 1, tokens=40, experts=4, topk=3, ffn=16, hidden=48)
-    launch = op_module.prepare(p["x"], p["weight"], p["counts"], p["token_index"], 40, 3,
+    launch = CPU_SESSION().prepare(p["x"], p["weight"], p["counts"], p["token_index"], 40, 3,
                                config=INTERP, splits=splits)
     outs = []
     for width in widths:
@@ -105,8 +121,10 @@ def _planned_as_misfit(monkeypatch, o_comp: int, o_comm: int, sm_margin: int):
     """A problem and a shared-placement config whose kernels plan as compiled binaries
     that do not fit one SM together (the interpreter has none: their residency given),
     in a plan cache of its own (`sm_margin`)."""
-    monkeypatch.setattr(planning, "_families", {})
-    monkeypatch.setattr(planning, "_occupancies", lambda *a: (o_comp, o_comm, "registers", {}))
+    from megatron_overlap.ops import plans
+
+    monkeypatch.setattr(CPU_SESSION(), "planner", plans.Planner())  # (a fresh one, below)
+    monkeypatch.setattr(plans, "_occupancies", lambda *a: (o_comp, o_comm, "registers", {}))
     p = routed_problem(0, 1, tokens=30, experts=3, topk=2, ffn=16, hidden=32)
     return p, dataclasses.replace(SHARED, sm_margin=sm_margin)
 
@@ -159,7 +177,7 @@ def test_token_major_y_gives_the_bits_of_gemm2_row_order(ep):
     p = routed_problem(0, 1, tokens=40, experts=4, topk=3, ffn=16, hidden=48, ep=ep)
     base = call(p, 40, 3, ROW_ORDER, probs=True, comm_ctas=2, splits=2)
     assert rel_err(base, fp64_rank_partial(p, 40, with_probs=True)) < 1e-2
-    launch = op_module.prepare(p["x"], p["weight"], p["counts"], p["token_index"], 40, 3,
+    launch = CPU_SESSION().prepare(p["x"], p["weight"], p["counts"], p["token_index"], 40, 3,
                                config=INTERP)
     assert (launch.routing.dest is not None) == (ep == 1)
     # token-major only where T = M k: y has no more rows than GEMM2 has
@@ -189,11 +207,11 @@ def test_host_offsets_through_the_pinned_ring_equal_a_copy_for_more_calls_than_s
         assert r.counts_dev.tolist() == counts and r.row_tiles == int(want_tiles[-1])
         assert torch.equal(r.table, rt_combine(p["token_index"], 24, 2))
     mapped = [call(p, 24, 2, INTERP) for p in problems[:3]]
-    Router.get(torch.device("cpu")).mapped_offsets = False
+    CPU_SESSION().router.mapped_offsets = False
     try:
         copied = [call(p, 24, 2, INTERP) for p in problems[:3]]
     finally:
-        Router.get(torch.device("cpu")).mapped_offsets = True
+        CPU_SESSION().router.mapped_offsets = True
     assert all(torch.equal(a, b) for a, b in zip(mapped, copied))
 
 
@@ -240,7 +258,7 @@ def test_the_ops_second_routing_pass_waits_for_the_launch_and_gives_the_same_bit
     from the first pass's marks; the output equals that of a routing complete before the
     launch, bit for bit, with probabilities (GatherRS then reads the table) and without,
     and a second launch of the same routing rewrites the same table."""
-    from megatron_overlap.ops.op import prepare
+    prepare = CPU_SESSION().prepare
 
     tokens, topk = 24, 2
     p = routed_problem(0, 1, tokens=tokens, experts=5, topk=topk, ffn=16, hidden=32)
@@ -269,7 +287,7 @@ def test_the_op_defers_the_second_routing_pass_only_where_gemm2_does_not_read_de
     import dataclasses
 
     from megatron_overlap.ops.config import INTERPRET_TILES
-    from megatron_overlap.ops.op import prepare
+    prepare = CPU_SESSION().prepare
 
     tokens, topk = 24, 2
     p = routed_problem(0, 1, tokens=tokens, experts=5, topk=topk, ffn=16, hidden=32)
@@ -311,7 +329,7 @@ def test_the_deferred_second_pass_precedes_gatherrs_on_its_stream_or_the_fork(
 
     streams = types.SimpleNamespace(side="side", ops=Ops(), fork="fork", join="join",
                                     slotted="slotted")
-    monkeypatch.setattr(launcher._Streams, "of", classmethod(lambda cls, buf: streams))
+    monkeypatch.setattr(launcher, "streams_of", lambda buf: streams)
     buf = types.SimpleNamespace(all_or_broken=contextlib.nullcontext)
     slots = types.SimpleNamespace(
         launch=lambda stream=None: log.append(("slots", stream or "main")))
@@ -399,11 +417,10 @@ def test_device_counts_that_miss_the_rows_raise_at_the_check_and_the_buffer_stay
     """Counts the host never saw (a tensor handed to `route`, as the op does with CUDA
     counts) that do not sum to the rows: ValueError at the next check, naming the counts,
     not a broken buffer; the right counts then route as the host's do."""
-    from megatron_overlap.ops import OverlapBuffer
 
     p = routed_problem(0, 1, tokens=30, experts=3, topk=2, ffn=16, hidden=32)
-    buf = OverlapBuffer.get(None, torch.device("cpu"), "interpret")
-    router = Router.get(torch.device("cpu"))
+    buf = CPU_SESSION().buffer("interpret")
+    router = CPU_SESSION().router
     for bad in (p["counts"] + 1, p["counts"] - 1):
         router.route(p["token_index"], bad, buf.error, 16, 30, 2)
         with pytest.raises(ValueError, match="does not sum to x's rows"):
@@ -424,7 +441,6 @@ def test_padding_rows_past_the_counts_change_no_bit_of_the_output(config):
     rows past the counts' sum hold garbage and token 0, and the output is the unpadded
     call's, bit for bit; device-like counts (a tensor handed to `route`) give the same
     table without an error; expected_rows is checked, and refused with gradients."""
-    from megatron_overlap.ops import OverlapBuffer
 
     p = routed_problem(0, 2, tokens=30, experts=4, topk=2, ffn=16, hidden=32, ep=2)
     rows = p["x"].shape[0]
@@ -433,8 +449,8 @@ def test_padding_rows_past_the_counts_change_no_bit_of_the_output(config):
                token_index=torch.cat([p["token_index"], torch.zeros(7, dtype=torch.int64)]))
     got = call(pad, 30, 2, config, expected_rows=rows)
     assert torch.equal(got, want)
-    buf = OverlapBuffer.get(None, torch.device("cpu"), "interpret")
-    router = Router.get(torch.device("cpu"))
+    buf = CPU_SESSION().buffer("interpret")
+    router = CPU_SESSION().router
     table = router.route(pad["token_index"], p["counts"], buf.error, 16, 30, 2,
                          padded=True).table
     buf.note_launch(None, sync=True)  # (raises if the kernel flagged anything)
@@ -507,28 +523,27 @@ def test_captures_that_could_not_replay_raise_a_clear_error(monkeypatch):
         gemm2_gather_rs(x, p["weight"], p["counts"], p["token_index"], 30, 2, config=INTERP)
     assert capture_refusal("triton", None) is None  # device counts (None on the host)
     assert "from the host" in capture_refusal("triton", [10, 20])
-    assert groups._unprepared(object(), 2, torch.device("cpu"), "interpret") is not None
+    assert "first call sets up peer memory" in groups_refusal()
 
 
 def test_a_replays_errors_reach_the_host_at_note_replays_and_the_buffer_stays_usable():
     """A captured call queues nothing for the host (`note_launch(captured=True)`); the
     error word its kernels set in a replay is sticky, and `note_replays` raises it as the
     op's next call would (here: device counts that miss the rows, ERR_COUNTS)."""
-    from megatron_overlap.ops import OverlapBuffer
 
     p = routed_problem(0, 1, tokens=30, experts=3, topk=2, ffn=16, hidden=32)
-    buf = OverlapBuffer.get(None, torch.device("cpu"), "interpret")
+    buf = CPU_SESSION().buffer("interpret")
     buf.check()
     try:
-        router = Router.get(torch.device("cpu"))
+        router = CPU_SESSION().router
         router.route(p["token_index"], p["counts"] + 1, buf.error, 16, 30, 2)  # a "replay"
         buf.note_launch(None, sync=False, captured=True)
         assert buf.captured and buf._pending is None
         with pytest.raises(ValueError, match="does not sum to x's rows"):
-            OverlapBuffer.note_replays(torch.device("cpu"))
+            CPU_SESSION().note_replays()
         assert buf.broken is None and int(buf.error) == 0
         router.route(p["token_index"], p["counts"], buf.error, 16, 30, 2)
-        OverlapBuffer.note_replays("cpu")  # a clean replay raises nothing
+        CPU_SESSION().note_replays()  # a clean replay raises nothing
         out = call(p, 30, 2, INTERP)  # and eager calls go on
         assert rel_err(out, fp64_rank_partial(p, 30)) < 1e-2
     finally:
@@ -627,15 +642,21 @@ def test_tiles_file_named_by_the_environment_gives_from_envs_tiles(tmp_path, mon
 
 
 def test_peerless_group_falls_back_to_reference_with_one_warning(monkeypatch):
-    monkeypatch.setattr(groups, "_peer_capable", lambda group, world: False)
-    monkeypatch.setattr(groups, "_fallback_warned", False)
+    """A session whose group spans hosts (peer memory cannot reach every rank) says so
+    once, when it is built, and runs every call on the reference path."""
+    from megatron_overlap.ops import OverlapSession, session as session_module
+
+    monkeypatch.setattr(session_module, "hosts_agree", lambda group, world: False)
     p = routed_problem(0, 1, tokens=20, experts=2, topk=1, ffn=16, hidden=16)
     with pytest.warns(UserWarning, match="reference path"):
-        out, plan = call(p, 20, 1, INTERP, return_plan=True)
-    assert plan is None and rel_err(out, fp64_rank_partial(p, 20)) < 1e-2
+        session = OverlapSession(None, "cpu", INTERP)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        call(p, 20, 1, INTERP)
+        out, plan = session(p["x"], p["weight"], p["counts"], p["token_index"], 20, 1,
+                            return_plan=True)
+        session(p["x"], p["weight"], p["counts"], p["token_index"], 20, 1)
+    assert plan is None and rel_err(out, fp64_rank_partial(p, 20)) < 1e-2
+    assert not session.buffers()  # (nothing of peer memory was made)
 
 
 def test_missing_producer_raises_timeout_naming_split_and_rank(monkeypatch):
@@ -652,11 +673,10 @@ def test_missing_producer_raises_timeout_naming_split_and_rank(monkeypatch):
 
 def _refused_until_reset(p, config, message):
     """A broken buffer refuses calls with `message` until reset, then computes again."""
-    from megatron_overlap.ops import OverlapBuffer
 
     with pytest.raises(OverlapTimeoutError, match=message):
         call(p, 20, 1, config)
-    OverlapBuffer.get(None, torch.device("cpu"), "interpret").reset()
+    CPU_SESSION().buffer("interpret").reset()
     assert rel_err(call(p, 20, 1, config), fp64_rank_partial(p, 20)) < 1e-2
 
 
@@ -845,7 +865,7 @@ def test_planner_sees_the_tail_helpers_and_the_rows_per_token_this_rank_holds(he
     # rank 0 of two EP ranks: about half of each token's k = 4 rows live here
     p = routed_problem(0, 2, tokens=64, experts=8, topk=4, ffn=16, hidden=32, ep=2)
     config = OverlapConfig(backend="interpret", preset="h200", tail_helpers=helpers, splits=2)
-    launch = op_module.prepare(p["x"], p["weight"], p["counts"], p["token_index"], 64, 4,
+    launch = CPU_SESSION().prepare(p["x"], p["weight"], p["counts"], p["token_index"], 64, 4,
                                config=config)
     cache = launch.launch_plan.cache
     assert cache.kernel.tail_helpers is helpers
@@ -874,7 +894,7 @@ def test_splits_ranked_without_the_helper_terms_and_c_from_the_full_model(tmp_pa
     path = tmp_path / "h200_waves.json"
     path.write_text(json.dumps(waves_only.to_json()))
     config = OverlapConfig(backend="interpret", preset=str(path))
-    launch = op_module.prepare(p["x"], p["weight"], p["counts"], p["token_index"], 128, 4,
+    launch = CPU_SESSION().prepare(p["x"], p["weight"], p["counts"], p["token_index"], 128, 4,
                                config=config)
     full = launch.launch_plan.cache
     t = launch.launch_plan.tiles
@@ -915,14 +935,14 @@ def test_config_placement_picks_the_default_tiles_of_that_placement():
 
 def test_the_planned_splits_are_the_least_of_the_models_predictions_it_reports():
     p = routed_problem(0, 1, tokens=40, experts=4, topk=2, ffn=16, hidden=64)
-    launch = op_module.prepare(p["x"], p["weight"], p["counts"], p["token_index"], 40, 2,
+    launch = CPU_SESSION().prepare(p["x"], p["weight"], p["counts"], p["token_index"], 40, 2,
                                config=INTERP)
     lp = launch.launch_plan
     assert lp.request is not None
-    predicted = planning.split_predictions(lp.request, (1, 2, 4, 8))
+    predicted = CPU_SESSION().planner.split_predictions(lp.request, (1, 2, 4, 8))
     assert set(predicted) == {1, 2, 4, 8} and all(t > 0 for t in predicted.values())
     ranked = {l: predicted[l] for l in planning.split_candidates(64)}
     assert planning.split_candidates(64) == (1, 2)  # up to 2 x max(1, N // 1024)
     assert lp.splits == min(ranked, key=lambda l: (ranked[l], l))
     # past N there is no such split, and the model is not asked
-    assert set(planning.split_predictions(lp.request, (1, 128))) == {1}
+    assert set(CPU_SESSION().planner.split_predictions(lp.request, (1, 128))) == {1}

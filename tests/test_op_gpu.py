@@ -5,6 +5,8 @@ import os
 import pytest
 import torch
 
+from megatron_overlap.ops import default_session, note_replays
+
 from dist_harness import run_ranks
 from megatron_overlap.ops import OverlapConfig, OverlapTimeoutError, gemm2_gather_rs
 from routing_cases import rel_err, routed_problem
@@ -190,15 +192,15 @@ def test_calls_queued_far_ahead_of_the_gpu_give_each_routings_own_output(
     routing's synchronized one. With two offset slots the ring wraps while the GPU is
     busy (the host must wait for a slot's reader); unmapped, each call copies them. The
     streams are ordered by the driver's event calls, or by torch's (`driver` False)."""
-    from megatron_overlap.ops import OverlapBuffer, counts_ring
+    from megatron_overlap.ops import counts_ring
     from megatron_overlap.ops.stream_ops import StreamOps
 
-    from megatron_overlap.ops import launcher
     from megatron_overlap.ops.routing import Router
 
-    monkeypatch.setattr(OverlapBuffer, "_instances", {})  # a fresh buffer
-    monkeypatch.setattr(Router, "_instances", {})  # a fresh router with this ring
-    monkeypatch.setattr(launcher._Streams, "_instances", {})  # (and streams, `driver`)
+    from megatron_overlap.ops import session as session_module
+
+    # a fresh default session: its buffer, router (with this ring) and streams (`driver`)
+    monkeypatch.setattr(session_module, "_default_sessions", {})
     monkeypatch.setattr(counts_ring, "OFFSET_SLOTS", slots)
     monkeypatch.setattr(Router, "mapped_offsets", mapped)
     monkeypatch.setattr(StreamOps, "driver", driver)  # (read when the buffer makes its own)
@@ -284,8 +286,9 @@ def test_the_second_routing_pass_on_gathers_stream_precedes_gatherrs_reading_the
     far ahead of the GPU) and replayed from a CUDA graph."""
     from megatron_overlap.ops import launcher
     from megatron_overlap.ops.capture import CapturedCall
-    from megatron_overlap.ops.op import prepare
+    from megatron_overlap.ops import default_session
 
+    prepare = default_session().prepare
     tokens, topk, hidden = 2048, 4, 512
     p = routed_problem(0, 1, device="cuda", tokens=tokens, experts=40, topk=topk, ffn=256,
                        hidden=hidden, seed=9)
@@ -336,7 +339,6 @@ def test_op_captured_on_device_counts_replays_the_routing_each_replay_finds():
     and tokens its input tensors then hold (a hot expert, a spread routing), with the bits
     of an eager call on them, every element rewritten (poisoned before); counts that miss
     the rows in a replay raise at `note_replays` and the graph goes on replaying."""
-    from megatron_overlap.ops import OverlapBuffer
 
     shape = dict(tokens=512, experts=4, topk=2, ffn=128, hidden=256)
     runs = {"spread": routed_problem(0, 1, device="cuda", **shape),
@@ -358,7 +360,7 @@ def test_op_captured_on_device_counts_replays_the_routing_each_replay_finds():
                 static[k].copy_(run[k])
             out.fill_(float("nan"))
             graph.replay()
-            OverlapBuffer.note_replays()
+            note_replays()
             torch.cuda.synchronize()
             return out.clone()
 
@@ -368,18 +370,17 @@ def test_op_captured_on_device_counts_replays_the_routing_each_replay_finds():
         bad = dict(runs["hot"], counts=runs["hot"]["counts"] + 1)
         replay(bad)
         with pytest.raises(ValueError, match="does not sum to x's rows"):
-            OverlapBuffer.note_replays()
+            note_replays()
         assert torch.equal(replay(runs["spread"]), want["spread"])
-        OverlapBuffer.note_replays()
+        note_replays()
         torch.cuda.synchronize()
-        OverlapBuffer.note_replays()  # nothing left to raise
+        note_replays()  # nothing left to raise
 
 
 def test_padding_rows_on_device_counts_change_no_bit_and_replay_in_a_graph():
     """EP rank 0's rows padded to a bound (garbage rows, token 0, as the layer's padded
     permutation leaves them) with the counts on the device and `expected_rows`: the
     unpadded call's bits, eagerly and in replays of a captured call on two routings."""
-    from megatron_overlap.ops import OverlapBuffer
 
     shape = dict(tokens=1024, experts=8, topk=2, ffn=256, hidden=512, ep=2)
     bound = 1024 * 2
@@ -411,10 +412,10 @@ def test_padding_rows_on_device_counts_change_no_bit_and_replay_in_a_graph():
                 static[k].copy_(runs[i][0][k])
             out.fill_(float("nan"))
             graph.replay()
-            OverlapBuffer.note_replays()
+            note_replays()
             torch.cuda.synchronize()
             assert torch.equal(out, runs[i][1]), i
-        OverlapBuffer.note_replays()
+        note_replays()
 
 
 def test_a_prepared_launch_repeated_after_gemm2_alone_waits_for_its_flag_reset():
@@ -425,8 +426,9 @@ def test_a_prepared_launch_repeated_after_gemm2_alone_waits_for_its_flag_reset()
     import dataclasses
 
     from megatron_overlap.ops import launcher
-    from megatron_overlap.ops.op import prepare
+    from megatron_overlap.ops import default_session
 
+    prepare = default_session().prepare
     p = routed_problem(0, 1, device="cuda", **SHAPE)
     args = (p["x"], p["weight"], p["counts"].tolist(), p["token_index"], SHAPE["tokens"],
             SHAPE["topk"], None, None)
@@ -455,7 +457,6 @@ def test_single_gpu_hot_expert_and_planner_choice():
 
 def test_missing_producer_raises_instead_of_hanging(monkeypatch):
     from megatron_overlap.kernels import gemm2
-    from megatron_overlap.ops import OverlapBuffer
 
     p = routed_problem(0, 1, device="cuda", tokens=512, experts=4, topk=2, ffn=128, hidden=256)
     cfg = OverlapConfig(backend="triton", sync_errors=True, max_spins=10000)
@@ -463,7 +464,7 @@ def test_missing_producer_raises_instead_of_hanging(monkeypatch):
     monkeypatch.setattr(gemm2, "grouped_gemm2_launcher", lambda *a, **k: (lambda stream=None: None))
     with pytest.raises(OverlapTimeoutError, match="split 0"):
         gemm2_gather_rs(p["x"], p["weight"], p["counts"], p["token_index"], 512, 2, config=cfg)
-    OverlapBuffer.get(None, torch.device("cuda", torch.cuda.current_device()), "triton").reset()
+    default_session().buffer("triton").reset()
 
 
 def test_rows_out_of_megatron_order_raise_and_the_next_call_works():
@@ -524,7 +525,6 @@ def _ranks_graph(rank, world, one_gpu=False):
     leave the next call its slots (poisoned outputs, all rewritten)."""
     import torch.distributed as dist
 
-    from megatron_overlap.ops import OverlapBuffer
 
     torch.cuda.set_device(0 if one_gpu else rank)
     group = dist.group.WORLD
@@ -553,10 +553,10 @@ def _ranks_graph(rank, world, one_gpu=False):
                 static[k].copy_(runs[i][k])
             out.fill_(float("nan"))
             graph.replay()
-            OverlapBuffer.note_replays()
+            note_replays()
             torch.cuda.synchronize()
             equal.append(torch.equal(out, want[i]))
-        OverlapBuffer.note_replays()
+        note_replays()
         torch.cuda.synchronize()
     return dict(equal=equal, differ=not torch.equal(want[0], want[1]))
 

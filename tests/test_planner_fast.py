@@ -2,7 +2,7 @@
 (`tests/planner_reference.py`: T(C) at every legal C, Algorithm 1's ties, L ranked from
 fresh plans): the same C*, T(C*) (bit for bit), L and curve, over random workloads,
 kernels, devices and calibrations, the shipped presets, the cache's reuse of what does
-not read the routing, and the op's own `plan_launch`."""
+not read the routing, and the op's own planner (`ops.plans.Planner.plan`)."""
 
 import dataclasses
 import itertools
@@ -14,6 +14,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from megatron_overlap.ops import planning
+from megatron_overlap.ops.plans import Planner
 from megatron_overlap.planner import roofline
 from megatron_overlap.ops.config import GPU_TILES, PARTITION_TILES, OverlapConfig
 from megatron_overlap.planner import (Calibration, DeviceSpec, KernelSpec, PlanCache, Workload,
@@ -209,16 +210,20 @@ def fresh_plan(request, cache, splits):
     return reference_plan(w, cache.kernel, cache.device, cache.calib)
 
 
+#: one planner for the module's requests, as a session keeps one for its calls
+PLANNER = Planner()
+
+
 def reference_ranked(request) -> dict[int, float]:
     """The T the op ranks each L of split_candidates by, the straightforward way: a fresh
     plan's T(C*) under the ranking model, and its max with the splits' roofline where the
     calibration has one."""
     r = request
-    ranking = planning._caches_at(r, 1)[1]
+    ranking = PLANNER.caches_at(r, 1)[1]
     tile_n = ranking.kernel.tile_n if ranking.calib.hbm_balance is not None else None
     ranked = {}
     for cand in planning.split_candidates(r.hidden, tile_n):
-        cache = planning._caches_at(r, cand)[1]
+        cache = PLANNER.caches_at(r, cand)[1]
         t = fresh_plan(r, cache, cand)[1]
         if tile_n:  # the splits' roofline, from its own module (tests/test_roofline.py)
             t = max(t, roofline_t(r, cand, cache))
@@ -234,7 +239,7 @@ def reference_launch(request):
     for cand, t in (() if splits else reference_ranked(request).items()):
         if best is None or t < best * (1 - 1e-9):
             splits, best = cand, t
-    c, t, *_ = fresh_plan(request, planning._caches_at(request, splits)[2], splits)
+    c, t, *_ = fresh_plan(request, PLANNER.caches_at(request, splits)[2], splits)
     return splits, c, t
 
 
@@ -244,9 +249,9 @@ def reference_launch(request):
        st.sampled_from([1024, 2048, 4096, 7168]), st.sampled_from([128, 704, 1408]),
        st.sampled_from([1, 2, 4, 8]), st.sampled_from([2, 4, 6, 8]),
        st.lists(st.integers(0, 4000), min_size=1, max_size=4), st.integers(1, 8))
-def test_plan_launch_ranks_and_plans_as_fresh_plans(preset, tiles, helpers, hidden, ffn,
+def test_the_ops_planner_ranks_and_plans_as_fresh_plans(preset, tiles, helpers, hidden, ffn,
                                                     world, topk, routings, batches):
-    """The op's plan_launch (L ranked by the cached predictors, C by the cache at that L)
+    """The op's planner (L ranked by the cached predictors, C by the cache at that L)
     against fresh plans, for routings new to it at sizes seen before or not: the
     predictors are kept per launch shape less M, so a new M at a known shape, several
     routings at one M, and an M again after another all go through them."""
@@ -258,10 +263,10 @@ def test_plan_launch_ranks_and_plans_as_fresh_plans(preset, tiles, helpers, hidd
         request = planning.PlanRequest(config, tiles, torch.device("cpu"), "interpret",
                                        row_tiles, 16, m, hidden, ffn, world, topk,
                                        float(topk), None, None)
-        got = planning.plan_launch(request)
+        got = PLANNER.plan(request)
         assert (got.splits, got.plan.comm_ctas, got.plan.predicted) == reference_launch(request)
         ranked = reference_ranked(request)  # (the T of every L, not only the least)
-        assert planning.split_predictions(request, tuple(ranked)) == ranked
+        assert PLANNER.split_predictions(request, tuple(ranked)) == ranked
 
 
 def test_reference_and_fast_ties_on_hand_cases():

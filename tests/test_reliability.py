@@ -7,6 +7,8 @@ import json
 import pytest
 import torch
 
+from megatron_overlap.ops import default_session
+
 from megatron_overlap import cli
 from megatron_overlap.ops import OverlapConfig, gemm2_gather_rs
 from megatron_overlap.ops import config as config_module
@@ -275,7 +277,6 @@ def test_waits_are_bounded_by_time_and_the_error_says_how_long(monkeypatch):
     checked (its variable: tests/test_config_env.py)."""
     from megatron_overlap.kernels import gemm2
     from megatron_overlap.ops import OverlapTimeoutError
-    from megatron_overlap.ops.buffer import OverlapBuffer
 
     monkeypatch.setattr(gemm2, "launch_grouped_gemm2", lambda *a, **k: None)
     config = OverlapConfig(backend="interpret", wait_timeout_s=0.25, sm_margin=1)
@@ -286,7 +287,7 @@ def test_waits_are_bounded_by_time_and_the_error_says_how_long(monkeypatch):
     with pytest.raises(OverlapTimeoutError, match=r"split 0 .*after waiting 0.25 s"):
         call(problem(), config=config, comm_ctas=1, splits=1)
     assert time.monotonic() - start < 20
-    OverlapBuffer.get(None, torch.device("cpu"), "interpret").reset()
+    default_session(None, "cpu").buffer("interpret").reset()
     for bad in (0, -1.0, float("nan"), 1e9, True):
         with pytest.raises(ValueError, match="wait_timeout_s"):
             OverlapConfig(wait_timeout_s=bad)
@@ -330,7 +331,6 @@ def _attempt(rank, world, group, case, check=True, **kw):
 def _disagreeing_ranks(rank, world):
     import torch.distributed as dist
 
-    from megatron_overlap.ops import OverlapBuffer
 
     group = dist.group.WORLD
     res = {}
@@ -354,7 +354,7 @@ def _disagreeing_ranks(rank, world):
     # that differ there pair correctly
     res["C, L"] = _attempt(rank, world, group, BASE, comm_ctas=1 + 2 * rank, splits=1 + rank)
     # (faults between ranks and the recovery from them: tests/test_recovery.py)
-    OverlapBuffer.get(group, torch.device("cpu"), "interpret").reset()
+    default_session(group, "cpu").buffer("interpret").reset()
     res["after reset"] = _attempt(rank, world, group, BASE)
     dist.barrier()
     return res

@@ -39,8 +39,8 @@ from workloads import add_case_args, cases, on_every_sm, rank_inputs  # noqa: E4
 
 from megatron_overlap.ops import OverlapConfig, gemm2_gather_rs  # noqa: E402
 from megatron_overlap.ops.capture import CapturedCall  # noqa: E402
-from megatron_overlap.ops.op import prepare  # noqa: E402
-from megatron_overlap.ops.planning import SPLIT_CANDIDATES, split_predictions  # noqa: E402
+from megatron_overlap.ops import default_session  # noqa: E402
+from megatron_overlap.ops.planning import SPLIT_CANDIDATES  # noqa: E402
 from megatron_overlap.ops import launcher  # noqa: E402
 from megatron_overlap.ops.reference import grouped_mm, reference_forward  # noqa: E402
 from megatron_overlap.planner import compute_slots  # noqa: E402
@@ -61,7 +61,8 @@ def policies_for(inp: dict, group, c_values, preset: str | None,
     def op(config, c=None):
         return lambda: gemm2_gather_rs(*args, comm_ctas=c, config=config)
 
-    launch = prepare(*args, config=cfg)
+    session = default_session(group, inp["x"].device)
+    launch = session.prepare(*args[:7], config=cfg)
     plan = launch.plan
     buf = launch.buffer
     md = inp["tokens"] // launch.world
@@ -113,7 +114,7 @@ def policies_for(inp: dict, group, c_values, preset: str | None,
     facts = dict(world=launch.world, comm_ctas=plan.comm_ctas, compute_slots=plan.compute_slots,
                  splits=plan.splits, predicted=plan.curve, w_comp=plan.w_comp,
                  # the model that ranks L, at each L (compute waves): what the choice compared
-                 predicted_by_splits=split_predictions(lp.request, ls),
+                 predicted_by_splits=session.planner.split_predictions(lp.request, ls),
                  w_comm=plan.w_comm, rho=plan.rho,
                  resources=lp.family.resources)
     if graphs:

@@ -5,18 +5,18 @@
 Three planner configurations, each on the three models (B=4, S=4096, TP2, D=2, p90-like
 routing, every expert local):
   * a100-paper: the paper's preset, partition placement (16 candidates of C);
-  * h200 op: what the op plans every launch with on an H200 (ops.planning.plan_cache):
+  * h200 op: what the op plans every launch with on an H200 (ops.plans.Planner):
     the shipped calibration (overlap factor f included), GPU_TILES' shared placement
     (KernelSpec.shared_sms: C = 1..132) with the tail helpers, each L's own comm tile
     (TileConfig.comm_shape), local_topk = k (TP), at the L the op ranks best;
   * h200 op ranking: the wave model the op ranks L with (ranking_calibration, no tail
     helpers; on the H200 the op takes the max of it and the splits' roofline).
-The two h200 configurations run at the L the op plans (`plan_launch`).
+The two h200 configurations run at the L the op plans (`Planner.plan`).
 Cold: `plan()` on a validated Workload (the solver, as the CLI's `solver_us`), and end
 to end from a list of per-expert counts (validation + tile reduction + solve). Cached:
 `PlanCache.decide_tiles` (the look-up the op does once it holds the row-tile count) and
 `PlanCache.decide` from raw counts (adds the O(E) reduction of the counts). h200 op only,
-the op's own `ops.planning.plan_launch` (on this CPU: the interpreter's backend, GPU_TILES'
+the op's own planner (`ops.plans.Planner.plan`) (on this CPU: the interpreter's backend, GPU_TILES'
 shared placement, the shipped h200 calibration, and the H200's DeviceSpec in place of the
 interpreter's virtual device), each call a launch whose every decision cache misses:
 op_miss, a routing not seen before (row_tiles new each call) at sizes seen before, what
@@ -49,9 +49,9 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_overlap.ops import planning
 from megatron_overlap.ops.config import GPU_TILES, OverlapConfig, kernel_spec
-from megatron_overlap.ops.planning import PlanRequest, plan_launch
+from megatron_overlap.ops import plans
+from megatron_overlap.ops.planning import PlanRequest
 from megatron_overlap.planner import (A100_PAPER, Calibration, DeviceSpec, KernelSpec,
                                       PlanCache, Workload, compute_slots, expert_row_tiles,
                                       get_preset, makespan, plan, ranking_calibration,
@@ -80,6 +80,9 @@ class Config:
         return kernel_spec(GPU_TILES, comm_tm, comm_tn, self.kernel.o_comp, self.kernel.o_comm,
                            self.kernel.tail_helpers, shared_sms=True)
 
+
+#: the op's planner, as a session holds it (its caches are what `op_miss` times)
+OP_PLANNER = plans.Planner()
 
 def configs() -> list[Config]:
     h200 = get_preset("h200")
@@ -127,7 +130,7 @@ def bench_row(cfg: Config, shape) -> dict:
 
     row_tiles = expert_row_tiles(counts, GPU_TILES.block_m)
     # the op's own L (its ranking: the wave model and, on the H200, the splits' roofline)
-    splits = plan_launch(op_request(shape, row_tiles)).splits if cfg.op else shape.default_splits
+    splits = OP_PLANNER.plan(op_request(shape, row_tiles)).splits if cfg.op else shape.default_splits
     kernel, device, calib = cfg.kernel_at(shape.hidden, topk, splits), cfg.device, cfg.calib
     w = workload(splits)
     check_against_recurrence(w, kernel, device, calib)
@@ -149,7 +152,7 @@ def bench_row(cfg: Config, shape) -> dict:
     if cfg.name == "h200 op":
         for name, new_sizes in (("op_miss_us", False), ("op_new_sizes_us", True)):
             launches = iter(op_requests(shape, row_tiles, new_sizes))
-            row[name] = per_call_us(lambda: plan_launch(next(launches)), calls=500)
+            row[name] = per_call_us(lambda: OP_PLANNER.plan(next(launches)), calls=500)
     return row
 
 
@@ -157,7 +160,7 @@ def op_request(shape, row_tiles: int, tokens: int = TOKENS) -> PlanRequest:
     """The op's PlanRequest for a launch of `shape` (TP2, every expert local) on the H200:
     the interpreter's backend with the H200's DeviceSpec and the shipped h200 preset."""
     h200 = get_preset("h200").device  # (before the op's first plan cache on this device)
-    planning.device_spec = lambda device, sm_margin: DeviceSpec(h200.name, h200.sms, sm_margin)
+    plans.device_spec = lambda device, sm_margin: DeviceSpec(h200.name, h200.sms, sm_margin)
     k = shape.topk
     return PlanRequest(OverlapConfig(preset="h200"), GPU_TILES, torch.device("cpu"),
                        "interpret", row_tiles, shape.experts, tokens, shape.hidden,
@@ -168,7 +171,7 @@ def op_requests(shape, row_tiles: int, new_sizes: bool, count: int = 21 * 500 + 
     """The op's PlanRequests for `count` launches of `shape`, each with a row_tiles not
     planned before (and a new M where `new_sizes`), after one launch that plans the
     shape's kernels and caches."""
-    plan_launch(op_request(shape, 0))
+    OP_PLANNER.plan(op_request(shape, 0))
     return [op_request(shape, row_tiles + 1 + i, TOKENS + WORLD * (i + 1 if new_sizes else 0))
             for i in range(count)]
 

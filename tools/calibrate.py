@@ -54,8 +54,7 @@ from benchlib import abba, add_run_args, env_info, smoke_setup, write_json  # no
 from tune_tiles import phase_launch, tiles_from_json  # noqa: E402
 from workloads import OpCase, rank_inputs  # noqa: E402
 
-from megatron_overlap.ops import OverlapConfig  # noqa: E402
-from megatron_overlap.ops.op import prepare  # noqa: E402
+from megatron_overlap.ops import OverlapConfig, default_session  # noqa: E402
 from megatron_overlap.planner import (Calibration, KernelSpec, Preset,  # noqa: E402
                                       Workload, plan, preset_for_device)
 from megatron_overlap.planner.model import DeviceSpec, makespan  # noqa: E402
@@ -63,9 +62,9 @@ from megatron_overlap.planner.model import DeviceSpec, makespan  # noqa: E402
 
 def phase_timer(inp, group, c: int, phases, splits: int, backend: str, tiles=None):
     cfg = OverlapConfig.from_env(backend=backend, tiles=tiles)
-    launch = prepare(inp["x"], inp["weight"], inp["counts_list"], inp["token_index"],
-                     inp["tokens"], inp["topk"], None, group, comm_ctas=c, splits=splits,
-                     config=cfg)
+    launch = default_session(group, inp["x"].device).prepare(
+        inp["x"], inp["weight"], inp["counts_list"], inp["token_index"], inp["tokens"],
+        inp["topk"], comm_ctas=c, splits=splits, config=cfg)
     out = torch.empty(inp["tokens"] // launch.world, inp["hidden"], dtype=inp["x"].dtype,
                       device=inp["x"].device)
     y = torch.randn(inp["x"].shape[0], inp["hidden"], device=inp["x"].device).to(inp["x"].dtype)

@@ -53,8 +53,7 @@ import torch.distributed as dist  # noqa: E402
 sys.path.insert(0, os.path.dirname(__file__))
 from benchlib import env_info, write_json  # noqa: E402
 
-from megatron_overlap.ops import OverlapBuffer, OverlapConfig, gemm2_gather_rs  # noqa: E402
-from megatron_overlap.ops import planning  # noqa: E402
+from megatron_overlap.ops import OverlapConfig, default_session, gemm2_gather_rs  # noqa: E402
 from megatron_overlap.ops.reference import reference_forward  # noqa: E402
 from megatron_overlap.kernels.routing_table import combine_table  # noqa: E402
 from megatron_overlap.routing import route  # noqa: E402
@@ -166,15 +165,16 @@ def _rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # (peak, where no /proc)
 
 
-def sample(calls: int, device) -> dict:
+def sample(calls: int, device, group=None) -> dict:
     """Memory now: host RSS, CUDA allocated / reserved, the buffers' peer memory and
     cache entries (plan decisions, plan caches)."""
-    bufs = [b for b in OverlapBuffer._instances.values() if b.device == device]
+    session = default_session(group, device)
+    bufs = session.buffers()
     out = dict(calls=calls, time_s=time.monotonic(), rss=_rss(),
                cuda_allocated=torch.cuda.memory_allocated(device) if device.type == "cuda" else 0,
                cuda_reserved=torch.cuda.memory_reserved(device) if device.type == "cuda" else 0,
                peer_memory=sum(b._memory.local.numel() for b in bufs if b._memory is not None),
-               **planning.cached_counts())
+               **session.planner.cached_counts())
     return out
 
 
@@ -285,7 +285,7 @@ def _attempt(op_args, config, kwargs, group, device, backend):
         out = gemm2_gather_rs(*op_args, config=config, **kwargs)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
-        OverlapBuffer.get(group, device, backend).check()
+        default_session(group, device).check()
         return out, None
     except Exception as err:  # noqa: BLE001 - a soak counts failures, it does not stop
         return None, err
@@ -298,7 +298,7 @@ def run(args) -> dict:
     faults = Faults(args.fault_every, pool, group, world, rank)
     rng = random.Random(args.seed)  # (the same draws on every rank)
     hidden = SHAPES[args.model][0]
-    samples = [sample(0, device)]
+    samples = [sample(0, device, group)]
     times, failures, checks = [], [], []
     if rank == 0:
         print(f"soak: {args.calls} calls, {args.model} (N={hidden}), M in {args.tokens}, "
@@ -324,7 +324,7 @@ def run(args) -> dict:
             want = reference_out(inp, group, world, rank)
             checks.append(dict(call=call, rel_err=rel_err(out, want)))
         if call % args.report_every == 0 or call == args.calls:
-            samples.append(sample(call, device))
+            samples.append(sample(call, device, group))
             _progress(rank, samples[-1], failures, times)
     return _result(args, world, backend, hidden, times, failures, checks, samples,
                    faults.report(), group)

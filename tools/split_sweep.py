@@ -17,7 +17,7 @@ The figure puts each workload's
 measured T(L) / T(L*) beside the ranking model's T(L) / T(L*), L* the planner's choice;
 the candidates the op ranks are marked (`ops.planning.split_candidates`).
 
-`--replan PRESET` re-plans each workload's L with the planner of today (`plan_launch` at
+`--replan PRESET` re-plans each workload's L with the planner of today (`Planner.plan` at
 that calibration preset, on one GPU of the preset's device), its request rebuilt from the
 capture's sizes and row tiles, and scores that L within the sweep's own captures (no
 capture of a new L sits beside them): what a model change does to the captured
@@ -33,7 +33,8 @@ import math
 import statistics
 import sys
 
-from megatron_overlap.ops import planning
+from megatron_overlap.ops import planning, plans
+from megatron_overlap.ops.plans import Planner
 from megatron_overlap.ops.planning import split_candidates
 from megatron_overlap.shapes import LAYOUTS, MODELS
 
@@ -66,7 +67,7 @@ def sweep_row(result: dict) -> dict:
 
 
 def replanned(result: dict, preset: str) -> tuple[int, dict[int, float]]:
-    """(the L `plan_launch` gives a captured workload now at calibration `preset`, the
+    """(the L the op's planner gives a captured workload now at calibration `preset`, the
     ranking model's T at each candidate L): the request rebuilt from the capture (M = B S,
     the rank's rows from GEMM2's FLOPs, row tiles from W_comp at the captured L; B = 4,
     the benchmarks')."""
@@ -84,8 +85,9 @@ def replanned(result: dict, preset: str) -> tuple[int, dict[int, float]]:
         OverlapConfig(preset=preset), GPU_TILES, torch.device("cpu"), "interpret", row_tiles,
         shape.local_experts(ep), tokens, n, k, result["world"], shape.topk,
         round(4 * rows / tokens) / 4, None, None)
-    return (planning.plan_launch(request).splits,
-            planning.split_predictions(request, tuple(planning.ROOFLINE_CANDIDATES)))
+    planner = Planner()
+    return (planner.plan(request).splits,
+            planner.split_predictions(request, tuple(planning.ROOFLINE_CANDIDATES)))
 
 
 def replanned_row(row: dict, splits: int, predicted: dict | None = None) -> dict:
@@ -179,8 +181,8 @@ def main(argv=None) -> int:
         from megatron_overlap.planner.inputs import DeviceSpec
 
         dev = get_preset(args.replan).device  # (one GPU of it, planned on this host)
-        planning.device_spec = lambda device, sm_margin: DeviceSpec(dev.name, dev.sms,
-                                                                    sm_margin)
+        plans.device_spec = lambda device, sm_margin: DeviceSpec(dev.name, dev.sms,
+                                                                 sm_margin)
         rows = [replanned_row(row, *replanned(r, args.replan))
                 for row, r in zip(rows, results)]
     print("\n".join(table(rows)))

@@ -24,12 +24,11 @@ from benchlib import (abba, env_info, smoke_setup,  # noqa: E402
                       summarize, without_samples, write_json)
 from workloads import OpCase, on_every_sm, rank_inputs  # noqa: E402
 
-from megatron_overlap.ops import OverlapConfig  # noqa: E402
+from megatron_overlap.ops import OverlapConfig, default_session  # noqa: E402
 from megatron_overlap.ops.config import (INTERPRET_TILES, PARTITION_TILES,  # noqa: E402
                                          TileConfig, load_tiles)
 from megatron_overlap.kernels import routing_table as rt  # noqa: E402
 from megatron_overlap.ops import launcher  # noqa: E402
-from megatron_overlap.ops.op import prepare  # noqa: E402
 from megatron_overlap.ops.reference import grouped_mm  # noqa: E402
 
 GEMM_CANDIDATES = [(128, 128, 64, 4, 3, False), (128, 128, 64, 4, 3, True),
@@ -59,9 +58,9 @@ def phase_launch(launch, inp, phases, out, y, launch_plan=None):
 
 
 def phase(inp, group, tiles, backend, c, phases, all_sms=True):
-    launch = prepare(inp["x"], inp["weight"], inp["counts_list"], inp["token_index"],
-                     inp["tokens"], inp["topk"], None, group, comm_ctas=c,
-                     config=OverlapConfig.from_env(backend=backend, tiles=tiles))
+    launch = default_session(group, inp["x"].device).prepare(
+        inp["x"], inp["weight"], inp["counts_list"], inp["token_index"], inp["tokens"],
+        inp["topk"], comm_ctas=c, config=OverlapConfig.from_env(backend=backend, tiles=tiles))
     cache = launch.launch_plan.cache
     launch_plan = launch.launch_plan
     if phases == ("gemm2",) and all_sms:

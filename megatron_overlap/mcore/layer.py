@@ -36,7 +36,7 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
 
 from ..ops import (OverlapConfig, add_gated_shared_, capturing,
-                   fusion_decision, gemm2_gather_rs, interpreting)
+                   OverlapSession, default_session, fusion_decision, interpreting)
 from .dispatch import Deferred, OverlapAllGatherDispatcher, Permuted, rows_bound
 from .experts import host_counts, in_inference, needs_host_counts, te_fc1_is_grouped
 from .fc2_operands import (FC2Operands, OperandStacks, fc2_operands, pack_expert_weights,
@@ -134,7 +134,11 @@ class OverlapMoELayer(MoELayer):
         self.decisions = 0
         self.unsupported_reason = self._why_unsupported()
         self._stacks = OperandStacks()  # expert weights, stacked once per change
+        self.overlap_session = None
         if self.unsupported_reason is None:
+            # the op's state (peer memory, plans, compiled kernels), shared by the group's
+            # layers; made here, on every rank together (it asks the group its hosts)
+            self.overlap_session = default_session(self.token_dispatcher.tp_ep_group)
             # Megatron's own dispatcher object, with the process groups it was built with,
             # gains the fused path's methods (the class adds no state: dispatch.py)
             self.token_dispatcher.__class__ = OverlapAllGatherDispatcher
@@ -220,7 +224,7 @@ class OverlapMoELayer(MoELayer):
                    // (c.expert_tensor_parallel_size or 1))
             padded = local != c.num_moe_experts and in_inference(self, (hidden_states,))
             found = fusion_decision(
-                num_tokens=key[0], hidden=c.hidden_size, ffn=ffn, topk=c.moe_router_topk,
+                session=self._session_on(hidden_states.device), num_tokens=key[0], hidden=c.hidden_size, ffn=ffn, topk=c.moe_router_topk,
                 local_experts=local, experts=c.num_moe_experts, dtype=key[1],
                 device=hidden_states.device, group=self.token_dispatcher.tp_ep_group,
                 config=self.overlap_config, stock_launches=self._stock_launches(),
@@ -379,12 +383,11 @@ class OverlapMoELayer(MoELayer):
                                           hidden_states, probs)
         # probs are already in h (the activation applied them, as Megatron's experts do).
         try:
-            out, plan = gemm2_gather_rs(h, weight.to(h.dtype), permuted.counts,
-                                        permuted.token_index, permuted.num_tokens,
-                                        self.config.moe_router_topk, None, permuted.group,
-                                        config=self.overlap_config, return_plan=True,
-                                        expected_rows=permuted.expected_rows,
-                                        call_tag=self._call_tag())
+            out, plan = self._session_on(h.device)(
+                h, weight.to(h.dtype), permuted.counts, permuted.token_index,
+                permuted.num_tokens, self.config.moe_router_topk, None,
+                config=self.overlap_config, return_plan=True,
+                expected_rows=permuted.expected_rows, call_tag=self._call_tag())
         except Exception:
             # every rank raises for a fault or its next call: the counts restart, and meet
             # again after at most one more mismatch
@@ -393,6 +396,13 @@ class OverlapMoELayer(MoELayer):
         self._note_decision(plan, permuted, weight)
         self._fused_pending = True
         return out, None
+
+    def _session_on(self, device) -> OverlapSession:
+        """The layer's op session, on the device its activations are on (a model built
+        on one device and moved to another gets the group's session there)."""
+        if self.overlap_session is None or self.overlap_session.device != device:
+            self.overlap_session = default_session(self.token_dispatcher.tp_ep_group, device)
+        return self.overlap_session
 
     def _call_tag(self) -> int:
         """This call's tag (`gemm2_gather_rs(call_tag=...)`): the layer's number and its

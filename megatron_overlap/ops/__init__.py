@@ -8,12 +8,14 @@ from .fusion import fusion_decision
 from .expert_weights import BIAS_COLUMNS, ExpertWeightStack, with_bias_columns
 from .grouped import accepts as grouped_mm_accepts
 from .helpers import add_gated_shared_, capturing, gather_rows, interpreting, weighted_swiglu
-from .op import gemm2_gather_rs
+from .session import OverlapSession, default_session, gemm2_gather_rs, note_replays
 
 __all__ = ["BIAS_COLUMNS", "ExpertWeightStack", "grouped_mm_accepts", "OverlapBuffer", "OverlapConfig", "OverlapMismatchError",
            "OverlapPeerError",
            "OverlapTimeoutError", "fusion_decision",
            "gemm2_gather_rs", "with_bias_columns",
+           # the op's state and lifecycle (ops/session.py)
+           "OverlapSession", "default_session", "note_replays",
            # the layer's helpers (ops/helpers.py) and CUDA-graph capture (ops/capture.py)
            "CapturedCall", "add_gated_shared_", "capturing", "gather_rows", "interpreting",
            "weighted_swiglu"]

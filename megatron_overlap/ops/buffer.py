@@ -3,7 +3,8 @@
 It holds no plan and no routing: the op's stages (`routing`, `planning`, `launcher`)
 pass those as values; a launch borrows the buffer's flags and slots.
 
-One buffer per (group, device) lives for the whole run: receive slots grow on demand
+The session of a (group, device) owns one buffer per backend for the whole run
+(`session.OverlapSession`): receive slots grow on demand
 (a collective re-allocation, identical on every rank because it depends only on M, N
 and D) and are reused across calls and layers.
 
@@ -64,24 +65,6 @@ class CommTarget:
 class OverlapBuffer(ErrorWord):
     """The workspace of `gemm2_gather_rs` on one group and device."""
 
-    _instances: "dict[tuple, OverlapBuffer]" = {}  # one per group and device, for the process
-    @classmethod
-    def get(cls, group, device: torch.device, backend: str) -> "OverlapBuffer":
-        key = (id(group), str(device), backend)
-        buf = cls._instances.get(key)
-        if buf is None:
-            buf = cls._instances[key] = cls(group, device, backend)
-        return buf
-
-    @classmethod
-    def exists(cls, group, device: torch.device, backend: str) -> bool:
-        return (id(group), str(device), backend) in cls._instances
-
-    @classmethod
-    def of_group(cls, group, device: torch.device) -> "list[OverlapBuffer]":
-        """The group's buffers on `device`, of any backend."""
-        return [b for b in cls._instances.values() if b.group is group and b.device == device]
-
     def __init__(self, group, device: torch.device, backend: str):
         self.group = group
         self.device = device
@@ -101,6 +84,7 @@ class OverlapBuffer(ErrorWord):
         # of captured calls go on counting and recover as eager ones do
         self.epoch = torch.zeros(grs.STATE_WORDS, dtype=torch.int32, device=device)
         self.arrived = False  # this op call has reached the barrier here (`begin_call`)
+        self.launch_streams = None  # GatherRS's stream and events (`launcher`, on first use)
         self.captured = False  # some launch of it went into a CUDA graph
         self.broken: str | None = None
         self.broken_type: type = OverlapTimeoutError  # what a refused call raises
@@ -189,30 +173,25 @@ class OverlapBuffer(ErrorWord):
         if self._memory is not None:
             self._agree(self._descriptor(tokens, hidden, dtype, grs.KIND_REFERENCE, call_tag))
 
-    @classmethod
-    def begin_call(cls, group) -> None:
-        """An op call on `group` starts: none of its buffers has arrived for it yet."""
-        for buf in cls._instances.values():
-            if buf.group is group:
-                buf.arrived = False
+    def begin_call(self) -> None:
+        """An op call starts: the buffer has not arrived at its barrier for it yet."""
+        self.arrived = False
 
-    @classmethod
-    def announce_raise(cls, group, err: BaseException) -> None:
-        """This rank's op call raises before it launched: arrive at the barrier of each
-        of the group's buffers with a failed call, so that every peer raises for it at
-        once (its own wait bounds) rather than after waiting out the bound."""
-        for buf in list(cls._instances.values()):
-            if buf.group is not group or buf.arrived or buf._memory is None:
-                continue
-            buf._launch_agreement((0, 0, grs.KIND_FAILED << 8))
-            code = int(buf.error[0])  # (peers raise a mismatch for this call: expected)
-            buf._pending = None
-            buf.clear_flags()
-            buf.record.zero_()
-            if code >> 24 in (grs.ERR_BARRIER_TIMEOUT, grs.ERR_PEER_FAULT,
-                              grs.ERR_RECOVERY) or code & (grs.RECOVERED | grs.PENDING):
-                err.add_note("at its barrier: " + describe_error(code, buf.rank, None,
-                                                                 buf.wait_bounds))
+    def announce_raise(self, err: BaseException) -> None:
+        """This rank's op call raises before it launched: arrive at the barrier with a
+        failed call, so that every peer raises for it at once (its own wait bounds)
+        rather than after waiting out the bound."""
+        if self.arrived or self._memory is None:
+            return
+        self._launch_agreement((0, 0, grs.KIND_FAILED << 8))
+        code = int(self.error[0])  # (peers raise a mismatch for this call: expected)
+        self._pending = None
+        self.clear_flags()
+        self.record.zero_()
+        if code >> 24 in (grs.ERR_BARRIER_TIMEOUT, grs.ERR_PEER_FAULT,
+                          grs.ERR_RECOVERY) or code & (grs.RECOVERED | grs.PENDING):
+            err.add_note("at its barrier: " + describe_error(code, self.rank, None,
+                                                             self.wait_bounds))
 
     def _allocate(self, need: int, desc: tuple | None) -> None:
         """New peer memory (collective) with parity halves of at least `need` bytes, the

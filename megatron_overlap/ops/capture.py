@@ -13,7 +13,6 @@ from typing import Callable
 
 import torch
 
-from .buffer import OverlapBuffer
 
 
 class CapturedCall:
@@ -22,7 +21,9 @@ class CapturedCall:
     `reference`: the eager output the replay must reproduce (default: `fn()` called once
     eagerly here, which is also the eager call the op needs before a capture). `error`:
     why the capture failed (a CUDA error of the capture, OOM, a refusal of the op), in
-    which case there is nothing to replay. The replay is checked right after the capture:
+    which case there is nothing to replay. `sessions`: the op sessions whose calls `fn`
+    makes besides the default ones (`gemm2_gather_rs`'s): each replay raises what an
+    earlier replay's kernels recorded there, as an eager call would. The replay is checked right after the capture:
     the output poisoned with NaN first, then compared with the reference in chunks (a
     prefill's logits are as large as the graph's own); the reference is then freed.
 
@@ -34,8 +35,9 @@ class CapturedCall:
     block, and the replayed grouped GEMM failed torch's offsets assert.)
     """
 
-    def __init__(self, fn: Callable[[], torch.Tensor], device, reference=None):
+    def __init__(self, fn: Callable[[], torch.Tensor], device, reference=None, sessions=()):
         self.device, self.graph, self.out, self.error, self.check = device, None, None, None, {}
+        self.sessions = tuple(sessions)
         self._fn = fn  # owns the inputs the graph reads (see above)
         with torch.no_grad():
             eager = fn() if reference is None else reference
@@ -54,7 +56,11 @@ class CapturedCall:
 
     def replay(self) -> None:
         self.graph.replay()
-        OverlapBuffer.note_replays(self.device)  # a replay's kernel errors, raised as an eager call's
+        from .session import note_replays  # (the session imports the op; capture serves both)
+
+        note_replays(self.device)  # a replay's kernel errors, raised as an eager call's
+        for session in self.sessions:
+            session.note_replays()
 
     def _compare(self, eager: torch.Tensor) -> dict:
         """The same kernels with the same plans give the same bits, unless a library chose

@@ -7,7 +7,6 @@ into one of these at its next check (`OverlapBuffer.check`).
 
 from __future__ import annotations
 
-import torch
 
 from ..kernels import gather_rs as grs
 from ..kernels.routing_table import ERR_COUNTS, ERR_TOPK, ERR_UNSORTED
@@ -194,7 +193,7 @@ class ErrorWord:
     def note_launch(self, expected: int | None, sync: bool, captured: bool = False) -> None:
         """Queue the error word's copy to the host behind this call, for `check`
         (`captured`: the call went into a CUDA graph, where nothing is queued for the
-        host; `note_replays` queues it behind a replay)."""
+        host; `note_replay` queues it behind a replay)."""
         if captured:
             self.captured = True
             return
@@ -209,13 +208,11 @@ class ErrorWord:
         if sync or self.device.type != "cuda":
             self.check(sync=True)
 
-    @classmethod
-    def note_replays(cls, device: torch.device | None = None) -> None:
-        """After replaying a CUDA graph that holds `gemm2_gather_rs` calls: raise what an
+    def note_replay(self) -> None:
+        """After replaying a CUDA graph that holds calls on this buffer: raise what an
         earlier replay's kernels recorded and has reached the host (as the op's next call
-        would), then queue the error word's copy behind this replay, for the next check.
-        `device`: the buffers of that device only (None: every captured buffer)."""
-        for buf in list(cls._instances.values()):
-            if buf.captured and (device is None or buf.device == torch.device(device)):
-                buf.check(sync=False)
-                buf.note_launch(None, sync=False)
+        would), then queue the error word's copy behind this replay, for the next check
+        (nothing where no call went into a graph)."""
+        if self.captured:
+            self.check(sync=False)
+            self.note_launch(None, sync=False)

@@ -17,8 +17,7 @@ import torch
 from ..planner import Workload, expert_row_tiles
 from ..planner.fusion import FusionDecision, decide_fusion
 from .config import OverlapConfig, preset_of, resolve_backend
-from .groups import group_size_rank
-from .planning import PlanRequest, launch_tiles, plan_launch
+from .planning import PlanRequest, launch_tiles
 from .validation import check_int
 
 #: the answer where the device has no step costs or the backend has no plan (the
@@ -30,7 +29,7 @@ def fusion_decision(*, num_tokens: int, hidden: int, ffn: int, topk: int,
                     local_experts: int, experts: int, dtype: torch.dtype,
                     device: torch.device, group=None, config: OverlapConfig | None = None,
                     stock_launches: int = 0, padded: bool = False,
-                    stock_permute_fused: bool = False) -> FusionDecision:
+                    stock_permute_fused: bool = False, session=None) -> FusionDecision:
     """The model's answer for one MoE layer call of `num_tokens` gathered tokens.
 
     Args: the call's sizes (`ffn` = GEMM2's K on this rank, `local_experts` of `experts`
@@ -39,7 +38,8 @@ def fusion_decision(*, num_tokens: int, hidden: int, ffn: int, topk: int,
     the fused path's (`planner.fusion`); `padded`: the rows reach the op padded to a
     bound (inference under EP), which puts GEMM2's output in row order;
     `stock_permute_fused`: the stock path unpermutes with TE's fused kernel (the layer's
-    `config.moe_permute_fusion`).
+    `config.moe_permute_fusion`); `session`: the `OverlapSession` whose planner plans
+    the call (None: the group's default session, `gemm2_gather_rs`'s).
 
     Returns NO_MODEL (fuse) on the reference backend and where neither the config's
     preset nor the device's shipped calibration has `step_costs`.
@@ -54,7 +54,10 @@ def fusion_decision(*, num_tokens: int, hidden: int, ffn: int, topk: int,
     backend = resolve_backend(config.backend, device)
     if backend == "reference":
         return NO_MODEL
-    world, _ = group_size_rank(group)
+    if session is None:
+        from .session import default_session  # (session imports the op, which this serves)
+        session = default_session(group, device)
+    world = session.world
     rows = num_tokens * topk * local_experts // experts
     tiles = launch_tiles(config, backend, device, dtype, token_major=(  # as `op.prepare`
         not padded and rows == num_tokens * topk and num_tokens * topk < 1 << 31))
@@ -62,7 +65,7 @@ def fusion_decision(*, num_tokens: int, hidden: int, ffn: int, topk: int,
                                  splits=1, total_assignments=rows,
                                  local_experts=local_experts).expert_counts
     local_topk = round(4 * rows / num_tokens) / 4
-    launch_plan = plan_launch(PlanRequest(
+    launch_plan = session.planner.plan(PlanRequest(
         config, tiles, device, backend, expert_row_tiles(counts, tiles.block_m),
         local_experts, num_tokens, hidden, ffn, world, topk, local_topk, config.splits,
         config.comm_ctas))

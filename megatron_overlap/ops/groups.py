@@ -1,79 +1,57 @@
-"""The reduce-scatter group as the op sees it: its size and this rank's place (remembered:
-two torch.distributed queries per call are host time on the launch path), whether peer
-memory can reach every rank, and so which backend runs a call."""
+"""The reduce-scatter group as the op sees it: its size and this rank's place, whether
+peer memory can reach every rank, and so which backend runs a call. The session asks
+the group once, at its setup (`session.OverlapSession`): a query per call would be host
+time on the launch path, and the hosts' check is a collective."""
 
 from __future__ import annotations
 
 import socket
-import warnings
 
 import torch
 import torch.distributed as dist
 
-from .buffer import OverlapBuffer
 from .config import OverlapConfig, resolve_backend
 from .validation import capture_refusal
 
-_group_sizes: dict[int, tuple] = {}
-
 
 def group_size_rank(group) -> tuple[int, int]:
-    """(size, rank) of the group; remembered (two torch.distributed queries per call
-    are host time on the launch path). The entry holds the group, so its id stays its."""
+    """(size, rank) of the group; (1, 0) for None or without torch.distributed."""
     if group is None or not dist.is_initialized():
         return 1, 0
-    hit = _group_sizes.get(id(group))
-    if hit is None or hit[0] is not group:
-        hit = _group_sizes[id(group)] = (group, dist.get_world_size(group),
-                                         dist.get_rank(group))
-    return hit[1], hit[2]
+    return dist.get_world_size(group), dist.get_rank(group)
 
 
-_fallback_warned = False
-_peer_capable_cache: dict[int, bool] = {}
-
-
-def _peer_capable(group, world: int) -> bool:
+def hosts_agree(group, world: int) -> bool:
     """True when every rank of the group is on this host (peer memory can work).
-
-    Collective on the first call for a group (every rank calls the op together), then
-    cached: the launch path must not add a host round trip.
-    """
+    Collective where world > 1: every rank of the group calls it together."""
     if world == 1:
         return True
-    known = _peer_capable_cache.get(id(group))
-    if known is None:
-        hosts = [None] * world
-        dist.all_gather_object(hosts, socket.gethostname(), group=group)
-        known = _peer_capable_cache[id(group)] = len(set(hosts)) == 1
-    return known
+    hosts = [None] * world
+    dist.all_gather_object(hosts, socket.gethostname(), group=group)
+    return len(set(hosts)) == 1
 
 
-def _unprepared(group, world: int, device: torch.device, backend: str) -> str | None:
-    """What a capture would have to set up on the host (None: an eager call of this group
-    did it): the ranks' hosts, gathered by a collective, and the buffer (its peer memory
-    is a collective allocation)."""
-    if (world > 1 and id(group) not in _peer_capable_cache) or not OverlapBuffer.exists(
-            group, device, backend):
-        return ("this group's first call sets up peer memory with collectives; make one "
-                "eager call (of the largest shapes) before capturing")
-    return None
-
-
-def call_backend(config: OverlapConfig, x, counts, group, world: int, captured: bool) -> str:
+def call_backend(config: OverlapConfig, x, counts, peer_capable: bool, prepared: bool,
+                 captured: bool) -> str:
     """The backend that runs the call: the config's, resolved for x's device; the
-    reference where peer memory cannot reach every rank. Refuses a capture (`captured`:
-    x is being captured into a CUDA graph) that could not replay (RuntimeError)."""
+    reference where peer memory cannot reach every rank (`peer_capable`). Refuses a
+    capture (`captured`: x is being captured into a CUDA graph) that could not replay
+    (RuntimeError); `prepared`: an eager call of this backend set up the session's
+    buffer (its peer memory is a collective allocation, which a capture cannot make)."""
     backend = resolve_backend(config.backend, x.device)
     if captured:
-        why = capture_refusal(backend, counts) or _unprepared(group, world, x.device, backend)
+        why = capture_refusal(backend, counts) or (
+            None if prepared else
+            "this group's first call sets up peer memory with collectives; make one eager "
+            "call (of the largest shapes) before capturing")
         if why is not None:
             raise RuntimeError(f"gemm2_gather_rs cannot be captured in a CUDA graph here: {why}")
-    if backend != "reference" and not _peer_capable(group, world):
-        global _fallback_warned
-        if not _fallback_warned:
-            _fallback_warned = True
-            warnings.warn("megatron-overlap: the group spans several hosts; peer memory "
-                          "cannot reach every rank, using the reference path")
-        backend = "reference"
-    return backend
+    return backend if peer_capable else "reference"
+
+
+def check_device(device) -> torch.device:
+    """`device` as a torch.device with its index (the current CUDA device for "cuda")."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device

@@ -20,24 +20,22 @@ from .stream_ops import StreamOps
 
 
 class _Streams:
-    """GatherRS's stream and the fork / join events of one buffer's launches."""
+    """GatherRS's stream and the fork / join events of one buffer's launches (kept on the
+    buffer: `streams_of`)."""
 
-    _instances: "dict[int, _Streams]" = {}
-
-    @classmethod
-    def of(cls, buf: OverlapBuffer) -> "_Streams":
-        found = cls._instances.get(id(buf))
-        if found is None or found.buf is not buf:
-            found = cls._instances[id(buf)] = cls(buf)
-        return found
-
-    def __init__(self, buf: OverlapBuffer):
-        self.buf = buf
-        self.side = torch.cuda.Stream(buf.device)
-        self.ops = StreamOps(buf.device)  # (event records and waits through the driver)
+    def __init__(self, device: torch.device):
+        self.side = torch.cuda.Stream(device)
+        self.ops = StreamOps(device)  # (event records and waits through the driver)
         self.fork = torch.cuda.Event()  # main -> side before GatherRS
         self.join = torch.cuda.Event()  # side -> main after it
         self.slotted = torch.cuda.Event()  # side -> the tail helpers: the table is complete
+
+
+def streams_of(buf: OverlapBuffer) -> _Streams:
+    """The buffer's launch streams, made at its first overlapped launch."""
+    if buf.launch_streams is None:
+        buf.launch_streams = _Streams(buf.device)
+    return buf.launch_streams
 
 
 def _gemm2_args(buf: OverlapBuffer, lp: LaunchPlan, hidden: int, width: int, places) -> dict:
@@ -75,7 +73,7 @@ def _overlapped(buf, lp, launch_gemm2, comm) -> None:
     routing's second pass where it was deferred, and the tail helpers behind GEMM2 after
     that pass too; the caller's stream then waits for GatherRS. (No `torch.cuda.stream`
     switch: it costs more than a launch.)"""
-    streams = _Streams.of(buf)
+    streams = streams_of(buf)
     side, ops = streams.side, streams.ops
     fork, slots = comm.fork, comm.slots
     if lp.plan.reservation > 0 and slots is not None:

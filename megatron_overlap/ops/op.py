@@ -3,7 +3,11 @@
 The pipeline of section III, one stage per module, typed values between them:
     check the call (`Call`) -> route (`routing.Routing`: offsets, combine table)
     -> plan (`planning.LaunchPlan`: C, L, tiles, pure and cached)
-    -> launch (`launcher.launch` on the group's `OverlapBuffer`: peer memory and flags).
+    -> launch (`launcher.launch` on the session's `OverlapBuffer`: peer memory and flags).
+
+Every stage runs on an `OverlapSession` (session.py), which owns the state: the buffer,
+the router's counts ring, the planner's caches and compiled kernel families. These
+functions take it as their first argument and keep nothing between calls.
 
 Glossary (as in the planner):
     T  rows of the expert-sorted activations (sum of tokens_per_expert)
@@ -24,21 +28,19 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import operator
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
 from ..kernels.routing_table import combine_table
 from ..planner import Workload, expert_row_tiles
 from . import launcher
-from .buffer import OverlapBuffer
-from .groups import call_backend, group_size_rank
-from .config import OverlapConfig, TileConfig
+from .groups import call_backend
+from .config import OverlapConfig, TileConfig, resolve_backend
 from .grouped import grouped_mm, grouped_wgrad
-from .planning import LaunchPlan, PlanRequest, launch_tiles, log_decision, plan_launch
-from .routing import Router, Routing
+from .buffer import OverlapBuffer
+from .planning import LaunchPlan, PlanRequest, launch_tiles
+from .routing import Routing
 from .reference import all_gather, reference_forward
 from .validation import (MAX_TOKENS, MAX_TOPK, aligned, capturing, check_int,
                          check_options, expert_count, host_counts, to_device, validate)
@@ -102,68 +104,13 @@ def _gathered_rows(grad_out, token_index, group, world: int) -> torch.Tensor:
     return full[token_index.long()]
 
 
-def gemm2_gather_rs(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    tokens_per_expert,
-    token_index: torch.Tensor,
-    num_tokens: int,
-    topk: int,
-    probs: torch.Tensor | None = None,
-    group=None,
-    *,
-    comm_ctas: int | None = None,
-    splits: int | None = None,
-    config: OverlapConfig | None = None,
-    return_plan: bool = False,
-    expected_rows: int | None = None,
-    call_tag: int = 0,
-):
-    """Overlapped GEMM2 + top-k combine + reduce-scatter; returns this rank's [M/D, N].
-
-    Args:
-        x: [T, K] expert-sorted activations (bf16, fp16 or fp32), rows of expert 0 first.
-        weight: [E, N, K] FC2 weights of the local experts (nn.Linear layout), x's dtype.
-        tokens_per_expert: [E] rows per local expert: a host list / CPU tensor (exact
-            planning) or an int32 / int64 CUDA tensor (the planner's normalized-load
-            estimate; the host never waits for the counts). Device counts are read in
-            place by the routing-table kernel, which checks their sum against T and
-            raises (ValueError) as for token_index below.
-        token_index: [T] int, the global token (0..M-1) of each row (Megatron's
-            `reversed_local_input_permutation_mapping`), in Megatron's permutation
-            order: strictly ascending inside each expert's rows. Checked on CPU at the
-            call; on CUDA by the routing-table kernel, raised (ValueError) at the next
-            call or `OverlapBuffer.check()` (at once with `sync_errors=True`).
-        num_tokens: M, tokens of the whole group; must be divisible by the group size.
-        topk: most rows a token can have on this rank (the router's top-k).
-        probs: optional [T] weight of each row, applied before the combine (Megatron
-            applies routing probabilities before FC2 and passes None).
-        group: the reduce-scatter group (Megatron's tp_ep_group); None = one rank.
-        comm_ctas, splits: explicit C and L (override the planner / default).
-        config: OverlapConfig (backend, planner switch, sm_margin, preset, ...).
-        return_plan: also return the planner's decision (None on the reference path).
-        expected_rows: x's rows are a bound: the counts may sum to fewer, and the rows
-            past their sum are padding, computed and combined by nobody (the layer's
-            padded permutation under EP in inference). The value is the rows the
-            planner expects where the counts stay on the device (e.g. M x top-k x local
-            / all experts under uniform routing). Not with gradients.
-        call_tag: an int in [0, 2**15) that every rank of the group passes alike for the
-            same call (OverlapMoELayer: its layer and its call count). Calls whose tags
-            differ do not pair: every rank raises OverlapMismatchError for them. Calls
-            pair in order, so without tags a rank that skipped a call and makes its next
-            one before its peers' wait ran out pairs it with their skipped one, a wrong
-            result on both; with tags both raise, and the next call alike runs.
-
-    CUDA graphs: a call captured under torch.no_grad with tokens_per_expert a CUDA
-    tensor and a Triton backend replays correctly for whatever the captured x, counts
-    and token_index hold at replay time (the planner's decision is the capture's: it
-    read only the shapes); on a group of several ranks every rank replays its graph as
-    it would call the op. Run one call of the same shapes before capturing (it compiles
-    the kernels and sets up the group's peer memory). A replay's errors (bad counts, a
-    time-out) stay in the buffer's error word: `OverlapBuffer.note_replays()` after a
-    replay reads them at the next call, as an eager call's. Other calls raise
-    RuntimeError when captured.
-    """
+def run(session, x: torch.Tensor, weight: torch.Tensor, tokens_per_expert,
+        token_index: torch.Tensor, num_tokens: int, topk: int,
+        probs: torch.Tensor | None = None, *, comm_ctas: int | None = None,
+        splits: int | None = None, config: OverlapConfig | None = None,
+        return_plan: bool = False, expected_rows: int | None = None, call_tag: int = 0):
+    """The op on `session`: prepare, then launch (`OverlapSession.__call__`, whose
+    docstring `gemm2_gather_rs` carries, says what each argument is)."""
     grads = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                          or (probs is not None and probs.requires_grad))
     if grads and expected_rows is not None:
@@ -173,10 +120,18 @@ def gemm2_gather_rs(
         raise RuntimeError("gemm2_gather_rs cannot be captured in a CUDA graph with "
                            "gradients: its backward splits the rows by expert on the host "
                            "(capture the forward under torch.no_grad)")
-    launch = prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs,
-                     group, comm_ctas=comm_ctas, splits=splits, config=config,
+    launch = prepare(session, x, weight, tokens_per_expert, token_index, num_tokens, topk,
+                     probs, comm_ctas=comm_ctas, splits=splits, config=config,
                      expected_rows=expected_rows, defer_slots=None, call_tag=call_tag)
-    with _arrives_on_raise(group):
+    out = launched(session, launch, x, weight, probs, token_index, grads)
+    return (out, launch.plan) if return_plan else out
+
+
+def launched(session, launch: "Launch", x, weight, probs, token_index, grads: bool):
+    """The output of a prepared launch (`prepare`'s handle, on the same x, weight, probs
+    and token_index): the kernels queued, an autograd node where `grads`, the error word's
+    copy queued behind them, and an earlier call's error raised after they launched."""
+    with _arrives_on_raise(session):
         if grads:
             out = _Gemm2GatherRS.apply(x, weight, probs, launch.counts_dev, token_index,
                                        launch.table, launch)
@@ -186,18 +141,19 @@ def gemm2_gather_rs(
         launch.buffer.note_launch(launch.plan.w_comp if launch.counts is not None else None,
                                   sync=launch.config.sync_errors, captured=launch.captured)
         launch.buffer.raise_deferred()  # (an earlier call's error, found at this one's start)
-    return (out, launch.plan) if return_plan else out
+    return out
 
 
 @contextlib.contextmanager
-def _arrives_on_raise(group):
+def _arrives_on_raise(session):
     """A call that raises before its barrier still arrives there, marked failed, so
     that its peers raise for it at once (`OverlapBuffer.announce_raise`)."""
     try:
         yield
     except Exception as err:
-        if group is not None and dist.is_initialized():
-            OverlapBuffer.announce_raise(group, err)
+        if session.world > 1:
+            for buf in session.buffers():
+                buf.announce_raise(err)
         raise
 
 
@@ -248,14 +204,17 @@ class Launch:
     captured = property(lambda self: self.call.captured)
 
 
-def _checked_call(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs, group,
+def _checked_call(session, x, weight, tokens_per_expert, token_index, num_tokens, topk, probs,
                   comm_ctas, splits, config, expected_rows) -> Call:
     """Validate the call and choose its backend (raises ValueError naming the argument)."""
     # (sizes as Python ints from here on: numpy's would reach the kernels and caches)
-    config, comm_ctas, splits = check_options(config, comm_ctas, splits)
+    config, comm_ctas, splits = check_options(session.config if config is None else config,
+                                              comm_ctas, splits)
+    if x.device != session.device:
+        raise ValueError(f"x is on {x.device}, the session on {session.device}")
     num_tokens = check_int("num_tokens", num_tokens, 1, MAX_TOKENS)
     topk = check_int("topk", topk, 1, MAX_TOPK)
-    world, rank = group_size_rank(group)
+    group, world, rank = session.group, session.world, session.rank
     experts = expert_count(x, weight)
     counts, counts_dev = host_counts(tokens_per_expert, x.shape[0], experts, x.device)
     padded = expected_rows is not None
@@ -272,7 +231,9 @@ def _checked_call(x, weight, tokens_per_expert, token_index, num_tokens, topk, p
         token_index = token_index[:sum(counts)]
         padded = False  # (the rows past the table's are in no expert's: GEMM2 skips them)
     captured = capturing(x)
-    backend = call_backend(config, x, counts, group, world, captured)
+    backend = call_backend(config, x, counts, session.peer_capable,
+                           session.has_buffer(resolve_backend(config.backend, x.device)),
+                           captured)
     if weight.shape[1] == 0:  # N = 0: nothing to combine; the reference's empty [M/D, 0]
         backend = "reference"
     return Call(config, backend, group, world, rank, experts, counts, counts_dev,
@@ -282,8 +243,7 @@ def _checked_call(x, weight, tokens_per_expert, token_index, num_tokens, topk, p
                 expected_rows, captured)
 
 
-def _reference_launch(call: Call, device: torch.device, hidden: int, dtype,
-                      call_tag: int) -> Launch:
+def _reference_launch(session, call: Call, hidden: int, dtype, call_tag: int) -> Launch:
     """The baseline's launch: its table built with torch alone (device counts: it splits
     the rows on the host anyway)."""
     counts, token_index = call.counts, call.token_index
@@ -294,10 +254,10 @@ def _reference_launch(call: Call, device: torch.device, hidden: int, dtype,
     table = combine_table(token_index.to(torch.int64), call.num_tokens, call.topk)
     counts_dev = (call.counts_dev if call.counts_dev is not None
                   else torch.tensor(counts, dtype=torch.int64))
-    for buf in OverlapBuffer.of_group(call.group, device) if call.world > 1 else ():
+    for buf in session.buffers() if call.world > 1 else ():
         # (a peer on peer memory would never join the reduce-scatter: agree first)
         buf.agree_reference(call.num_tokens, hidden, dtype, call_tag)
-    return Launch(call, to_device(counts_dev, device), table)
+    return Launch(call, to_device(counts_dev, session.device), table)
 
 
 def _plan_request(call: Call, tiles: TileConfig, routing: Routing, x, hidden: int,
@@ -317,35 +277,37 @@ def _plan_request(call: Call, tiles: TileConfig, routing: Routing, x, hidden: in
                        round(4 * rows / call.num_tokens) / 4, call.splits, call.comm_ctas)
 
 
-def prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=None,
-            group=None, *, comm_ctas=None, splits=None, config=None,
-            expected_rows=None, defer_slots: bool | None = False, call_tag: int = 0) -> Launch:
+def prepare(session, x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=None,
+            *, comm_ctas=None, splits=None, config=None, expected_rows=None,
+            defer_slots: bool | None = False, call_tag: int = 0) -> Launch:
     """The op's pipeline up to the launch: check the call, route (offsets and combine
     table on the device), plan (C, L, tiles) and size the buffer's slots.
     `defer_slots`: the routing's second pass (the table) is left to the launch, which
     queues it on GatherRS's stream (`Routing.slots`), so that GEMM2 starts after the
     first pass; off, the table is complete when this returns (tools that read it before
     a launch); None (the op): deferred where GEMM2 does not read the table (row order)."""
-    OverlapBuffer.begin_call(group)
-    with _arrives_on_raise(group):
-        return _prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs,
-                        group, comm_ctas, splits, config, expected_rows, defer_slots,
+    session.check_open()
+    for buf in session.buffers():
+        buf.begin_call()
+    with _arrives_on_raise(session):
+        return _prepare(session, x, weight, tokens_per_expert, token_index, num_tokens, topk,
+                        probs, comm_ctas, splits, config, expected_rows, defer_slots,
                         check_int("call_tag", call_tag, 0, MAX_CALL_TAG - 1))
 
 
-def _prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs, group,
+def _prepare(session, x, weight, tokens_per_expert, token_index, num_tokens, topk, probs,
              comm_ctas, splits, config, expected_rows, defer_slots, call_tag) -> Launch:
-    call = _checked_call(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs,
-                         group, comm_ctas, splits, config, expected_rows)
+    call = _checked_call(session, x, weight, tokens_per_expert, token_index, num_tokens, topk,
+                         probs, comm_ctas, splits, config, expected_rows)
     num_tokens, topk, expected_rows = call.num_tokens, call.topk, call.expected_rows
     if call.backend == "reference":
-        return _reference_launch(call, x.device, weight.shape[1],
+        return _reference_launch(session, call, weight.shape[1],
                                  call.config.partial_dtype or x.dtype, call_tag)
     if x.shape[1] * x.element_size() % 16:
         raise ValueError(f"the {call.backend} backend needs 16-byte rows for its tensor "
                          f"descriptors: K * itemsize = {x.shape[1]} * {x.element_size()} "
                          f"is not a multiple of 16 (K % 8 == 0 for bf16)")
-    buf = OverlapBuffer.get(group, x.device, call.backend)
+    buf = session.buffer(call.backend)
     if not call.captured:  # (a capture may not query events; the warm-up call checked)
         buf.take_stale(sync=False)
     # (the rows to plan for: the counted ones, or with the counts on the device and x
@@ -364,8 +326,8 @@ def _prepare(x, weight, tokens_per_expert, token_index, num_tokens, topk, probs,
     if defer_slots is None:  # deferred where GEMM2 does not read dest: row order
         defer_slots = dest is None
     counts = call.counts if call.counts is not None else to_device(call.counts_dev, x.device)
-    routing = Router.get(x.device).route(call.token_index, counts, buf.error, tiles.block_m,
-                                         num_tokens, topk, dest, call.padded, defer_slots)
-    launch_plan = plan_launch(_plan_request(call, tiles, routing, x, hidden, rows))
-    log_decision(launch_plan, num_tokens, hidden, x.shape[1], call.world)
+    routing = session.router.route(call.token_index, counts, buf.error, tiles.block_m,
+                                   num_tokens, topk, dest, call.padded, defer_slots)
+    launch_plan = session.planner.plan(_plan_request(call, tiles, routing, x, hidden, rows))
+    session.planner.log_decision(launch_plan, num_tokens, hidden, x.shape[1], call.world)
     return Launch(call, routing.counts_dev, routing.table, buf, routing, launch_plan)

@@ -64,20 +64,13 @@ class Routing:
 
 
 class Router:
-    """Builds `Routing`s on one device: owns the pinned ring the host counts go through."""
+    """Builds `Routing`s on one device: owns the pinned ring the host counts go through
+    (one per session: `session.OverlapSession.router`)."""
 
-    _instances: "dict[torch.device, Router]" = {}
     #: host offsets read in place from the ring; False copies them. An instance turns it
     #: off where the GPU cannot read pinned memory in place; the class attribute is for
     #: A/B tools and tests.
     mapped_offsets = True
-
-    @classmethod
-    def get(cls, device: torch.device) -> "Router":
-        router = cls._instances.get(device)
-        if router is None:
-            router = cls._instances[device] = cls(device)
-        return router
 
     def __init__(self, device: torch.device):
         self.device = device

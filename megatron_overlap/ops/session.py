@@ -1,0 +1,215 @@
+"""`OverlapSession`: the op's state on one reduce-scatter group and device, with a lifecycle.
+
+    session = OverlapSession(group, device, config)    # once (queries the group, collective)
+    out = session(x, weight, counts, token_index, M, k)  # the op; or, in two steps:
+    handle = session.prepare(x, weight, counts, token_index, M, k)  # route and plan
+    out = session.launch(handle, x, weight)          # the kernels
+    session.check(); session.reset(); session.close()
+
+The session owns everything a call leaves behind for the next: one `OverlapBuffer` per
+backend (peer memory, flags, epoch, error word, launch streams and events), the router
+with its pinned counts ring, and the planner with its plan caches and compiled kernel
+families (`plans.Planner`). The op's stages (op.py) are functions of a session and keep
+nothing; the session keeps nothing of a call but what the buffer's protocol needs.
+
+`gemm2_gather_rs(...)` is the op on the default session of its group and x's device
+(`default_session`), the one table of sessions in the package; OverlapMoELayer shares
+that session with every layer of the group, or takes one it is given.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from .buffer import OverlapBuffer
+from .config import OverlapConfig
+from .groups import check_device, group_size_rank, hosts_agree
+from .op import Launch, launched, prepare, run
+from .plans import Planner
+from .routing import Router
+
+#: (id(group), device) -> (group, session): `gemm2_gather_rs`'s sessions (the entry holds
+#: the group, so its id stays its own while the session lives)
+_default_sessions: dict[tuple, tuple] = {}
+
+
+class OverlapSession:
+    """The op's state on `group` (None: one rank) and `device` (None: the current CUDA
+    device, else the CPU), with `config` the default of its calls (a call may pass its
+    own: the backend, planner and tiles are per call; the state is the session's).
+
+    Building one asks the group its size and whether every rank shares this host (a
+    collective on a group of several ranks: every rank builds it together). Peer memory
+    is allocated at the first call of each backend, which every rank makes together."""
+
+    def __init__(self, group=None, device=None, config: OverlapConfig | None = None):
+        if config is not None and not isinstance(config, OverlapConfig):
+            raise TypeError(f"config must be an OverlapConfig, got {type(config).__name__}")
+        self.group = group
+        self.device = check_device(device if device is not None else (
+            "cuda" if torch.cuda.is_available() else "cpu"))
+        self.config = config or OverlapConfig()
+        self.world, self.rank = group_size_rank(group)
+        self.peer_capable = hosts_agree(group, self.world)
+        if not self.peer_capable:
+            warnings.warn("megatron-overlap: the group spans several hosts; peer memory "
+                          "cannot reach every rank, using the reference path")
+        self.router = Router(self.device)
+        self.planner = Planner()
+        self._buffers: dict[str, OverlapBuffer] = {}
+        self.closed = False
+
+    # ---------------------------------------------------------------- state
+    def buffer(self, backend: str) -> OverlapBuffer:
+        """The buffer of `backend` ("triton" or "interpret"), made at its first call."""
+        buf = self._buffers.get(backend)
+        if buf is None:
+            buf = self._buffers[backend] = OverlapBuffer(self.group, self.device, backend)
+        return buf
+
+    def has_buffer(self, backend: str) -> bool:
+        return backend in self._buffers
+
+    def buffers(self) -> list[OverlapBuffer]:
+        return list(self._buffers.values())
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("this OverlapSession is closed (make a new one)")
+
+    # ---------------------------------------------------------------- calls
+    def __call__(self, x, weight, tokens_per_expert, token_index, num_tokens: int, topk: int,
+                 probs=None, **options):
+        """The op (`gemm2_gather_rs`, whose arguments these are, less `group`)."""
+        return run(self, x, weight, tokens_per_expert, token_index, num_tokens, topk, probs,
+                   **options)
+
+    def prepare(self, x, weight, tokens_per_expert, token_index, num_tokens: int, topk: int,
+                probs=None, **options) -> Launch:
+        """The call checked, routed and planned, nothing launched: a `Launch` handle
+        (its `plan`, `routing`, `launch_plan`, `buffer`) for `launch`. Options as the op's,
+        and `defer_slots` (op.prepare)."""
+        return prepare(self, x, weight, tokens_per_expert, token_index, num_tokens, topk,
+                       probs, **options)
+
+    def launch(self, handle: Launch, x, weight, probs=None) -> torch.Tensor:
+        """The output of a prepared call, on the same x, weight and probs its `prepare`
+        was given (an autograd node where they need gradients)."""
+        self.check_open()
+        grads = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                             or (probs is not None and probs.requires_grad))
+        return launched(self, handle, x, weight, probs, handle.call.token_index, grads)
+
+    # ---------------------------------------------------------------- lifecycle
+    def check(self) -> None:
+        """Raise what an earlier call's kernels recorded (waits for the latest call)."""
+        for buf in self._buffers.values():
+            buf.check()
+
+    def note_replays(self) -> None:
+        """After replaying a CUDA graph that holds this session's calls: raise an earlier
+        replay's error that reached the host, queue this replay's for the next check."""
+        for buf in self._buffers.values():
+            buf.note_replay()
+
+    def reset(self) -> None:
+        """Forget a failed state (collective on a group: every rank resets together)."""
+        for buf in self._buffers.values():
+            buf.reset()
+
+    def close(self) -> None:
+        """Release the peer memory, flags, streams and caches; later calls raise."""
+        self._buffers.clear()
+        self.planner = Planner()
+        self.closed = True
+        key = _key(self.group, self.device)
+        if _default_sessions.get(key, (None, None))[1] is self:
+            del _default_sessions[key]
+
+    def __enter__(self) -> "OverlapSession":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _key(group, device: torch.device) -> tuple:
+    return id(group), str(device)
+
+
+def default_session(group=None, device=None) -> OverlapSession:
+    """The session `gemm2_gather_rs` runs on for `group` and `device` (made at its first
+    use: every rank of the group makes it together)."""
+    device = check_device(device if device is not None else (
+        "cuda" if torch.cuda.is_available() else "cpu"))
+    found = _default_sessions.get(_key(group, device))
+    if found is None or found[0] is not group:
+        found = _default_sessions[_key(group, device)] = (group, OverlapSession(group, device))
+    return found[1]
+
+
+def note_replays(device=None) -> None:
+    """`note_replays` of every default session (of `device`, None: all): after replaying a
+    CUDA graph holding `gemm2_gather_rs` calls (`CapturedCall` does it)."""
+    for _, session in list(_default_sessions.values()):
+        if device is None or session.device == check_device(device):
+            session.note_replays()
+
+
+def gemm2_gather_rs(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert,
+                    token_index: torch.Tensor, num_tokens: int, topk: int,
+                    probs: torch.Tensor | None = None, group=None, *,
+                    comm_ctas: int | None = None, splits: int | None = None,
+                    config: OverlapConfig | None = None, return_plan: bool = False,
+                    expected_rows: int | None = None, call_tag: int = 0):
+    """Overlapped GEMM2 + top-k combine + reduce-scatter; returns this rank's [M/D, N].
+
+    Args:
+        x: [T, K] expert-sorted activations (bf16, fp16 or fp32), rows of expert 0 first.
+        weight: [E, N, K] FC2 weights of the local experts (nn.Linear layout), x's dtype.
+        tokens_per_expert: [E] rows per local expert: a host list / CPU tensor (exact
+            planning) or an int32 / int64 CUDA tensor (the planner's normalized-load
+            estimate; the host never waits for the counts). Device counts are read in
+            place by the routing-table kernel, which checks their sum against T and
+            raises (ValueError) as for token_index below.
+        token_index: [T] int, the global token (0..M-1) of each row (Megatron's
+            `reversed_local_input_permutation_mapping`), in Megatron's permutation
+            order: strictly ascending inside each expert's rows. Checked on CPU at the
+            call; on CUDA by the routing-table kernel, raised (ValueError) at the next
+            call or `OverlapSession.check()` (at once with `sync_errors=True`).
+        num_tokens: M, tokens of the whole group; must be divisible by the group size.
+        topk: most rows a token can have on this rank (the router's top-k).
+        probs: optional [T] weight of each row, applied before the combine (Megatron
+            applies routing probabilities before FC2 and passes None).
+        group: the reduce-scatter group (Megatron's tp_ep_group); None = one rank.
+        comm_ctas, splits: explicit C and L (override the planner / default).
+        config: OverlapConfig (backend, planner switch, sm_margin, preset, ...).
+        return_plan: also return the planner's decision (None on the reference path).
+        expected_rows: x's rows are a bound: the counts may sum to fewer, and the rows
+            past their sum are padding, computed and combined by nobody (the layer's
+            padded permutation under EP in inference). The value is the rows the
+            planner expects where the counts stay on the device (e.g. M x top-k x local
+            / all experts under uniform routing). Not with gradients.
+        call_tag: an int in [0, 2**15) that every rank of the group passes alike for the
+            same call (OverlapMoELayer: its layer and its call count). Calls whose tags
+            differ do not pair: every rank raises OverlapMismatchError for them. Calls
+            pair in order, so without tags a rank that skipped a call and makes its next
+            one before its peers' wait ran out pairs it with their skipped one, a wrong
+            result on both; with tags both raise, and the next call alike runs.
+
+    CUDA graphs: a call captured under torch.no_grad with tokens_per_expert a CUDA
+    tensor and a Triton backend replays correctly for whatever the captured x, counts
+    and token_index hold at replay time (the planner's decision is the capture's: it
+    read only the shapes); on a group of several ranks every rank replays its graph as
+    it would call the op. Run one call of the same shapes before capturing (it compiles
+    the kernels and sets up the group's peer memory). A replay's errors (bad counts, a
+    time-out) stay in the buffer's error word: `note_replays()` (or the session's) after
+    a replay reads them at the next call, as an eager call's. Other calls raise
+    RuntimeError when captured.
+    """
+    return default_session(group, x.device)(
+        x, weight, tokens_per_expert, token_index, num_tokens, topk, probs,
+        comm_ctas=comm_ctas, splits=splits, config=config, return_plan=return_plan,
+        expected_rows=expected_rows, call_tag=call_tag)

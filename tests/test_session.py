@@ -1,0 +1,110 @@
+"""OverlapSession: one object owns the op's state, with an explicit lifecycle (CPU, the
+Triton interpreter)."""
+
+import pytest
+import torch
+
+from megatron_overlap.ops import (OverlapConfig, OverlapSession, default_session,
+                                  gemm2_gather_rs)
+from routing_cases import fp64_rank_partial, rel_err, routed_problem
+
+INTERP = OverlapConfig(backend="interpret")
+
+
+def _problem():
+    return routed_problem(0, 1, tokens=40, experts=4, topk=3, ffn=16, hidden=48)
+
+
+def _args(p):
+    return p["x"], p["weight"], p["counts"], p["token_index"], 40, 3
+
+
+def test_a_session_gives_the_bits_of_gemm2_gather_rs_and_keeps_its_own_state():
+    """Two sessions on one device share nothing (buffer, planner, router), and each gives
+    the default session's output bit for bit."""
+    p = _problem()
+    want = gemm2_gather_rs(*_args(p), config=INTERP)
+    first, second = OverlapSession(None, "cpu", INTERP), OverlapSession(None, "cpu", INTERP)
+    assert torch.equal(first(*_args(p)), want)
+    assert first.planner.cached_counts()["decisions"] == 1
+    assert second.planner.cached_counts()["decisions"] == 0 and not second.buffers()
+    assert torch.equal(second(*_args(p)), want)
+    assert first.buffer("interpret") is not second.buffer("interpret")
+    assert first.router is not second.router
+    assert rel_err(want, fp64_rank_partial(p, 40)) < 1e-2
+
+
+def test_prepare_then_launch_equals_one_call_and_the_handle_names_its_plan():
+    p = _problem()
+    session = OverlapSession(None, "cpu", INTERP)
+    handle = session.prepare(*_args(p), splits=2)
+    assert handle.plan.splits == 2 and handle.buffer is session.buffer("interpret")
+    out = session.launch(handle, p["x"], p["weight"])
+    assert torch.equal(out, session(*_args(p), splits=2))
+
+
+def test_a_sessions_call_trains_as_the_op_does():
+    """Gradients through a session's call are those of `gemm2_gather_rs`."""
+    p = _problem()
+    grads = []
+    for run in (lambda *a: gemm2_gather_rs(*a, config=INTERP),
+                OverlapSession(None, "cpu", INTERP)):
+        x, w = p["x"].clone().requires_grad_(True), p["weight"].clone().requires_grad_(True)
+        run(x, w, p["counts"], p["token_index"], 40, 3).float().square().sum().backward()
+        grads.append((x.grad, w.grad))
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_a_closed_session_refuses_calls_and_leaves_the_default_table():
+    p = _problem()
+    session = default_session(None, "cpu")
+    session(*_args(p), config=INTERP)
+    session.close()
+    assert session.closed and not session.buffers()
+    with pytest.raises(RuntimeError, match="closed"):
+        session(*_args(p), config=INTERP)
+    fresh = default_session(None, "cpu")
+    assert fresh is not session
+    assert torch.equal(fresh(*_args(p), config=INTERP), gemm2_gather_rs(*_args(p), config=INTERP))
+    with OverlapSession(None, "cpu", INTERP) as scoped:
+        scoped(*_args(p))
+    assert scoped.closed
+
+
+def test_a_call_on_another_device_than_its_session_names_both():
+    p = _problem()
+    session = OverlapSession(None, "cpu", INTERP)
+    with pytest.raises(ValueError, match="x is on meta, the session on cpu"):
+        session(p["x"].to("meta"), p["weight"].to("meta"), p["counts"],
+                p["token_index"].to("meta"), 40, 3)
+
+
+def test_a_session_checks_its_config_and_its_calls_config():
+    with pytest.raises(TypeError, match="config must be an OverlapConfig"):
+        OverlapSession(None, "cpu", {"backend": "interpret"})
+    p = _problem()
+    session = OverlapSession(None, "cpu", INTERP)
+    with pytest.raises(TypeError, match="config must be an OverlapConfig"):
+        session(*_args(p), config="interpret")
+
+
+def test_the_op_keeps_no_process_wide_state_but_the_default_sessions_table():
+    """The op's modules hold no registry of buffers, routers, streams, groups or plans:
+    every mutable module- or class-level container left in them is the one table of
+    default sessions (`gemm2_gather_rs`'s)."""
+    import inspect
+
+    from megatron_overlap import ops
+
+    found = []
+    for name in ("buffer", "errors", "groups", "launcher", "op", "planning", "plans",
+                 "routing", "session", "counts_ring", "residency", "fusion"):
+        module = getattr(__import__(f"megatron_overlap.ops.{name}").ops, name)
+        for attr, value in vars(module).items():
+            if isinstance(value, (dict, list, set)) and not attr.startswith("__"):
+                found.append(f"{name}.{attr}")
+            if inspect.isclass(value) and value.__module__ == module.__name__:
+                found += [f"{name}.{value.__name__}.{a}" for a, v in vars(value).items()
+                          if isinstance(v, (dict, list, set)) and not a.startswith("__")]
+    assert found == ["session._default_sessions"], found
+    assert ops.OverlapSession is OverlapSession
