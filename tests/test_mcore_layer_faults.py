@@ -8,7 +8,6 @@ invalid C), as a bad input on one rank would; rank 1's op then sees its peer's c
 failed, does not pair with it and raises too. Megatron's own collectives before the op (the dispatcher's
 all-gather) run on both ranks, as they do when one rank's op input is bad."""
 
-import functools
 
 import pytest
 import torch
@@ -36,7 +35,6 @@ def _faulted_steps(rank, world):
     mcore_shims.install()
     from megatron.core import parallel_state as ps
 
-    import megatron_overlap.mcore.layer as layer_module
     from megatron_overlap.mcore import LayerPolicy, with_overlap_moe
     from megatron_overlap.ops import OverlapConfig
 
@@ -56,13 +54,20 @@ def _faulted_steps(rank, world):
                    max(_rel_diff(grads[k], ref[2][k]) for k in ref[2]))
 
     res = {"before": _step(layer, x, grad)}
-    real = layer_module.gemm2_gather_rs
-    if rank == 0:  # this rank's op refuses its call before it launches
-        layer_module.gemm2_gather_rs = functools.partial(real, comm_ctas=0)
+    real = layer.overlap_session
+
+    class Refusing:  # this rank's op refuses its call before it launches (C = 0)
+        device = real.device
+
+        def __call__(self, *args, **options):
+            return real(*args, **dict(options, comm_ctas=0))
+
+    if rank == 0:
+        layer.overlap_session = Refusing()
     start = time.monotonic()
     res["fault"] = _step(layer, x, grad)
     res["fault_s"] = time.monotonic() - start
-    layer_module.gemm2_gather_rs = real
+    layer.overlap_session = real
     res["after"] = _step(layer, x, grad)
     # rank 1's count of fused calls runs one ahead, as if it had made a call its peer did
     # not: their call tags differ, both raise, the counts restart alike

@@ -104,19 +104,13 @@ def _planning_for(monkeypatch, preset: str):
     """The op plans for one GPU of the preset's device here (its DeviceSpec, on the CPU)."""
     from megatron_overlap.planner.inputs import DeviceSpec
 
+    from megatron_overlap.ops import plans
+
     gpu = get_preset(preset).device
-    monkeypatch.setattr(planning, "device_spec",
+    # (each replan builds its own Planner: nothing planned here outlives the test)
+    monkeypatch.setattr(plans, "device_spec",
                         lambda device, sm_margin: DeviceSpec(gpu.name, gpu.sms, sm_margin))
-    # (the op's caches keep what they planned on this CPU's DeviceSpec: set aside, and
-    # what is planned here for that GPU is dropped afterwards)
-    caches = ("_caches", "_decisions", "_shapes", "_kernels")
-    saved = {name: dict(getattr(planning, name)) for name in caches}
-    for name in caches:
-        getattr(planning, name).clear()
     yield
-    for name in caches:
-        getattr(planning, name).clear()
-        getattr(planning, name).update(saved[name])
 
 
 @pytest.fixture

@@ -73,9 +73,6 @@ class OverlapBuffer(ErrorWord):
         self.world = dist.get_world_size(group) if distributed else 1
         self.rank = dist.get_rank(group) if distributed else 0
         self.ready = torch.zeros(L_MAX, dtype=torch.int32, device=device)
-        # GatherRS's item counter per split (TileConfig.comm_dynamic_items), left zero by
-        # each call's last program
-        self.claims = torch.zeros(L_MAX, dtype=torch.int32, device=device)
         self._no_peers = torch.zeros(1, dtype=torch.int64, device=device)  # world 1's tables
         self.done = torch.zeros(1, dtype=torch.int32, device=device)
         self.error = torch.zeros(1, dtype=torch.int32, device=device)

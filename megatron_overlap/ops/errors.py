@@ -124,7 +124,7 @@ def describe_error(code: int, rank: int, expected: int | None = None,
 class ErrorWord:
     """`OverlapBuffer`'s error word on its way to the host: each launch queues its copy
     into pinned memory behind it and `check` reads it once it has arrived (the buffer
-    holds `error`, `ready`, `claims`, `done`, `broken`, `broken_type`, `_pending`, the
+    holds `error`, `ready`, `done`, `broken`, `broken_type`, `_pending`, the
     pinned word and its event, `deferred`, and raises a recorded mismatch with
     `mismatch`)."""
 
@@ -134,7 +134,6 @@ class ErrorWord:
         """The kernels' flags back to zero (a call's last program leaves them so): after
         a time-out, and by `reset`."""
         self.ready.zero_()
-        self.claims.zero_()
         self.done.zero_()
         self.error.zero_()
 
