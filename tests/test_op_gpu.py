@@ -434,7 +434,7 @@ def test_a_prepared_launch_repeated_after_gemm2_alone_waits_for_its_flag_reset()
             SHAPE["topk"], None, None)
     config = dataclasses.replace(TRITON, wait_timeout_s=5.0)  # (a stale fork times out)
     want = gemm2_gather_rs(*args, config=config)
-    launch = prepare(*args, config=config)
+    launch = prepare(*args[:7], config=config)  # (the session knows its group)
     y = torch.empty(p["x"].shape[0], SHAPE["hidden"], dtype=p["x"].dtype, device="cuda")
     for _ in range(3):
         torch.cuda._sleep(50_000_000)  # (the main stream far behind the host)
