@@ -63,7 +63,8 @@ def _layout(tp, ep, rank, calls):
     layer.eval()
     with torch.no_grad():
         inference = _rel_diff(layer(x)[0], stock_eval(spec, plain, x))
-        refusal = layer._capture_refusal(x.view(-1, 32))
+        rows = x.view(-1, 32)
+        refusal = layer._capture_refusal(rows, layer._path(rows, None).host_counts)
     return dict(
         calls=fused_calls, stock_calls=stock_calls, fused=fused_plan, refusal=refusal,
         bits=all(torch.equal(a, b) for a, b in zip(flagged[:2], unflagged[:2]))
@@ -100,7 +101,7 @@ def _pricing(layer, tp, ep):
     layer.overlap_config = dataclasses.replace(saved, preset=f.name)
     tokens = 12 * 2 * tp * ep
     try:
-        got = layer._fusion_for(torch.empty(tokens, 32))
+        got = layer._fusion_for(torch.empty(tokens, 32), False)  # (a training call)
         want = {flag: fusion_decision(
             num_tokens=tokens, hidden=32, ffn=16 // tp, topk=2, local_experts=4 // ep,
             experts=4, dtype=torch.float32, device=torch.device("cpu"),

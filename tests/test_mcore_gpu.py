@@ -271,7 +271,7 @@ def _one_gpu_graph(rank, world):
     res = {}
     with torch.no_grad():
         eager_default = layer(xs[0])[0].clone()
-        res["eager_default_fused"] = layer._routed_by_op
+        res["eager_default_fused"] = layer.last_path.fused
         layer.policy, layer._fusion = ALWAYS, {}
         want = [layer(x)[0].clone() for x in xs]
         layer.policy, layer._fusion = LayerPolicy(), {}
@@ -280,7 +280,7 @@ def _one_gpu_graph(rank, world):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = layer(static)[0]
-        res["captured_fused"] = layer._routed_by_op
+        res["captured_fused"] = layer.last_path.fused
         equal = []
         for i in (1, 0, 1):
             static.copy_(xs[i])

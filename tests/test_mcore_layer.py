@@ -144,7 +144,7 @@ def _fusion_sizes(layer, tp: int, ep: int):
     layer._fusion = {}  # (answers cached under the test's own config)
     tokens = 12 // tp * 2 * tp * ep
     try:
-        got = layer._fusion_for(torch.empty(tokens, 32))
+        got = layer._fusion_for(torch.empty(tokens, 32), False)  # (a training call)
         want = fusion_decision(num_tokens=tokens, hidden=32, ffn=16 // tp, topk=2,
                                local_experts=4 // ep, experts=4, dtype=torch.float32,
                                device=torch.device("cpu"),
@@ -331,10 +331,10 @@ def _captured(layer, stock, x):
         # H200's step costs: at these sizes the model predicts the stock path faster
         small = dataclasses.replace(config, preset="h200")
         layer.overlap_config, layer._fusion = small, {}
-        below = layer(x)[0], layer._routed_by_op  # eager: the model says stock
+        below = layer(x)[0], layer.last_path.fused  # eager: the model says stock
         layer.overlap_enabled = False
         with fused_at_every_size(layer):  # a capture's eager reference
-            everywhere = layer(x)[0], layer._routed_by_op
+            everywhere = layer(x)[0], layer.last_path.fused
         restored = (layer.overlap_enabled is False and layer.overlap_config is small
                     and layer.policy is policy)
         layer.overlap_enabled = True
@@ -344,7 +344,7 @@ def _captured(layer, stock, x):
         finally:
             layer_module.capturing = real
             layer.overlap_config, layer._fusion = config, {}
-    fused_now = layer._routed_by_op
+    fused_now = layer.last_path.fused
     layer.last_plan, layer.last_rows, layer._last_key = noted
     return dict(fused=fused_now, eager_below_fused=below[1], restored=restored,
                 everywhere_fused=everywhere[1], everywhere_equal=torch.equal(everywhere[0], fused),
@@ -434,7 +434,7 @@ def _gated_shared_case(tp, ep, x, grad):
             layer.shared_experts_compute(x)
             routed, given = torch.randn_like(x), torch.randn_like(x)
             stale_ok = (torch.equal(layer.postprocess(routed, given), routed + given)
-                        and layer._gated_shared is None)
+                        and layer._in_flight is None)
             layer.train()  # a training step's forward without gradients (a recompute's)
             recompute = layer._fuses_shared_gate(x)
         trained, ref = _run(layer, x, grad), _run(stock.train(), x, grad)

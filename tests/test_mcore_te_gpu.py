@@ -72,7 +72,7 @@ def _te_model_parity(rank, world, name, bias):
             for fused in (False, True):
                 set_overlap_enabled(model, fused)
                 logits[fused] = model(tokens, positions, None).float()
-            res["fused_in_eval"] = all(m._routed_by_op for m in layers)
+            res["fused_in_eval"] = all(m.last_path.fused for m in layers)
         res["logits"] = _rel(logits[True], logits[False])
         model.train()
         step = {}
@@ -83,7 +83,7 @@ def _te_model_parity(rank, world, name, bias):
                 loss = model(tokens, positions, None, labels=labels).float().mean()
                 loss.backward()
                 step[fused] = (float(loss), _grads(model))
-            res["fused_in_training"] = all(m._routed_by_op for m in layers)
+            res["fused_in_training"] = all(m.last_path.fused for m in layers)
     ours = [str(w.message) for w in caught if "megatron-overlap" in str(w.message)]
     res["warnings"] = ours
     (loss0, g0), (loss1, g1) = step[False], step[True]

@@ -28,20 +28,20 @@ from __future__ import annotations
 
 import logging
 import warnings
+from dataclasses import dataclass
 from itertools import chain
 
 import torch
 from megatron.core.transformer.moe.experts import TEGroupedMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
-from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
 
 from ..ops import (OverlapConfig, add_gated_shared_, capturing,
                    OverlapSession, default_session, fusion_decision, interpreting)
 from .dispatch import Deferred, OverlapAllGatherDispatcher, Permuted, rows_bound
 from .experts import host_counts, in_inference, needs_host_counts, te_fc1_is_grouped
-from .fc2_operands import (FC2Operands, OperandStacks, fc2_operands, pack_expert_weights,
-                           unsupported_experts)
+from .fc2_operands import FC2Operands, OperandStacks, fc2_operands, pack_expert_weights
 from .policy import LayerPolicy
+from .support import unsupported_reason
 
 log = logging.getLogger("megatron_overlap.mcore")
 _warned: set[str] = set()
@@ -50,6 +50,26 @@ _warned: set[str] = set()
 #: switch one off or break its top-k).
 deferred_postprocess = OverlapAllGatherDispatcher.deferred_postprocess
 single_sync_postprocess = OverlapAllGatherDispatcher.single_sync_postprocess
+
+
+@dataclass(frozen=True)
+class CallPath:
+    """How one forward call of the layer runs, decided once, at its routed step, from the
+    dispatched rows: every step after it reads this value instead of asking again."""
+
+    fused: bool  # the op does FC2 + unpermute + reduce-scatter (else Megatron's stock steps)
+    inference: bool  # eval mode, no gradient through the rows, probs or experts: padding,
+    #                  counts left on the device, one-pass kernels
+    host_counts: bool  # FC1 of these experts splits the rows on the host
+
+
+@dataclass
+class _InFlight:
+    """What one forward call hands from one of Megatron's steps to a later one: made at
+    its first step, dropped at its last (`postprocess`), so no call sees another's."""
+
+    path: CallPath | None = None
+    gated_shared: tuple | None = None  # (shared output before its gate, gate logits)
 
 
 def _warn_once(key: str, message: str) -> None:
@@ -132,7 +152,7 @@ class OverlapMoELayer(MoELayer):
         self.last_plan = None
         self.last_rows = None
         self.decisions = 0
-        self.unsupported_reason = self._why_unsupported()
+        self.unsupported_reason = unsupported_reason(self)
         self._stacks = OperandStacks()  # expert weights, stacked once per change
         self.overlap_session = None
         if self.unsupported_reason is None:
@@ -144,48 +164,20 @@ class OverlapMoELayer(MoELayer):
             self.token_dispatcher.__class__ = OverlapAllGatherDispatcher
             pack_expert_weights(self.experts)  # (then the stacks are views: no copy at all)
         self._fused_calls = 0  # (the op's call tags: `_call_tag`)
-        self._fused_pending = False  # routed_experts_compute already did the combine
-        self._routed_by_op = False  # this call's routed output came from the fused op
-        self._gated_shared = None  # (shared output before its gate, gate logits) to add
+        self._in_flight: _InFlight | None = None  # the call between Megatron's steps
+        self.last_path: CallPath | None = None  # the latest call's (a record, as last_plan)
         self._last_key = None
         self.last_fusion = None
         self._fusion: dict[tuple, object] = {}  # fuse-or-not per (tokens, dtype, TE unpermute)
 
-    def _why_unsupported(self) -> str | None:
-        c = self.config
-        # (OverlapAllGatherDispatcher: a layer adopted again)
-        if type(self.token_dispatcher) not in (MoEAllGatherTokenDispatcher,
-                                               OverlapAllGatherDispatcher):
-            name = type(self.token_dispatcher).__name__
-            return f"the {name} dispatcher (only allgather is fused)"
-        if hasattr(self, "_inference_token_dispatcher"):
-            return "transformer_impl='inference_optimized' (its own dispatcher)"
-        if c.fp8 or c.fp4:  # (TE's quantized GEMMs: the op's GEMM2 is bf16/fp16/fp32)
-            return "fp8/fp4 experts (the fused GEMM2 runs bf16, fp16 or fp32)"
-        if (why := unsupported_experts(self.experts)) is not None:
-            return why
-        if c.moe_latent_size:
-            return "latent MoE projections"
-        if c.overlap_dispatch_backward_with_experts_wgrad:
-            return "overlap_dispatch_backward_with_experts_wgrad"
-        return self._row_bytes_refusal()
+    def _path(self, hidden_states, probs) -> CallPath:
+        """This call's path, from the dispatched rows [M, H] and their probs."""
+        rows = (hidden_states,) if probs is None else (hidden_states, probs)
+        inference = in_inference(self, chain(rows, self.experts.parameters()))
+        host = needs_host_counts(self.experts, hidden_states)
+        return CallPath(self._fuses(hidden_states, inference, host), inference, host)
 
-    def _row_bytes_refusal(self) -> str | None:
-        """The Triton backends read FC2's input [rows, K] by tensor descriptors, whose rows
-        must be 16-byte multiples; K = the expert FFN width on this rank, in the dtype the
-        layer computes in (Megatron's --bf16 / --fp16, else params_dtype)."""
-        c = self.config
-        if self.overlap_config.backend == "reference":
-            return None
-        ffn = (c.moe_ffn_hidden_size or c.ffn_hidden_size) // (c.expert_tensor_parallel_size or 1)
-        dtype = torch.bfloat16 if c.bf16 else torch.float16 if c.fp16 else c.params_dtype
-        if ffn * dtype.itemsize % 16:
-            return (f"an expert FFN width of {ffn} per rank in {str(dtype).removeprefix('torch.')} "
-                    f"({ffn * dtype.itemsize} B a row; the fused GEMM2 reads 16-byte multiples)")
-        return None
-
-
-    def _use_overlap(self, hidden_states) -> bool:
+    def _fuses(self, hidden_states, inference: bool, host_counts: bool) -> bool:
         """Overlap this call? The same answer on every rank of the group: it reads only
         the gathered [M, H] activations' size, the configuration and the device."""
         if not self.overlap_enabled:
@@ -195,7 +187,7 @@ class OverlapMoELayer(MoELayer):
                        "layers run the stock Megatron path")
             return False
         if capturing(hidden_states):
-            why = self._capture_refusal(hidden_states)
+            why = self._capture_refusal(hidden_states, host_counts)
             if why is not None:
                 _warn_once(f"capture: {why}", "MoE layers captured in a CUDA graph run the "
                            f"stock Megatron path here: {why}")
@@ -205,13 +197,13 @@ class OverlapMoELayer(MoELayer):
             return True
         if self.policy.fuse == "always":
             return True
-        self.last_fusion = self._fusion_for(hidden_states)
+        self.last_fusion = self._fusion_for(hidden_states, inference)
         if not self.last_fusion.fuse:  # the model says the stock path is faster here
             self._note_stock(hidden_states.shape[0], self.last_fusion)
             return False
         return True
 
-    def _fusion_for(self, hidden_states):
+    def _fusion_for(self, hidden_states, inference: bool):
         """The planner's fuse-or-not answer for calls of this many tokens (cached), against
         the stock path as it runs here: TE's fused unpermute under `moe_permute_fusion`
         (read per call, as Megatron's dispatcher reads it)."""
@@ -222,7 +214,7 @@ class OverlapMoELayer(MoELayer):
             c, local = self.config, self.num_local_experts
             ffn = ((c.moe_ffn_hidden_size or c.ffn_hidden_size)
                    // (c.expert_tensor_parallel_size or 1))
-            padded = local != c.num_moe_experts and in_inference(self, (hidden_states,))
+            padded = local != c.num_moe_experts and inference
             found = fusion_decision(
                 session=self._session_on(hidden_states.device), num_tokens=key[0], hidden=c.hidden_size, ffn=ffn, topk=c.moe_router_topk,
                 local_experts=local, experts=c.num_moe_experts, dtype=key[1],
@@ -242,7 +234,7 @@ class OverlapMoELayer(MoELayer):
             return 0
         return self.num_local_experts * (2 if te_fc1_is_grouped(self.experts) else 1)
 
-    def _capture_refusal(self, hidden_states) -> str | None:
+    def _capture_refusal(self, hidden_states, host_counts: bool) -> str | None:
         """Why this call, captured into a CUDA graph, could not replay the routing of each
         replay (None: it can). It can where nothing reaches the host: inference, and the
         counts kept on the device (`_permute`: every expert local or the rows padded,
@@ -258,7 +250,7 @@ class OverlapMoELayer(MoELayer):
                     "MAX_PADDING x top-k: the rows are counted on the host)")
         if c.moe_expert_capacity_factor:
             return "a capacity factor (the rows are split on the host)"
-        if needs_host_counts(self.experts, hidden_states):
+        if host_counts:
             return f"{type(self.experts).__name__} experts (they split the rows on the host)"
         if self.policy.host_counts:
             return "LayerPolicy.host_counts"
@@ -275,7 +267,7 @@ class OverlapMoELayer(MoELayer):
                  "against %.1f us unfused", self.layer_number, tokens, decision.fused_us,
                  decision.unfused_us)
 
-    def _permute(self, hidden_states, probs) -> Permuted | Deferred:
+    def _permute(self, hidden_states, probs, path: CallPath) -> Permuted | Deferred:
         """The dispatched rows sorted by local expert: where the rows are known or (in
         inference) bounded without the counts, a postprocess not waiting for them
         (`Deferred`), which keeps them on the device where FC1 runs on device offsets,
@@ -285,11 +277,9 @@ class OverlapMoELayer(MoELayer):
         and keeps no token of each row, which the op would rebuild with one more sync
         (`Permuted.token_index`); ours gives the op the tokens at one sync or none (on one
         H200, Granite 4 x 16384 prefill: 302 ms against 322 ms with TE's)."""
-        disp, c = self.token_dispatcher, self.config
-        pad = in_inference(self, chain((hidden_states, probs), self.experts.parameters()))
+        disp, c, pad = self.token_dispatcher, self.config, path.inference
         # (the permuted rows have hidden_states' dtype and device, and rows iff it has)
-        on_device = (not needs_host_counts(self.experts, hidden_states)
-                     and not self.policy.host_counts
+        on_device = (not path.host_counts and not self.policy.host_counts
                      and (self.num_local_experts == c.num_moe_experts or pad))
         deferred = deferred_postprocess(disp, hidden_states, probs, c.moe_router_topk,
                                         pad=pad, host_copy=not on_device)
@@ -300,7 +290,8 @@ class OverlapMoELayer(MoELayer):
         return disp.permuted(*single_sync_postprocess(disp, hidden_states, probs),
                              te_row_map=False)
 
-    def _fc1(self, permuted, hidden_states, probs) -> tuple[Permuted, FC2Operands]:
+    def _fc1(self, permuted, hidden_states, probs, path: CallPath
+             ) -> tuple[Permuted, FC2Operands]:
         """(the rows as the op takes them, FC1 + activation and the FC2 weight). A
         deferred permutation's FC1 is queued before the host waits for the counts where
         the experts run on device offsets (no wait where the counts stay there); the wait
@@ -309,7 +300,7 @@ class OverlapMoELayer(MoELayer):
         if isinstance(permuted, Permuted):
             return permuted, self._operands(permuted)
         deferred, disp, early = permuted, self.token_dispatcher, None
-        if not needs_host_counts(self.experts, hidden_states):  # FC1 before the wait
+        if not path.host_counts:  # FC1 before the wait
             early = fc2_operands(self.experts, self._stacks, deferred.permuted, None,
                                  deferred.probs, deferred.counts_dev, deferred.valid_rows)
             if not deferred.host_copy:
@@ -346,7 +337,7 @@ class OverlapMoELayer(MoELayer):
     def shared_experts_compute(self, hidden_states):
         """Stock, except where the gate fuses into the add (`_fuses_shared_gate`): the shared
         expert runs without its gate, and `postprocess` joins it to the routed output."""
-        self._gated_shared = None
+        self._in_flight = _InFlight()  # (a forward call starts at this step: `route`)
         if not self._fuses_shared_gate(hidden_states):
             return super().shared_experts_compute(hidden_states)
         experts = self.shared_experts
@@ -356,18 +347,20 @@ class OverlapMoELayer(MoELayer):
         finally:
             experts.use_shared_expert_gate = True
         logits = torch.nn.functional.linear(hidden_states, experts.gate_weight)
-        self._gated_shared = (ungated, logits)
+        self._in_flight.gated_shared = (ungated, logits)
         return None
 
     def postprocess(self, output, shared_expert_output):
         """Stock, plus the gated shared expert `shared_experts_compute` left ungated: one pass
         into the fused op's fresh output, else Megatron's multiply and add (its bits)."""
-        pending, self._gated_shared = self._gated_shared, None
+        flight, self._in_flight = self._in_flight, None
+        pending = flight.gated_shared if flight is not None else None
         if pending is None or shared_expert_output is not None:  # (stale: a failed call's)
             return super().postprocess(output, shared_expert_output)
         ungated, logits = pending
         output = super().postprocess(output, None)
-        if (self._routed_by_op and output.dtype == ungated.dtype and output.is_contiguous()
+        routed_by_op = flight.path is not None and flight.path.fused
+        if (routed_by_op and output.dtype == ungated.dtype and output.is_contiguous()
                 and ungated.is_contiguous()):
             return add_gated_shared_(output, ungated, logits)
         return output + ungated * torch.sigmoid(logits)
@@ -375,12 +368,14 @@ class OverlapMoELayer(MoELayer):
     def routed_experts_compute(self, hidden_states, probs):
         """Stock: expert output before combine. Overlapped: the combined [M/D, H] rows, as
         permute (the dispatcher) -> FC1 + activation (the experts) -> the fused op."""
-        self._routed_by_op = self._use_overlap(hidden_states)
-        if not self._routed_by_op:
-            self._fused_pending = False
+        flight = self._in_flight
+        if flight is None or flight.path is not None:  # (no route step in this call)
+            flight = self._in_flight = _InFlight()
+        path = flight.path = self.last_path = self._path(hidden_states, probs)
+        if not path.fused:
             return super().routed_experts_compute(hidden_states, probs)
-        permuted, (h, weight) = self._fc1(self._permute(hidden_states, probs),
-                                          hidden_states, probs)
+        permuted, (h, weight) = self._fc1(self._permute(hidden_states, probs, path),
+                                          hidden_states, probs, path)
         # probs are already in h (the activation applied them, as Megatron's experts do).
         try:
             out, plan = self._session_on(h.device)(
@@ -394,7 +389,6 @@ class OverlapMoELayer(MoELayer):
             self._fused_calls = 0
             raise
         self._note_decision(plan, permuted, weight)
-        self._fused_pending = True
         return out, None
 
     def _session_on(self, device) -> OverlapSession:
@@ -415,8 +409,8 @@ class OverlapMoELayer(MoELayer):
 
     def combine(self, output):
         """Stock reduce-scatter, unless routed_experts_compute already combined."""
-        if self._fused_pending:
-            self._fused_pending = False
+        flight = self._in_flight
+        if flight is not None and flight.path is not None and flight.path.fused:
             return output
         return super().combine(output)
 
