@@ -38,7 +38,7 @@ from megatron_overlap.mcore.baselines import (BASELINES, add_baseline_args, arm,
 from megatron_overlap.mcore.policy import LayerPolicy  # noqa: E402
 from megatron_overlap.mcore.convert import fused_at_every_size, set_overlap_enabled  # noqa: E402
 from megatron_overlap.mcore.layer import OverlapMoELayer  # noqa: E402
-from megatron_overlap.ops.capture import CapturedCall  # noqa: E402
+from megatron_overlap.ops import CapturedCall  # noqa: E402
 from megatron_overlap.mcore.models import IMPLS, build_model, model_config  # noqa: E402
 from megatron_overlap.ops import OverlapConfig  # noqa: E402
 

@@ -38,11 +38,10 @@ from tune_tiles import tiles_from_json  # noqa: E402
 from workloads import add_case_args, cases, on_every_sm, rank_inputs  # noqa: E402
 
 from megatron_overlap.ops import OverlapConfig, gemm2_gather_rs  # noqa: E402
-from megatron_overlap.ops.capture import CapturedCall  # noqa: E402
+from megatron_overlap.ops import CapturedCall  # noqa: E402
 from megatron_overlap.ops import default_session  # noqa: E402
 from megatron_overlap.ops.planning import SPLIT_CANDIDATES  # noqa: E402
-from megatron_overlap.ops import launcher  # noqa: E402
-from megatron_overlap.ops.reference import grouped_mm, reference_forward  # noqa: E402
+from megatron_overlap.ops import grouped_mm  # noqa: E402
 from megatron_overlap.planner import compute_slots  # noqa: E402
 
 REFERENCE = OverlapConfig(backend="reference")
@@ -64,13 +63,12 @@ def policies_for(inp: dict, group, c_values, preset: str | None,
     session = default_session(group, inp["x"].device)
     launch = session.prepare(*args[:7], config=cfg)
     plan = launch.plan
-    buf = launch.buffer
     md = inp["tokens"] // launch.world
     out = torch.empty(md, inp["hidden"], dtype=inp["x"].dtype, device=inp["x"].device)
     y = torch.randn(inp["x"].shape[0], inp["hidden"], device=inp["x"].device).to(inp["x"].dtype)
     counts_dev = launch.counts_dev
     w_t = inp["weight"].transpose(1, 2)
-    lp, routing = launch.launch_plan, launch.routing
+    lp = launch.launch_plan
     cache = lp.cache
     every_sm = on_every_sm(launch)
     pol = {
@@ -80,22 +78,17 @@ def policies_for(inp: dict, group, c_values, preset: str | None,
         # for that too (no helper term), so its C can differ
         "planner(no tail helpers)": op(dataclasses.replace(cfg, tail_helpers=False)),
         "gemm2_alone(torch)": lambda: grouped_mm(inp["x"], w_t, counts_dev, inp["counts_list"]),
-        "gemm2_alone(ours,P=all)": lambda: launcher.launch_gemm2_alone(
-            buf, inp["x"], inp["weight"], routing, every_sm, y),
+        "gemm2_alone(ours,P=all)": lambda: session.gemm2_alone(
+            launch, inp["x"], inp["weight"], y, every_sm),
         # one split: x is read once instead of once per split (what L costs GEMM2)
-        "gemm2_alone(ours,P=all,L=1)": lambda: launcher.launch_gemm2_alone(
-            buf, inp["x"], inp["weight"], routing,
-            dataclasses.replace(every_sm, splits=1), y),
+        "gemm2_alone(ours,P=all,L=1)": lambda: session.gemm2_alone(
+            launch, inp["x"], inp["weight"], y, dataclasses.replace(every_sm, splits=1)),
         # The same work with the host's part done once, outside the timed region:
         # what the GPU spends (the whole-op rows above also pay planning, routing table,
         # copies and launches on the host, which a forward pays after every sync).
-        "planner(prepared)": lambda: launcher.launch(
-            buf, inp["x"], inp["weight"], routing, lp, None, out),
-        "reference(prepared)": lambda: reference_forward(
-            inp["x"], inp["weight"], counts_dev, inp["counts_list"], launch.table, None, group,
-            launch.world),
-        f"comm_alone(C={plan.comm_ctas})": lambda: launcher.launch_comm_alone(
-            buf, y, routing, lp, None, out),
+        "planner(prepared)": lambda: session.launch_kernels(launch, inp["x"], inp["weight"], out),
+        "reference(prepared)": lambda: session.reference(launch, inp["x"], inp["weight"]),
+        f"comm_alone(C={plan.comm_ctas})": lambda: session.comm_alone(launch, y, out),
     }
     for c in (3, 28):  # the public A100 COMET path and FLUX's Hopper default
         if compute_slots(c, cache.kernel, cache.device) > 0:
@@ -137,6 +130,7 @@ def captured_policies(inp: dict, group, cfg, launch, c_values=(),
                          f"{inp['x'].shape[0]} rows")
     expected = counts.clone()
     w_t = inp["weight"].transpose(1, 2)
+    session = default_session(group, inp["x"].device)
 
     def op(**choice):
         return lambda: gemm2_gather_rs(inp["x"], inp["weight"], counts, inp["token_index"],
@@ -145,8 +139,8 @@ def captured_policies(inp: dict, group, cfg, launch, c_values=(),
     calls = {
         "planner(graph)": op(),
         "gemm2_alone(torch,graph)": lambda: grouped_mm(inp["x"], w_t, counts, None),
-        "reference(prepared,graph)": lambda: reference_forward(
-            inp["x"], inp["weight"], counts, None, launch.table, None, group, launch.world)[0],
+        "reference(prepared,graph)": lambda: session.reference(
+            launch, inp["x"], inp["weight"], counts_on_device=True),
     }
     calls.update({f"graph C={c}": op(comm_ctas=c) for c in c_values})
     calls.update({f"graph L={l}": op(splits=l) for l in l_values})

@@ -62,13 +62,14 @@ from megatron_overlap.planner.model import DeviceSpec, makespan  # noqa: E402
 
 def phase_timer(inp, group, c: int, phases, splits: int, backend: str, tiles=None):
     cfg = OverlapConfig.from_env(backend=backend, tiles=tiles)
-    launch = default_session(group, inp["x"].device).prepare(
+    session = default_session(group, inp["x"].device)
+    launch = session.prepare(
         inp["x"], inp["weight"], inp["counts_list"], inp["token_index"], inp["tokens"],
         inp["topk"], comm_ctas=c, splits=splits, config=cfg)
     out = torch.empty(inp["tokens"] // launch.world, inp["hidden"], dtype=inp["x"].dtype,
                       device=inp["x"].device)
     y = torch.randn(inp["x"].shape[0], inp["hidden"], device=inp["x"].device).to(inp["x"].dtype)
-    return phase_launch(launch, inp, phases, out, y), launch
+    return phase_launch(session, launch, inp, phases, out, y), launch
 
 
 def model_curve(launch, inp, calib) -> dict[int, float]:

@@ -54,9 +54,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 from benchlib import env_info, write_json  # noqa: E402
 
 from megatron_overlap.ops import OverlapConfig, default_session, gemm2_gather_rs  # noqa: E402
-from megatron_overlap.ops.reference import reference_forward  # noqa: E402
-from megatron_overlap.kernels.routing_table import combine_table  # noqa: E402
 from megatron_overlap.routing import route  # noqa: E402
+
+REFERENCE = OverlapConfig(backend="reference")  # (the check's own path)
 
 MIB = 1 << 20
 #: growth past these (end minus the warm sample) is reported as growth
@@ -261,12 +261,11 @@ class Faults:
 
 
 def reference_out(inp: dict, group, world: int, rank: int) -> torch.Tensor:
-    """This rank's [M / D, N] of the input by the reference path's torch ops: its own
-    partial, summed over the group (a CPU all-reduce where the group is gloo)."""
-    table = combine_table(inp["token_index"].long(), inp["tokens"], inp["topk"])
-    counts = torch.tensor(inp["counts"], device=inp["x"].device)
-    full = reference_forward(inp["x"], inp["weight"], counts, inp["counts"], table, None,
-                             None, 1)[0].float()
+    """This rank's [M / D, N] of the input by the reference path (the op's `reference`
+    backend on this rank alone): its own partial, summed over the group (a CPU all-reduce
+    where the group is gloo)."""
+    full = gemm2_gather_rs(inp["x"], inp["weight"], inp["counts"], inp["token_index"],
+                           inp["tokens"], inp["topk"], config=REFERENCE).float()
     if world > 1:
         on_cpu = dist.get_backend(group) == "gloo"
         full = full.cpu() if on_cpu else full

@@ -24,12 +24,10 @@ from benchlib import (abba, env_info, smoke_setup,  # noqa: E402
                       summarize, without_samples, write_json)
 from workloads import OpCase, on_every_sm, rank_inputs  # noqa: E402
 
-from megatron_overlap.ops import OverlapConfig, default_session  # noqa: E402
-from megatron_overlap.ops.config import (INTERPRET_TILES, PARTITION_TILES,  # noqa: E402
-                                         TileConfig, load_tiles)
+from megatron_overlap.ops import (INTERPRET_TILES, PARTITION_TILES,  # noqa: E402
+                                  OverlapConfig, TileConfig, default_session, grouped_mm)
+from megatron_overlap.ops.config import load_tiles  # noqa: E402
 from megatron_overlap.kernels import routing_table as rt  # noqa: E402
-from megatron_overlap.ops import launcher  # noqa: E402
-from megatron_overlap.ops.reference import grouped_mm  # noqa: E402
 
 GEMM_CANDIDATES = [(128, 128, 64, 4, 3, False), (128, 128, 64, 4, 3, True),
                    (128, 128, 64, 8, 3, False), (128, 128, 64, 8, 3, True),
@@ -45,20 +43,20 @@ COMM_CANDIDATES = [(256, 1024, 32, True, 1), (128, 1024, 32, True, 1),
                    (128, 512, 32, True, 2), (64, 512, 16, True, 4)]
 
 
-def phase_launch(launch, inp, phases, out, y, launch_plan=None):
+def phase_launch(session, launch, inp, phases, out, y, launch_plan=None):
     """A prepared launch's `phases` ("gemm2", "comm" or both) as a callable: one side alone
     writes into `y` (GEMM2) or reads it (GatherRS, every split ready)."""
     lp = launch_plan or launch.launch_plan
-    buf, routing = launch.buffer, launch.routing
     if tuple(phases) == ("gemm2",):
-        return lambda: launcher.launch_gemm2_alone(buf, inp["x"], inp["weight"], routing, lp, y)
+        return lambda: session.gemm2_alone(launch, inp["x"], inp["weight"], y, lp)
     if tuple(phases) == ("comm",):
-        return lambda: launcher.launch_comm_alone(buf, y, routing, lp, None, out)
-    return lambda: launcher.launch(buf, inp["x"], inp["weight"], routing, lp, None, out)
+        return lambda: session.comm_alone(launch, y, out, lp)
+    return lambda: session.launch_kernels(launch, inp["x"], inp["weight"], out, lp)
 
 
 def phase(inp, group, tiles, backend, c, phases, all_sms=True):
-    launch = default_session(group, inp["x"].device).prepare(
+    session = default_session(group, inp["x"].device)
+    launch = session.prepare(
         inp["x"], inp["weight"], inp["counts_list"], inp["token_index"], inp["tokens"],
         inp["topk"], comm_ctas=c, config=OverlapConfig.from_env(backend=backend, tiles=tiles))
     cache = launch.launch_plan.cache
@@ -68,7 +66,7 @@ def phase(inp, group, tiles, backend, c, phases, all_sms=True):
     out = torch.empty(inp["tokens"] // launch.world, inp["hidden"], dtype=inp["x"].dtype,
                       device=inp["x"].device)
     y = torch.randn(inp["x"].shape[0], inp["hidden"], device=inp["x"].device).to(inp["x"].dtype)
-    fn = phase_launch(launch, inp, phases, out, y, launch_plan)
+    fn = phase_launch(session, launch, inp, phases, out, y, launch_plan)
     return fn, dict(launch.launch_plan.family.resources,
                     o_comp=cache.kernel.o_comp, o_comm=cache.kernel.o_comm,
                     comm_tile=(cache.kernel.comm_tile_m, cache.kernel.comm_tile_n))

@@ -3,10 +3,10 @@
 from .buffer import OverlapBuffer
 from .capture import CapturedCall
 from .errors import OverlapMismatchError, OverlapPeerError, OverlapTimeoutError
-from .config import OverlapConfig
+from .config import GPU_TILES, INTERPRET_TILES, PARTITION_TILES, OverlapConfig, TileConfig
 from .fusion import fusion_decision
 from .expert_weights import BIAS_COLUMNS, ExpertWeightStack, with_bias_columns
-from .grouped import accepts as grouped_mm_accepts
+from .grouped import accepts as grouped_mm_accepts, grouped_mm, grouped_wgrad
 from .helpers import add_gated_shared_, capturing, gather_rows, interpreting, weighted_swiglu
 from .session import OverlapSession, default_session, gemm2_gather_rs, note_replays
 
@@ -14,6 +14,9 @@ __all__ = ["BIAS_COLUMNS", "ExpertWeightStack", "grouped_mm_accepts", "OverlapBu
            "OverlapPeerError",
            "OverlapTimeoutError", "fusion_decision",
            "gemm2_gather_rs", "with_bias_columns",
+           # tiles a user or the tuner sets, and the backward's grouped GEMMs
+           "GPU_TILES", "INTERPRET_TILES", "PARTITION_TILES", "TileConfig", "grouped_mm",
+           "grouped_wgrad",
            # the op's state and lifecycle (ops/session.py)
            "OverlapSession", "default_session", "note_replays",
            # the layer's helpers (ops/helpers.py) and CUDA-graph capture (ops/capture.py)

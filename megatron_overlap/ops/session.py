@@ -23,11 +23,13 @@ import warnings
 
 import torch
 
+from . import launcher
 from .buffer import OverlapBuffer
 from .config import OverlapConfig
 from .groups import check_device, group_size_rank, hosts_agree
 from .op import Launch, launched, prepare, run
 from .plans import Planner
+from .reference import reference_forward
 from .routing import Router
 
 #: (id(group), device) -> (group, session): `gemm2_gather_rs`'s sessions (the entry holds
@@ -101,6 +103,34 @@ class OverlapSession:
         grads = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                              or (probs is not None and probs.requires_grad))
         return launched(self, handle, x, weight, probs, handle.call.token_index, grads)
+
+    # ---------------------------------------------------------------- one side alone
+    # (calibration and benchmarks: a prepared handle's kernels without the op's host
+    # bookkeeping; `launch_plan` replaces the handle's, e.g. another C, P or L)
+    def launch_kernels(self, handle: Launch, x, weight, out, launch_plan=None) -> torch.Tensor:
+        """GEMM2 and GatherRS overlapped into `out` [M / D, N]; returns y."""
+        return launcher.launch(handle.buffer, x, weight, handle.routing,
+                               launch_plan or handle.launch_plan, None, out)
+
+    def gemm2_alone(self, handle: Launch, x, weight, y, launch_plan=None) -> torch.Tensor:
+        """GEMM2 by itself into y [T, N] (the readiness flags cleared after it)."""
+        return launcher.launch_gemm2_alone(handle.buffer, x, weight, handle.routing,
+                                           launch_plan or handle.launch_plan, y)
+
+    def comm_alone(self, handle: Launch, y, out, launch_plan=None) -> None:
+        """GatherRS by itself on a given y, every split ready, into `out`."""
+        launcher.launch_comm_alone(handle.buffer, y, handle.routing,
+                                   launch_plan or handle.launch_plan, None, out)
+
+    def reference(self, handle: Launch, x, weight, probs=None,
+                  counts_on_device: bool = False) -> torch.Tensor:
+        """The reference path's [M / D, N] on a prepared handle's routing (torch's grouped
+        GEMM2, the one-gather combine, NCCL's / gloo's reduce-scatter), its table complete
+        (prepared with `defer_slots=False`, the default); `counts_on_device`: the grouped
+        GEMM reads the counts on the device only (what a CUDA graph can capture)."""
+        return reference_forward(x, weight, handle.counts_dev,
+                                 None if counts_on_device else handle.counts, handle.table,
+                                 probs, self.group, self.world)[0]
 
     # ---------------------------------------------------------------- lifecycle
     def check(self) -> None:
