@@ -177,7 +177,7 @@ def main() -> int:
     if tiles is None and backend == "triton":
         # rho_ref is defined for the partition's CTAs (the shipped file was measured so);
         # the shared placement's C* does not rest on it (it takes C = G)
-        from megatron_overlap.ops.config import PARTITION_TILES
+        from megatron_overlap.ops import PARTITION_TILES
 
         tiles = PARTITION_TILES
     comp_fn, launch = phase_timer(inp, group, args.c_cal, ("gemm2",), args.splits, backend, tiles)

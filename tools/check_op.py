@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from workloads import OpCase, rank_inputs  # noqa: E402
 
 from megatron_overlap.ops import OverlapConfig, gemm2_gather_rs  # noqa: E402
-from megatron_overlap.ops.config import GPU_TILES  # noqa: E402
+from megatron_overlap.ops import GPU_TILES  # noqa: E402
 
 
 def fp64_reference(inp: dict) -> torch.Tensor:

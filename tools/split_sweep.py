@@ -74,7 +74,7 @@ def replanned(result: dict, preset: str) -> tuple[int, dict[int, float]]:
     import torch
 
     from megatron_overlap.ops import OverlapConfig
-    from megatron_overlap.ops.config import GPU_TILES
+    from megatron_overlap.ops import GPU_TILES
 
     shape = MODELS[result["model"]]
     tp, ep = {**LAYOUTS, "TP1EP1": (1, 1)}[result["layout"]]
