@@ -9,7 +9,7 @@
 Megatron's `SharedExpertMLP` multiplies its output by `sigmoid(logit)` ([T, 1] against
 [T, H]: a broadcasting multiply that takes torch's non-vectorized elementwise path) and
 `MoELayer.postprocess` then adds it to the routed output: two passes and a third tensor,
-0.36 + 0.18 ms at Qwen S = 16384 on H200 (`tools/profile_layer.py`). This moves the
+0.36 + 0.18 ms at Qwen S = 16384 on H200 (a profile of the layer by kernel kind). This moves the
 same bytes once: read out and shared, write out.
 
 Where it rounds: once, to out's dtype (Megatron rounds the sigmoid, the product and the

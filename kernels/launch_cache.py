@@ -2,7 +2,7 @@
 
 Triton's `kernel[grid](*args)` binds and specializes every argument on every call: 17 us
 of host time for a five-argument kernel on the H200 machines, against 10 us through the
-compiled kernel (measured with `tools/host_overhead.py`), and more for the 27 arguments of
+compiled kernel (measured on the H200 machines' host), and more for the 27 arguments of
 GatherRS. The op makes four launches per call right after Megatron's host sync, while
 the GPU waits for them, so that time is latency.
 

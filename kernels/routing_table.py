@@ -29,7 +29,7 @@ after the marks pass alone; dest serves the backward and the tools.
 
 O(T) loads and atomics, where a search of every token in every expert's segment is
 O(M E log): on one H200, at the three models' TP1EP1 shapes (S = 4096, 16384), the
-search took 30-129 us per call and these passes 14-46 us (tools/bench_routing.py), on
+search took 30-129 us per call and these passes 14-46 us (CUDA-graph replays, docs/RESULTS.md), on
 the critical path before GEMM2 of every call. No host sync: this runs after the
 dispatcher's sync in every MoE layer.
 

@@ -10,7 +10,7 @@ expert change every call, so its kernel is built for a dynamic row count and mov
 ~1.3 TB/s on H200 at T = 262144, K = 1408 (1.65 ms), against ~4.4 TB/s for the shared
 expert's static-shape SwiGLU beside it. Here the row count is a plain runtime argument
 and each program moves a [BLOCK_R, BLOCK_K] tile of both halves with 16-byte accesses,
-whatever T is: 0.56 ms there, ~4 TB/s (one H200, `tools/profile_layer.py`).
+whatever T is: 0.56 ms there, ~4 TB/s (one H200, a profile of the layer by kernel kind).
 
 Where the fp32 intermediates round: nowhere (as the compiled function; Megatron's eager
 path rounds silu(g) and silu(g) * u to bf16 first). `weighted_swiglu_reference` below is

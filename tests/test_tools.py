@@ -307,21 +307,6 @@ def test_the_shipped_host_terms_are_the_fit_of_the_recorded_prefills(monkeypatch
         assert hi < shipped < lo, line
 
 
-def test_report_profile_section_gives_each_arm_its_ratio_to_stock_and_the_inputs_skew():
-    def arm(wall):
-        return dict(wall_ms=wall, gpu_busy_ms=wall - 1, gpu_idle_ms=1.0,
-                    kinds={"dense GEMM": 2.0, "elementwise": 1.0})
-
-    data = dict(command="profile_layer.py", results=[
-        dict(model="qwen", seq=4096, arms=["stock", "overlap"], stock=arm(6.0),
-             overlap=arm(5.0)),
-        dict(model="qwen", seq=4096, arms=["stock", "overlap"], stock=arm(6.0),
-             overlap=arm(4.0), input_layer=12, routing=dict(max_over_mean=5.25))])
-    text = report.profile_section("t", data)
-    assert "| qwen | 4096 | random | overlap | 5.00 | 4.00 | 1.00 | 1.20x | dense GEMM 2.00" in text
-    assert "| qwen | 4096 | layer 12: 5.25 | overlap | 4.00 | 3.00 | 1.00 | 1.50x |" in text
-
-
 def test_overlap_factor_fit_recovers_the_f_and_constant_of_a_model_curve():
     from megatron_overlap.planner import Calibration, DeviceSpec, KernelSpec, Workload, plan
 

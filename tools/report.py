@@ -3,7 +3,7 @@
     python tools/report.py --data docs/data --out build/report
 
 Reads op_*.json (tools/bench_op.py), layer_*.json (tools/bench_layer.py),
-profile_layer_*.json (tools/profile_layer.py), prefill_*.json and train_*.json
+prefill_*.json and train_*.json
 (megatron_overlap.mcore.prefill --json, --train --json; one section per run, the file
 name less its `_{model}_{layout}.json`); writes
 OUT/results_tables.md (every workload's row; RESULTS.md copies the summaries) and PNG
@@ -44,7 +44,7 @@ def load(pattern):
 def op_rows(rows):
     out = []
     for r in rows:
-        if "stats" not in r:  # another tool's file under the op_ prefix (op_energy.py's)
+        if "stats" not in r:  # (a file under the op_ prefix that bench_op did not write)
             continue
         st = {k: v["median"] for k, v in r["stats"].items()}
         ci = {k: (v["ci_low"], v["ci_high"]) for k, v in r["stats"].items()}
@@ -360,27 +360,6 @@ def _overlapped(r) -> str:
     return f"{sum('C' in d for d in decisions)} / {len(decisions)}"
 
 
-def profile_section(tag, data) -> str:
-    """One MoE layer's GPU time per arm (tools/profile_layer.py): wall, busy, idle and the
-    kinds that take the most time, ms per layer call."""
-    rows = data["results"]
-    arms = rows[0].get("arms", ["stock", "overlap"])
-    lines = [f"### One MoE layer by kernel kind, {tag} (tools/profile_layer.py)\n",
-             f"`{data['command']}`\n",
-             "| model | S | input: max_e/mean | arm | wall ms | GPU busy | GPU idle | vs stock | "
-             "largest kinds (ms) |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        for arm in arms:
-            a = r[arm]
-            kinds = ", ".join(f"{k} {v:.2f}" for k, v in list(a["kinds"].items())[:4])
-            lines.append(f"| {r['model']} | {r['seq']} | {_layer_input(r)} | {arm} | "
-                         f"{a['wall_ms']:.2f} | "
-                         f"{a['gpu_busy_ms']:.2f} | {a['gpu_idle_ms']:.2f} | "
-                         f"{r['stock']['wall_ms'] / a['wall_ms']:.2f}x | {kinds} |")
-    return "\n".join(lines) + "\n"
-
-
 def _graph_cells(r) -> str:
     """The `--cuda-graph` policy's cells: its median [CI], stock over it, and whether the
     replay gave the eager fused forward's bits."""
@@ -552,12 +531,6 @@ def main() -> int:
         layer = load(os.path.join(args.data, f"{tag}_*.json"))
         if layer:
             parts.append(layer_section(tag, layer))
-    for path in sorted(glob.glob(os.path.join(args.data, "profile_layer_*.json"))):
-        with open(path) as f:
-            data = json.load(f)
-        if "stock" in data["results"][0]:
-            tag = os.path.basename(path).removeprefix("profile_layer_").removesuffix(".json")
-            parts.append(profile_section(tag, data))
     for kind in ("prefill", "train"):  # (train_*: the same tool's `--train` runs)
         for tag in run_tags(args.data, kind):
             prefill = []

@@ -38,7 +38,8 @@ from megatron.core.transformer.moe.moe_layer import MoELayer
 from ..ops import (OverlapConfig, add_gated_shared_, capturing,
                    OverlapSession, default_session, fusion_decision, interpreting)
 from .dispatch import Deferred, OverlapAllGatherDispatcher, Permuted, rows_bound
-from .experts import host_counts, in_inference, needs_host_counts, te_fc1_is_grouped
+from .decision_log import launch_line
+from .experts import in_inference, needs_host_counts, te_fc1_is_grouped
 from .fc2_operands import FC2Operands, OperandStacks, fc2_operands, pack_expert_weights
 from .policy import LayerPolicy
 from .support import unsupported_reason
@@ -423,21 +424,5 @@ class OverlapMoELayer(MoELayer):
             return
         self._last_key = key
         self.decisions += 1
-        if not log.isEnabledFor(logging.INFO):
-            return
-        e, n, k = weight.shape
-        d = permuted.group.size() if permuted.group is not None else 1
-        if isinstance(permuted.counts, torch.Tensor) and permuted.counts.is_cuda:
-            load = "counts on the device"  # (reading them would sync the host)
-        else:
-            counts = host_counts(permuted.counts)
-            load = f"rows={sum(counts)} max_e={max(counts, default=0)}"
-        sig = f"M={permuted.num_tokens} N={n} K={k} D={d} E={e} {load}"
-        if plan is None:
-            log.info("moe-overlap layer %s: reference backend (not overlapped), %s",
-                     self.layer_number, sig)
-        else:
-            # R = 0: the shared placement (communication CTAs beside GEMM2's)
-            log.info("moe-overlap layer %s: C=%d R=%d L=%d P=%d predicted T=%.1f (%s), %s",
-                     self.layer_number, plan.comm_ctas, plan.reservation, plan.splits,
-                     plan.compute_slots, plan.predicted, plan.source, sig)
+        if log.isEnabledFor(logging.INFO):
+            log.info("%s", launch_line(self.layer_number, plan, permuted, weight))
