@@ -108,3 +108,27 @@ def test_the_op_keeps_no_process_wide_state_but_the_default_sessions_table():
                           if isinstance(v, (dict, list, set)) and not a.startswith("__")]
     assert found == ["session._default_sessions"], found
     assert ops.OverlapSession is OverlapSession
+
+
+def test_a_handle_runs_only_on_the_open_session_that_prepared_it():
+    p = _problem()
+    first, second = OverlapSession(None, "cpu", INTERP), OverlapSession(None, "cpu", INTERP)
+    second(*_args(p))  # (its own buffer exists: the handle's is still not its)
+    handle = first.prepare(*_args(p))
+    with pytest.raises(ValueError, match="another OverlapSession"):
+        second.launch(handle, p["x"], p["weight"])
+    with pytest.raises(TypeError, match="handle must be a Launch"):
+        first.launch("not a handle", p["x"], p["weight"])
+    first.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        first.launch_kernels(handle, p["x"], p["weight"], torch.empty(40, 48))
+
+
+def test_a_padded_handle_refuses_gradients_as_the_op_does():
+    p = _problem()
+    session = OverlapSession(None, "cpu", INTERP)
+    with torch.no_grad():
+        handle = session.prepare(*_args(p), expected_rows=p["x"].shape[0])
+    x = p["x"].clone().requires_grad_(True)
+    with pytest.raises(ValueError, match="expected_rows .* is for inference"):
+        session.launch(handle, x, p["weight"])

@@ -111,20 +111,27 @@ def run(session, x: torch.Tensor, weight: torch.Tensor, tokens_per_expert,
         return_plan: bool = False, expected_rows: int | None = None, call_tag: int = 0):
     """The op on `session`: prepare, then launch (`OverlapSession.__call__`, whose
     docstring `gemm2_gather_rs` carries, says what each argument is)."""
+    grads = needs_grads(x, weight, probs, expected_rows is not None)
+    launch = prepare(session, x, weight, tokens_per_expert, token_index, num_tokens, topk,
+                     probs, comm_ctas=comm_ctas, splits=splits, config=config,
+                     expected_rows=expected_rows, defer_slots=None, call_tag=call_tag)
+    out = launched(session, launch, x, weight, probs, token_index, grads)
+    return (out, launch.plan) if return_plan else out
+
+
+def needs_grads(x, weight, probs, padded: bool) -> bool:
+    """Does the call build an autograd node? Refuses one that could not run backward:
+    padded rows (`expected_rows`) or a CUDA-graph capture."""
     grads = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                          or (probs is not None and probs.requires_grad))
-    if grads and expected_rows is not None:
+    if grads and padded:
         raise ValueError("expected_rows (padded rows) is for inference: the backward needs "
                          "x's rows to be the counts'")
     if grads and capturing(x):
         raise RuntimeError("gemm2_gather_rs cannot be captured in a CUDA graph with "
                            "gradients: its backward splits the rows by expert on the host "
                            "(capture the forward under torch.no_grad)")
-    launch = prepare(session, x, weight, tokens_per_expert, token_index, num_tokens, topk,
-                     probs, comm_ctas=comm_ctas, splits=splits, config=config,
-                     expected_rows=expected_rows, defer_slots=None, call_tag=call_tag)
-    out = launched(session, launch, x, weight, probs, token_index, grads)
-    return (out, launch.plan) if return_plan else out
+    return grads
 
 
 def launched(session, launch: "Launch", x, weight, probs, token_index, grads: bool):

@@ -27,7 +27,7 @@ from . import launcher
 from .buffer import OverlapBuffer
 from .config import OverlapConfig
 from .groups import check_device, group_size_rank, hosts_agree
-from .op import Launch, launched, prepare, run
+from .op import Launch, launched, needs_grads, prepare, run
 from .plans import Planner
 from .reference import reference_forward
 from .routing import Router
@@ -81,6 +81,17 @@ class OverlapSession:
         if self.closed:
             raise RuntimeError("this OverlapSession is closed (make a new one)")
 
+    def _own(self, handle: Launch) -> Launch:
+        """`handle`, checked to be a prepared call of this open session."""
+        self.check_open()
+        if not isinstance(handle, Launch):
+            raise TypeError(f"handle must be a Launch (OverlapSession.prepare), got "
+                            f"{type(handle).__name__}")
+        if handle.buffer is not None and handle.buffer is not self._buffers.get(
+                handle.buffer.backend):
+            raise ValueError("handle was prepared by another OverlapSession")
+        return handle
+
     # ---------------------------------------------------------------- calls
     def __call__(self, x, weight, tokens_per_expert, token_index, num_tokens: int, topk: int,
                  probs=None, **options):
@@ -99,9 +110,8 @@ class OverlapSession:
     def launch(self, handle: Launch, x, weight, probs=None) -> torch.Tensor:
         """The output of a prepared call, on the same x, weight and probs its `prepare`
         was given (an autograd node where they need gradients)."""
-        self.check_open()
-        grads = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
-                                             or (probs is not None and probs.requires_grad))
+        self._own(handle)
+        grads = needs_grads(x, weight, probs, handle.call.expected_rows is not None)
         return launched(self, handle, x, weight, probs, handle.call.token_index, grads)
 
     # ---------------------------------------------------------------- one side alone
@@ -109,17 +119,17 @@ class OverlapSession:
     # bookkeeping; `launch_plan` replaces the handle's, e.g. another C, P or L)
     def launch_kernels(self, handle: Launch, x, weight, out, launch_plan=None) -> torch.Tensor:
         """GEMM2 and GatherRS overlapped into `out` [M / D, N]; returns y."""
-        return launcher.launch(handle.buffer, x, weight, handle.routing,
+        return launcher.launch(self._own(handle).buffer, x, weight, handle.routing,
                                launch_plan or handle.launch_plan, None, out)
 
     def gemm2_alone(self, handle: Launch, x, weight, y, launch_plan=None) -> torch.Tensor:
         """GEMM2 by itself into y [T, N] (the readiness flags cleared after it)."""
-        return launcher.launch_gemm2_alone(handle.buffer, x, weight, handle.routing,
+        return launcher.launch_gemm2_alone(self._own(handle).buffer, x, weight, handle.routing,
                                            launch_plan or handle.launch_plan, y)
 
     def comm_alone(self, handle: Launch, y, out, launch_plan=None) -> None:
         """GatherRS by itself on a given y, every split ready, into `out`."""
-        launcher.launch_comm_alone(handle.buffer, y, handle.routing,
+        launcher.launch_comm_alone(self._own(handle).buffer, y, handle.routing,
                                    launch_plan or handle.launch_plan, None, out)
 
     def reference(self, handle: Launch, x, weight, probs=None,
@@ -128,6 +138,7 @@ class OverlapSession:
         GEMM2, the one-gather combine, NCCL's / gloo's reduce-scatter), its table complete
         (prepared with `defer_slots=False`, the default); `counts_on_device`: the grouped
         GEMM reads the counts on the device only (what a CUDA graph can capture)."""
+        self._own(handle)
         return reference_forward(x, weight, handle.counts_dev,
                                  None if counts_on_device else handle.counts, handle.table,
                                  probs, self.group, self.world)[0]
