@@ -132,6 +132,7 @@ def _one_gpu_inference(rank, world):
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     import megatron_overlap.mcore.layer as layer_module
+    import megatron_overlap.mcore.shared_gate as shared_gate
     from megatron_overlap.mcore.policy import LayerPolicy
     from megatron_overlap.mcore.spec import with_grouped_experts, with_overlap_moe
     from megatron_overlap.ops import OverlapConfig
@@ -139,8 +140,8 @@ def _one_gpu_inference(rank, world):
     ALWAYS = LayerPolicy(fuse="always")
 
     real_deferred = layer_module.deferred_postprocess
-    real_gated_add, gated_adds = layer_module.add_gated_shared_, []
-    layer_module.add_gated_shared_ = lambda *a: gated_adds.append(1) or real_gated_add(*a)
+    real_gated_add, gated_adds = shared_gate.add_gated_shared_, []
+    shared_gate.add_gated_shared_ = lambda *a: gated_adds.append(1) or real_gated_add(*a)
     torch.cuda.set_device(0)
     ps.destroy_model_parallel()
     ps.initialize_model_parallel(1, 1, expert_model_parallel_size=1)
@@ -186,7 +187,7 @@ def _one_gpu_inference(rank, world):
             calls_equal=all(torch.equal(o, outs["overlap"][0]) for o in outs["overlap"]),
             rel=max(_rel(a, b) for a, b in zip(outs["overlap"], outs["stock"])))
     ps.destroy_model_parallel()
-    layer_module.add_gated_shared_ = real_gated_add
+    shared_gate.add_gated_shared_ = real_gated_add
     return results
 
 

@@ -400,7 +400,7 @@ def _gated_shared_case(tp, ep, x, grad):
     """A gated shared expert (Qwen's): in inference the overlapped layer adds it with one
     kernel (`add_gated_shared_`), close to stock; below the size threshold, or with a
     gradient, the stock path's bits."""
-    import megatron_overlap.mcore.layer as layer_module
+    import megatron_overlap.mcore.shared_gate as shared_gate
     from megatron_overlap.mcore.spec import with_overlap_moe
     from megatron_overlap.ops import OverlapConfig
 
@@ -415,8 +415,8 @@ def _gated_shared_case(tp, ep, x, grad):
     small = with_overlap_moe(spec, OverlapConfig(backend="interpret",
                                                  preset="h200"))(config=config)
     calls = []
-    real = layer_module.add_gated_shared_
-    layer_module.add_gated_shared_ = lambda *a: calls.append(1) or real(*a)
+    real = shared_gate.add_gated_shared_
+    shared_gate.add_gated_shared_ = lambda *a: calls.append(1) or real(*a)
     try:
         for m in (stock, layer, small):
             m.eval()
@@ -439,7 +439,7 @@ def _gated_shared_case(tp, ep, x, grad):
             recompute = layer._fuses_shared_gate(x)
         trained, ref = _run(layer, x, grad), _run(stock.train(), x, grad)
     finally:
-        layer_module.add_gated_shared_ = real
+        shared_gate.add_gated_shared_ = real
     return dict(inference=_rel_diff(fused, want), fused_calls=fused_calls,
                 below_equal=torch.equal(below, want), calls_after=len(calls) - fused_calls,
                 trained=max(_rel_diff(a, b) for a, b in zip(trained[:2], ref[:2])),

@@ -35,13 +35,13 @@ import torch
 from megatron.core.transformer.moe.experts import TEGroupedMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
-from ..ops import (OverlapConfig, add_gated_shared_, capturing,
-                   OverlapSession, default_session, fusion_decision, interpreting)
+from ..ops import OverlapConfig, OverlapSession, capturing, default_session, fusion_decision
 from .dispatch import Deferred, OverlapAllGatherDispatcher, Permuted, rows_bound
 from .decision_log import launch_line
 from .experts import in_inference, needs_host_counts, te_fc1_is_grouped
 from .fc2_operands import FC2Operands, OperandStacks, fc2_operands, pack_expert_weights
 from .policy import LayerPolicy
+from .shared_gate import gate_joins, join
 from .support import unsupported_reason
 
 log = logging.getLogger("megatron_overlap.mcore")
@@ -318,22 +318,8 @@ class OverlapMoELayer(MoELayer):
                             permuted.probs)
 
     def _fuses_shared_gate(self, hidden_states) -> bool:
-        """Join a gated shared expert to the routed output in one pass (`add_gated_shared_`)?
-        Where the overlap may run, in inference (`in_inference`), on CUDA or
-        under the interpreter, with Megatron's plain shared expert (not its own overlap),
-        without CUDA graphs (TE's partial capture replays a stored, gated output), and in
-        one forward call (not split into steps that other calls may interleave: the
-        ungated output waits on this layer between its steps)."""
-        steps = getattr(self, "fwd_execution_map", ())  # a list, or one step's name
-        if not (self.overlap_enabled and self.unsupported_reason is None and self.use_shared_expert
-                and not self.shared_expert_overlap and not self.shared_experts_recompute
-                and getattr(self.shared_experts, "use_shared_expert_gate", False)
-                and getattr(self.config, "cuda_graph_impl", "none") == "none"
-                and not isinstance(steps, str)
-                and {"route", "expert_compute", "postprocess"} <= set(steps)):
-            return False
-        return (in_inference(self, chain((hidden_states,), self.shared_experts.parameters()))
-                and (hidden_states.is_cuda or interpreting()))
+        """Join the gated shared expert to the routed output in one pass this call?"""
+        return gate_joins(self, hidden_states)
 
     def shared_experts_compute(self, hidden_states):
         """Stock, except where the gate fuses into the add (`_fuses_shared_gate`): the shared
@@ -360,11 +346,7 @@ class OverlapMoELayer(MoELayer):
             return super().postprocess(output, shared_expert_output)
         ungated, logits = pending
         output = super().postprocess(output, None)
-        routed_by_op = flight.path is not None and flight.path.fused
-        if (routed_by_op and output.dtype == ungated.dtype and output.is_contiguous()
-                and ungated.is_contiguous()):
-            return add_gated_shared_(output, ungated, logits)
-        return output + ungated * torch.sigmoid(logits)
+        return join(output, ungated, logits, flight.path is not None and flight.path.fused)
 
     def routed_experts_compute(self, hidden_states, probs):
         """Stock: expert output before combine. Overlapped: the combined [M/D, H] rows, as
