@@ -29,7 +29,7 @@ def groups_refusal() -> str:
     """Why a capture of a session's first call (nothing prepared yet) is refused."""
     x = torch.empty(1)
     try:
-        groups.call_backend(INTERP, x, None, True, False, True)
+        groups.call_backend(INTERP, x, None, True, (), True)
     except RuntimeError as err:
         return str(err)
     return ""

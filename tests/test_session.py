@@ -119,6 +119,10 @@ def test_a_handle_runs_only_on_the_open_session_that_prepared_it():
         second.launch(handle, p["x"], p["weight"])
     with pytest.raises(TypeError, match="handle must be a Launch"):
         first.launch("not a handle", p["x"], p["weight"])
+    with pytest.raises(ValueError, match="must be those the handle was prepared with"):
+        first.launch(handle, p["x"][:-1], p["weight"])
+    with pytest.raises(ValueError, match="must be those the handle was prepared with"):
+        first.launch(handle, p["x"].float(), p["weight"].float())
     first.close()
     with pytest.raises(RuntimeError, match="closed"):
         first.launch_kernels(handle, p["x"], p["weight"], torch.empty(40, 48))

@@ -31,17 +31,17 @@ def hosts_agree(group, world: int) -> bool:
     return len(set(hosts)) == 1
 
 
-def call_backend(config: OverlapConfig, x, counts, peer_capable: bool, prepared: bool,
+def call_backend(config: OverlapConfig, x, counts, peer_capable: bool, prepared,
                  captured: bool) -> str:
     """The backend that runs the call: the config's, resolved for x's device; the
     reference where peer memory cannot reach every rank (`peer_capable`). Refuses a
     capture (`captured`: x is being captured into a CUDA graph) that could not replay
-    (RuntimeError); `prepared`: an eager call of this backend set up the session's
-    buffer (its peer memory is a collective allocation, which a capture cannot make)."""
+    (RuntimeError); `prepared`: the backends whose buffer an eager call of the session
+    set up (peer memory is a collective allocation, which a capture cannot make)."""
     backend = resolve_backend(config.backend, x.device)
     if captured:
         why = capture_refusal(backend, counts) or (
-            None if prepared else
+            None if backend in prepared else
             "this group's first call sets up peer memory with collectives; make one eager "
             "call (of the largest shapes) before capturing")
         if why is not None:
@@ -49,9 +49,11 @@ def call_backend(config: OverlapConfig, x, counts, peer_capable: bool, prepared:
     return backend if peer_capable else "reference"
 
 
-def check_device(device) -> torch.device:
-    """`device` as a torch.device with its index (the current CUDA device for "cuda")."""
-    device = torch.device(device)
+def check_device(device=None) -> torch.device:
+    """`device` as a torch.device with its index (the current CUDA device for "cuda");
+    None: the current CUDA device, else the CPU."""
+    device = torch.device(device if device is not None else
+                          "cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     return device

@@ -36,7 +36,7 @@ from ..kernels.routing_table import combine_table
 from ..planner import Workload, expert_row_tiles
 from . import launcher
 from .groups import call_backend
-from .config import OverlapConfig, TileConfig, resolve_backend
+from .config import OverlapConfig, TileConfig
 from .grouped import grouped_mm, grouped_wgrad
 from .buffer import OverlapBuffer
 from .planning import LaunchPlan, PlanRequest, launch_tiles
@@ -185,6 +185,7 @@ class Call:
     padded: bool  # x's rows past the counts' sum are padding the device finds
     expected_rows: int | None
     captured: bool
+    operands: tuple  # (x's shape, weight's shape, dtype): what a launch of it must be given
 
 
 @dataclass
@@ -238,16 +239,14 @@ def _checked_call(session, x, weight, tokens_per_expert, token_index, num_tokens
         token_index = token_index[:sum(counts)]
         padded = False  # (the rows past the table's are in no expert's: GEMM2 skips them)
     captured = capturing(x)
-    backend = call_backend(config, x, counts, session.peer_capable,
-                           session.has_buffer(resolve_backend(config.backend, x.device)),
-                           captured)
+    backend = call_backend(config, x, counts, session.peer_capable, session.backends, captured)
     if weight.shape[1] == 0:  # N = 0: nothing to combine; the reference's empty [M/D, 0]
         backend = "reference"
     return Call(config, backend, group, world, rank, experts, counts, counts_dev,
                 token_index.contiguous(),  # (the kernels index it as a flat array)
                 num_tokens, topk, num_splits,
                 comm_ctas if comm_ctas is not None else config.comm_ctas, padded,
-                expected_rows, captured)
+                expected_rows, captured, (tuple(x.shape), tuple(weight.shape), x.dtype))
 
 
 def _reference_launch(session, call: Call, hidden: int, dtype, call_tag: int) -> Launch:

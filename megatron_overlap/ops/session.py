@@ -14,7 +14,7 @@ nothing; the session keeps nothing of a call but what the buffer's protocol need
 
 `gemm2_gather_rs(...)` is the op on the default session of its group and x's device
 (`default_session`), the one table of sessions in the package; OverlapMoELayer shares
-that session with every layer of the group, or takes one it is given.
+that session with every layer of the group.
 """
 
 from __future__ import annotations
@@ -50,8 +50,7 @@ class OverlapSession:
         if config is not None and not isinstance(config, OverlapConfig):
             raise TypeError(f"config must be an OverlapConfig, got {type(config).__name__}")
         self.group = group
-        self.device = check_device(device if device is not None else (
-            "cuda" if torch.cuda.is_available() else "cpu"))
+        self.device = check_device(device)
         self.config = config or OverlapConfig()
         self.world, self.rank = group_size_rank(group)
         self.peer_capable = hosts_agree(group, self.world)
@@ -71,8 +70,10 @@ class OverlapSession:
             buf = self._buffers[backend] = OverlapBuffer(self.group, self.device, backend)
         return buf
 
-    def has_buffer(self, backend: str) -> bool:
-        return backend in self._buffers
+    @property
+    def backends(self):
+        """The backends whose buffer this session has set up (a view)."""
+        return self._buffers.keys()
 
     def buffers(self) -> list[OverlapBuffer]:
         return list(self._buffers.values())
@@ -111,6 +112,11 @@ class OverlapSession:
         """The output of a prepared call, on the same x, weight and probs its `prepare`
         was given (an autograd node where they need gradients)."""
         self._own(handle)
+        given = (tuple(x.shape), tuple(weight.shape), x.dtype)
+        if given != handle.call.operands or x.device != self.device:
+            raise ValueError(f"x and weight (shapes {given[0]}, {given[1]}, {given[2]} on "
+                             f"{x.device}) must be those the handle was prepared with "
+                             f"({handle.call.operands} on {self.device})")
         grads = needs_grads(x, weight, probs, handle.call.expected_rows is not None)
         return launched(self, handle, x, weight, probs, handle.call.token_index, grads)
 
@@ -183,8 +189,7 @@ def _key(group, device: torch.device) -> tuple:
 def default_session(group=None, device=None) -> OverlapSession:
     """The session `gemm2_gather_rs` runs on for `group` and `device` (made at its first
     use: every rank of the group makes it together)."""
-    device = check_device(device if device is not None else (
-        "cuda" if torch.cuda.is_available() else "cpu"))
+    device = check_device(device)
     found = _default_sessions.get(_key(group, device))
     if found is None or found[0] is not group:
         found = _default_sessions[_key(group, device)] = (group, OverlapSession(group, device))

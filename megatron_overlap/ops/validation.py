@@ -122,10 +122,9 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
 
 def validate(x, weight, counts, token_index, num_tokens, topk, probs, world, padded=False):
     """Every check that can fail with a clear message before a kernel sees the data
-    (`padded`: the counts may sum to fewer than x's rows; the rest are padding)."""
-    expert_count(x, weight)
-    num_tokens = check_int("num_tokens", num_tokens, 1, MAX_TOKENS)
-    topk = check_int("topk", topk, 1, MAX_TOPK)
+    (`padded`: the counts may sum to fewer than x's rows; the rest are padding). x and
+    weight have passed `expert_count`, num_tokens and topk `check_int` (the op's
+    `_checked_call`)."""
     for name, t in (("token_index", token_index), ("probs", probs)):
         if t is not None and not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
