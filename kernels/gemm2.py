@@ -44,9 +44,10 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from .gemm2_layout import (TokenPlaces, check_places, column_alignment, from_dest, mark_words,
+                           next_pow2, operands, split_col_tiles)
 # (ops/buffer.py and the tests also read the split geometry here, as `gemm2.split_width`)
-from .gemm2_layout import (TokenPlaces, column_alignment, from_dest, mark_words, next_pow2,
-                           operands, split_col_tiles, split_width)
+from .gemm2_layout import split_width as split_width
 from .gemm2_places import token_major_rows
 from .launch_cache import LaunchCache, descriptor
 
@@ -215,7 +216,7 @@ def launch_grouped_gemm2(
     """
     if width is not None:
         split_col_tiles(weight.shape[1], splits, width, block_n)  # (raises if it does not fit)
-    _check_places(x, weight, y, places)
+    check_places(x, weight, y, places)
     impl = resolve_impl(impl, x.device, x.dtype, block_m, block_n, num_warps,
                         places is not None)
     if impl != "triton":
@@ -254,7 +255,7 @@ def grouped_gemm2_launcher(x, weight, y, row_start, tile_start, ready, *, splits
                                     block_n=block_n, block_k=block_k, num_warps=num_warps,
                                     num_stages=num_stages, places=places, impl=impl,
                                     launcher=True, maxnreg=maxnreg, width=width)
-    _check_places(x, weight, y, places)
+    check_places(x, weight, y, places)
     if x.shape[0] == 0:
         return lambda stream=None: None
     args, meta = _gemm2_args(x, weight, y, row_start, tile_start, ready, splits, block_m,
@@ -301,28 +302,6 @@ def _gluon_runs_on(device_index: int) -> bool:
                       f"kernel", RuntimeWarning, stacklevel=2)
         return False
     return True
-
-
-def _check_places(x, weight, y, places: TokenPlaces | None) -> None:
-    """The token-major placement's tensors fit x, the experts and y (ValueError naming
-    what does not): the kernel then reads no mark outside `marks`."""
-    if places is None:
-        return
-    token_index, marks, words, topk, dest = places
-    tokens = -(-y.shape[0] // topk) if topk > 0 else 0
-    if (token_index.dtype not in (torch.int32, torch.int64)
-            or token_index.numel() != x.shape[0]):
-        raise ValueError(f"places.token_index must be [{x.shape[0]}] int32/int64 (a token "
-                         f"per x row), got {tuple(token_index.shape)} {token_index.dtype}")
-    if topk < 1 or words != -(-weight.shape[0] // 32):
-        raise ValueError(f"places.topk must be >= 1 and places.words ceil(E / 32) = "
-                         f"{-(-weight.shape[0] // 32)}, got {topk}, {words}")
-    if marks.dtype != torch.int32 or marks.numel() < tokens * words:
-        raise ValueError(f"places.marks must be int32 with >= ceil(rows of y / topk) * "
-                         f"words = {tokens * words} words, got {marks.numel()} {marks.dtype}")
-    if dest is not None and (dest.dtype != torch.int32 or dest.numel() != x.shape[0]):
-        raise ValueError(f"places.dest must be [{x.shape[0]}] int32 (y's row of each x row), "
-                         f"got {tuple(dest.shape)} {dest.dtype}")
 
 
 def _gluon(impl: str):

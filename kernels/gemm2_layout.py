@@ -1,7 +1,8 @@
-"""How GEMM2's output is cut into splits and what both GEMM2 kernels take after their
-tensor descriptors: plain Python shared by `gemm2` (Triton), `gemm2_ws` (Gluon) and
-`gather_rs`, kept apart so that none of them imports another for it (`gemm2` picks the
-Gluon kernel, so `gemm2_ws` must not import `gemm2`).
+"""How GEMM2's output is cut into splits, what both GEMM2 kernels take after their
+tensor descriptors and the check of a token-major y's places: host code shared by
+`gemm2` (Triton), `gemm2_ws` (Gluon) and `gather_rs`, kept apart so that none of them
+imports another for it (`gemm2` picks the Gluon kernel, so `gemm2_ws` must not import
+`gemm2`).
 
 Split s covers hidden columns [s*sw, min(N, (s+1)*sw)) with the split width sw
 (`split_width`: ceil(N/L), unless the op narrows the last split). Example: N=2048, L=3
@@ -11,6 +12,8 @@ Split s covers hidden columns [s*sw, min(N, (s+1)*sw)) with the split width sw
 from __future__ import annotations
 
 from typing import NamedTuple
+
+import torch
 
 
 def split_width(hidden: int, splits: int) -> int:
@@ -89,3 +92,25 @@ def mark_words(places) -> int:
 def from_dest(places) -> bool:
     """The FROM_DEST constexpr of both kernels: the places read from the routing's dest."""
     return places is not None and places.dest is not None
+
+
+def check_places(x, weight, y, places: TokenPlaces | None) -> None:
+    """The token-major placement's tensors fit x, the experts and y (ValueError naming
+    what does not): the kernel then reads no mark outside `marks`."""
+    if places is None:
+        return
+    token_index, marks, words, topk, dest = places
+    tokens = -(-y.shape[0] // topk) if topk > 0 else 0
+    if (token_index.dtype not in (torch.int32, torch.int64)
+            or token_index.numel() != x.shape[0]):
+        raise ValueError(f"places.token_index must be [{x.shape[0]}] int32/int64 (a token "
+                         f"per x row), got {tuple(token_index.shape)} {token_index.dtype}")
+    if topk < 1 or words != -(-weight.shape[0] // 32):
+        raise ValueError(f"places.topk must be >= 1 and places.words ceil(E / 32) = "
+                         f"{-(-weight.shape[0] // 32)}, got {topk}, {words}")
+    if marks.dtype != torch.int32 or marks.numel() < tokens * words:
+        raise ValueError(f"places.marks must be int32 with >= ceil(rows of y / topk) * "
+                         f"words = {tokens * words} words, got {marks.numel()} {marks.dtype}")
+    if dest is not None and (dest.dtype != torch.int32 or dest.numel() != x.shape[0]):
+        raise ValueError(f"places.dest must be [{x.shape[0]}] int32 (y's row of each x row), "
+                         f"got {tuple(dest.shape)} {dest.dtype}")
