@@ -2,6 +2,9 @@
 
     y[rows of expert e, :] = x[rows of expert e, :] @ W_e^T          (bf16 in, fp32 acc)
 
+(or e4m3 x and W with Transformer Engine's scales: `grouped_gemm2_fp8_kernel`, whose tile
+walk the bf16 kernel runs unscaled; the scales' layouts and checks are `gemm2_fp8`'s)
+
 or, with SCATTER, y[t * k + s, :] for row j of token t (token-major for GatherRS): s, the
 row's slot among its token's rows, is read from the routing's second pass (FROM_DEST,
 the default), or counted here (the number of the token's experts below the tile's, a
@@ -48,11 +51,16 @@ from .gemm2_layout import (TokenPlaces, check_places, column_alignment, from_des
                            next_pow2, operands, split_col_tiles)
 # (ops/buffer.py and the tests also read the split geometry here, as `gemm2.split_width`)
 from .gemm2_layout import split_width as split_width
+from .gemm2_fp8 import (SCALING, Fp8Scales, block_scale_ptrs, block_scales, check_operands,
+                        scale_operands)
 from .gemm2_places import token_major_rows
 from .launch_cache import LaunchCache, descriptor
 
 
-@triton.jit(do_not_specialize=["num_experts", "K", "num_splits", "dest_rows", "topk"])
+_NO_SPEC = ["num_experts", "K", "num_splits", "dest_rows", "topk"]
+
+
+@triton.jit(do_not_specialize=_NO_SPEC)
 def grouped_gemm2_kernel(
     # tensor descriptors (TMA on Hopper) and pointers
     x_desc, w_desc, y_ptr, row_start_ptr, tile_start_ptr, ready_ptr, token_ptr, marks_ptr,
@@ -67,6 +75,29 @@ def grouped_gemm2_kernel(
     FLATTEN: tl.constexpr, SCATTER: tl.constexpr, MARK_WORDS: tl.constexpr,
     FROM_DEST: tl.constexpr,
 ):
+    """bf16 x and W: the FP8 kernel's tile walk without scales (SCALING 0 compiles none
+    of its scale code: the same instructions as this kernel had before FP8)."""
+    grouped_gemm2_fp8_kernel(
+        x_desc, w_desc, y_ptr, row_start_ptr, tile_start_ptr, ready_ptr, token_ptr, marks_ptr,
+        num_experts, K, N, split_width, num_splits, dest_rows, topk, stride_ym, stride_yn,
+        y_ptr, y_ptr, 0, 0, 0, 0, 0, BLOCK_M, BLOCK_N, BLOCK_K, EXPERTS_POW2, UPCAST,
+        COL_ALIGN, FLATTEN, SCATTER, MARK_WORDS, FROM_DEST, 0)
+
+
+@triton.jit(do_not_specialize=_NO_SPEC + ["sx_stride0"])
+def grouped_gemm2_fp8_kernel(
+    x_desc, w_desc, y_ptr, row_start_ptr, tile_start_ptr, ready_ptr, token_ptr, marks_ptr,
+    num_experts, K, N, split_width, num_splits, dest_rows, topk, stride_ym, stride_yn,
+    # the scales (`gemm2_fp8.scale_operands`; sx_stride0 changes with the rows under
+    # kind "block": not specialized)
+    sx_ptr, sw_ptr, sx_stride0, sx_stride1, sw_stride0, sw_stride1, sw_stride2,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EXPERTS_POW2: tl.constexpr, UPCAST: tl.constexpr, COL_ALIGN: tl.constexpr,
+    FLATTEN: tl.constexpr, SCATTER: tl.constexpr, MARK_WORDS: tl.constexpr,
+    FROM_DEST: tl.constexpr, SCALING: tl.constexpr,
+):
+    """FP8 (e4m3) x and W with the scales of `gemm2_fp8.Fp8Scales` (SCALING 1: per
+    tensor, 2: 1x128 x 128x128 blocks); with SCALING 0 (unscaled) the bf16 kernel's body."""
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
     row_tiles = tl.load(tile_start_ptr + num_experts)
@@ -108,6 +139,10 @@ def grouped_gemm2_kernel(
                                             dest_rows, topk, MARK_WORDS)
         else:
             out_rows = rows
+        if SCALING == 2:
+            sx_rows, sw_cols, sx_ok, sw_ok = block_scale_ptrs(
+                sx_ptr, sw_ptr, rows, end_row, col0, N, expert, sx_stride1, sw_stride0,
+                sw_stride1, BLOCK_N)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             a = x_desc.load([first_row, k0])
@@ -115,7 +150,13 @@ def grouped_gemm2_kernel(
             if UPCAST:  # the interpreter's bf16 dot is wrong; fp32 there is exact enough
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
-            acc = tl.dot(a, b.T, acc)
+            if SCALING == 2:  # (BLOCK_K = 128: a K step is one scale block)
+                acc += tl.dot(a, b.T) * block_scales(sx_rows, sw_cols, k0 // BLOCK_K, sx_ok,
+                                                     sw_ok, sx_stride0, sw_stride2)
+            else:
+                acc = tl.dot(a, b.T, acc)
+        if SCALING == 1:
+            acc *= tl.load(sx_ptr + expert * sx_stride0) * tl.load(sw_ptr + expert * sw_stride0)
         cols = col0 + tl.arange(0, BLOCK_N)
         y_tile = y_ptr + out_rows[:, None].to(tl.int64) * stride_ym + cols[None, :] * stride_yn
         if SCATTER:  # a row placed outside y (bad input) is dropped
@@ -176,7 +217,7 @@ def packed_offsets_host(counts: list[int], block_m: int, device) -> tuple[torch.
 
 def _gemm2_args(x, weight, y, row_start, tile_start, ready, splits, block_m, block_n,
                 block_k, num_warps, num_stages, upcast, flatten, places=None, maxnreg=None,
-                width=None):
+                width=None, scales=None):
     num_experts, hidden, k = weight.shape
     x_desc = descriptor(TensorDescriptor, x, (block_m, block_k))
     w_desc = descriptor(TensorDescriptor, weight.view(num_experts * hidden, k),
@@ -188,6 +229,9 @@ def _gemm2_args(x, weight, y, row_start, tile_start, ready, splits, block_m, blo
                 COL_ALIGN=column_alignment(hidden, splits, width), FLATTEN=flatten,
                 SCATTER=places is not None, MARK_WORDS=mark_words(places),
                 FROM_DEST=from_dest(places), num_warps=num_warps, num_stages=num_stages)
+    if scales is not None:  # (the FP8 kernel: its scales after the bf16 kernel's arguments)
+        args += scale_operands(scales)
+        meta["SCALING"] = SCALING[scales.kind]
     if maxnreg is not None:
         meta["maxnreg"] = maxnreg
     return args, meta
@@ -200,6 +244,7 @@ def launch_grouped_gemm2(
     kernel=grouped_gemm2_kernel, upcast: bool = False, warmup: bool = False,
     flatten: bool = False, places: TokenPlaces | None = None, impl: str = "triton",
     launcher: bool = False, maxnreg: int | None = None, width: int | None = None,
+    scales: Fp8Scales | None = None,
 ):
     """Launch with exactly `programs` persistent CTAs. x [T, K], weight [E, N, K]; y [T, N],
     or with `places` (`TokenPlaces`) a token-major [M k, N] with row j of the product
@@ -212,11 +257,15 @@ def launch_grouped_gemm2(
     caps the registers per thread (None: the compiler's choice; the Gluon kernel's
     `gemm2_ws.MAXNREG`), so that other kernels' CTAs fit beside two of these per SM.
     `width`: the split width sw (default ceil(N/L); a larger one narrows the last split,
-    `split_col_tiles`).
+    `split_col_tiles`). `scales`: FP8 (e4m3) x and weight with TE's scales
+    (`gemm2_fp8.Fp8Scales`; Triton's kernel only; `kernel` is then the FP8 one).
     """
     if width is not None:
         split_col_tiles(weight.shape[1], splits, width, block_n)  # (raises if it does not fit)
     check_places(x, weight, y, places)
+    check_operands(x, weight, y, scales, block_k, impl)
+    if scales is not None:
+        kernel = grouped_gemm2_fp8_kernel
     impl = resolve_impl(impl, x.device, x.dtype, block_m, block_n, num_warps,
                         places is not None)
     if impl != "triton":
@@ -231,11 +280,12 @@ def launch_grouped_gemm2(
         return None  # no rows, no tiles: every split is ready with zero tiles
     args, meta = _gemm2_args(x, weight, y, row_start, tile_start, ready, splits, block_m,
                              block_n, block_k, num_warps, num_stages, upcast, flatten, places,
-                             maxnreg, width)
+                             maxnreg, width, scales)
     if warmup:
         return kernel.warmup(*args, grid=(1,), **meta)
-    if kernel is grouped_gemm2_kernel:
-        return _GEMM2.launch((programs,), args, meta)
+    for cache in (_GEMM2, _GEMM2_FP8):
+        if kernel is cache.kernel:
+            return cache.launch((programs,), args, meta)
     return kernel[(programs,)](*args, **meta)
 
 
@@ -244,10 +294,11 @@ def grouped_gemm2_launcher(x, weight, y, row_start, tile_start, ready, *, splits
                            num_warps: int = 4, num_stages: int = 3, upcast: bool = False,
                            flatten: bool = False, places: TokenPlaces | None = None,
                            impl: str = "triton", maxnreg: int | None = None,
-                           width: int | None = None):
+                           width: int | None = None, scales: Fp8Scales | None = None):
     """A callable `launch(stream=None)` that launches GEMM2 (as `launch_grouped_gemm2`),
     with its kernel compiled and loaded now: launched after GatherRS, GEMM2 must not wait
     for a JIT compile or a lazy module load while communication CTAs spin on its flags."""
+    check_operands(x, weight, y, scales, block_k, impl)
     if resolve_impl(impl, x.device, x.dtype, block_m, block_n, num_warps,
                     places is not None) != "triton":
         return launch_grouped_gemm2(x, weight, y, row_start, tile_start, ready,
@@ -260,12 +311,14 @@ def grouped_gemm2_launcher(x, weight, y, row_start, tile_start, ready, *, splits
         return lambda stream=None: None
     args, meta = _gemm2_args(x, weight, y, row_start, tile_start, ready, splits, block_m,
                              block_n, block_k, num_warps, num_stages, upcast, flatten, places,
-                             maxnreg, width)
-    hit = _GEMM2.compiled(args, meta)
-    return lambda stream=None: _GEMM2.launch((programs,), args, meta, hit, stream=stream)
+                             maxnreg, width, scales)
+    cache = _GEMM2 if scales is None else _GEMM2_FP8
+    hit = cache.compiled(args, meta)
+    return lambda stream=None: cache.launch((programs,), args, meta, hit, stream=stream)
 
 
 _GEMM2 = LaunchCache(grouped_gemm2_kernel)
+_GEMM2_FP8 = LaunchCache(grouped_gemm2_fp8_kernel)
 
 #: GEMM2 implementations: this file's Triton kernel, and the warp-specialized Gluon
 #: kernel of `gemm2_ws` (Hopper): tiles published by a warp of their own, or by the
@@ -278,7 +331,8 @@ def resolve_impl(impl: str, device: torch.device, dtype: torch.dtype, block_m: i
     """`impl`, or for "auto" the Gluon kernel where it runs and measured faster: bf16 on a
     Hopper GPU with its one tile shape, storing a token-major y (`scatter`, the TP
     layouts: 4-12% faster overlapped; in GEMM2's row order, under EP, no gain measured;
-    docs/RESULTS.md, "Kernel choices measured"); else Triton's."""
+    docs/RESULTS.md, "Kernel choices measured"); else Triton's, FP8 always (the Gluon
+    kernel has no scales: `gemm2_fp8.check_operands` refuses it for FP8)."""
     if impl != "auto":
         return impl
     ok = (scatter and device.type == "cuda" and dtype == torch.bfloat16 and block_m == 128

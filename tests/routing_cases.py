@@ -53,3 +53,51 @@ def fp64_rank_partial(p, num_tokens: int, with_probs: bool = False) -> torch.Ten
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.double().cpu() - ref).norm() / ref.norm())
+
+
+def block_graded(t: torch.Tensor, rows: int, seed: int) -> torch.Tensor:
+    """t [R, C] times a power of two (2^-6 .. 2^6) per `rows` x 128 block, so that an FP8
+    scale read from the wrong block is far off."""
+    g = torch.Generator().manual_seed(seed)
+    shape = (-(-t.shape[0] // rows), -(-t.shape[1] // 128))
+    mag = (2.0 ** torch.randint(-6, 7, shape, generator=g).float()).to(t.device)
+    return t * mag.repeat_interleave(rows, 0).repeat_interleave(128, 1)[:t.shape[0], :t.shape[1]]
+
+
+def fp8_routed_problem(kind: str, per_expert_x: bool = False, **problem):
+    """`routed_problem` (fp32, then graded: `block_graded`) quantized as the FP8 recipe of
+    `kind` quantizes it: "block" x in 1x128 and each W_e in 128x128 blocks; "tensor" each
+    W_e per tensor and x whole or, with `per_expert_x`, split by expert as TE's
+    GroupedLinear does. x_hp: x before quantization; scales: a `gemm2_fp8.Fp8Scales`."""
+    from megatron_overlap.kernels import fp8_quant as q
+    from megatron_overlap.kernels.gemm2_fp8 import Fp8Scales
+
+    p = routed_problem(0, 1, dtype=torch.float32, **problem)
+    x = block_graded(p["x"], 1, 1)
+    w = [block_graded(we, 128, 2 + e) for e, we in enumerate(p["weight"])]
+    if kind == "block":
+        xq, sx = q.quantize_blockwise(x, 1)
+        wq = [q.quantize_blockwise(we, 128) for we in w]
+    else:
+        counts = p["counts"].tolist()
+        xq, sx = (q.quantize_tensorwise_splits(x, counts) if per_expert_x
+                  else q.quantize_tensorwise(x))
+        wq = [q.quantize_tensorwise(we) for we in w]
+    scales = Fp8Scales(kind, sx, torch.stack([s for _, s in wq]))
+    p.update(x=xq, weight=torch.stack([d for d, _ in wq]), scales=scales, x_hp=x)
+    return p
+
+
+def fp8_reference(p) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ref, mag) of an `fp8_routed_problem`, float64 on its device: the product of the
+    dequantized operands, and the same of their absolute values (|x| |W|^T, what bounds
+    the accumulation error)."""
+    from megatron_overlap.kernels.gemm2_fp8 import Fp8Scales, grouped_gemm2_fp8_reference
+
+    s, counts = p["scales"], p["counts"].tolist()
+    ref = grouped_gemm2_fp8_reference(p["x"], p["weight"], counts, s)
+    absolute = Fp8Scales(s.kind, s.x_scale_inv.abs(), s.w_scale_inv.abs())
+    mag = grouped_gemm2_fp8_reference(p["x"].float().abs().to(torch.float8_e4m3fn),
+                                      p["weight"].float().abs().to(torch.float8_e4m3fn),
+                                      counts, absolute)
+    return ref, mag
