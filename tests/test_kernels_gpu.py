@@ -2,7 +2,8 @@
 
 The warp-specialized Gluon GEMM2 (`kernels/gemm2_ws.py`) has no interpreter path, so
 this is where its output, its readiness counts and its agreement with the Triton kernel
-are checked; `tools/compile_check.py` (CPU suite) checks that it compiles.
+are checked; `tools/compile_check.py` (CPU suite) checks that it compiles. The FP8
+GEMM2's e4m3 wgmma (the interpreter's dot is exact) is checked here too.
 """
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 
 from megatron_overlap.kernels import gemm2
 from megatron_overlap.kernels.gemm2_places import token_places_reference
-from routing_cases import routed_problem
+from routing_cases import fp8_reference, fp8_routed_problem, routed_problem
 
 pytestmark = pytest.mark.gpu
 BLOCKS = dict(block_m=128, block_n=128, block_k=64)
@@ -101,6 +102,8 @@ def test_auto_picks_the_gluon_kernel_for_bf16_on_hopper_and_triton_otherwise():
     assert gemm2.resolve_impl("auto", dev, bf16, 128, 256, 8, True) == "triton"
     assert gemm2.resolve_impl("auto", dev, bf16, 128, 128, 4, False) == "triton"  # rows
     assert gemm2.resolve_impl("triton", dev, bf16, 128, 128, 4, True) == "triton"
+    fp8 = torch.float8_e4m3fn  # the Gluon kernel has no scales
+    assert gemm2.resolve_impl("auto", dev, fp8, 128, 128, 4, True) == "triton"
 
 
 def test_layer_elementwise_kernels_match_their_references_on_the_gpu_at_model_sizes():
@@ -134,3 +137,41 @@ def test_layer_elementwise_kernels_match_their_references_on_the_gpu_at_model_si
     index = torch.randint(0, 700, (rows,), device="cuda", generator=g)
     got = gather_rows.gather_rows(src, index, valid)
     assert torch.equal(got[:3001], src[index[:3001]])
+
+
+@pytest.mark.parametrize("kind", ["tensor", "block"])
+def test_fp8_gemm2_matches_the_fp64_product_of_its_dequantized_operands(kind):
+    """The compiled FP8 kernel (e4m3 wgmma; kind "tensor" accumulates as TE's fprop does,
+    without promotion; "block" promotes every 128-wide K step) on a model-sized problem
+    with an empty expert and graded block magnitudes: near the float64 product of the
+    dequantized operands (bf16's rounding plus the accumulation's error over |x| |W|^T),
+    every row written, the same bits for every split count and grid, and a token-major y
+    holding the row-order rows at the routing's places."""
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the FP8 GEMM2 is built for Hopper's e4m3 wgmma")
+    tokens, topk = 1500, 4
+    p = fp8_routed_problem(kind, per_expert_x=True, tokens=tokens, experts=16, topk=topk,
+                           ffn=704, hidden=2048, empty=(3,), seed=9, device="cuda")
+    ref, mag = fp8_reference(p)
+    accumulation = 2.0 ** -8 if kind == "tensor" else 2.0 ** -10
+    marks, dest = token_places_reference(p["token_index"], p["counts"].tolist(), tokens, topk)
+    places = gemm2.TokenPlaces(p["token_index"], marks.cuda(), 1, topk, dest.cuda().int())
+    row_start, tile_start = gemm2.expert_offsets(p["counts"].cuda(), 128)
+    first = None
+    for splits, programs, token_major in ((1, 1, False), (3, 7, True), (4, 264, False),
+                                          (4, 264, True)):
+        rows = tokens * topk if token_major else p["x"].shape[0]
+        y = torch.full((rows, 2048), float("nan"), dtype=torch.bfloat16, device="cuda")
+        ready = torch.zeros(8, dtype=torch.int32, device="cuda")
+        gemm2.launch_grouped_gemm2(p["x"], p["weight"], y, row_start, tile_start, ready,
+                                   splits=splits, programs=programs, block_m=128,
+                                   block_n=128, block_k=128, places=places if token_major
+                                   else None, scales=p["scales"], impl="auto")
+        torch.cuda.synchronize()
+        y = y[dest.cuda()] if token_major else y
+        assert not y.isnan().any()
+        err = (y.double() - ref).abs()
+        assert (err <= 2.0 ** -8 * ref.abs() + accumulation * mag).all(), float(err.max())
+        assert float(err.norm() / ref.norm()) < 1e-2
+        first = y if first is None else first
+        assert torch.equal(y, first)
