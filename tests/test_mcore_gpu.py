@@ -307,6 +307,8 @@ def _one_gpu_graph(rank, world):
         except Exception as err:  # (torch raises the CUDA error its sync hit)
             res["stock_capture"] = f"{type(err).__name__}: {err}"[:300]
         torch.cuda.synchronize()
+    # the layer compiled its kernels when built: none of its forwards compiled at a call
+    res["compiled_at_call"] = [str(key) for key in layer.overlap_session.families.at_call]
     ps.destroy_model_parallel()
     return res
 
@@ -317,5 +319,6 @@ def test_one_gpu_layer_captured_in_a_cuda_graph_replays_new_tokens_bit_for_bit()
     assert not res["eager_default_fused"] and res["captured_fused"], res
     assert all(res["replays_equal"]) and res["inputs_differ"], res
     assert res["rel_to_stock_path"] < 2e-2, res
+    assert res["compiled_at_call"] == [], res
     # the stock dropless layer syncs the host, which a capture does not allow
     assert res["stock_capture"] != "captured", res

@@ -123,7 +123,9 @@ def _planned_as_misfit(monkeypatch, o_comp: int, o_comm: int, sm_margin: int):
     in a plan cache of its own (`sm_margin`)."""
     from megatron_overlap.ops import plans
 
-    monkeypatch.setattr(CPU_SESSION(), "planner", plans.Planner())  # (a fresh one, below)
+    families = plans.KernelFamilies()  # (fresh ones, compiled by the patched hook below)
+    monkeypatch.setattr(CPU_SESSION(), "families", families)
+    monkeypatch.setattr(CPU_SESSION(), "planner", plans.Planner(families))
     monkeypatch.setattr(plans, "_occupancies", lambda *a: (o_comp, o_comm, "registers", {}))
     p = routed_problem(0, 1, tokens=30, experts=3, topk=2, ffn=16, hidden=32)
     return p, dataclasses.replace(SHARED, sm_margin=sm_margin)
@@ -939,10 +941,10 @@ def test_the_planned_splits_are_the_least_of_the_models_predictions_it_reports()
                                config=INTERP)
     lp = launch.launch_plan
     assert lp.request is not None
-    predicted = CPU_SESSION().planner.split_predictions(lp.request, (1, 2, 4, 8))
+    predicted = CPU_SESSION().split_predictions(lp.request, (1, 2, 4, 8))
     assert set(predicted) == {1, 2, 4, 8} and all(t > 0 for t in predicted.values())
     ranked = {l: predicted[l] for l in planning.split_candidates(64)}
     assert planning.split_candidates(64) == (1, 2)  # up to 2 x max(1, N // 1024)
     assert lp.splits == min(ranked, key=lambda l: (ranked[l], l))
     # past N there is no such split, and the model is not asked
-    assert set(CPU_SESSION().planner.split_predictions(lp.request, (1, 128))) == {1}
+    assert set(CPU_SESSION().split_predictions(lp.request, (1, 128))) == {1}

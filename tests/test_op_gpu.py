@@ -251,6 +251,47 @@ def test_capturing_the_op_in_a_cuda_graph_raises_before_queuing_anything():
     assert rel_err(out, _fp32_partial(p, 512).double().cpu()) < 1e-2
 
 
+def test_warm_up_compiles_the_binaries_and_calls_then_plan_and_capture_without_compiling(
+        monkeypatch):
+    """On CUDA warm_up compiles the families (residency read from the binaries); calls of
+    the shape then plan with the compile hook refusing. A capture at an L warm_up did not
+    cover raises before queuing anything; warmed up at that L, it captures and replays
+    the eager bits."""
+    from megatron_overlap.ops import OverlapSession, plans
+    from megatron_overlap.ops.capture import CapturedCall
+
+    session = OverlapSession(None, "cuda", TRITON)
+    p = routed_problem(0, 1, device="cuda", tokens=512, experts=4, topk=2, ffn=128, hidden=256)
+    families = session.warm_up(256, 2, torch.bfloat16, token_major=True)
+    assert families and all(f.resources["gemm2"]["registers"] > 0 for f in families)
+    real = plans._occupancies
+
+    def refuse(key):
+        raise AssertionError(f"compiled {key} while planning")
+    monkeypatch.setattr(plans, "_occupancies", refuse)
+    counts = p["counts"].cuda()
+
+    def op(**kw):
+        return lambda: session(p["x"], p["weight"], counts, p["token_index"], 512, 2, **kw)
+    with torch.no_grad():
+        want = op()()
+        assert rel_err(want, _fp32_partial(p, 512).double().cpu()) < 1e-2
+        assert session.families.at_call == []
+        unwarmed = 4  # (N = 256: the planner ranks L = 1, 2; at L = 4 TNc is 64)
+        graph, stream = torch.cuda.CUDAGraph(), torch.cuda.Stream()
+        with pytest.raises(RuntimeError, match="is not compiled; call OverlapSession.warm_up"):
+            with torch.cuda.stream(stream), torch.cuda.graph(graph):
+                op(splits=unwarmed)()
+        monkeypatch.setattr(plans, "_occupancies", real)
+        session.warm_up(256, 2, torch.bfloat16, splits=unwarmed, token_major=True)
+        monkeypatch.setattr(plans, "_occupancies", refuse)
+        call = CapturedCall(op(splits=unwarmed), torch.device("cuda"))
+        assert call.summary() == dict(captured=True, equal=True, all_written=True,
+                                      max_rel_diff=0.0)
+        assert torch.equal(op()(), want) and session.families.at_call == []
+        call.release()
+
+
 def test_captured_call_replays_the_eager_bits_and_reports_a_refused_capture():
     """What the benchmarks time as "graph": the op captured on CUDA counts replays the eager
     call's bits into every element; on host counts the op refuses the capture and the

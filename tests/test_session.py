@@ -136,3 +136,130 @@ def test_a_padded_handle_refuses_gradients_as_the_op_does():
     x = p["x"].clone().requires_grad_(True)
     with pytest.raises(ValueError, match="expected_rows .* is for inference"):
         session.launch(handle, x, p["weight"])
+
+
+# ------------------------------------------------------------- compiling and planning
+
+def _counting_compiles(monkeypatch) -> list:
+    """Every kernel-family compile (`plans._occupancies`, the one hook: the interpreter's
+    fixed residency, a compile of the binaries on CUDA), recorded by key."""
+    from megatron_overlap.ops import plans
+
+    compiled, real = [], plans._occupancies
+    monkeypatch.setattr(plans, "_occupancies", lambda key: compiled.append(key) or real(key))
+    return compiled
+
+
+def _refusing_compiles(monkeypatch) -> None:
+    from megatron_overlap.ops import plans
+
+    def refuse(key):
+        raise AssertionError(f"compiled {key} while planning")
+    monkeypatch.setattr(plans, "_occupancies", refuse)
+
+
+def test_warm_up_compiles_each_family_once_and_a_second_warm_up_is_free(monkeypatch):
+    compiled = _counting_compiles(monkeypatch)
+    session = OverlapSession(None, "cpu", INTERP)
+    families = session.warm_up(48, 3, torch.bfloat16)
+    # both layouts of y (token_major=None), each once; the L ranked share a comm tile here
+    assert len(compiled) == len(set(compiled)) == len(families) == 2
+    assert {key.tiles.token_major for key in compiled} == {True, False}
+    assert session.warm_up(48, 3, torch.bfloat16) == families and len(compiled) == 2
+    assert session.warm_up(48, 3, torch.bfloat16, token_major=True) == families[:1]
+    # another L with another communication tile is another family, compiled once
+    assert len(session.warm_up(48, 3, torch.bfloat16, splits=(1, 8), token_major=True)) == 2
+    assert len(compiled) == 3 and session.families.at_call == []
+
+
+def test_planning_compiles_nothing_after_warm_up(monkeypatch):
+    """After warm_up, calls of that shape and the planner's requests at every routing,
+    batch length and explicit C plan without a single compile (the hook raises)."""
+    import dataclasses
+
+    session = OverlapSession(None, "cpu", INTERP)
+    session.warm_up(48, 3, torch.bfloat16)
+    _refusing_compiles(monkeypatch)
+    p = _problem()
+    handle = session.prepare(*_args(p))
+    request = handle.launch_plan.request
+    for row_tiles in range(1, 40):
+        for tokens, comm_ctas in ((40, None), (80, None), (120, 3)):
+            session.planner.plan(dataclasses.replace(request, row_tiles=row_tiles,
+                                                     num_tokens=tokens, comm_ctas=comm_ctas))
+    for seed in range(4):
+        q = routed_problem(0, 1, tokens=40, experts=4, topk=3, ffn=16, hidden=48, seed=seed)
+        assert rel_err(session(*_args(q)), fp64_rank_partial(q, 40)) < 1e-2
+    assert session.families.at_call == []
+
+
+def test_a_planner_without_the_family_raises_instead_of_compiling(monkeypatch):
+    """The planner only looks families up: a triton family nobody compiled raises
+    MissingKernelFamily (a CPU-built request: no device is touched), and one in its
+    lookup plans without the hook."""
+    import dataclasses
+
+    from megatron_overlap.ops import plans
+
+    session = OverlapSession(None, "cpu", INTERP)
+    request = dataclasses.replace(session.prepare(*_args(_problem())).launch_plan.request,
+                                  backend="triton")
+    _refusing_compiles(monkeypatch)
+    families = plans.KernelFamilies()
+    with pytest.raises(plans.MissingKernelFamily, match="not compiled: triton GEMM2"):
+        plans.Planner(families).plan(request)
+    with pytest.raises(plans.MissingKernelFamily):  # nor does a planner of no families
+        plans.Planner().plan(request)
+    monkeypatch.setattr(plans, "_occupancies", lambda key: (2, 1, None, {}))
+    families.warm(plans.request_families(request))
+    _refusing_compiles(monkeypatch)
+    assert plans.Planner(families).plan(request).family.o_comp == 2
+
+
+def test_a_call_without_warm_up_compiles_its_families_first_and_logs_it(caplog):
+    """The public op needs no warm-up: a session's call compiles the families its plan
+    needs before planning, says so (INFO on CUDA, DEBUG under the interpreter), and
+    records their keys; the next call of the shape compiles nothing."""
+    import logging
+
+    p = _problem()
+    session = OverlapSession(None, "cpu", INTERP)
+    with caplog.at_level(logging.DEBUG, logger="megatron_overlap"):
+        out = session(*_args(p))
+    assert session.families.at_call and set(session.families.at_call) <= set(session.families)
+    assert "warm_up was not called for this shape" in caplog.text
+    first = list(session.families.at_call)
+    assert torch.equal(session(*_args(p)), out) and session.families.at_call == first
+    warmed = OverlapSession(None, "cpu", INTERP)
+    warmed.warm_up(48, 3, p["x"].dtype)
+    assert torch.equal(warmed(*_args(p)), out) and warmed.families.at_call == []
+
+
+def test_a_capture_refuses_a_kernel_family_not_compiled_before_it():
+    """A captured call may not compile (a compile allocates and loads a module): the op
+    checks its families before routing anything into the capture (CUDA only; the check
+    itself is the op's `_refuse_uncompiled`)."""
+    from types import SimpleNamespace
+
+    from megatron_overlap.ops import op
+    from megatron_overlap.ops.planning import default_tiles
+
+    session = OverlapSession(None, "cpu", INTERP)
+    call = SimpleNamespace(config=INTERP, backend="interpret", topk=3, splits=None)
+    tiles = default_tiles("interpret")
+    with pytest.raises(RuntimeError, match="not compiled; call OverlapSession.warm_up"):
+        op._refuse_uncompiled(session, call, tiles, 48)
+    session.warm_up(48, 3, token_major=tiles.token_major)
+    op._refuse_uncompiled(session, call, tiles, 48)  # (warmed: no refusal)
+
+
+def test_warm_up_checks_its_arguments_and_has_nothing_to_compile_on_the_reference_path():
+    session = OverlapSession(None, "cpu", INTERP)
+    with pytest.raises(ValueError, match="hidden"):
+        session.warm_up(0, 3)
+    with pytest.raises(TypeError, match="config must be an OverlapConfig"):
+        session.warm_up(48, 3, config="interpret")
+    assert session.warm_up(48, 3, config=OverlapConfig(backend="reference")) == ()
+    session.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        session.warm_up(48, 3)

@@ -158,8 +158,10 @@ class OverlapMoELayer(MoELayer):
         self.overlap_session = None
         if self.unsupported_reason is None:
             # the op's state (peer memory, plans, compiled kernels), shared by the group's
-            # layers; made here, on every rank together (it asks the group its hosts)
-            self.overlap_session = default_session(self.token_dispatcher.tp_ep_group)
+            # layers; made here, on every rank together (it asks the group its hosts),
+            # with the kernels this layer launches compiled
+            self.overlap_session = self._warmed(
+                default_session(self.token_dispatcher.tp_ep_group))
             # Megatron's own dispatcher object, with the process groups it was built with,
             # gains the fused path's methods (the class adds no state: dispatch.py)
             self.token_dispatcher.__class__ = OverlapAllGatherDispatcher
@@ -378,8 +380,20 @@ class OverlapMoELayer(MoELayer):
         """The layer's op session, on the device its activations are on (a model built
         on one device and moved to another gets the group's session there)."""
         if self.overlap_session is None or self.overlap_session.device != device:
-            self.overlap_session = default_session(self.token_dispatcher.tp_ep_group, device)
+            self.overlap_session = self._warmed(
+                default_session(self.token_dispatcher.tp_ep_group, device))
         return self.overlap_session
+
+    def _warmed(self, session: OverlapSession) -> OverlapSession:
+        """`session` with the Triton kernels this layer launches compiled (at build, not in
+        its first forward's planning), in the dtype it computes in (as `row_bytes_refusal`);
+        y token-major where every expert is local. Nothing compiles off CUDA."""
+        c = self.config
+        if session.device.type == "cuda" and self.overlap_config.backend in ("auto", "triton"):
+            dtype = torch.bfloat16 if c.bf16 else torch.float16 if c.fp16 else c.params_dtype
+            session.warm_up(c.hidden_size, c.moe_router_topk, dtype, config=self.overlap_config,
+                            token_major=self.num_local_experts == c.num_moe_experts)
+        return session
 
     def _call_tag(self) -> int:
         """This call's tag (`gemm2_gather_rs(call_tag=...)`): the layer's number and its

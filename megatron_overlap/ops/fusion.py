@@ -65,7 +65,7 @@ def fusion_decision(*, num_tokens: int, hidden: int, ffn: int, topk: int,
                                  splits=1, total_assignments=rows,
                                  local_experts=local_experts).expert_counts
     local_topk = round(4 * rows / num_tokens) / 4
-    launch_plan = session.planner.plan(PlanRequest(
+    launch_plan = session.plan(PlanRequest(
         config, tiles, device, backend, expert_row_tiles(counts, tiles.block_m),
         local_experts, num_tokens, hidden, ffn, world, topk, local_topk, config.splits,
         config.comm_ctas))

@@ -6,8 +6,10 @@ The pipeline of section III, one stage per module, typed values between them:
     -> launch (`launcher.launch` on the session's `OverlapBuffer`: peer memory and flags).
 
 Every stage runs on an `OverlapSession` (session.py), which owns the state: the buffer,
-the router's counts ring, the planner's caches and compiled kernel families. These
-functions take it as their first argument and keep nothing between calls.
+the router's counts ring, the compiled kernel families and the planner's caches. These
+functions take it as their first argument and keep nothing between calls; the plan
+stage compiles nothing (`OverlapSession.warm_up` does, or `OverlapSession.plan` for a
+shape it did not cover).
 
 Glossary (as in the planner):
     T  rows of the expert-sorted activations (sum of tokens_per_expert)
@@ -40,6 +42,7 @@ from .config import OverlapConfig, TileConfig
 from .grouped import grouped_mm, grouped_wgrad
 from .buffer import OverlapBuffer
 from .planning import LaunchPlan, PlanRequest, launch_tiles
+from .plans import family_keys
 from .routing import Routing
 from .reference import all_gather, reference_forward
 from .validation import (MAX_TOKENS, MAX_TOPK, aligned, capturing, check_int,
@@ -322,9 +325,11 @@ def _prepare(session, x, weight, tokens_per_expert, token_index, num_tokens, top
     m, k = num_tokens, topk  # token-major y only where T = M k (TP) and fits int32
     tiles = launch_tiles(call.config, call.backend, x.device, x.dtype, token_major=(
         expected_rows is None and rows == m * k and m * k < 1 << 31))
+    hidden = weight.shape[1]
+    if call.captured:  # (before the routing queues anything into the capture)
+        _refuse_uncompiled(session, call, tiles, hidden)
     # the receive slots first: growing them queues copies that GatherRS depends on, which
     # must come before the event it forks from, the routing's
-    hidden = weight.shape[1]
     buf.ensure(num_tokens // call.world, hidden, call.config.partial_dtype or x.dtype,
                call.captured, call_tag)
     dest = (torch.empty(call.token_index.shape[0], dtype=torch.int32, device=x.device)
@@ -334,6 +339,19 @@ def _prepare(session, x, weight, tokens_per_expert, token_index, num_tokens, top
     counts = call.counts if call.counts is not None else to_device(call.counts_dev, x.device)
     routing = session.router.route(call.token_index, counts, buf.error, tiles.block_m,
                                    num_tokens, topk, dest, call.padded, defer_slots)
-    launch_plan = session.planner.plan(_plan_request(call, tiles, routing, x, hidden, rows))
+    launch_plan = session.plan(_plan_request(call, tiles, routing, x, hidden, rows))
     session.planner.log_decision(launch_plan, num_tokens, hidden, x.shape[1], call.world)
     return Launch(call, routing.counts_dev, routing.table, buf, routing, launch_plan)
+
+
+def _refuse_uncompiled(session, call: Call, tiles: TileConfig, hidden: int) -> None:
+    """A captured call plans with kernel families compiled before the capture (warm_up or
+    an eager call of these shapes): a compile allocates and loads a module, which a
+    capture must not record (RuntimeError, as the capture's other refusals)."""
+    for key in family_keys(call.config, tiles, session.device, call.backend, hidden,
+                           call.topk, call.splits):
+        if key not in session.families:
+            raise RuntimeError(f"gemm2_gather_rs cannot be captured in a CUDA graph here: "
+                               f"the kernel family {key} is not compiled; call "
+                               f"OverlapSession.warm_up (or make one eager call of these "
+                               f"shapes) before capturing")

@@ -94,6 +94,35 @@ class KernelFamily:
         return self.tiles.placement == "shared" and self.misfit is None
 
 
+@dataclass(frozen=True)
+class FamilyKey:
+    """What a kernel family's binaries depend on: the device, the backend, GEMM2's tiles,
+    GatherRS's communication tile (TMc x TNc) and its table slots (pow2(top-k)). The
+    planner looks a family up by it; `plans.KernelFamilies` compiles one per key."""
+
+    device: torch.device
+    backend: str
+    tiles: TileConfig
+    comm_tm: int
+    comm_tn: int
+    slots: int
+
+    def __str__(self) -> str:
+        t = self.tiles
+        layout = "token-major" if t.token_major else "row order"
+        return (f"{self.backend} GEMM2 {t.block_m}x{t.block_n}x{t.block_k} ({t.gemm_impl}, "
+                f"{t.placement}, {layout}) + GatherRS {self.comm_tm}x{self.comm_tn} x "
+                f"{self.slots} slots on {self.device}")
+
+
+def family_key(tiles: TileConfig, device: torch.device, backend: str, hidden: int,
+               topk: int, splits: int) -> FamilyKey:
+    """The family a launch of hidden size N = `hidden` and top-k `topk` runs at L =
+    `splits`: the communication tile follows the split width ceil(N / L)."""
+    comm_tm, comm_tn = tiles.comm_shape(topk, -(-hidden // splits))
+    return FamilyKey(device, backend, tiles, comm_tm, comm_tn, gemm2.next_pow2(topk))
+
+
 def partition_o_comm(family: KernelFamily) -> int:
     """o_comm as the partition's reservation R(C) = ceil(C / o_comm) must count it: 1.
     The block scheduler spreads a grid's CTAs over the SMs; nothing packs o_comm

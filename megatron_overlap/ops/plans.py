@@ -1,25 +1,30 @@
-"""The op's plans and compiled kernel families, held by the session that launches them.
+"""The op's plans over compiled kernel families, held by the session that launches them.
 
-`KernelFamilies` compiles each kernel family once (no launch) and reads its residency
-from the binaries; `Planner` answers `plan(PlanRequest) -> LaunchPlan` from the planner's
-model over those families and remembers its answers. Both are plain objects an
+Compiling and planning are two steps. `KernelFamilies` (the session's) compiles kernel
+families when asked (no launch) and reads their residency from the binaries: at
+`OverlapSession.warm_up`, or at a call whose families warm_up did not cover (a logged
+step of the session, `OverlapSession.plan`). `Planner` answers `plan(PlanRequest) ->
+LaunchPlan` from the planner's model over the families it looks up and never compiles:
+a family it does not find raises `MissingKernelFamily`. Both are plain objects an
 `OverlapSession` owns: nothing here is process-wide, and a request's answer depends on
-the request alone (the caches only remember it; `planning` holds the pure parts).
+the request and the families alone (the caches only remember it; `planning` holds the
+pure parts).
 """
 
 from __future__ import annotations
 
 import logging
 import warnings
-from typing import Callable
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Callable, Protocol
 
 import torch
 
-from ..kernels import gemm2
 from ..planner import PlanCache, ranking_calibration, reservation, roofline
-from .config import MAX_SPLITS, OverlapConfig, TileConfig, calibration_for, device_spec, kernel_spec
-from .planning import (SPLIT_CANDIDATES, KernelFamily, LaunchPlan, PlanRequest,
-                       partition_o_comm, rank_splits, split_candidates)
+from .config import (MAX_SPLITS, OverlapConfig, TileConfig, calibration_for, device_spec,
+                     kernel_spec)
+from .planning import (SPLIT_CANDIDATES, FamilyKey, KernelFamily, LaunchPlan, PlanRequest,
+                       family_key, partition_o_comm, rank_splits, split_candidates)
 from .residency import compiled_occupancies
 
 log = logging.getLogger("megatron_overlap")
@@ -28,39 +33,115 @@ log = logging.getLogger("megatron_overlap")
 MAX_DECISIONS = 4096
 
 
-class KernelFamilies:
-    """The kernel families of one session, each compiled once to read its residency (the
-    interpreter has no binary: any residency plans correctly there)."""
+class MissingKernelFamily(LookupError):
+    """A plan needs a kernel family its planner's lookup does not hold (not compiled)."""
+
+    def __init__(self, key: FamilyKey):
+        super().__init__(f"kernel family not compiled: {key} (OverlapSession.warm_up)")
+        self.key = key
+
+
+class FamilyLookup(Protocol):
+    """What a Planner reads its kernel families from: read-only."""
+
+    def get(self, key: FamilyKey) -> KernelFamily | None: ...
+
+    def __len__(self) -> int: ...
+
+
+class UncompiledFamilies:
+    """The families that have no binary, as a lookup: the interpreter's (any residency
+    plans correctly there), made from the key alone; none of the triton backend's. A
+    Planner given no families plans with these (tools that plan without a device)."""
+
+    def get(self, key: FamilyKey) -> KernelFamily | None:
+        return None if key.backend == "triton" else _family(key, *_occupancies(key))
+
+    def __len__(self) -> int:
+        return 0
+
+
+class KernelFamilies(Mapping):
+    """The kernel families of one session, key -> family, each compiled once (`warm`) to
+    read its residency; `at_call`: the keys a call had to compile (warm_up had not)."""
 
     def __init__(self):
-        self._found: dict[tuple, KernelFamily] = {}
+        self._found: dict[FamilyKey, KernelFamily] = {}
+        self.at_call: list[FamilyKey] = []
+
+    def __getitem__(self, key: FamilyKey) -> KernelFamily:
+        return self._found[key]
+
+    def __iter__(self) -> Iterator[FamilyKey]:
+        return iter(self._found)
 
     def __len__(self) -> int:
         return len(self._found)
 
-    def get(self, device: torch.device, backend: str, tiles: TileConfig, comm_tm: int,
-            comm_tn: int, slots: int) -> KernelFamily:
-        key = (device, backend, tiles, comm_tm, comm_tn, slots)
-        found = self._found.get(key)
-        if found is None:
-            o_comp, o_comm, misfit, resources = _occupancies(*key)
-            found = self._found[key] = KernelFamily(tiles, comm_tm, comm_tn, slots, o_comp,
-                                                    o_comm, misfit, resources)
-            if tiles.placement == "shared" and misfit is not None:
-                warnings.warn(f"megatron-overlap: the shared placement does not fit one SM "
-                              f"({misfit}: {resources}); planning and launching the "
-                              f"partition placement instead", RuntimeWarning, stacklevel=3)
+    def warm(self, keys: Iterable[FamilyKey], at_call: bool = False) -> tuple[KernelFamily, ...]:
+        """The families of `keys`, each compiled where it is not yet (`at_call`: by a call
+        that warm_up did not prepare, logged)."""
+        return tuple(self._found.get(key) or self._compile(key, at_call) for key in keys)
+
+    def _compile(self, key: FamilyKey, at_call: bool) -> KernelFamily:
+        if at_call:  # (visible: a call pays a compile where a warm-up should have)
+            log.log(logging.INFO if key.backend == "triton" else logging.DEBUG,
+                    "megatron-overlap: compiling kernel family %s at a call (warm_up was "
+                    "not called for this shape)", key)
+            self.at_call.append(key)
+        found = self._found[key] = _family(key, *_occupancies(key))
+        if key.tiles.placement == "shared" and found.misfit is not None:
+            warnings.warn(f"megatron-overlap: the shared placement does not fit one SM "
+                          f"({found.misfit}: {found.resources}); planning and launching "
+                          f"the partition placement instead", RuntimeWarning, stacklevel=5)
         return found
 
 
-def _occupancies(device: torch.device, backend: str, tiles: TileConfig, comm_tm: int,
-                 comm_tn: int, slots: int) -> tuple[int, int, str | None, dict]:
+def _family(key: FamilyKey, o_comp: int, o_comm: int, misfit: str | None,
+            resources: dict) -> KernelFamily:
+    return KernelFamily(key.tiles, key.comm_tm, key.comm_tn, key.slots, o_comp, o_comm,
+                        misfit, resources)
+
+
+def _occupancies(key: FamilyKey) -> tuple[int, int, str | None, dict]:
     """(o_comp, o_comm, misfit, resources) of the compiled kernels (`residency`), with
-    flags of the launch's dtypes and alignment as the compiles' arguments."""
-    if backend != "triton":
+    flags of the launch's dtypes and alignment as the compiles' arguments; the
+    interpreter's fixed values (no binary)."""
+    if key.backend != "triton":
         return 2, 1, None, {}
-    flags = tuple(torch.zeros(n, dtype=torch.int32, device=device) for n in (MAX_SPLITS, 1, 1))
-    return compiled_occupancies(device, flags, tiles, comm_tm, comm_tn, slots)
+    flags = tuple(torch.zeros(n, dtype=torch.int32, device=key.device)
+                  for n in (MAX_SPLITS, 1, 1))
+    return compiled_occupancies(key.device, flags, key.tiles, key.comm_tm, key.comm_tn,
+                                key.slots)
+
+
+def planned_splits(config: OverlapConfig, tiles: TileConfig, device: torch.device, hidden: int,
+                   splits: int | None = None) -> tuple[int, ...]:
+    """The L a plan may run at: `splits` where given, else the candidates `Planner.plan`
+    ranks (`split_candidates`: down to one column tile where the calibration prices the
+    splits' HBM traffic)."""
+    if splits:
+        return (splits,)
+    calib = calibration_for(device_spec(device, config.sm_margin), config.preset)
+    return split_candidates(hidden, tiles.block_n if calib.hbm_balance is not None else None)
+
+
+def family_keys(config: OverlapConfig, tiles: TileConfig, device: torch.device, backend: str,
+                hidden: int, topk: int, splits: int | Iterable[int] | None = None
+                ) -> tuple[FamilyKey, ...]:
+    """The families plans of this shape look up: at each L of `splits` (up to N), else at
+    each L `planned_splits` gives (the config's, or the candidates the planner ranks)."""
+    each = (splits,) if isinstance(splits, int) else splits
+    each = each or planned_splits(config, tiles, device, hidden, config.splits)
+    return tuple(dict.fromkeys(family_key(tiles, device, backend, hidden, topk, s)
+                               for s in each if 1 <= s <= hidden))
+
+
+def request_families(r: PlanRequest, splits: Iterable[int] | None = None
+                     ) -> tuple[FamilyKey, ...]:
+    """The families `Planner.plan(r)` looks up (at `splits` where given: those L)."""
+    return family_keys(r.config, r.tiles, r.device, r.backend, r.hidden, r.topk,
+                       splits or r.splits)
 
 
 class _Shape:
@@ -84,10 +165,16 @@ class Planner:
     the same unit for every L; ties go to fewer splits) under the model without the
     tail-helper and overlap-factor terms; those two were fitted and checked on C sweeps
     at a fixed L, and ranking L with them picked one split, no overlap, for almost every
-    workload, measured slower (docs/RESULTS.md). C is then the full model's at that L."""
+    workload, measured slower (docs/RESULTS.md). C is then the full model's at that L.
 
-    def __init__(self, families: KernelFamilies | None = None):
-        self.families = families if families is not None else KernelFamilies()
+    Planning compiles nothing: the kernel families come from `families`, a read-only
+    lookup (the session's `KernelFamilies`), and one not found there raises
+    `MissingKernelFamily` (the session compiles it and asks again)."""
+
+    def __init__(self, families: FamilyLookup | None = None):
+        #: read only: a family not found raises MissingKernelFamily (None: the families
+        #: without a binary, `UncompiledFamilies`)
+        self.families = families if families is not None else UncompiledFamilies()
         self._caches: dict[tuple, PlanCache] = {}
         #: per kernels (config, tiles, device, backend, N, k): at each L the family and
         #: the caches that rank and plan it
@@ -178,9 +265,10 @@ class Planner:
     def _caches_at(self, r: PlanRequest, splits: int, kernels: dict) -> tuple:
         found = kernels.get(splits)
         if found is None:
-            comm_tm, comm_tn = r.tiles.comm_shape(r.topk, -(-r.hidden // splits))
-            family = self.families.get(r.device, r.backend, r.tiles, comm_tm, comm_tn,
-                                       gemm2.next_pow2(r.topk))
+            key = family_key(r.tiles, r.device, r.backend, r.hidden, r.topk, splits)
+            family = self.families.get(key)
+            if family is None:
+                raise MissingKernelFamily(key)
             found = kernels[splits] = (family,
                                        self._plan_cache(family, r.config, r.device, True),
                                        self._plan_cache(family, r.config, r.device))
@@ -219,10 +307,7 @@ class Planner:
         """The L `plan` ranks: down to one column tile where the ranking prices the
         splits' HBM traffic (`split_candidates`)."""
         if shape.candidates is None:
-            ranking = self._caches_at(r, 1, shape.kernels)[1]
-            roof = ranking.calib.hbm_balance is not None
-            shape.candidates = split_candidates(r.hidden,
-                                                ranking.kernel.tile_n if roof else None)
+            shape.candidates = planned_splits(r.config, r.tiles, r.device, r.hidden)
         return shape.candidates
 
     def _ranked(self, r: PlanRequest, shape: _Shape) -> Callable[[int], float]:

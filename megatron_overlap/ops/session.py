@@ -6,11 +6,17 @@
     out = session.launch(handle, x, weight)          # the kernels
     session.check(); session.reset(); session.close()
 
+Kernels compile at the session's warm-up, never while planning:
+    session.warm_up(hidden, topk, dtype)  # compile the kernel families those calls run
+
 The session owns everything a call leaves behind for the next: one `OverlapBuffer` per
 backend (peer memory, flags, epoch, error word, launch streams and events), the router
-with its pinned counts ring, and the planner with its plan caches and compiled kernel
-families (`plans.Planner`). The op's stages (op.py) are functions of a session and keep
-nothing; the session keeps nothing of a call but what the buffer's protocol needs.
+with its pinned counts ring, the compiled kernel families (`plans.KernelFamilies`) and
+the planner that reads them, with its plan caches (`plans.Planner`, which never
+compiles). A call whose families `warm_up` did not compile compiles them before it
+plans, as a logged step (`plan`); a call being captured into a CUDA graph refuses to.
+The op's stages (op.py) are functions of a session and keep nothing; the session keeps
+nothing of a call but what the buffer's protocol needs.
 
 `gemm2_gather_rs(...)` is the op on the default session of its group and x's device
 (`default_session`), the one table of sessions in the package; OverlapMoELayer shares
@@ -25,12 +31,14 @@ import torch
 
 from . import launcher
 from .buffer import OverlapBuffer
-from .config import OverlapConfig
+from .config import OverlapConfig, resolve_backend
 from .groups import check_device, group_size_rank, hosts_agree
 from .op import Launch, launched, needs_grads, prepare, run
-from .plans import Planner
+from .planning import SPLIT_CANDIDATES, KernelFamily, LaunchPlan, PlanRequest, launch_tiles
+from .plans import KernelFamilies, MissingKernelFamily, Planner, family_keys, request_families
 from .reference import reference_forward
 from .routing import Router
+from .validation import MAX_TOPK, check_int
 
 #: (id(group), device) -> (group, session): `gemm2_gather_rs`'s sessions (the entry holds
 #: the group, so its id stays its own while the session lives)
@@ -58,7 +66,8 @@ class OverlapSession:
             warnings.warn("megatron-overlap: the group spans several hosts; peer memory "
                           "cannot reach every rank, using the reference path")
         self.router = Router(self.device)
-        self.planner = Planner()
+        self.families = KernelFamilies()
+        self.planner = Planner(self.families)
         self._buffers: dict[str, OverlapBuffer] = {}
         self.closed = False
 
@@ -92,6 +101,52 @@ class OverlapSession:
                 handle.buffer.backend):
             raise ValueError("handle was prepared by another OverlapSession")
         return handle
+
+    # ---------------------------------------------------------------- kernels and plans
+    def warm_up(self, hidden: int, topk: int, dtype: torch.dtype = torch.bfloat16, *,
+                config: OverlapConfig | None = None, splits: int | tuple | None = None,
+                token_major: bool | None = None) -> tuple[KernelFamily, ...]:
+        """Compile the kernel families of calls with hidden size N = `hidden`, top-k
+        `topk` and `dtype` activations, so that planning them compiles nothing.
+
+        `config` (default: the session's) gives the backend, tiles and the calibration
+        that says which L the planner ranks; `splits`: the L to compile for (an int or
+        several; default: the config's, else every L the planner may choose);
+        `token_major`: y's layout, True where every token has its k rows on this rank
+        (TP: T = M k), False under EP, None both. Returns the families (their residency
+        o_comp, o_comm, misfit and the binaries' resources); none on the reference path.
+        A family compiles once per session: a second warm-up of a shape is free. Local
+        (no collective, no peer memory: the first call sets that up), nothing launched."""
+        self.check_open()
+        if config is not None and not isinstance(config, OverlapConfig):
+            raise TypeError(f"config must be an OverlapConfig, got {type(config).__name__}")
+        config = config or self.config
+        hidden, topk = check_int("hidden", hidden, 1), check_int("topk", topk, 1, MAX_TOPK)
+        backend = resolve_backend(config.backend, self.device)
+        if backend == "reference" or not self.peer_capable:
+            return ()
+        layouts = (True, False) if token_major is None else (bool(token_major),)
+        keys = (key for tiles in dict.fromkeys(launch_tiles(config, backend, self.device,
+                                                           dtype, t) for t in layouts)
+                for key in family_keys(config, tiles, self.device, backend, hidden, topk,
+                                       splits))
+        return self.families.warm(dict.fromkeys(keys))
+
+    def plan(self, request: PlanRequest) -> LaunchPlan:
+        """The planner's plan of `request`, its kernel families compiled first where
+        `warm_up` did not (logged; `families.at_call` keeps their keys)."""
+        try:
+            return self.planner.plan(request)
+        except MissingKernelFamily:
+            self.families.warm(request_families(request), at_call=True)
+        return self.planner.plan(request)
+
+    def split_predictions(self, request: PlanRequest,
+                          candidates=SPLIT_CANDIDATES) -> dict[int, float]:
+        """`Planner.split_predictions` at each L of `candidates`, their families compiled
+        first where needed (tools ask the model about L the plan did not rank)."""
+        self.families.warm(request_families(request, candidates), at_call=True)
+        return self.planner.split_predictions(request, candidates)
 
     # ---------------------------------------------------------------- calls
     def __call__(self, x, weight, tokens_per_expert, token_index, num_tokens: int, topk: int,
@@ -169,7 +224,8 @@ class OverlapSession:
     def close(self) -> None:
         """Release the peer memory, flags, streams and caches; later calls raise."""
         self._buffers.clear()
-        self.planner = Planner()
+        self.families = KernelFamilies()
+        self.planner = Planner(self.families)
         self.closed = True
         key = _key(self.group, self.device)
         if _default_sessions.get(key, (None, None))[1] is self:
@@ -249,11 +305,12 @@ def gemm2_gather_rs(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert,
     tensor and a Triton backend replays correctly for whatever the captured x, counts
     and token_index hold at replay time (the planner's decision is the capture's: it
     read only the shapes); on a group of several ranks every rank replays its graph as
-    it would call the op. Run one call of the same shapes before capturing (it compiles
-    the kernels and sets up the group's peer memory). A replay's errors (bad counts, a
-    time-out) stay in the buffer's error word: `note_replays()` (or the session's) after
-    a replay reads them at the next call, as an eager call's. Other calls raise
-    RuntimeError when captured.
+    it would call the op. Run one call of the same shapes before capturing (it sets up
+    the group's peer memory, and compiles the kernels where `OverlapSession.warm_up` has
+    not: a captured call whose kernels are not compiled raises RuntimeError). A
+    replay's errors (bad counts, a time-out) stay in the buffer's error word:
+    `note_replays()` (or the session's) after a replay reads them at the next call, as
+    an eager call's. Other calls raise RuntimeError when captured.
     """
     return default_session(group, x.device)(
         x, weight, tokens_per_expert, token_index, num_tokens, topk, probs,
