@@ -169,7 +169,8 @@ ENV_NAMES = {"environ", "environb", "getenv", "getenvb", "putenv", "unsetenv"}
 ENV_READERS = {
     f"{PKG}.env": None,  # OverlapConfig.from_env's implementation
     f"{PKG}.ops.config": {"interpreting"},  # TRITON_INTERPRET, Triton's own variable
-    f"{PKG}.mcore.prefill": None,  # a torchrun entry point: RANK, LOCAL_RANK, multicast off
+    f"{PKG}.mcore.prefill": None,  # a torchrun entry point: RANK
+    f"{PKG}.mcore.parallel": {"init_parallel"},  # a run's process: LOCAL_RANK, multicast off
     f"{PKG}.demo": None,  # a launcher: starts its ranks' processes with their environment
 }
 
