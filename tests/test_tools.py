@@ -517,7 +517,7 @@ def test_report_shows_the_fused_flags_ratio_beside_the_default_one(tmp_path):
 
 
 def test_grid_report_adds_the_fused_flags_ratio_from_its_own_files(tmp_path):
-    """`gridfused_*` files (stage grid_fused) are read with --prefix gridfused, never
+    """`gridfused_*` files (stage grid, GRID_FUSED=1) are read with --prefix gridfused, never
     with the plain grid's; each row carries stock / overlap under the fused flags."""
     import json
 
