@@ -2,6 +2,9 @@
 
     planner (stdlib only) <- kernels (torch, triton) <- ops <- mcore (ops' public names)
 
+and tools/ reaches the package through its public surface only (the names the ops,
+planner and mcore packages export, and the top-level modules),
+
 read from the source with `ast` (nothing is imported), function-level imports included:
 a lazy import is still a dependency. The CUDA driver binding (`megatron_overlap/
 cuda_driver.py`) is a stdlib-only leaf that kernels and ops both use.
@@ -169,7 +172,8 @@ ENV_NAMES = {"environ", "environb", "getenv", "getenvb", "putenv", "unsetenv"}
 ENV_READERS = {
     f"{PKG}.env": None,  # OverlapConfig.from_env's implementation
     f"{PKG}.ops.config": {"interpreting"},  # TRITON_INTERPRET, Triton's own variable
-    f"{PKG}.mcore.prefill": None,  # a torchrun entry point: RANK, LOCAL_RANK, multicast off
+    f"{PKG}.mcore.prefill": None,  # a torchrun entry point: RANK
+    f"{PKG}.mcore.parallel": {"init_parallel"},  # a run's process: LOCAL_RANK, multicast off
     f"{PKG}.demo": None,  # a launcher: starts its ranks' processes with their environment
 }
 
@@ -224,3 +228,121 @@ def test_library_code_reads_no_environment_variable():
     # (the helpers of env.py read variables too: only from_env's module may call them)
     users = sorted(_rel(m) for m in MODULES if f"{PKG}.env" in _imports(m))
     assert users == [_rel(f"{PKG}.ops.config")], users
+
+
+# ---------------------------------------------------------------- tools/ (public API only)
+#: the packages a tool reaches the library through, each by the names its __init__ exports
+PUBLIC_PACKAGES = (PKG, f"{PKG}.ops", f"{PKG}.planner", f"{PKG}.mcore")
+#: the package's top-level modules (megatron_overlap/<name>.py): public but their _names
+TOP_MODULES = frozenset(m for m, path in MODULES.items()
+                        if path.parent == ROOT / PKG and path.name != "__init__.py")
+#: tools that check the kernels themselves (their jit functions are the subject): they may
+#: import the kernels layer, nothing else below the public surface
+KERNEL_CHECKS = {"tools/compile_check.py"}
+#: tools allowed private modules, with exactly those modules; the test fails when an entry
+#: is no longer accurate. Both replay the op's planner offline as on another device (a
+#: PlanRequest, ops.plans.Planner with its device_spec replaced): no public way in yet.
+TOOLS_PENDING: dict[str, set[str]] = {
+    "tools/bench_planner.py": {f"{PKG}.ops.planning", f"{PKG}.ops.plans"},
+    "tools/split_sweep.py": {f"{PKG}.ops.planning", f"{PKG}.ops.plans"},
+}
+
+
+def _literal_names(node, assigned: dict) -> set[str]:
+    """The strings of an `__all__` value: a list / tuple literal, a dict literal's keys, or
+    sorted(...) / list(...) of one, directly or through a module-level name."""
+    if isinstance(node, ast.Name) and node.id in assigned:
+        return _literal_names(assigned[node.id], assigned)
+    if isinstance(node, (ast.List, ast.Tuple, ast.Set)):
+        return {e.value for e in node.elts if isinstance(e, ast.Constant)}
+    if isinstance(node, ast.Dict):
+        return {k.value for k in node.keys if isinstance(k, ast.Constant)}
+    if isinstance(node, ast.Call) and len(node.args) == 1:
+        return _literal_names(node.args[0], assigned)
+    raise AssertionError(f"cannot read __all__ from {ast.dump(node)[:200]}")
+
+
+def exported_names(package: str) -> set[str]:
+    """What `package`'s __init__ lists in __all__ (read from the source)."""
+    assigned = {n.targets[0].id: n.value for n in ast.parse(MODULES[package].read_text()).body
+                if isinstance(n, ast.Assign) and len(n.targets) == 1
+                and isinstance(n.targets[0], ast.Name)}
+    return _literal_names(assigned["__all__"], assigned)
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def private_uses(source: str, exported=None) -> set[str]:
+    """What `source` reaches below the public surface: a module of the package other than
+    the public packages and the top-level modules, a name a public package does not
+    export (`exported`: package -> its names), a _name of a top-level module, and a
+    _name read off a public module it imported (`prefill._setup`)."""
+    exported = exported or {p: exported_names(p) for p in PUBLIC_PACKAGES}
+    public = set(PUBLIC_PACKAGES) | TOP_MODULES
+    bad, modules = set(), {}  # modules: local name -> public module it is bound to
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if not _is(alias.name, PKG):
+                    continue
+                if alias.name not in public:
+                    bad.add(alias.name)
+                elif alias.asname:
+                    modules[alias.asname] = alias.name
+        elif isinstance(node, ast.ImportFrom) and not node.level and _is(node.module or "", PKG):
+            base = node.module
+            if base not in public:
+                bad.add(base)
+                continue
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                if full in public:
+                    modules[alias.asname or alias.name] = full
+                elif (alias.name not in exported[base] if base in exported
+                      else _private(alias.name)):
+                    bad.add(full)
+    for node in ast.walk(ast.parse(source)):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                and node.value.id in modules and _private(node.attr)):
+            bad.add(f"{modules[node.value.id]}.{node.attr}")
+    return bad
+
+
+def test_the_tools_scan_finds_private_modules_names_and_attributes():
+    exported = {p: {"Public"} for p in PUBLIC_PACKAGES}
+    source = (f"import {PKG}.ops.plans\nimport {PKG}.stats as st\n"
+              f"from {PKG}.ops import Public, hidden\nfrom {PKG}.ops.config import x\n"
+              f"from {PKG}.mcore import Public as P\nfrom {PKG} import shapes, kernels\n"
+              f"from {PKG}.routing import route, _helper\n"
+              "def f():\n    from megatron.core import parallel_state\n"
+              "    return st._private(), shapes.MODELS, st.__name__\n")
+    assert private_uses(source, exported) == {
+        f"{PKG}.ops.plans", f"{PKG}.ops.hidden", f"{PKG}.ops.config", f"{PKG}.kernels",
+        f"{PKG}.routing._helper", f"{PKG}.stats._private"}
+    assert "load_tiles" in exported_names(f"{PKG}.ops")
+    assert "plan" in exported_names(PKG)  # (the root's __all__ = sorted(_EXPORTS))
+
+
+def test_tools_use_only_the_public_api():
+    """tools/ are the package's products' users: every tool imports `megatron_overlap`,
+    its ops / planner / mcore packages (the names their __init__ exports) and its
+    top-level modules only. KERNEL_CHECKS may import the kernels too; TOOLS_PENDING lists
+    what is not moved yet, exactly."""
+    exported = {p: exported_names(p) for p in PUBLIC_PACKAGES}
+    found = {}
+    for path in sorted((ROOT / "tools").glob("*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        bad = private_uses(path.read_text(), exported)
+        if rel in KERNEL_CHECKS:
+            bad = {n for n in bad if not _is(n, f"{PKG}.kernels")}
+        if bad or rel in TOOLS_PENDING:
+            found[rel] = bad
+    stale = {f: sorted(TOOLS_PENDING[f] - found.get(f, set())) for f in TOOLS_PENDING
+             if TOOLS_PENDING[f] - found.get(f, set())}
+    assert not stale, f"no longer imported (remove them from TOOLS_PENDING): {stale}"
+    new = {f: sorted(bad - TOOLS_PENDING.get(f, set())) for f, bad in found.items()
+           if bad - TOOLS_PENDING.get(f, set())}
+    assert not new, (f"tools reach below the public API (use or deliberately export a "
+                     f"public name of megatron_overlap.ops / .planner / .mcore): {new}")

@@ -140,7 +140,7 @@ def test_prefill_sweep_records_an_out_of_memory_length_and_goes_on(monkeypatch):
     class Model(torch.nn.Module):
         vocab_size = 8
 
-    monkeypatch.setattr(prefill, "_setup", lambda args: torch.device("cpu"))
+    monkeypatch.setattr(prefill, "init_parallel", lambda *a, **k: torch.device("cpu"))
     monkeypatch.setattr(prefill, "build_model", lambda *a, **k: Model())
     monkeypatch.setattr(prefill.dist, "get_world_size", lambda: 1)
 
@@ -172,7 +172,7 @@ def test_prefill_cuda_graph_turns_the_overlap_on_and_needs_cuda(monkeypatch):
     class Model(torch.nn.Module):
         vocab_size = 8
 
-    monkeypatch.setattr(prefill, "_setup", lambda args: torch.device("cpu"))
+    monkeypatch.setattr(prefill, "init_parallel", lambda *a, **k: torch.device("cpu"))
     monkeypatch.setattr(prefill, "build_model", lambda *a, **k: Model())
     with pytest.raises(ValueError, match="needs CUDA"):
         prefill.run_all(args)
@@ -184,7 +184,7 @@ def test_prefill_cuda_graph_installs_the_inference_rng_tracker_before_the_model_
     tracker there reseeds the generator inside the capture, which torch refuses."""
     from megatron.core.tensor_parallel import random as mrandom
 
-    mrandom.initialize_rng_tracker(force_reset=True)  # a training tracker, as after _setup
+    mrandom.initialize_rng_tracker(force_reset=True)  # a training tracker, as after init_parallel
     seen = []
 
     class Built(Exception):
@@ -195,7 +195,7 @@ def test_prefill_cuda_graph_installs_the_inference_rng_tracker_before_the_model_
                     and type(mrandom.get_cuda_rng_tracker()).__name__)
         raise Built
 
-    monkeypatch.setattr(prefill, "_setup", lambda args: torch.device("cuda"))
+    monkeypatch.setattr(prefill, "init_parallel", lambda *a, **k: torch.device("cuda"))
     monkeypatch.setattr(prefill, "build_model", build_model)
     monkeypatch.setattr(torch.cuda, "manual_seed", lambda seed: None)
     try:
@@ -376,12 +376,11 @@ def _layer_input_case(rank, world):
     import bench_layer
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from megatron_overlap.mcore.convert import set_overlap_enabled
-    from megatron_overlap.mcore.layer import OverlapMoELayer
-    from megatron_overlap.mcore.models import build_model
+    from megatron_overlap.mcore import (OverlapMoELayer, build_model, init_parallel,
+                                        set_overlap_enabled, token_inputs)
     from megatron_overlap.ops import OverlapConfig
 
-    device = prefill._setup(argparse.Namespace(tp=1, ep=1, seed=0, preload="shims"))
+    device = init_parallel(1, 1, seed=0, preload="mcore_shims")
     args = argparse.Namespace(input_layer=2, backend="interpret", fuse="always",
                               tiny=True,
                               no_bias_swiglu_fusion=False)
@@ -396,8 +395,7 @@ def _layer_input_case(rank, world):
     seen = []
     target = [m for m in model.modules() if isinstance(m, OverlapMoELayer)][-1]
     target.register_forward_pre_hook(lambda mod, inputs: seen.append(inputs[0].clone()))
-    tokens, positions = prefill._inputs(argparse.Namespace(batch=2, seed=0), 16,
-                                        model.vocab_size, device)
+    tokens, positions = token_inputs(2, 16, model.vocab_size, device)
     with torch.no_grad():
         model(tokens, positions, None)
     def refusal(name, input_layer):
@@ -473,9 +471,9 @@ def _fake_prefill(monkeypatch, argv, ms):
     def time_once(forward, device, grad=False):
         return ms[forward()] / 1e3
 
-    monkeypatch.setattr(prefill, "_setup", lambda args: torch.device("cpu"))
+    monkeypatch.setattr(prefill, "init_parallel", lambda *a, **k: torch.device("cpu"))
     monkeypatch.setattr(prefill, "build_model", lambda *a, **k: Model())
-    monkeypatch.setattr(prefill, "_inputs", lambda *a: (None, None))
+    monkeypatch.setattr(prefill, "token_inputs", lambda *a: (None, None))
     monkeypatch.setattr(prefill, "_time_once", time_once)
     monkeypatch.setattr(prefill.dist, "get_world_size", lambda: 1)
     monkeypatch.setattr(prefill, "check_moe_fusions_available", lambda: None)
@@ -519,7 +517,7 @@ def test_report_shows_the_fused_flags_ratio_beside_the_default_one(tmp_path):
 
 
 def test_grid_report_adds_the_fused_flags_ratio_from_its_own_files(tmp_path):
-    """`gridfused_*` files (stage grid_fused) are read with --prefix gridfused, never
+    """`gridfused_*` files (stage grid, GRID_FUSED=1) are read with --prefix gridfused, never
     with the plain grid's; each row carries stock / overlap under the fused flags."""
     import json
 

@@ -33,11 +33,13 @@ sys.path.insert(0, os.path.dirname(__file__))
 from benchlib import abba, add_run_args, env_info, smoke_setup, summarize, without_samples, write_json  # noqa: E402,E501
 from workloads import SHAPES  # noqa: E402
 
-from megatron_overlap.ops import OverlapConfig, gemm2_gather_rs  # noqa: E402
-from megatron_overlap.ops.grouped import accepts, grouped_kernel, grouped_mm, grouped_wgrad  # noqa: E402,E501
-from megatron_overlap.ops.reference import all_gather, reduce_scatter  # noqa: E402
+from megatron_overlap.ops import OverlapConfig, gemm2_gather_rs, grouped_mm, grouped_wgrad  # noqa: E402,E501
 from megatron_overlap.routing import route, skew_ratio, expert_counts  # noqa: E402
 from megatron_overlap.shapes import BATCH, MoEShape  # noqa: E402
+
+# (torch 2.13 names them *_single; 2.11, the device's, *_tensor)
+reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 #: hidden 36 and FC width 20: bf16 rows of 72 and 40 bytes, torch._grouped_mm's padded path
 SMOKE_SHAPES = dict(SHAPES, **{"tiny-unaligned": MoEShape("tiny-unaligned", 36, 20, 6, 2, 1)})
@@ -130,6 +132,16 @@ def _graph(forward, inp: dict):
     return backward
 
 
+def _torch_takes(stock) -> bool:
+    """Whether torch._grouped_mm runs the stock products on these operands (one call; every
+    rank has the same dtype and layout, so every rank answers alike)."""
+    try:
+        stock()
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
 def policies(inp: dict, group, world: int, backend: str) -> dict:
     """{name: callable returning (dx, dW)}; stock first."""
     offs = inp["counts_dev"].to(torch.int32).cumsum(0, dtype=torch.int32)
@@ -158,8 +170,10 @@ def policies(inp: dict, group, world: int, backend: str) -> dict:
     ours = _graph(lambda x, w: gemm2_gather_rs(x, w, counts, inp["token_index"], inp["tokens"],
                                                inp["topk"], None, group, config=config), inp)
     pol = {}
-    # torch's grouped kernel, at widths it takes as they are (else stock is not defined)
-    if grouped_kernel(inp["x"]) and accepts(inp["x"]) and accepts(inp["weight"]):
+    # torch's grouped kernel, where torch takes these operands as they are (it raises at a
+    # layout breaking its 16-byte rule, or where this build has no grouped kernel for the
+    # device); else stock is not defined
+    if _torch_takes(stock):
         pol["stock"] = stock
         pol["stock(autograd)"] = _graph(stock_forward, inp)
     else:  # the same products through ops/grouped.py (pads, or loops)

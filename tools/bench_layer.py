@@ -31,16 +31,12 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(__file__))
 from benchlib import abba, env_info, summarize, write_json  # noqa: E402
 
-from megatron_overlap.mcore import prefill  # noqa: E402
-from megatron_overlap.mcore.baselines import (BASELINES, add_baseline_args, arm,  # noqa: E402
-                                              baselines_from_args,
-                                              check_moe_fusions_available, set_moe_fusions)
-from megatron_overlap.mcore.policy import LayerPolicy  # noqa: E402
-from megatron_overlap.mcore.convert import fused_at_every_size, set_overlap_enabled  # noqa: E402
-from megatron_overlap.mcore.layer import OverlapMoELayer  # noqa: E402
-from megatron_overlap.ops import CapturedCall  # noqa: E402
-from megatron_overlap.mcore.models import IMPLS, build_model, model_config  # noqa: E402
-from megatron_overlap.ops import OverlapConfig  # noqa: E402
+from megatron_overlap.mcore import (BASELINES, LayerPolicy, OverlapMoELayer,  # noqa: E402
+                                    add_baseline_args, baselines_from_args, build_model,
+                                    check_moe_fusions_available, fused_at_every_size,
+                                    init_parallel, model_config, set_moe_fusions,
+                                    set_overlap_enabled, token_inputs)
+from megatron_overlap.ops import CapturedCall, OverlapConfig  # noqa: E402
 
 
 class _Captured(Exception):
@@ -87,8 +83,7 @@ def build_case(model_name, tp, ep, seq, batch, args, device, impl: str = "local"
         captured.append(inputs[0].detach().clone())
         raise _Captured
 
-    tokens, positions = prefill._inputs(argparse.Namespace(batch=batch, seed=0), seq,
-                                        model.vocab_size, device)
+    tokens, positions = token_inputs(batch, seq, model.vocab_size, device)
     handle = layer.register_forward_pre_hook(capture)
     set_overlap_enabled(model, False)  # the layers before it run stock (they are not timed)
     try:
@@ -139,6 +134,12 @@ def routing_skew(layer, hidden) -> dict:
 
 def _policy(impl: str, primary: str, name: str) -> str:
     return name if impl == primary else f"{name}-{impl}"
+
+
+def arm(name: str, baseline: str, primary: str) -> str:
+    """A policy's name under a baseline, as the prefill launcher names its arms: `name`
+    under the primary baseline, else suffixed with its baseline ("stock-fused")."""
+    return name if baseline == primary else f"{name}-{baseline}"
 
 
 def _build_arms(model_name, tp, ep, seq, batch, args, device) -> dict:
@@ -275,16 +276,18 @@ def main() -> int:
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     args.impls = args.impls.split(",")
-    if not args.impls or any(i not in IMPLS for i in args.impls) or len(set(args.impls)) < len(args.impls):
-        ap.error(f"--impls: distinct entries of {', '.join(IMPLS)}, got {','.join(args.impls)}")
+    if len(set(args.impls)) < len(args.impls):
+        ap.error(f"--impls: distinct entries, got {','.join(args.impls)}")
+    try:
+        for impl in args.impls:  # (model_config names the implementations it takes)
+            model_config("qwen", tiny=True, impl=impl)
+    except ValueError as e:
+        ap.error(f"--impls: {e}")
     try:
         args.baseline_list = baselines_from_args(args)
     except ValueError as e:
         ap.error(str(e))
-    if args.preload:
-        prefill._preload(args.preload)
-    setup_args = argparse.Namespace(tp=args.tp, ep=args.ep, seed=0, preload=args.preload)
-    device = prefill._setup(setup_args)
+    device = init_parallel(args.tp, args.ep, seed=0, preload=args.preload)
     if "fused" in args.baseline_list:
         check_moe_fusions_available()
     if args.cuda_graph and device.type != "cuda":

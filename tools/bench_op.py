@@ -40,7 +40,6 @@ from workloads import add_case_args, cases, on_every_sm, rank_inputs  # noqa: E4
 from megatron_overlap.ops import OverlapConfig, gemm2_gather_rs  # noqa: E402
 from megatron_overlap.ops import CapturedCall  # noqa: E402
 from megatron_overlap.ops import default_session  # noqa: E402
-from megatron_overlap.ops.planning import SPLIT_CANDIDATES  # noqa: E402
 from megatron_overlap.ops import grouped_mm  # noqa: E402
 from megatron_overlap.planner import compute_slots  # noqa: E402
 
@@ -103,11 +102,13 @@ def policies_for(inp: dict, group, c_values, preset: str | None,
                                                     c_values if graph_sweep else (),
                                                     l_values if graph_sweep else ())
         pol.update(pol_graph)
-    ls = sorted({*l_values, *SPLIT_CANDIDATES})
+    # at split_predictions' default candidates and at the L this run times
+    by_splits = {**session.planner.split_predictions(lp.request),
+                 **session.planner.split_predictions(lp.request, tuple(l_values))}
     facts = dict(world=launch.world, comm_ctas=plan.comm_ctas, compute_slots=plan.compute_slots,
                  splits=plan.splits, predicted=plan.curve, w_comp=plan.w_comp,
                  # the model that ranks L, at each L (compute waves): what the choice compared
-                 predicted_by_splits=session.planner.split_predictions(lp.request, ls),
+                 predicted_by_splits=dict(sorted(by_splits.items())),
                  w_comm=plan.w_comm, rho=plan.rho,
                  resources=lp.family.resources)
     if graphs:

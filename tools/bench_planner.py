@@ -49,7 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_overlap.ops.config import GPU_TILES, OverlapConfig, kernel_spec
+from megatron_overlap.ops import GPU_TILES, OverlapConfig
 from megatron_overlap.ops import plans
 from megatron_overlap.ops.planning import PlanRequest
 from megatron_overlap.planner import (A100_PAPER, Calibration, DeviceSpec, KernelSpec,
@@ -77,8 +77,9 @@ class Config:
         if not self.op:
             return self.kernel
         comm_tm, comm_tn = GPU_TILES.comm_shape(topk, -(-hidden // splits))
-        return kernel_spec(GPU_TILES, comm_tm, comm_tn, self.kernel.o_comp, self.kernel.o_comm,
-                           self.kernel.tail_helpers, shared_sms=True)
+        return KernelSpec(GPU_TILES.block_m, GPU_TILES.block_n, comm_tm, comm_tn,
+                          self.kernel.o_comp, self.kernel.o_comm, self.kernel.tail_helpers,
+                          shared_sms=True)
 
 
 #: the op's planner, as a session holds it (its caches are what `op_miss` times)

@@ -55,9 +55,8 @@ from tune_tiles import phase_launch, tiles_from_json  # noqa: E402
 from workloads import OpCase, rank_inputs  # noqa: E402
 
 from megatron_overlap.ops import OverlapConfig, default_session  # noqa: E402
-from megatron_overlap.planner import (Calibration, KernelSpec, Preset,  # noqa: E402
-                                      Workload, plan, preset_for_device)
-from megatron_overlap.planner.model import DeviceSpec, makespan  # noqa: E402
+from megatron_overlap.planner import (Calibration, DeviceSpec, KernelSpec,  # noqa: E402
+                                      Preset, Workload, makespan, plan, preset_for_device)
 
 
 def phase_timer(inp, group, c: int, phases, splits: int, backend: str, tiles=None):

@@ -70,7 +70,7 @@ def kernels():
         yield (name, grs.gather_rs_kernel, _signature(comm_ptrs, comm_ints, meta), meta,
                dict(num_warps=32), attrs)
     # the shared placement's small CTA beside GEMM2's (4 warps, capped registers)
-    from megatron_overlap.ops.config import SHARED_COMM_MAXNREG, SHARED_GEMM_MAXNREG
+    from megatron_overlap.ops import SHARED_COMM_MAXNREG, SHARED_GEMM_MAXNREG
 
     meta = dict(BLOCK_TM=8, BLOCK_TN=512, TOPK_POW2=4, HAS_PROBS=False, COL_ALIGN=16,
                 SLOT_LOOP=True, ITEM_STAGES=1, TOKEN_MAJOR=True, stride_yn=1)

@@ -7,27 +7,29 @@
 #   te            Transformer Engine from the parts earlier calls staged (tools/te_wheels.sh)
 #   env           nvidia-smi, the topology, torch and Triton versions
 #   demo          `make demo` in a fresh venv (the README's main job)
-#   gpu_tests     pytest -m gpu: kernels, op, layer (on failure later stages run without
-#                 the tail helpers unless GPU_TESTS_DEGRADE=0)
-#   te_gpu_tests  the TE-spec layer and Megatron-LM's launch on the GPU (after te)
-#   hf_gpu        a Hugging Face checkpoint through the overlapped layer (GPU)
+#   gpu_tests     pytest -m gpu over GPU_TEST_FILES (tests/ files, default the kernels', the
+#                 op's and the layer's); what is not installed skips (TE: `te` first), e.g.
+#                 GPU_TEST_FILES="test_mcore_te_gpu.py test_megatron_lm_launch_gpu.py
+#                 test_hf_checkpoint.py". A failure of the kernels' or op's tests turns the
+#                 tail helpers off for later stages unless GPU_TESTS_DEGRADE=0
 #   check_op      the op against fp64 over models x layouts x routing (CHECK_ARGS)
 # Device setup (once per device):
-#   tune          GEMM2 and GatherRS tiles (tools/tune_tiles.py) -> tiles.json
-#   tune_comm     GatherRS tiles alone; later stages use them (MEGATRON_OVERLAP_TILES)
-#   calibrate     the planner's calibration of this device -> $CAL_NAME.json
-#   ship_cal      later stages plan with that calibration as if shipped
+#   tune          GEMM2 and GatherRS tiles (tools/tune_tiles.py) -> tiles.json; TUNE_COMM=1:
+#                 GatherRS tiles alone, and later stages use them (MEGATRON_OVERLAP_TILES)
+#   calibrate     the planner's calibration of this device -> $CAL_NAME.json; SHIP_CAL=1:
+#                 later stages plan with it as if shipped (over a shipped one: SHIP_OVER=1)
 #   unpermute_rate  TE's and Megatron's unpermute timed into the calibration (after te)
 # Benchmarks (layouts: LAYOUTS, default every TPxEPy of this machine's GPUs; one GPU TP1EP1):
 #   bench_op      the op against the reference, C swept, eager (OP_MODELS, OP_SEQS, ROUTING)
 #   op_graph      the op, GEMM2 alone and the reference replayed from CUDA graphs, C and L swept
-#   layers        one MoE layer, stock and overlapped (bench_layer.py)
-#   layers_te     one MoE layer, TE's grouped experts and local ones, one GPU (after te)
-#   prefill       complete-model prefill, stock and overlapped (PREFILL_MODELS, PREFILL_SEQS)
-#   prefill_te    the TE-spec prefill, --moe-overlap on / off, one GPU (after te)
-#   train_te      one TE-spec training step, on / off, one GPU (after te)
-#   grid_te       prefill and training step over models x B x S, on / off (after te)
-#   grid_fused    core-TE and --moe-overlap under both MoE flag sets (after te)
+#   layers        one MoE layer, stock and overlapped (bench_layer.py; LAYER_IMPLS=te,local:
+#                 TE's grouped experts = core-TE beside local ones, after te)
+#   prefill       complete-model prefill, stock and overlapped (PREFILL_MODELS, PREFILL_SEQS);
+#                 PREFILL_IMPL=te: the TE spec (core-TE, after te); PREFILL_MODES="prefill
+#                 train": also one training step (TRAIN_SEQS, TRAIN_BATCH, TRAIN_LAYERS)
+#   grid          core-TE against --moe-overlap, one GPU, over GRID_MODES (prefill train) x
+#                 GRID_MODELS x GRID_BATCHES x GRID_SEQS (after te); GRID_FUSED=1: each point
+#                 under Megatron's default MoE flags and its fusions in one schedule
 #   train_loop    Megatron-LM's own training loop, stock vs --moe-overlap (after te)
 # Before and after a change:
 #   ab            the one-GPU op, layer and prefill benchmarks of a base wheel (.whl/base/*.whl,
@@ -110,36 +112,36 @@ for s in "$@"; do
         && export PYTHONPATH=/tmp/site:${TE_TARGET:-/tmp/te_site} ;;
     env) stage env 60 bash -c "nvidia-smi; nvidia-smi topo -m; python3 -c 'import torch,triton; print(torch.__version__, triton.__version__, torch.cuda.device_count())'" ;;
     demo) stage demo 240 bash -c "cd '$REPO' && make demo" ;;  # the README's main job, fresh venv
-    gpu_tests) stage gpu_tests ${GPU_TEST_SECS:-420} python3 -m pytest -q -m gpu -p no:cacheprovider \
-        --rootdir "$REPO" -c "$REPO/pyproject.toml" ${GPU_TEST_K:+-k "$GPU_TEST_K"} \
-        "$REPO/tests/test_kernels_gpu.py" "$REPO/tests/test_op_gpu.py" \
-        "$REPO/tests/test_mcore_gpu.py"; rc=$?
+    gpu_tests) files=""  # (names under tests/; `tests/` prefixes and ::test ids kept)
+      for f in ${GPU_TEST_FILES:-test_kernels_gpu.py test_op_gpu.py test_mcore_gpu.py}; do
+        files="$files $REPO/tests/${f#tests/}"; done
+      stage gpu_tests ${GPU_TEST_SECS:-420} python3 -m pytest -q -m gpu -p no:cacheprovider \
+        --rootdir "$REPO" -c "$REPO/pyproject.toml" -rs ${GPU_TEST_K:+-k "$GPU_TEST_K"} $files
+      rc=$?
       if [ $rc = 124 ]; then  # the stage's bound, not a failed test: nothing to work around
         echo "gpu_tests ran past ${GPU_TEST_SECS:-420} s: later stages keep the tail helpers" | tee -a "$LOG"
-      elif [ $rc != 0 ] && [ "${GPU_TESTS_DEGRADE:-1}" != 0 ]; then
+      elif [ $rc != 0 ] && [ "${GPU_TESTS_DEGRADE:-1}" != 0 ] \
+          && [[ "$files" =~ test_(kernels|op)_gpu\.py ]]; then
         # later stages measure without the tail helpers rather than not at all (the
         # tools' OverlapConfig.from_env reads it)
         echo "gpu_tests failed: MEGATRON_OVERLAP_TAIL_HELPERS=0 from here on" | tee -a "$LOG"
         export MEGATRON_OVERLAP_TAIL_HELPERS=0
       fi ;;
-    te_gpu_tests) stage te_gpu_tests ${TE_TEST_SECS:-300} python3 -m pytest -q -m gpu -p no:cacheprovider \
-        --rootdir "$REPO" -c "$REPO/pyproject.toml" -rs "$REPO/tests/test_mcore_te_gpu.py" \
-        "$REPO/tests/test_megatron_lm_launch_gpu.py" ;;
-    hf_gpu) stage hf_gpu ${HF_SECS:-240} python3 -m pytest -q -m gpu -p no:cacheprovider \
-        --rootdir "$REPO" -c "$REPO/pyproject.toml" -rs "$REPO/tests/test_hf_checkpoint.py" ;;
     check_op) stage check_op ${CHECK_SECS:-240} python3 "$REPO/tools/check_op.py" ${CHECK_ARGS:-} ;;
-    tune) stage tune 170 $TR "$REPO/tools/tune_tiles.py" --json "$OUT/tiles.json" ;;
-    tune_comm)  # GatherRS candidates on every GPU; later stages use its choice
-      stage tune_comm 120 $TR "$REPO/tools/tune_tiles.py" --comm-only --cset 4,16,32,64 \
-        --samples 8 --json "$OUT/tiles.json"
-      [ -f "$OUT/tiles.json" ] && export MEGATRON_OVERLAP_TILES=$OUT/tiles.json TILES=$OUT/tiles.json ;;
+    tune) if [ "${TUNE_COMM:-0}" = 1 ]; then  # GatherRS candidates on every GPU; later stages use its choice
+        stage tune_comm 120 $TR "$REPO/tools/tune_tiles.py" --comm-only --cset 4,16,32,64 \
+          --samples 8 --json "$OUT/tiles.json"
+        [ -f "$OUT/tiles.json" ] && export MEGATRON_OVERLAP_TILES=$OUT/tiles.json TILES=$OUT/tiles.json
+      else stage tune 170 $TR "$REPO/tools/tune_tiles.py" --json "$OUT/tiles.json"; fi ;;
     calibrate) stage calibrate 200 $TR "$REPO/tools/calibrate.py" ${TILES:+--tiles $TILES} \
-        --name $CAL_NAME --json "$OUT/$CAL_NAME.json" ;;
-    ship_cal)  # later stages plan with the calibration just made, as if it were shipped
-      # (not over a shipped one unless SHIP_OVER=1: h200's was made on two GPUs, d_ref = 2)
-      if [ -f "$REPO/megatron_overlap/planner/calibrations/$CAL_NAME.json" ] && [ "${SHIP_OVER:-0}" != 1 ]; then
-        echo "ship_cal: $CAL_NAME is shipped; kept (SHIP_OVER=1 replaces it)" | tee -a "$LOG"
-      else cp "$OUT/$CAL_NAME.json" /tmp/site/megatron_overlap/planner/calibrations/; fi ;;
+        --name $CAL_NAME --json "$OUT/$CAL_NAME.json"
+      if [ "${SHIP_CAL:-0}" = 1 ] && [ -f "$OUT/$CAL_NAME.json" ]; then
+        # later stages plan with the calibration just made, as if it were shipped
+        # (not over a shipped one unless SHIP_OVER=1: h200's was made on two GPUs, d_ref = 2)
+        if [ -f "$REPO/megatron_overlap/planner/calibrations/$CAL_NAME.json" ] && [ "${SHIP_OVER:-0}" != 1 ]; then
+          echo "calibrate: $CAL_NAME is shipped; kept (SHIP_OVER=1 replaces it)" | tee -a "$LOG"
+        else cp "$OUT/$CAL_NAME.json" /tmp/site/megatron_overlap/planner/calibrations/; fi
+      fi ;;
     unpermute_rate)  # TE's fused unpermute and Megatron's, timed at the three models' shapes,
       # written into this device's calibration (the fuse-or-not's step costs; after `te`)
       cp "$REPO/megatron_overlap/planner/calibrations/$CAL_NAME.json" "$OUT/$CAL_NAME.json"
@@ -160,57 +162,59 @@ for s in "$@"; do
           --routing ${ROUTING:-uniform} --cset ${BENCH_CSET:-33,66,132} --lset ${LSET:-1,2,4,8} \
           --samples ${OP_SAMPLES:-10} --warmup 2 --preset "${PRESET:-$CAL_NAME}" --cuda-graph \
           --graph-sweep --json "$OUT/op_graph_${TAG:-}$lay.json"; done ;;
-    layers) for lay in ${LAYOUTS:-$LAYS}; do tp_ep $lay
-        stage layer_$lay ${LAYER_SECS:-120} $TR "$REPO/tools/bench_layer.py" \
-          --models ${LAYER_MODELS:-granite,qwen,deepseek} --tp $TP --ep $EP \
-          --seqs ${LAYER_SEQS:-4096,16384} --samples 12 ${INPUT_LAYER:+--input-layer $INPUT_LAYER} \
-          ${LAYER_ARGS:-} --json "$OUT/layer_${TAG:-}$lay.json"; done ;;
-    layers_te) stage layer_te_TP1EP1 ${LAYER_SECS:-240} torchrun --nproc-per-node 1 \
-        "$REPO/tools/bench_layer.py" --models ${LAYER_MODELS:-granite,qwen,deepseek} --tp 1 --ep 1 \
-        --impls te,local --seqs ${LAYER_SEQS:-4096,16384} --samples 12 ${LAYER_ARGS:-} \
-        --json "$OUT/layer_${TAG:-}te_TP1EP1.json" ;;
-    prefill) for lay in ${LAYOUTS:-$LAYS}; do tp_ep $lay; for m in ${PREFILL_MODELS:-granite qwen deepseek}; do
-        stage prefill_${m}_$lay ${PREFILL_SECS:-75} $TR -m megatron_overlap.mcore.prefill \
-          --model $m --tp $TP --ep $EP --batch 4 --seqs ${PREFILL_SEQS:-1024,4096,16384} \
-          --iters ${PREFILL_ITERS:-8} --warmup 1 --abba ${PREFILL_ARGS:-} \
-          --json "$OUT/prefill_${TAG:-}${m}_$lay.json"; done; done ;;
-    prefill_te) for m in ${PREFILL_MODELS:-granite qwen deepseek}; do
-        stage prefill_te_${m}_TP1EP1 ${PREFILL_SECS:-100} torchrun --nproc-per-node 1 \
-          -m megatron_overlap.mcore.prefill --impl te --model $m --tp 1 --ep 1 --batch 4 \
-          --seqs ${PREFILL_SEQS:-1024,4096,16384} --iters ${PREFILL_ITERS:-8} --warmup 1 --abba \
-          ${PREFILL_ARGS:-} --json "$OUT/prefill_${TAG:-}te_${m}_TP1EP1.json"; done ;;
-    train_te) for m in ${TRAIN_MODELS:-granite qwen deepseek}; do
-        stage train_te_${m}_TP1EP1 ${TRAIN_SECS:-100} torchrun --nproc-per-node 1 \
-          -m megatron_overlap.mcore.prefill --impl te --train --model $m --tp 1 --ep 1 \
-          --batch ${TRAIN_BATCH:-4} --seqs ${TRAIN_SEQS:-4096} ${TRAIN_LAYERS:+--layers $TRAIN_LAYERS} \
-          --iters ${TRAIN_ITERS:-6} --warmup 2 --abba ${TRAIN_ARGS:-} \
-          --json "$OUT/train_${TAG:-}te_${m}_TP1EP1.json"; done ;;
-    grid_te)  # --moe-overlap on / off (= core-TE: same TEGroupedMLP, same weights) over
-      # the three models x B x S, prefill and one training step (issue: never slower)
+    layers) impls=${LAYER_IMPLS:-local}; itag=""  # (te in the file name: layer_<TAG>te_<layout>)
+      case ,$impls, in *,te,*) itag=te_ ;; esac
+      for lay in ${LAYOUTS:-$LAYS}; do tp_ep $lay
+        stage layer_${itag}$lay ${LAYER_SECS:-$([ -n "$itag" ] && echo 240 || echo 120)} $TR \
+          "$REPO/tools/bench_layer.py" --models ${LAYER_MODELS:-granite,qwen,deepseek} --tp $TP \
+          --ep $EP --impls $impls --seqs ${LAYER_SEQS:-4096,16384} --samples 12 \
+          ${INPUT_LAYER:+--input-layer $INPUT_LAYER} ${LAYER_ARGS:-} \
+          --json "$OUT/layer_${TAG:-}${itag}$lay.json"; done ;;
+    prefill) impl=${PREFILL_IMPL:-local}; itag=""  # (files prefill_<TAG>[te_]<model>_<layout>,
+      [ $impl = te ] && itag=te_                   # train_<TAG>[te_]...: report.py's sections)
+      for mode in ${PREFILL_MODES:-prefill}; do for lay in ${LAYOUTS:-$LAYS}; do tp_ep $lay
+        for m in ${PREFILL_MODELS:-granite qwen deepseek}; do
+          if [ $mode = train ]; then  # one training step: forward with labels, the loss's backward
+            stage train_${itag}${m}_$lay ${PREFILL_SECS:-100} $TR -m megatron_overlap.mcore.prefill \
+              --impl $impl --train --model $m --tp $TP --ep $EP --batch ${TRAIN_BATCH:-4} \
+              --seqs ${TRAIN_SEQS:-4096} ${TRAIN_LAYERS:+--layers $TRAIN_LAYERS} \
+              --iters ${TRAIN_ITERS:-6} --warmup 2 --abba ${TRAIN_ARGS:-} \
+              --json "$OUT/train_${TAG:-}${itag}${m}_$lay.json"
+          else
+            stage prefill_${itag}${m}_$lay ${PREFILL_SECS:-$([ -n "$itag" ] && echo 100 || echo 75)} \
+              $TR -m megatron_overlap.mcore.prefill --impl $impl --model $m --tp $TP --ep $EP \
+              --batch 4 --seqs ${PREFILL_SEQS:-1024,4096,16384} --iters ${PREFILL_ITERS:-8} \
+              --warmup 1 --abba ${PREFILL_ARGS:-} --json "$OUT/prefill_${TAG:-}${itag}${m}_$lay.json"
+          fi; done; done; done ;;
+    grid)  # --moe-overlap on / off (= core-TE: same TEGroupedMLP, same weights), TP1EP1, one GPU:
+      # over the three models x B x S, prefill at the published depth and one training step
+      # (issue: never slower); report: tools/report_grid.py. GRID_FUSED=1 (--baselines
+      # default,fused): both arms under Megatron's default MoE flags and under
+      # --moe-permute-fusion --moe-router-fusion in one ABBA schedule per point, B = 4,
+      # prefill at S = 4096, 16384 and a 4-layer training step at S = 4096, files gridfused_*
+      # (report_grid.py --prefix gridfused; bounded 3 x (90 + 50) s = 7 min). Needs `te` first.
+      if [ "${GRID_FUSED:-0}" = 1 ]; then
+        prefix=gridfused batches=${GRID_BATCHES:-4} seqs=${GRID_SEQS:-4096,16384}
+        tseqs=${GRID_TRAIN_SEQS:-4096} tlayers=${GRID_TRAIN_LAYERS:-4} iters=${GRID_ITERS:-6}
+        pwarm=1 psecs=${GRID_SECS:-90} tsecs=${GRID_SECS:-50} flags="--baselines default,fused"
+      else
+        prefix=grid batches=${GRID_BATCHES:-1 4} seqs=${GRID_SEQS:-256,1024,4096,16384}
+        tseqs=${GRID_TRAIN_SEQS:-$seqs} tlayers=${GRID_TRAIN_LAYERS:-} iters=${GRID_ITERS:-8}
+        pwarm=2 psecs=${GRID_SECS:-150} tsecs=${GRID_SECS:-150} flags=""
+      fi
       for mode in ${GRID_MODES:-prefill train}; do for m in ${GRID_MODELS:-granite qwen deepseek}; do
-        for b in ${GRID_BATCHES:-1 4}; do
-          stage grid_${mode}_${m}_B$b ${GRID_SECS:-150} torchrun --nproc-per-node 1 \
-            -m megatron_overlap.mcore.prefill --impl te $([ $mode = train ] && echo --train) \
-            --model $m --tp 1 --ep 1 --batch $b --seqs ${GRID_SEQS:-256,1024,4096,16384} \
-            --iters ${GRID_ITERS:-8} --warmup 2 --abba ${GRID_ARGS:-} \
-            --json "$OUT/grid_${TAG:-}${mode}_${m}_B$b.json"; done; done; done ;;
-    grid_fused)  # core-TE and --moe-overlap, each under Megatron's default MoE flags and under
-      # --moe-permute-fusion --moe-router-fusion (both arms the same flags), one ABBA schedule
-      # per point (--baselines default,fused): prefill at published depth, S = 4096, 16384,
-      # and a 4-layer training step at S = 4096 (GRID_FUSED_TRAIN_SEQS); B = 4
-      # (GRID_FUSED_BATCHES), TP1EP1. Needs the `te` stage first.
-      # Bounded 3 x (90 + 50) s = 7 min; report: tools/report_grid.py --prefix gridfused
-      for B in ${GRID_FUSED_BATCHES:-4}; do for m in ${GRID_MODELS:-granite qwen deepseek}; do
-        stage gridfused_prefill_${m}_B$B ${GRID_FUSED_PREFILL_SECS:-90} torchrun --nproc-per-node 1 \
-          -m megatron_overlap.mcore.prefill --impl te --model $m --tp 1 --ep 1 --batch $B \
-          --seqs ${GRID_FUSED_SEQS:-4096,16384} --iters ${GRID_FUSED_ITERS:-6} --warmup 1 --abba \
-          --baselines default,fused ${GRID_ARGS:-} \
-          --json "$OUT/gridfused_${TAG:-}prefill_${m}_B$B.json"
-        stage gridfused_train_${m}_B$B ${GRID_FUSED_TRAIN_SECS:-50} torchrun --nproc-per-node 1 \
-          -m megatron_overlap.mcore.prefill --impl te --train --layers 4 --model $m --tp 1 \
-          --ep 1 --batch $B --seqs ${GRID_FUSED_TRAIN_SEQS:-4096} --iters ${GRID_FUSED_ITERS:-6} \
-          --warmup 2 --abba --baselines default,fused ${GRID_ARGS:-} \
-          --json "$OUT/gridfused_${TAG:-}train_${m}_B$B.json"; done; done ;;
+        for b in $batches; do
+          if [ $mode = train ]; then
+            stage ${prefix}_train_${m}_B$b $tsecs torchrun --nproc-per-node 1 \
+              -m megatron_overlap.mcore.prefill --impl te --train ${tlayers:+--layers $tlayers} \
+              --model $m --tp 1 --ep 1 --batch $b --seqs $tseqs --iters $iters --warmup 2 --abba \
+              $flags ${GRID_ARGS:-} --json "$OUT/${prefix}_${TAG:-}train_${m}_B$b.json"
+          else
+            stage ${prefix}_prefill_${m}_B$b $psecs torchrun --nproc-per-node 1 \
+              -m megatron_overlap.mcore.prefill --impl te --model $m --tp 1 --ep 1 --batch $b \
+              --seqs $seqs --iters $iters --warmup $pwarm --abba $flags ${GRID_ARGS:-} \
+              --json "$OUT/${prefix}_${TAG:-}prefill_${m}_B$b.json"
+          fi; done; done; done ;;
     train_loop)  # Megatron-LM's own training loop from the recipes (.mlm: core_r0.19.0's
       # pretrain_gpt.py, pretrain_hybrid.py and their builders), stock vs --moe-overlap. The
       # wheel ships the dataset helpers compiled but no Makefile for initialize's `make`.

@@ -32,8 +32,7 @@ import os
 import statistics
 import sys
 
-from megatron_overlap.ops import GPU_TILES
-from megatron_overlap.ops.planning import rank_splits
+from megatron_overlap.ops import GPU_TILES, rank_splits
 from megatron_overlap.planner import (DeviceSpec, KernelSpec, Workload, decide_fusion,
                                       get_preset, plan, ranking_calibration)
 from megatron_overlap.shapes import MODELS

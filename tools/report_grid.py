@@ -1,4 +1,4 @@
-"""The fuse-or-not grid (stage `grid_te` of tools/device_run.sh) as a table and a figure.
+"""The fuse-or-not grid (stage `grid` of tools/device_run.sh) as a table and a figure.
 
     python tools/report_grid.py --data docs/data --device h200 --out build/grid
 
@@ -9,7 +9,7 @@ on = the planner's per-size choice, on / off measured, the decision with its pre
 saving, the host syncs per MoE layer call where the run counted them) and
 OUT/grid_on_over_off.png (on / off across S per model, measured and as the model
 predicts it: off / (off - the predicted saving of every MoE layer)). Where a run timed
-Megatron's MoE fusions too (`--baselines default,fused`, stage `grid_fused`, files
+Megatron's MoE fusions too (`--baselines default,fused`, stage `grid` with GRID_FUSED=1, files
 `gridfused_{device}_*`: `--prefix gridfused`), each row adds on / off with both arms
 under those flags, and the summary its geomean.
 """
@@ -138,7 +138,7 @@ def main() -> int:
     p.add_argument("--data", default="docs/data")
     p.add_argument("--device", default="h200", help="the files' device tag (grid_DEVICE_*)")
     p.add_argument("--prefix", default="grid",
-                   help="the files' prefix: grid (stage grid_te), gridfused (grid_fused)")
+                   help="the files' prefix: grid (stage grid), gridfused (grid, GRID_FUSED=1)")
     p.add_argument("--out", default="build/grid")
     args = p.parse_args()
     points = load_points(args.data, args.device, args.prefix)

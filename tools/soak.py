@@ -173,7 +173,7 @@ def sample(calls: int, device, group=None) -> dict:
     out = dict(calls=calls, time_s=time.monotonic(), rss=_rss(),
                cuda_allocated=torch.cuda.memory_allocated(device) if device.type == "cuda" else 0,
                cuda_reserved=torch.cuda.memory_reserved(device) if device.type == "cuda" else 0,
-               peer_memory=sum(b._memory.local.numel() for b in bufs if b._memory is not None),
+               peer_memory=sum(b.peer_bytes for b in bufs),
                **session.planner.cached_counts())
     return out
 

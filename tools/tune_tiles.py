@@ -25,9 +25,8 @@ from benchlib import (abba, env_info, smoke_setup,  # noqa: E402
 from workloads import OpCase, on_every_sm, rank_inputs  # noqa: E402
 
 from megatron_overlap.ops import (INTERPRET_TILES, PARTITION_TILES,  # noqa: E402
-                                  OverlapConfig, TileConfig, default_session, grouped_mm)
-from megatron_overlap.ops.config import load_tiles  # noqa: E402
-from megatron_overlap.kernels import routing_table as rt  # noqa: E402
+                                  OverlapConfig, TileConfig, default_session, grouped_mm,
+                                  load_tiles)
 
 GEMM_CANDIDATES = [(128, 128, 64, 4, 3, False), (128, 128, 64, 4, 3, True),
                    (128, 128, 64, 8, 3, False), (128, 128, 64, 8, 3, True),
@@ -140,7 +139,10 @@ def main() -> int:
     # What the memory system gives a gather of these rows on every SM (torch), and a
     # plain copy of y: the ceilings a GatherRS CTA count is compared with.
     y_all = torch.randn(inp["x"].shape[0], inp["hidden"], device=device).to(inp["x"].dtype)
-    table = rt.combine_table(inp["token_index"], inp["tokens"], inp["topk"]).long()
+    # each token's rows of y, -1 padded [M, k]: a prepared call's combine table
+    table = default_session(group, device).prepare(
+        inp["x"], inp["weight"], inp["counts_list"], inp["token_index"], inp["tokens"],
+        inp["topk"], config=OverlapConfig.from_env(backend=backend, tiles=base)).table.long()
     safe = table.clamp(min=0)
     pol["torch gather-sum (all SMs)"] = lambda: y_all[safe].float().sum(1)
     pol["torch copy of y (all SMs)"] = lambda: y_all.clone()

@@ -30,8 +30,6 @@ MoE layer's busiest local expert against the mean, `decisions`).
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import json
 import logging
 import os
@@ -50,6 +48,7 @@ from .baselines import (BASELINES, add_baseline_args, arm, baselines_from_args,
 from .host_costs import measure_host_costs
 from .convert import fused_at_every_size, overlap_layers, set_overlap_enabled
 from .models import CONFIGS, IMPLS, build_model
+from .parallel import init_parallel, token_inputs
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -118,60 +117,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.abba or args.cuda_graph:
         args.moe_overlap = True
     return args
-
-
-def _preload(target: str) -> None:
-    if target.endswith(".py") or os.sep in target:
-        spec = importlib.util.spec_from_file_location("_megatron_overlap_preload", target)
-        if spec is None:
-            raise ValueError(f"--preload: cannot load {target!r}")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    else:
-        module = importlib.import_module(target)
-    if hasattr(module, "install"):
-        module.install()
-
-
-def _setup(args) -> torch.device:
-    """Process group, Megatron parallel state and seeds; returns this rank's device."""
-    from megatron.core import parallel_state as ps
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    cuda = torch.cuda.is_available()
-    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")  # multicast stays off
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo")
-    if cuda:
-        local = os.environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count())
-        torch.cuda.set_device(int(local))
-    elif args.preload is None:
-        raise ValueError("Megatron-Core MoE calls CUDA-only functions; on CPU pass "
-                         "--preload tests/mcore_shims.py (and TRITON_INTERPRET=1 for the "
-                         "interpret backend)")
-    world = dist.get_world_size()
-    if world % (args.tp * args.ep):
-        raise ValueError(f"world size {world} does not fit TP={args.tp} x EP={args.ep}")
-    ps.destroy_model_parallel()
-    ps.initialize_model_parallel(args.tp, 1, expert_model_parallel_size=args.ep)
-    model_parallel_cuda_manual_seed(args.seed)
-    torch.manual_seed(args.seed)  # CPU initialization draws master weights identically everywhere
-    return torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-
-
-def _inputs(args, seq: int, vocab: int, device: torch.device):
-    """This attention-DP rank's [B/DP, S] token ids and positions (same on its TP peers)."""
-    from megatron.core import parallel_state as ps
-
-    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    if args.batch % dp:
-        raise ValueError(f"--batch {args.batch} must be divisible by the data-parallel size {dp} "
-                         f"(world / TP)")
-    gen = torch.Generator().manual_seed(args.seed * 1000 + dp_rank)
-    tokens = torch.randint(0, vocab, (args.batch // dp, seq), generator=gen)
-    positions = torch.arange(seq).expand_as(tokens)
-    return tokens.to(device), positions.contiguous().to(device)
 
 
 def _sync(device: torch.device) -> None:
@@ -248,7 +193,7 @@ def _inference_rng_tracker(args, device) -> None:
 
 
 def run_all(args) -> list[dict]:
-    device = _setup(args)
+    device = init_parallel(args.tp, args.ep, args.seed, args.preload)
     if "fused" in args.baseline_list:
         check_moe_fusions_available()
     overlap, policy = overlap_config_from_args(args), layer_policy_from_args(args)
@@ -300,8 +245,8 @@ def _training_step(model, tokens, positions):
 
 
 def _run_seq(args, model, seq: int, overlap, device) -> dict:
-    tokens, positions = _inputs(args, seq, getattr(model, "hf_vocab_size", model.vocab_size),
-                                device)  # (a checkpoint's ids: no padding rows)
+    tokens, positions = token_inputs(  # (a checkpoint's ids: no padding rows)
+        args.batch, seq, getattr(model, "hf_vocab_size", model.vocab_size), device, args.seed)
     primary = args.baseline_list[0]
     names = ["stock", "overlap"] if args.abba else ["overlap" if overlap else "stock"]
     arms = {arm(n, b, primary): (n, b) for b in args.baseline_list for n in names}
@@ -434,8 +379,6 @@ def report(result: dict) -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.preload:
-        _preload(args.preload)
     rank = int(os.environ.get("RANK", "0")) if not dist.is_initialized() else dist.get_rank()
     logging.basicConfig(level=args.log_level if rank == 0 else logging.WARNING,
                         format="%(name)s: %(message)s")

@@ -1,22 +1,34 @@
-"""The overlapped GEMM2 + GatherRS operator (planner + kernels + peer memory)."""
+"""The overlapped GEMM2 + GatherRS operator (planner + kernels + peer memory).
+
+Everything outside ops (mcore, tools/) reaches it through the names below: the op and its
+session, its config and tiles (with the tuned-tiles reader and the shared placement's
+register caps), how it chooses L, the backward's grouped GEMMs, the layer's helpers.
+"""
 
 from .buffer import OverlapBuffer
 from .capture import CapturedCall
 from .errors import OverlapMismatchError, OverlapPeerError, OverlapTimeoutError
-from .config import GPU_TILES, INTERPRET_TILES, PARTITION_TILES, OverlapConfig, TileConfig
+from .config import (GPU_TILES, INTERPRET_TILES, PARTITION_TILES, SHARED_COMM_MAXNREG,
+                     SHARED_GEMM_MAXNREG, OverlapConfig, TileConfig, load_tiles)
 from .fusion import fusion_decision
 from .expert_weights import BIAS_COLUMNS, ExpertWeightStack, with_bias_columns
 from .grouped import accepts as grouped_mm_accepts, grouped_mm, grouped_wgrad
 from .helpers import add_gated_shared_, capturing, gather_rows, interpreting, weighted_swiglu
+from .planning import rank_splits, split_candidates
 from .session import OverlapSession, default_session, gemm2_gather_rs, note_replays
 
 __all__ = ["BIAS_COLUMNS", "ExpertWeightStack", "grouped_mm_accepts", "OverlapBuffer", "OverlapConfig", "OverlapMismatchError",
            "OverlapPeerError",
            "OverlapTimeoutError", "fusion_decision",
            "gemm2_gather_rs", "with_bias_columns",
-           # tiles a user or the tuner sets, and the backward's grouped GEMMs
-           "GPU_TILES", "INTERPRET_TILES", "PARTITION_TILES", "TileConfig", "grouped_mm",
-           "grouped_wgrad",
+           # tiles a user or the tuner sets (load_tiles: tools/tune_tiles.py's JSON; the
+           # shared placement's register caps, TileConfig's gemm_ / comm_maxnreg defaults),
+           # and the backward's grouped GEMMs
+           "GPU_TILES", "INTERPRET_TILES", "PARTITION_TILES", "SHARED_COMM_MAXNREG",
+           "SHARED_GEMM_MAXNREG", "TileConfig", "grouped_mm", "grouped_wgrad", "load_tiles",
+           # how the op chooses L where none is given: the candidates for a hidden size and
+           # their ranking (tools replay and plot it)
+           "rank_splits", "split_candidates",
            # the op's state and lifecycle (ops/session.py)
            "OverlapSession", "default_session", "note_replays",
            # the layer's helpers (ops/helpers.py) and CUDA-graph capture (ops/capture.py)

@@ -105,6 +105,11 @@ class OverlapBuffer(ErrorWord):
             self._event = torch.cuda.Event()
 
     # ---------------------------------------------------------------- memory
+    @property
+    def peer_bytes(self) -> int:
+        """Bytes of peer memory this buffer holds on this rank (0 before its first call)."""
+        return 0 if self._memory is None else self._memory.local.numel()
+
     def ensure(self, rows: int, hidden: int, dtype: torch.dtype, captured: bool = False,
                call_tag: int = 0) -> None:
         """Receive slots for `rows` tokens per rank x `hidden` columns of `dtype`.

@@ -14,7 +14,7 @@ every C (`curve.py`), the C that can be C* (`bounds.py`), Algorithm 1 and the Pl
 (`search.py`); `cache.py` memoizes it.
 """
 
-from . import model  # (the glossary; tools/ import its former names from there)
+from . import model as model  # (the glossary; the names it held before the split stay there)
 from .cache import PlanCache
 from .calibration import Calibration, ranking_calibration
 from .fusion import FusionDecision, StepCosts, decide_fusion
