@@ -1,9 +1,10 @@
-"""The permutation's atomic-free backward (`kernels/sum_rows.py`) against torch, under
-the interpreter."""
+"""The permutation's atomic-free backward (`kernels/sum_rows.py`, `ops.permute_rows`)
+against torch, under the interpreter."""
 
 import pytest
 import torch
 
+from megatron_overlap import ops
 from megatron_overlap.kernels import sum_rows
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="interpreter tests")
@@ -95,3 +96,55 @@ def test_no_rows_gives_zeros_and_empty_shapes_are_fine():
 def test_sum_rows_names_the_bad_argument(rows, index, num_src, match):
     with pytest.raises(ValueError, match=match):
         sum_rows.sum_rows_by_index(rows, index, num_src)
+
+
+def test_permute_rows_forward_is_index_selects_bits_and_its_gradient_the_fp64_one():
+    index = uneven_routing(50, 8, seed=6)
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(50, 96, generator=g).bfloat16().requires_grad_(True)
+    grad = torch.randn(index.numel(), 96, generator=g).bfloat16()
+    out = ops.permute_rows(x, index)
+    assert torch.equal(out, x.detach().index_select(0, index))
+    out.backward(grad)
+    x64 = x.detach().double().requires_grad_(True)
+    x64.index_select(0, index).backward(grad.double())
+    want = x64.grad
+    assert x.grad.dtype == torch.bfloat16
+    # (the interpreter rounds fp32 to bf16 toward zero, the GPU to nearest: one ulp)
+    assert ((x.grad.double() - want).abs() <= want.abs() * 2.0 ** -7 + 1e-4).all()
+
+
+def test_permute_rows_gradient_keeps_trailing_dims():
+    index = torch.tensor([2, 0, 2, 3])
+    x = torch.randn(4, 3, 5, requires_grad=True)
+    grad = torch.randn(4, 3, 5)
+    ops.permute_rows(x, index).backward(grad)
+    assert torch.equal(x.grad, torch.zeros_like(x).index_add_(0, index, grad))
+    assert (x.grad[1] == 0).all()
+    x.grad = None
+    ops.permute_rows(x, index[:0]).backward(grad[:0])  # no rows (EP: none routed here)
+    assert torch.equal(x.grad, torch.zeros_like(x))
+
+
+@pytest.mark.parametrize("dtype, interpreting", [(torch.float64, True),
+                                                 (torch.float32, False)])
+def test_permute_rows_gradient_is_torchs_for_fp64_and_off_the_kernels_devices(
+        monkeypatch, dtype, interpreting):
+    from megatron_overlap.ops import config
+
+    monkeypatch.setattr(config, "interpreting", lambda: interpreting)
+    called = []
+    monkeypatch.setattr(sum_rows, "sum_rows_by_index", lambda *a: called.append(a))
+    index = torch.tensor([2, 0, 2, 3])
+    x = torch.randn(4, 8, dtype=dtype, requires_grad=True)
+    grad = torch.randn(4, 8, dtype=dtype)
+    ops.permute_rows(x, index).backward(grad)
+    assert not called
+    assert torch.equal(x.grad, torch.zeros_like(x).index_add_(0, index, grad))
+
+
+def test_permute_rows_names_a_bad_argument():
+    with pytest.raises(TypeError, match="permute_rows: index must be a torch.Tensor"):
+        ops.permute_rows(torch.ones(2, 2), [0, 1])
+    with pytest.raises(ValueError, match="permute_rows: index must be int64"):
+        ops.permute_rows(torch.ones(2, 2), torch.tensor([0, 1], dtype=torch.int32))

@@ -8,6 +8,7 @@ from .fusion import fusion_decision
 from .expert_weights import BIAS_COLUMNS, ExpertWeightStack, with_bias_columns
 from .grouped import accepts as grouped_mm_accepts, grouped_mm, grouped_wgrad
 from .helpers import add_gated_shared_, capturing, gather_rows, interpreting, weighted_swiglu
+from .helpers import permute_rows as permute_rows  # (a re-export: __all__ is shared)
 from .session import OverlapSession, default_session, gemm2_gather_rs, note_replays
 
 __all__ = ["BIAS_COLUMNS", "ExpertWeightStack", "grouped_mm_accepts", "OverlapBuffer", "OverlapConfig", "OverlapMismatchError",
