@@ -175,3 +175,26 @@ def test_fp8_gemm2_matches_the_fp64_product_of_its_dequantized_operands(kind):
         assert float(err.norm() / ref.norm()) < 1e-2
         first = y if first is None else first
         assert torch.equal(y, first)
+
+
+def test_sum_rows_by_index_is_the_fp32_sum_rounded_once_on_the_gpu_at_a_training_size():
+    """The permutation's backward compiled (the CPU suite interprets it, rounding toward
+    zero): 65536 tokens x top-8 of 40 experts, H = 1536 (Granite's), Megatron's
+    expert-major order, some tokens with fewer rows or none. Rounded to nearest once, the
+    fp32 sum in row order has the CPU reference's bits, run after run."""
+    from megatron_overlap.kernels import sum_rows
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    tokens, topk, h = 65536, 8, 1536
+    experts = torch.rand(tokens, 40, device="cuda", generator=g).topk(topk, dim=1).indices
+    routed = torch.zeros(tokens, 40, dtype=torch.bool, device="cuda")
+    routed.scatter_(1, experts, True)
+    routed[::9, :20] = False  # fewer rows for some tokens
+    routed[::97] = False  # none for others
+    index = routed.T.nonzero()[:, 1].contiguous()  # expert-major, token-ascending
+    rows = torch.randn(index.numel(), h, device="cuda", generator=g).bfloat16()
+    got = sum_rows.sum_rows_by_index(rows, index, tokens)
+    want = sum_rows.sum_rows_by_index_reference(rows, index, tokens, dtype=torch.float32)
+    assert torch.equal(got.cpu(), want.bfloat16())
+    assert (got[::97] == 0).all()
+    assert torch.equal(got, sum_rows.sum_rows_by_index(rows, index, tokens))

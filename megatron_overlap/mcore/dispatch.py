@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 import torch
 from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
 
-from ..ops import gather_rows, interpreting
+from ..ops import gather_rows, interpreting, permute_rows
 
 #: Pad the permutation to a bound only while the bound is at most this many times the
 #: rows a uniform routing gives (EP x min(top-k, local experts) / top-k): beyond it the
@@ -235,8 +235,11 @@ class OverlapAllGatherDispatcher(MoEAllGatherTokenDispatcher):
     def _select(self, hidden_states, local_probs, pairs,
                 valid: torch.Tensor | None = None) -> torch.Tensor:
         """The rows and probabilities of the (expert, token) `pairs`, into this state as
-        Megatron's `permute` leaves it; returns the permuted hidden states. `valid` (the
-        real rows' count, on the device): only those rows are copied (no gradient)."""
+        Megatron's `permute` leaves it; returns the permuted hidden states (index_select's
+        bits). `valid` (the real rows' count, on the device): only those rows are copied
+        (no gradient). Without it the gradient is each token's rows summed without atomics
+        (`permute_rows`): index_select's backward, `index_add_`, adds by bf16 atomics,
+        19 ms of a 266 ms Granite training step at S = 16384 on an H100."""
         token_index = pairs[:, 1].contiguous()  # Megatron's sorted_indices are contiguous
         flat = pairs[:, 0] * self.local_map.shape[0] + token_index
         self.local_probs = local_probs.T.contiguous().view(-1).index_select(0, flat)
@@ -244,4 +247,4 @@ class OverlapAllGatherDispatcher(MoEAllGatherTokenDispatcher):
         self.routing_map = None
         if valid is not None and (hidden_states.is_cuda or interpreting()):
             return gather_rows(hidden_states, token_index, valid)
-        return hidden_states.index_select(0, token_index)
+        return permute_rows(hidden_states, token_index)

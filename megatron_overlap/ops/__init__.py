@@ -13,7 +13,8 @@ from .config import (GPU_TILES, INTERPRET_TILES, PARTITION_TILES, SHARED_COMM_MA
 from .fusion import fusion_decision
 from .expert_weights import BIAS_COLUMNS, ExpertWeightStack, with_bias_columns
 from .grouped import accepts as grouped_mm_accepts, grouped_mm, grouped_wgrad
-from .helpers import add_gated_shared_, capturing, gather_rows, interpreting, weighted_swiglu
+from .helpers import (add_gated_shared_, capturing, gather_rows, interpreting, permute_rows,
+                      weighted_swiglu)
 from .planning import rank_splits, split_candidates
 from .session import OverlapSession, default_session, gemm2_gather_rs, note_replays
 
@@ -33,4 +34,4 @@ __all__ = ["BIAS_COLUMNS", "ExpertWeightStack", "grouped_mm_accepts", "OverlapBu
            "OverlapSession", "default_session", "note_replays",
            # the layer's helpers (ops/helpers.py) and CUDA-graph capture (ops/capture.py)
            "CapturedCall", "add_gated_shared_", "capturing", "gather_rows", "interpreting",
-           "weighted_swiglu"]
+           "permute_rows", "weighted_swiglu"]

@@ -4,6 +4,7 @@ The Megatron integration (`megatron_overlap.mcore`) uses only names exported fro
 `megatron_overlap.ops`; these are the ones it needs besides the operator itself:
 
     gather_rows(src, index, valid)           out[r] = src[index[r]] for r < valid (device)
+    permute_rows(x, index)                   x.index_select(0, index), atomic-free backward
     weighted_swiglu(inter, probs, ...)       silu(g) * u * p of the experts' FC1 output
     add_gated_shared_(out, shared, logit)    out += sigmoid(logit) * shared, in place
     interpreting()                           Triton kernels run under the interpreter
@@ -11,17 +12,21 @@ The Megatron integration (`megatron_overlap.mcore`) uses only names exported fro
 
 Each kernel function checks here what every one of them needs (tensors, on a device its
 Triton kernel runs on: CUDA, or CPU under the interpreter) and leaves the shapes and
-dtypes to the kernel's own wrapper, which names the argument too. Shapes, dtypes and
-rounding are documented in `kernels/gather_rows.py`, `kernels/swiglu.py` and
-`kernels/gated_add.py`, each beside its pure-torch reference.
+dtypes to the kernel's own wrapper, which names the argument too (`permute_rows` runs
+anywhere: off the kernels' devices its backward is torch's). Shapes, dtypes and rounding
+are documented in `kernels/gather_rows.py`, `kernels/sum_rows.py`, `kernels/swiglu.py`
+and `kernels/gated_add.py`, each beside its pure-torch reference.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 from ..kernels import gated_add as _gated_add
 from ..kernels import gather_rows as _gather_rows
+from ..kernels import sum_rows as _sum_rows
 from ..kernels import swiglu as _swiglu
 from . import config as _config
 from .validation import capturing as _capturing
@@ -48,6 +53,45 @@ def gather_rows(src: torch.Tensor, index: torch.Tensor, valid: torch.Tensor) -> 
     in [0, N). Example: src rows a, b, c; index [2, 0, 1, 1], valid 2 -> [c, a, ?, ?]."""
     _check_tensors("gather_rows", src=src, index=index, valid=valid)
     return _gather_rows.gather_rows(src, index, valid)
+
+
+class _PermuteRows(torch.autograd.Function):
+    """index_select forward; backward sums each source row's gradient rows (module doc)."""
+
+    @staticmethod
+    def forward(ctx, x, index):
+        ctx.save_for_backward(index)
+        ctx.src_shape = x.shape
+        return x.index_select(0, index)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        (index,) = ctx.saved_tensors
+        kernel_device = grad.is_cuda or (grad.device.type == "cpu" and interpreting())
+        if not kernel_device or grad.dtype not in _sum_rows.DTYPES:
+            return grad.new_zeros(ctx.src_shape).index_add_(0, index, grad), None  # torch's
+        rows = grad.reshape(grad.shape[0], math.prod(grad.shape[1:]))  # [R, H]: flat rows
+        return _sum_rows.sum_rows_by_index(rows, index, ctx.src_shape[0]).view(
+            ctx.src_shape), None
+
+
+def permute_rows(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x.index_select(0, index) (same bits), for x [N, ...] and index int64 [R] in [0, N),
+    whose gradient is each source row's rows summed without atomics: in fp32, in
+    ascending row order (the same bits every run), rounded once to x's dtype; 0 for a
+    row not selected. torch's backward, `index_add_`, adds by atomics in x's dtype.
+    Off CUDA (CPU without the interpreter), and for fp64, the backward is torch's.
+    Example: x rows a, b, c; index [2, 0, 2] -> [c, a, c]; gradient rows g0, g1, g2 ->
+    [g1, 0, g0 + g2]."""
+    for name, t in (("x", x), ("index", index)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"permute_rows: {name} must be a torch.Tensor, got "
+                            f"{type(t).__name__}")
+    if index.dim() != 1 or index.dtype != torch.int64:
+        raise ValueError(f"permute_rows: index must be int64 [R], got {tuple(index.shape)} "
+                         f"{index.dtype}")
+    return _PermuteRows.apply(x, index)
 
 
 def weighted_swiglu(inter: torch.Tensor, probs: torch.Tensor, out: torch.Tensor | None = None,
@@ -85,5 +129,5 @@ def capturing(t: torch.Tensor) -> bool:
     return _capturing(t)
 
 
-__all__ = ["add_gated_shared_", "capturing", "gather_rows", "interpreting",
+__all__ = ["add_gated_shared_", "capturing", "gather_rows", "interpreting", "permute_rows",
            "weighted_swiglu"]
