@@ -239,13 +239,6 @@ TOP_MODULES = frozenset(m for m, path in MODULES.items()
 #: tools that check the kernels themselves (their jit functions are the subject): they may
 #: import the kernels layer, nothing else below the public surface
 KERNEL_CHECKS = {"tools/compile_check.py"}
-#: tools allowed private modules, with exactly those modules; the test fails when an entry
-#: is no longer accurate. Both replay the op's planner offline as on another device (a
-#: PlanRequest, ops.plans.Planner with its device_spec replaced): no public way in yet.
-TOOLS_PENDING: dict[str, set[str]] = {
-    "tools/bench_planner.py": {f"{PKG}.ops.planning", f"{PKG}.ops.plans"},
-    "tools/split_sweep.py": {f"{PKG}.ops.planning", f"{PKG}.ops.plans"},
-}
 
 
 def _literal_names(node, assigned: dict) -> set[str]:
@@ -328,8 +321,7 @@ def test_the_tools_scan_finds_private_modules_names_and_attributes():
 def test_tools_use_only_the_public_api():
     """tools/ are the package's products' users: every tool imports `megatron_overlap`,
     its ops / planner / mcore packages (the names their __init__ exports) and its
-    top-level modules only. KERNEL_CHECKS may import the kernels too; TOOLS_PENDING lists
-    what is not moved yet, exactly."""
+    top-level modules only. KERNEL_CHECKS may import the kernels too."""
     exported = {p: exported_names(p) for p in PUBLIC_PACKAGES}
     found = {}
     for path in sorted((ROOT / "tools").glob("*.py")):
@@ -337,12 +329,7 @@ def test_tools_use_only_the_public_api():
         bad = private_uses(path.read_text(), exported)
         if rel in KERNEL_CHECKS:
             bad = {n for n in bad if not _is(n, f"{PKG}.kernels")}
-        if bad or rel in TOOLS_PENDING:
-            found[rel] = bad
-    stale = {f: sorted(TOOLS_PENDING[f] - found.get(f, set())) for f in TOOLS_PENDING
-             if TOOLS_PENDING[f] - found.get(f, set())}
-    assert not stale, f"no longer imported (remove them from TOOLS_PENDING): {stale}"
-    new = {f: sorted(bad - TOOLS_PENDING.get(f, set())) for f, bad in found.items()
-           if bad - TOOLS_PENDING.get(f, set())}
-    assert not new, (f"tools reach below the public API (use or deliberately export a "
-                     f"public name of megatron_overlap.ops / .planner / .mcore): {new}")
+        if bad:
+            found[rel] = sorted(bad)
+    assert not found, (f"tools reach below the public API (use or deliberately export a "
+                       f"public name of megatron_overlap.ops / .planner / .mcore): {found}")

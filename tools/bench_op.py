@@ -103,8 +103,8 @@ def policies_for(inp: dict, group, c_values, preset: str | None,
                                                     l_values if graph_sweep else ())
         pol.update(pol_graph)
     # at split_predictions' default candidates and at the L this run times
-    by_splits = {**session.planner.split_predictions(lp.request),
-                 **session.planner.split_predictions(lp.request, tuple(l_values))}
+    by_splits = {**session.split_predictions(lp.request),
+                 **session.split_predictions(lp.request, tuple(l_values))}
     facts = dict(world=launch.world, comm_ctas=plan.comm_ctas, compute_slots=plan.compute_slots,
                  splits=plan.splits, predicted=plan.curve, w_comp=plan.w_comp,
                  # the model that ranks L, at each L (compute waves): what the choice compared

@@ -5,7 +5,7 @@
 Three planner configurations, each on the three models (B=4, S=4096, TP2, D=2, p90-like
 routing, every expert local):
   * a100-paper: the paper's preset, partition placement (16 candidates of C);
-  * h200 op: what the op plans every launch with on an H200 (ops.plans.Planner):
+  * h200 op: what the op plans every launch with on an H200 (ops.Planner for the H200):
     the shipped calibration (overlap factor f included), GPU_TILES' shared placement
     (KernelSpec.shared_sms: C = 1..132) with the tail helpers, each L's own comm tile
     (TileConfig.comm_shape), local_topk = k (TP), at the L the op ranks best;
@@ -16,7 +16,7 @@ Cold: `plan()` on a validated Workload (the solver, as the CLI's `solver_us`), a
 to end from a list of per-expert counts (validation + tile reduction + solve). Cached:
 `PlanCache.decide_tiles` (the look-up the op does once it holds the row-tile count) and
 `PlanCache.decide` from raw counts (adds the O(E) reduction of the counts). h200 op only,
-the op's own planner (`ops.plans.Planner.plan`) (on this CPU: the interpreter's backend, GPU_TILES'
+the op's own planner (`ops.Planner.plan`) (on this CPU: the interpreter's backend, GPU_TILES'
 shared placement, the shipped h200 calibration, and the H200's DeviceSpec in place of the
 interpreter's virtual device), each call a launch whose every decision cache misses:
 op_miss, a routing not seen before (row_tiles new each call) at sizes seen before, what
@@ -49,9 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_overlap.ops import GPU_TILES, OverlapConfig
-from megatron_overlap.ops import plans
-from megatron_overlap.ops.planning import PlanRequest
+from megatron_overlap.ops import GPU_TILES, OverlapConfig, Planner, PlanRequest
 from megatron_overlap.planner import (A100_PAPER, Calibration, DeviceSpec, KernelSpec,
                                       PlanCache, Workload, compute_slots, expert_row_tiles,
                                       get_preset, makespan, plan, ranking_calibration,
@@ -83,7 +81,7 @@ class Config:
 
 
 #: the op's planner, as a session holds it (its caches are what `op_miss` times)
-OP_PLANNER = plans.Planner()
+OP_PLANNER = Planner(for_device=get_preset("h200").device)  # (the H200's plans, here)
 
 def configs() -> list[Config]:
     h200 = get_preset("h200")
@@ -160,8 +158,6 @@ def bench_row(cfg: Config, shape) -> dict:
 def op_request(shape, row_tiles: int, tokens: int = TOKENS) -> PlanRequest:
     """The op's PlanRequest for a launch of `shape` (TP2, every expert local) on the H200:
     the interpreter's backend with the H200's DeviceSpec and the shipped h200 preset."""
-    h200 = get_preset("h200").device  # (before the op's first plan cache on this device)
-    plans.device_spec = lambda device, sm_margin: DeviceSpec(h200.name, h200.sms, sm_margin)
     k = shape.topk
     return PlanRequest(OverlapConfig(preset="h200"), GPU_TILES, torch.device("cpu"),
                        "interpret", row_tiles, shape.experts, tokens, shape.hidden,

@@ -15,7 +15,7 @@ compares the sweep's own capture of the planner's L with its best (never below z
 medians' 95% CIs apart (bench_op's bootstrap), a loss the replays' noise cannot explain.
 The figure puts each workload's
 measured T(L) / T(L*) beside the ranking model's T(L) / T(L*), L* the planner's choice;
-the candidates the op ranks are marked (`ops.planning.split_candidates`).
+the candidates the op ranks are marked (`ops.split_candidates`).
 
 `--replan PRESET` re-plans each workload's L with the planner of today (`Planner.plan` at
 that calibration preset, on one GPU of the preset's device), its request rebuilt from the
@@ -71,23 +71,22 @@ def replanned(result: dict, preset: str) -> tuple[int, dict[int, float]]:
     the benchmarks')."""
     import torch
 
-    from megatron_overlap.ops import GPU_TILES, OverlapConfig
-    # (the op's planner offline: no public way in yet, tests/test_layering.py's TOOLS_PENDING)
-    from megatron_overlap.ops import planning
-    from megatron_overlap.ops.plans import Planner
+    from megatron_overlap.ops import (GPU_TILES, ROOFLINE_CANDIDATES, OverlapConfig,
+                                      Planner, PlanRequest)
+    from megatron_overlap.planner import get_preset
 
     shape = MODELS[result["model"]]
     tp, ep = {**LAYOUTS, "TP1EP1": (1, 1)}[result["layout"]]
     n, k, tokens = shape.hidden, shape.ffn_per_rank(tp), 4 * result["seq"]
     rows = result["gemm_flops"] // (2 * n * k)
     row_tiles = result["w_comp"] // math.ceil(math.ceil(n / result["splits"]) / 128)
-    request = planning.PlanRequest(
+    request = PlanRequest(
         OverlapConfig(preset=preset), GPU_TILES, torch.device("cpu"), "interpret", row_tiles,
         shape.local_experts(ep), tokens, n, k, result["world"], shape.topk,
         round(4 * rows / tokens) / 4, None, None)
-    planner = Planner()
+    planner = Planner(for_device=get_preset(preset).device)  # (one GPU of it, planned here)
     return (planner.plan(request).splits,
-            planner.split_predictions(request, tuple(planning.ROOFLINE_CANDIDATES)))
+            planner.split_predictions(request, tuple(ROOFLINE_CANDIDATES)))
 
 
 def replanned_row(row: dict, splits: int, predicted: dict | None = None) -> dict:
@@ -177,12 +176,6 @@ def main(argv=None) -> int:
             results += json.load(f)["results"]
     rows = [sweep_row(r) for r in results]
     if args.replan:
-        from megatron_overlap.ops import plans  # (TOOLS_PENDING, as `replanned`)
-        from megatron_overlap.planner import DeviceSpec, get_preset
-
-        dev = get_preset(args.replan).device  # (one GPU of it, planned on this host)
-        plans.device_spec = lambda device, sm_margin: DeviceSpec(dev.name, dev.sms,
-                                                                 sm_margin)
         rows = [replanned_row(row, *replanned(r, args.replan))
                 for row, r in zip(rows, results)]
     print("\n".join(table(rows)))

@@ -15,7 +15,8 @@ from .expert_weights import BIAS_COLUMNS, ExpertWeightStack, with_bias_columns
 from .grouped import accepts as grouped_mm_accepts, grouped_mm, grouped_wgrad
 from .helpers import (add_gated_shared_, capturing, gather_rows, interpreting, permute_rows,
                       weighted_swiglu)
-from .planning import rank_splits, split_candidates
+from .planning import ROOFLINE_CANDIDATES, PlanRequest, rank_splits, split_candidates
+from .plans import Planner
 from .session import OverlapSession, default_session, gemm2_gather_rs, note_replays
 
 __all__ = ["BIAS_COLUMNS", "ExpertWeightStack", "grouped_mm_accepts", "OverlapBuffer", "OverlapConfig", "OverlapMismatchError",
@@ -30,6 +31,9 @@ __all__ = ["BIAS_COLUMNS", "ExpertWeightStack", "grouped_mm_accepts", "OverlapBu
            # how the op chooses L where none is given: the candidates for a hidden size and
            # their ranking (tools replay and plot it)
            "rank_splits", "split_candidates",
+           # the op's planner offline: its requests, answered for a GPU this host lacks
+           # (Planner(for_device=...): tools/bench_planner.py, tools/split_sweep.py)
+           "Planner", "PlanRequest", "ROOFLINE_CANDIDATES",
            # the op's state and lifecycle (ops/session.py)
            "OverlapSession", "default_session", "note_replays",
            # the layer's helpers (ops/helpers.py) and CUDA-graph capture (ops/capture.py)

@@ -13,6 +13,7 @@ pure parts).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import warnings
 from collections.abc import Iterable, Iterator, Mapping
@@ -20,7 +21,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from ..planner import PlanCache, ranking_calibration, reservation, roofline
+from ..planner import DeviceSpec, PlanCache, ranking_calibration, reservation, roofline
 from .config import (MAX_SPLITS, OverlapConfig, TileConfig, calibration_for, device_spec,
                      kernel_spec)
 from .planning import (SPLIT_CANDIDATES, FamilyKey, KernelFamily, LaunchPlan, PlanRequest,
@@ -171,10 +172,14 @@ class Planner:
     lookup (the session's `KernelFamilies`), and one not found there raises
     `MissingKernelFamily` (the session compiles it and asks again)."""
 
-    def __init__(self, families: FamilyLookup | None = None):
+    def __init__(self, families: FamilyLookup | None = None,
+                 for_device: DeviceSpec | None = None):
         #: read only: a family not found raises MissingKernelFamily (None: the families
         #: without a binary, `UncompiledFamilies`)
         self.families = families if families is not None else UncompiledFamilies()
+        #: the GPU the plans are for; None: the request's device (`device_spec`). Tools
+        #: replay a GPU's plans on a host without it (its preset's DeviceSpec).
+        self.for_device = for_device
         self._caches: dict[tuple, PlanCache] = {}
         #: per kernels (config, tiles, device, backend, N, k): at each L the family and
         #: the caches that rank and plan it
@@ -235,7 +240,9 @@ class Planner:
         key = (family, device, config.sm_margin, config.preset, helpers, ranking)
         cache = self._caches.get(key)
         if cache is None:
-            spec_device = device_spec(device, config.sm_margin)
+            spec_device = (device_spec(device, config.sm_margin) if self.for_device is None
+                           else dataclasses.replace(self.for_device,
+                                                    sm_margin=config.sm_margin))
             # the model serves the last split as the launch does: with the tail helpers
             # when they run (KernelSpec.tail_helpers)
             spec = kernel_spec(family.tiles, family.comm_tm, family.comm_tn, family.o_comp,
