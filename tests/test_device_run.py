@@ -127,3 +127,37 @@ def test_tune_and_calibrate_take_their_former_follow_up_stages_as_options(tmp_pa
     tune, cal = dry_run(tmp_path / "a", "tune calibrate", TUNE_COMM="1")
     assert "--comm-only" in tune and "tools/calibrate.py --name h100" in cal
     assert "--comm-only" not in dry_run(tmp_path / "b", "tune")[0]
+
+
+def test_a_run_cut_at_its_bound_still_archives_what_its_finished_stages_wrote(tmp_path):
+    """The device call's `timeout` sends TERM mid-stage: the JSON a finished stage wrote
+    comes back in the archive (the tool returns 8 files at most), the running stage ends."""
+    bin_, out = tmp_path / "bin", tmp_path / "out"
+    bin_.mkdir()
+    out.mkdir()
+    _stub(bin_, "nvidia-smi", 'echo "GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)"\n')
+    _stub(bin_, "cp", "exit 0\n")
+    # the first bench_op writes its JSON, the second hangs until killed
+    _stub(bin_, "python3", '[ "$1 $2" = "-m pip" ] && exit 0\nexit 0\n')
+    _stub(bin_, "torchrun", 'for a in "$@"; do [ "$prev" = --json ] && f=$a; prev=$a; done\n'
+          'if [ -e "$OUT/first.done" ]; then sleep 60; fi\n'
+          'echo "{}" > "$f"; touch "$OUT/first.done"\n')
+    proc = subprocess.Popen(["bash", str(SCRIPT), "bench_op", "bench_op"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=dict(os.environ, PATH=f"{bin_}:{os.environ['PATH']}",
+                                     OUT=str(out), CAL_NAME="h100", TAG="a_"))
+    try:
+        for _ in range(200):  # the second stage is running once the first one's file exists
+            if (out / "first.done").exists():
+                break
+            subprocess.run(["sleep", "0.05"])
+        subprocess.run(["sleep", "0.5"])
+        proc.terminate()
+        proc.wait(timeout=20)
+    finally:
+        proc.kill()
+    archives = list(out.glob("results_*.tgz"))
+    assert len(archives) == 1 and proc.returncode == 143
+    listed = subprocess.run(["tar", "tzf", str(archives[0])], capture_output=True, text=True,
+                            check=True).stdout.split()
+    assert "./op_a_TP1EP1.json" in listed

@@ -60,11 +60,28 @@ cd /tmp
 stage() {  # stage NAME SECONDS CMD...
     local name=$1 secs=$2; shift 2
     echo "=== $name ($(date +%T))" | tee -a "$LOG"
-    timeout "$secs" "$@" >>"$LOG" 2>&1
+    # (in the background and waited for: a TERM to this script interrupts `wait` at once,
+    # and its trap ends the stage and archives; a foreground child would delay the trap)
+    timeout "$secs" "$@" >>"$LOG" 2>&1 </dev/null &
+    STAGE_PID=$!
+    wait $STAGE_PID
     local rc=$?
+    STAGE_PID=
     echo "=== $name rc=$rc ($(date +%T))" | tee -a "$LOG"
     return $rc
 }
+
+archive() {  # The device tool brings back at most 8 files: one archive of every JSON and
+  # chart folder instead (unpack with tar xzf results_*.tgz); one per invocation, so a later
+  # call in the same device run does not replace it. Also on TERM / INT: a run cut at the
+  # call's bound (`timeout`) still brings back what its finished stages wrote.
+  local parts
+  parts=$(cd "$OUT" && ls -d ./*.json ./*/ 2>/dev/null)
+  [ -n "$parts" ] && (cd "$OUT" && tar czf "results_$(date +%H%M%S).tgz" $parts && rm -rf $parts)
+  return 0
+}
+STAGE_PID=
+trap '[ -n "$STAGE_PID" ] && kill $STAGE_PID 2>/dev/null; archive; exit 143' TERM INT
 
 tp_ep() {  # tp_ep TPxEPy: sets TP and EP
     TP=${1#TP}; TP=${TP%EP*}; EP=${1#*EP}
@@ -236,11 +253,5 @@ for s in "$@"; do
     *) echo "unknown stage $s" ;;
   esac
 done
-# The device tool brings back at most 8 files:
-# one archive of every JSON and chart folder instead (unpack with tar xzf results_*.tgz).
-parts=$(cd "$OUT" && ls -d ./*.json ./*/ 2>/dev/null)
-if [ -n "$parts" ]; then
-  # one archive per invocation: a later call in the same device run must not replace it
-  (cd "$OUT" && tar czf "results_$(date +%H%M%S).tgz" $parts && rm -rf $parts)
-fi
+archive
 grep -E "^===|^check |^timeline |^routing |^transformer_engine|^train |skipped|SKIP|^[a-z]+/TP[0-9]EP[0-9]/[0-9]+: GatherRS|^variant |^(rows|tokens)|rho_ref|^comm alone|^[a-z]+/TP|^chosen|^gemm2 |^comm rows|^torch._grouped|^torch gather|^(qwen|granite|deepseek) |^  (host|api |gpu |prof )|^cProfile|^host |^  step |^torch copy|^layer |^prefill|speedup|^moe-overlap|^    [A-Z][a-zA-Z ]+ +[a-z%/]+ +[0-9]|^  (stock|overlap|speedup)|^  (partition|shared|torch)|passed|failed|Error|error" "$LOG" | grep -v Warning | tail -n 80
