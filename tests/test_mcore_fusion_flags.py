@@ -37,6 +37,7 @@ def _layout(tp, ep, rank, calls):
 
     from megatron_overlap.mcore.policy import LayerPolicy
     from megatron_overlap.mcore.spec import with_overlap_moe
+    from megatron_overlap.mcore.support import capture_refusal
     from megatron_overlap.ops import OverlapConfig
 
     g = torch.Generator().manual_seed(100 + rank)
@@ -64,7 +65,7 @@ def _layout(tp, ep, rank, calls):
     with torch.no_grad():
         inference = _rel_diff(layer(x)[0], stock_eval(spec, plain, x))
         rows = x.view(-1, 32)
-        refusal = layer._capture_refusal(rows, layer._path(rows, None).host_counts)
+        refusal = capture_refusal(layer, rows, layer._path(rows, None).host_counts)
     return dict(
         calls=fused_calls, stock_calls=stock_calls, fused=fused_plan, refusal=refusal,
         bits=all(torch.equal(a, b) for a, b in zip(flagged[:2], unflagged[:2]))

@@ -16,7 +16,7 @@ waits for them instead). In inference (eval mode, no gradient) the weighted SwiG
 one Triton pass, and a gated shared expert's gate and add into the routed output are
 one more (`kernels/gated_add.py`). Router, dispatch and shared experts are Megatron's.
 
-Where the host never waits (inference, device counts: `_capture_refusal`), a forward
+Where the host never waits (inference, device counts: `support.capture_refusal`), a forward
 captured into a CUDA graph (`torch.cuda.graph`) captures the fused path, at any size,
 and replays it on whatever tokens the graph's input then holds; the stock dropless
 layer syncs the host and cannot be captured. Anything else (another dispatcher, fp8,
@@ -32,17 +32,16 @@ from dataclasses import dataclass
 from itertools import chain
 
 import torch
-from megatron.core.transformer.moe.experts import TEGroupedMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
 from ..ops import OverlapConfig, OverlapSession, capturing, default_session, fusion_decision
-from .dispatch import Deferred, OverlapAllGatherDispatcher, Permuted, rows_bound
+from .dispatch import Deferred, OverlapAllGatherDispatcher, Permuted
 from .decision_log import launch_line
-from .experts import in_inference, needs_host_counts, te_fc1_is_grouped
+from .experts import in_inference, needs_host_counts
 from .fc2_operands import FC2Operands, OperandStacks, fc2_operands, pack_expert_weights
 from .policy import LayerPolicy
 from .shared_gate import gate_joins, join
-from .support import unsupported_reason
+from .support import capture_refusal, stock_launches, unsupported_reason, warmed
 
 log = logging.getLogger("megatron_overlap.mcore")
 _warned: set[str] = set()
@@ -160,8 +159,8 @@ class OverlapMoELayer(MoELayer):
             # the op's state (peer memory, plans, compiled kernels), shared by the group's
             # layers; made here, on every rank together (it asks the group its hosts),
             # with the kernels this layer launches compiled
-            self.overlap_session = self._warmed(
-                default_session(self.token_dispatcher.tp_ep_group))
+            self.overlap_session = warmed(self, default_session(
+                self.token_dispatcher.tp_ep_group))
             # Megatron's own dispatcher object, with the process groups it was built with,
             # gains the fused path's methods (the class adds no state: dispatch.py)
             self.token_dispatcher.__class__ = OverlapAllGatherDispatcher
@@ -190,7 +189,7 @@ class OverlapMoELayer(MoELayer):
                        "layers run the stock Megatron path")
             return False
         if capturing(hidden_states):
-            why = self._capture_refusal(hidden_states, host_counts)
+            why = capture_refusal(self, hidden_states, host_counts)
             if why is not None:
                 _warn_once(f"capture: {why}", "MoE layers captured in a CUDA graph run the "
                            f"stock Megatron path here: {why}")
@@ -222,42 +221,12 @@ class OverlapMoELayer(MoELayer):
                 session=self._session_on(hidden_states.device), num_tokens=key[0], hidden=c.hidden_size, ffn=ffn, topk=c.moe_router_topk,
                 local_experts=local, experts=c.num_moe_experts, dtype=key[1],
                 device=hidden_states.device, group=self.token_dispatcher.tp_ep_group,
-                config=self.overlap_config, stock_launches=self._stock_launches(),
+                config=self.overlap_config, stock_launches=stock_launches(self),
                 padded=padded, stock_permute_fused=te_unpermute)
             if len(self._fusion) >= 64:  # (bounded: a sweep of sizes)
                 self._fusion.clear()
             self._fusion[key] = found
         return found
-
-    def _stock_launches(self) -> int:
-        """Kernel launches the stock experts make per call beyond the fused path's: TE's
-        GroupedLinear runs one GEMM per local expert in FC2, and in FC1 where the fused
-        path groups it (`te_fc1_is_grouped`); a grouped GEMM runs one."""
-        if not isinstance(self.experts, TEGroupedMLP):
-            return 0
-        return self.num_local_experts * (2 if te_fc1_is_grouped(self.experts) else 1)
-
-    def _capture_refusal(self, hidden_states, host_counts: bool) -> str | None:
-        """Why this call, captured into a CUDA graph, could not replay the routing of each
-        replay (None: it can). It can where nothing reaches the host: inference, and the
-        counts kept on the device (`_permute`: every expert local or the rows padded,
-        grouped experts, no capacity factor; `moe_permute_fusion` does not matter, the
-        fused path never takes TE's permute)."""
-        c = self.config
-        if not in_inference(self, chain((hidden_states,), self.parameters())):
-            return "gradients (capture the forward in eval mode under torch.no_grad)"
-        if self.num_local_experts != c.num_moe_experts and rows_bound(
-                hidden_states.shape[0], c.moe_router_topk, self.num_local_experts,
-                c.num_moe_experts) is None:
-            return ("expert parallelism with a loose bound of the rows (top-k x EP > "
-                    "MAX_PADDING x top-k: the rows are counted on the host)")
-        if c.moe_expert_capacity_factor:
-            return "a capacity factor (the rows are split on the host)"
-        if host_counts:
-            return f"{type(self.experts).__name__} experts (they split the rows on the host)"
-        if self.policy.host_counts:
-            return "LayerPolicy.host_counts"
-        return None
 
     def _note_stock(self, tokens: int, decision) -> None:
         key = ("stock", tokens)
@@ -380,20 +349,9 @@ class OverlapMoELayer(MoELayer):
         """The layer's op session, on the device its activations are on (a model built
         on one device and moved to another gets the group's session there)."""
         if self.overlap_session is None or self.overlap_session.device != device:
-            self.overlap_session = self._warmed(
-                default_session(self.token_dispatcher.tp_ep_group, device))
+            self.overlap_session = warmed(self, default_session(
+                self.token_dispatcher.tp_ep_group, device))
         return self.overlap_session
-
-    def _warmed(self, session: OverlapSession) -> OverlapSession:
-        """`session` with the Triton kernels this layer launches compiled (at build, not in
-        its first forward's planning), in the dtype it computes in (as `row_bytes_refusal`);
-        y token-major where every expert is local. Nothing compiles off CUDA."""
-        c = self.config
-        if session.device.type == "cuda" and self.overlap_config.backend in ("auto", "triton"):
-            dtype = torch.bfloat16 if c.bf16 else torch.float16 if c.fp16 else c.params_dtype
-            session.warm_up(c.hidden_size, c.moe_router_topk, dtype, config=self.overlap_config,
-                            token_major=self.num_local_experts == c.num_moe_experts)
-        return session
 
     def _call_tag(self) -> int:
         """This call's tag (`gemm2_gather_rs(call_tag=...)`): the layer's number and its

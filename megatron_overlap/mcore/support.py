@@ -1,13 +1,20 @@
 """What an MoE layer can fuse, decided when it is built: `unsupported_reason(layer)` is
 None where the fused path runs, else the reason the layer stays stock (the build line
-and `--moe-overlap-strict` report it). Nothing here waits for a forward."""
+and `--moe-overlap-strict` report it); the session it launches on, its kernels compiled
+(`warmed`); what a call can be captured with (`capture_refusal`) and what the stock
+experts launch beyond the fused path (`stock_launches`, the fuse-or-not's n)."""
 
 from __future__ import annotations
 
+from itertools import chain
+
 import torch
+from megatron.core.transformer.moe.experts import TEGroupedMLP
 from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
 
-from .dispatch import OverlapAllGatherDispatcher
+from ..ops import OverlapSession
+from .dispatch import OverlapAllGatherDispatcher, rows_bound
+from .experts import in_inference, te_fc1_is_grouped
 from .fc2_operands import unsupported_experts
 
 
@@ -42,8 +49,57 @@ def row_bytes_refusal(c) -> str | None:
     must be 16-byte multiples; K = the expert FFN width on this rank, in the dtype the
     layer computes in (Megatron's --bf16 / --fp16, else params_dtype)."""
     ffn = (c.moe_ffn_hidden_size or c.ffn_hidden_size) // (c.expert_tensor_parallel_size or 1)
-    dtype = torch.bfloat16 if c.bf16 else torch.float16 if c.fp16 else c.params_dtype
+    dtype = layer_dtype(c)
     if ffn * dtype.itemsize % 16:
         return (f"an expert FFN width of {ffn} per rank in {str(dtype).removeprefix('torch.')} "
                 f"({ffn * dtype.itemsize} B a row; the fused GEMM2 reads 16-byte multiples)")
+    return None
+
+
+def layer_dtype(c) -> torch.dtype:
+    """The dtype the layer computes in (Megatron's --bf16 / --fp16, else params_dtype)."""
+    return torch.bfloat16 if c.bf16 else torch.float16 if c.fp16 else c.params_dtype
+
+
+def warmed(layer, session: OverlapSession) -> OverlapSession:
+    """`session` with the Triton kernels `layer` launches compiled (at build, not in its
+    first forward's planning), in the dtype it computes in; y token-major where every
+    expert is local. Nothing compiles off CUDA."""
+    c = layer.config
+    if session.device.type == "cuda" and layer.overlap_config.backend in ("auto", "triton"):
+        session.warm_up(c.hidden_size, c.moe_router_topk, layer_dtype(c),
+                        config=layer.overlap_config,
+                        token_major=layer.num_local_experts == c.num_moe_experts)
+    return session
+
+
+def stock_launches(layer) -> int:
+    """Kernel launches the stock experts make per call beyond the fused path's: TE's
+    GroupedLinear runs one GEMM per local expert in FC2, and in FC1 where the fused
+    path groups it (`te_fc1_is_grouped`); a grouped GEMM runs one."""
+    if not isinstance(layer.experts, TEGroupedMLP):
+        return 0
+    return layer.num_local_experts * (2 if te_fc1_is_grouped(layer.experts) else 1)
+
+
+def capture_refusal(layer, hidden_states, host_counts: bool) -> str | None:
+    """Why this call of `layer`, captured into a CUDA graph, could not replay the routing
+    of each replay (None: it can). It can where nothing reaches the host: inference, and
+    the counts kept on the device (every expert local or the rows padded, grouped
+    experts, no capacity factor; `moe_permute_fusion` does not matter, the fused path
+    never takes TE's permute)."""
+    c = layer.config
+    if not in_inference(layer, chain((hidden_states,), layer.parameters())):
+        return "gradients (capture the forward in eval mode under torch.no_grad)"
+    if layer.num_local_experts != c.num_moe_experts and rows_bound(
+            hidden_states.shape[0], c.moe_router_topk, layer.num_local_experts,
+            c.num_moe_experts) is None:
+        return ("expert parallelism with a loose bound of the rows (top-k x EP > "
+                "MAX_PADDING x top-k: the rows are counted on the host)")
+    if c.moe_expert_capacity_factor:
+        return "a capacity factor (the rows are split on the host)"
+    if host_counts:
+        return f"{type(layer.experts).__name__} experts (they split the rows on the host)"
+    if layer.policy.host_counts:
+        return "LayerPolicy.host_counts"
     return None
