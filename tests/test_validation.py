@@ -56,3 +56,19 @@ def test_a_call_tag_out_of_its_range_is_an_error_naming_it(tag):
 def test_a_call_tag_changes_no_result():
     p = routed_problem(0, 1, tokens=24, experts=3, topk=2, ffn=16, hidden=8)
     assert torch.equal(_call(p, 24, 2, call_tag=np.int64((1 << 15) - 1)), _call(p, 24, 2))
+
+
+def test_the_cpu_order_check_allows_a_drop_only_where_an_expert_ends():
+    """Megatron's order: tokens strictly ascending inside each expert's rows (empty experts
+    included); a smaller token right after an expert's last row is the next expert's."""
+    from megatron_overlap.ops.validation import validate
+
+    x, w = torch.zeros(6, 8), torch.zeros(4, 16, 8)
+    good = torch.tensor([3, 5, 0, 1, 4, 2])  # experts of 2, 0, 3, 1 rows
+    validate(x, w, [2, 0, 3, 1], good, 6, 4, None, 1)
+    with pytest.raises(ValueError, match="permutation order"):  # 5 then 4 inside expert 2
+        validate(x, w, [2, 0, 3, 1], torch.tensor([3, 5, 0, 5, 4, 2]), 6, 4, None, 1)
+    with pytest.raises(ValueError, match="permutation order"):  # a repeat inside expert 0
+        validate(x, w, [2, 0, 3, 1], torch.tensor([3, 3, 0, 1, 4, 2]), 6, 4, None, 1)
+    with pytest.raises(ValueError, match="permutation order"):  # the boundary moved
+        validate(x, w, [3, 0, 2, 1], good, 6, 4, None, 1)

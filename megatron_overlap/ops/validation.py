@@ -11,6 +11,8 @@ from __future__ import annotations
 import numbers
 import operator
 
+from itertools import accumulate
+
 import torch
 
 from .config import MAX_SPLITS, OverlapConfig
@@ -164,9 +166,14 @@ def validate(x, weight, counts, token_index, num_tokens, topk, probs, world, pad
         if most > topk:
             raise ValueError(f"a token has {most} rows but topk is {topk}")
         if counts is not None:  # Megatron's permutation order (on CUDA the kernel checks)
-            expert = torch.repeat_interleave(torch.arange(len(counts)), torch.tensor(counts))
-            key = expert * num_tokens + token_index.long()
-            if not bool((key[1:] > key[:-1]).all()):
+            # tokens ascending inside each expert's rows; a pair across an expert boundary
+            # may fall (a larger expert index orders it). Not through repeat_interleave:
+            # CPU torch 2.13 takes ~12 ms for it at 1k rows, more than the whole call.
+            ascending = token_index[1:] > token_index[:-1]
+            ends = [end - 1 for end in accumulate(counts) if 0 < end < token_index.numel()]
+            if ends:
+                ascending[torch.tensor(ends)] = True
+            if not bool(ascending.all()):
                 raise ValueError("token_index must list each expert's rows with tokens in "
                                  "strictly ascending order (Megatron-Core's permutation order)")
 
