@@ -103,13 +103,20 @@ def check_operands(x, weight, y, scales: Fp8Scales | None, block_k: int, impl: s
         if x.dtype in FP8_DTYPES or weight.dtype in FP8_DTYPES:
             raise ValueError("FP8 x / weight need scales=Fp8Scales(...) to be dequantized")
         return
-    _check_dtype("x", x)
-    _check_dtype("weight", weight)
     if y.dtype != torch.bfloat16:
         raise ValueError(f"y must be bfloat16 for an FP8 GEMM2, got {y.dtype}")
     if impl not in ("triton", "auto"):
         raise ValueError(f"FP8 GEMM2 runs the Triton kernel (impl 'triton' or 'auto'); the "
                          f"Gluon kernel {impl!r} is bf16 only")
+    check_fp8_operands(x, weight, scales, block_k)
+
+
+def check_fp8_operands(x, weight, scales: Fp8Scales, block_k: int | None = None) -> None:
+    """e4m3 x [T, K] and weight [E, N, K] with `scales` of their shapes on x's device
+    (ValueError naming what does not fit); `block_k`: the K step of the launch (kind
+    "block" needs 128), None where the caller chooses it."""
+    _check_dtype("x", x)
+    _check_dtype("weight", weight)
     rows, k = x.shape
     experts, hidden, _ = weight.shape
     if k % 16:
@@ -133,8 +140,8 @@ def _check_tensor_scales(scales: Fp8Scales, experts: int) -> None:
 
 
 def _check_block_scales(scales: Fp8Scales, rows: int, k: int, experts: int, hidden: int,
-                        block_k: int) -> None:
-    if block_k != BLOCK:
+                        block_k: int | None) -> None:
+    if block_k not in (None, BLOCK):
         raise ValueError(f"kind 'block' needs block_k = {BLOCK} (a K step per scale block), "
                          f"got {block_k}")
     kb = -(-k // BLOCK)

@@ -64,15 +64,17 @@ def block_graded(t: torch.Tensor, rows: int, seed: int) -> torch.Tensor:
     return t * mag.repeat_interleave(rows, 0).repeat_interleave(128, 1)[:t.shape[0], :t.shape[1]]
 
 
-def fp8_routed_problem(kind: str, per_expert_x: bool = False, **problem):
+def fp8_routed_problem(kind: str, per_expert_x: bool = False, rank: int = 0, world: int = 1,
+                       **problem):
     """`routed_problem` (fp32, then graded: `block_graded`) quantized as the FP8 recipe of
     `kind` quantizes it: "block" x in 1x128 and each W_e in 128x128 blocks; "tensor" each
     W_e per tensor and x whole or, with `per_expert_x`, split by expert as TE's
-    GroupedLinear does. x_hp: x before quantization; scales: a `gemm2_fp8.Fp8Scales`."""
+    GroupedLinear does. x_hp: x before quantization; scales: a `gemm2_fp8.Fp8Scales`;
+    `rank` of `world`: that rank's rows and experts (`routed_problem`)."""
     from megatron_overlap.kernels import fp8_quant as q
     from megatron_overlap.kernels.gemm2_fp8 import Fp8Scales
 
-    p = routed_problem(0, 1, dtype=torch.float32, **problem)
+    p = routed_problem(rank, world, dtype=torch.float32, **problem)
     x = block_graded(p["x"], 1, 1)
     w = [block_graded(we, 128, 2 + e) for e, we in enumerate(p["weight"])]
     if kind == "block":

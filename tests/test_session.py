@@ -245,7 +245,8 @@ def test_a_capture_refuses_a_kernel_family_not_compiled_before_it():
     from megatron_overlap.ops.planning import default_tiles
 
     session = OverlapSession(None, "cpu", INTERP)
-    call = SimpleNamespace(config=INTERP, backend="interpret", topk=3, splits=None)
+    call = SimpleNamespace(config=INTERP, backend="interpret", topk=3, splits=None,
+                           scales=None)
     tiles = default_tiles("interpret")
     with pytest.raises(RuntimeError, match="not compiled; call OverlapSession.warm_up"):
         op._refuse_uncompiled(session, call, tiles, 48)

@@ -1,7 +1,7 @@
 """The overlapped GEMM2 + GatherRS operator (planner + kernels + peer memory).
 
 Everything outside ops (mcore, tools/) reaches it through the names below: the op and its
-session, its config and tiles (with the tuned-tiles reader and the shared placement's
+session, its config and tiles, its FP8 operands' scales (with the tuned-tiles reader and the shared placement's
 register caps), how it chooses L, the backward's grouped GEMMs, the layer's helpers.
 """
 
@@ -10,6 +10,7 @@ from .capture import CapturedCall
 from .errors import OverlapMismatchError, OverlapPeerError, OverlapTimeoutError
 from .config import (GPU_TILES, INTERPRET_TILES, PARTITION_TILES, SHARED_COMM_MAXNREG,
                      SHARED_GEMM_MAXNREG, OverlapConfig, TileConfig, load_tiles)
+from .fp8 import Fp8Scales
 from .fusion import fusion_decision
 from .expert_weights import BIAS_COLUMNS, ExpertWeightStack, with_bias_columns
 from .grouped import accepts as grouped_mm_accepts, grouped_mm, grouped_wgrad
@@ -23,6 +24,8 @@ __all__ = ["BIAS_COLUMNS", "ExpertWeightStack", "grouped_mm_accepts", "OverlapBu
            "OverlapPeerError",
            "OverlapTimeoutError", "fusion_decision",
            "gemm2_gather_rs", "with_bias_columns",
+           # FP8 operands of the op: TE's scales (kernels/gemm2_fp8.py), forward only
+           "Fp8Scales",
            # tiles a user or the tuner sets (load_tiles: tools/tune_tiles.py's JSON; the
            # shared placement's register caps, TileConfig's gemm_ / comm_maxnreg defaults),
            # and the backward's grouped GEMMs

@@ -38,13 +38,14 @@ def streams_of(buf: OverlapBuffer) -> _Streams:
     return buf.launch_streams
 
 
-def _gemm2_args(buf: OverlapBuffer, lp: LaunchPlan, hidden: int, width: int, places) -> dict:
+def _gemm2_args(buf: OverlapBuffer, lp: LaunchPlan, hidden: int, width: int, places,
+                scales=None) -> dict:
     t = lp.tiles
     return dict(splits=lp.splits, programs=lp.plan.compute_slots, block_m=t.block_m,
                 block_n=t.block_n, block_k=t.block_k, num_warps=t.gemm_warps,
                 num_stages=t.gemm_stages, upcast=buf.backend == "interpret",
                 flatten=t.gemm_flatten, places=places, impl=t.gemm_impl, maxnreg=t.gemm_maxnreg,
-                width=width)
+                width=width, scales=scales)
 
 
 def _launch_comm(buf: OverlapBuffer, lp: LaunchPlan, y, routing: Routing, probs, out,
@@ -134,10 +135,11 @@ class _Comm:
 
 
 def launch(buf: OverlapBuffer, x, weight, routing: Routing, lp: LaunchPlan, probs, out,
-           y=None, width: int | None = None, fork=None) -> torch.Tensor:
+           y=None, width: int | None = None, fork=None, scales=None) -> torch.Tensor:
     """GEMM2 and GatherRS overlapped, then the local sum over ranks into `out`; returns
     y (GEMM2's output). `width`: the split width sw (None: ceil(N/L)); a larger one
     narrows the last split to the N - (L-1) sw columns left (`gemm2.split_col_tiles`).
+    `scales`: e4m3 x and weight with their `Fp8Scales` (the FP8 kernel; y bf16).
 
     `fork`: the event GatherRS's stream starts from. The op passes `routing.routed`,
     recorded right after this call's routing table (one event record less). None
@@ -149,7 +151,7 @@ def launch(buf: OverlapBuffer, x, weight, routing: Routing, lp: LaunchPlan, prob
     width = width or gemm2.split_width(hidden, lp.splits)
     if y is None:
         y = torch.empty(x.shape[0], hidden, dtype=out.dtype, device=x.device)
-    gemm_args = _gemm2_args(buf, lp, hidden, width, routing.places)
+    gemm_args = _gemm2_args(buf, lp, hidden, width, routing.places, scales)
     operands = (x, weight, y, routing.row_start, routing.tile_start, buf.ready)
     comm = _Comm(buf, lp, y, routing, probs, out, width, fork)
     if buf.backend == "interpret":
@@ -170,12 +172,12 @@ def launch(buf: OverlapBuffer, x, weight, routing: Routing, lp: LaunchPlan, prob
 
 
 def launch_gemm2_alone(buf: OverlapBuffer, x, weight, routing: Routing, lp: LaunchPlan,
-                       y, width: int | None = None) -> torch.Tensor:
+                       y, width: int | None = None, scales=None) -> torch.Tensor:
     """GEMM2 by itself (calibration, benchmarks): the readiness flags cleared after it."""
     hidden = weight.shape[1]
     width = width or gemm2.split_width(hidden, lp.splits)
     gemm2.launch_grouped_gemm2(x, weight, y, routing.row_start, routing.tile_start, buf.ready,
-                               **_gemm2_args(buf, lp, hidden, width, routing.places))
+                               **_gemm2_args(buf, lp, hidden, width, routing.places, scales))
     buf.ready.zero_()
     return y
 

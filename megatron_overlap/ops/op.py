@@ -41,6 +41,7 @@ from .groups import call_backend
 from .config import OverlapConfig, TileConfig
 from .grouped import grouped_mm, grouped_wgrad
 from .buffer import OverlapBuffer
+from .fp8 import OUT_DTYPE, Fp8Scales, check_call as check_fp8, kind_of, refuse_grads
 from .planning import LaunchPlan, PlanRequest, launch_tiles
 from .plans import family_keys
 from .routing import Routing
@@ -55,12 +56,15 @@ MAX_CALL_TAG = 1 << 15
 def _forward(x, weight, probs, counts_dev, table, launch):
     """(out, y) of a prepared launch: the overlapped kernels or the reference path."""
     counts, group, world = launch.counts, launch.group, launch.world
+    scales = launch.call.scales
     if launch.buffer is None:  # (the rows past the counts' sum are padding)
         return reference_forward(x[:sum(counts)], weight, counts_dev, counts, table, probs,
-                                 group, world)
-    out = torch.empty(table.shape[0] // world, weight.shape[1], dtype=x.dtype, device=x.device)
+                                 group, world, scales)
+    out = torch.empty(table.shape[0] // world, weight.shape[1], dtype=launch.call.out_dtype,
+                      device=x.device)
     y = launcher.launch(launch.buffer, aligned(x), aligned(weight), launch.routing,
-                        launch.launch_plan, probs, out, fork=launch.routing.routed)
+                        launch.launch_plan, probs, out, fork=launch.routing.routed,
+                        scales=scales)
     return out, y
 
 
@@ -111,13 +115,15 @@ def run(session, x: torch.Tensor, weight: torch.Tensor, tokens_per_expert,
         token_index: torch.Tensor, num_tokens: int, topk: int,
         probs: torch.Tensor | None = None, *, comm_ctas: int | None = None,
         splits: int | None = None, config: OverlapConfig | None = None,
-        return_plan: bool = False, expected_rows: int | None = None, call_tag: int = 0):
+        return_plan: bool = False, expected_rows: int | None = None, call_tag: int = 0,
+        scales=None):
     """The op on `session`: prepare, then launch (`OverlapSession.__call__`, whose
     docstring `gemm2_gather_rs` carries, says what each argument is)."""
     grads = needs_grads(x, weight, probs, expected_rows is not None)
     launch = prepare(session, x, weight, tokens_per_expert, token_index, num_tokens, topk,
                      probs, comm_ctas=comm_ctas, splits=splits, config=config,
-                     expected_rows=expected_rows, defer_slots=None, call_tag=call_tag)
+                     expected_rows=expected_rows, defer_slots=None, call_tag=call_tag,
+                     scales=scales)
     out = launched(session, launch, x, weight, probs, token_index, grads)
     return (out, launch.plan) if return_plan else out
 
@@ -140,7 +146,10 @@ def needs_grads(x, weight, probs, padded: bool) -> bool:
 def launched(session, launch: "Launch", x, weight, probs, token_index, grads: bool):
     """The output of a prepared launch (`prepare`'s handle, on the same x, weight, probs
     and token_index): the kernels queued, an autograd node where `grads`, the error word's
-    copy queued behind them, and an earlier call's error raised after they launched."""
+    copy queued behind them, and an earlier call's error raised after they launched.
+    FP8 operands are forward only (`fp8.refuse_grads`)."""
+    if launch.call.scales is not None:
+        refuse_grads(grads)
     with _arrives_on_raise(session):
         if grads:
             out = _Gemm2GatherRS.apply(x, weight, probs, launch.counts_dev, token_index,
@@ -189,6 +198,12 @@ class Call:
     expected_rows: int | None
     captured: bool
     operands: tuple  # (x's shape, weight's shape, dtype): what a launch of it must be given
+    scales: Fp8Scales | None = None  # of FP8 x and weight (None: bf16 operands)
+
+    @property
+    def out_dtype(self) -> torch.dtype:
+        """y's, the partial sums' (unless the config sets them) and the output's dtype."""
+        return OUT_DTYPE if self.scales is not None else self.operands[2]
 
 
 @dataclass
@@ -216,7 +231,7 @@ class Launch:
 
 
 def _checked_call(session, x, weight, tokens_per_expert, token_index, num_tokens, topk, probs,
-                  comm_ctas, splits, config, expected_rows) -> Call:
+                  comm_ctas, splits, config, expected_rows, scales) -> Call:
     """Validate the call and choose its backend (raises ValueError naming the argument)."""
     # (sizes as Python ints from here on: numpy's would reach the kernels and caches)
     config, comm_ctas, splits = check_options(session.config if config is None else config,
@@ -234,7 +249,9 @@ def _checked_call(session, x, weight, tokens_per_expert, token_index, num_tokens
     if padded and not 0 <= expected_rows <= x.shape[0]:
         raise ValueError(f"expected_rows must lie in [0, {x.shape[0]}] (x's rows), got "
                          f"{expected_rows}")
-    validate(x, weight, counts, token_index, num_tokens, topk, probs, world, padded)
+    check_fp8(x, weight, scales, probs)
+    validate(x, weight, counts, token_index, num_tokens, topk, probs, world, padded,
+             fp8=scales is not None)
     num_splits = splits if splits is not None else config.splits
     if num_splits is not None and num_splits > weight.shape[1]:
         raise ValueError(f"splits ({num_splits}) must be <= hidden ({weight.shape[1]})")
@@ -249,7 +266,8 @@ def _checked_call(session, x, weight, tokens_per_expert, token_index, num_tokens
                 token_index.contiguous(),  # (the kernels index it as a flat array)
                 num_tokens, topk, num_splits,
                 comm_ctas if comm_ctas is not None else config.comm_ctas, padded,
-                expected_rows, captured, (tuple(x.shape), tuple(weight.shape), x.dtype))
+                expected_rows, captured, (tuple(x.shape), tuple(weight.shape), x.dtype),
+                scales)
 
 
 def _reference_launch(session, call: Call, hidden: int, dtype, call_tag: int) -> Launch:
@@ -283,35 +301,38 @@ def _plan_request(call: Call, tiles: TileConfig, routing: Routing, x, hidden: in
             tiles.block_m)
     return PlanRequest(call.config, tiles, x.device, call.backend, row_tiles, call.experts,
                        call.num_tokens, hidden, x.shape[1], call.world, call.topk,
-                       round(4 * rows / call.num_tokens) / 4, call.splits, call.comm_ctas)
+                       round(4 * rows / call.num_tokens) / 4, call.splits, call.comm_ctas,
+                       kind_of(call.scales))
 
 
 def prepare(session, x, weight, tokens_per_expert, token_index, num_tokens, topk, probs=None,
             *, comm_ctas=None, splits=None, config=None, expected_rows=None,
-            defer_slots: bool | None = False, call_tag: int = 0) -> Launch:
+            defer_slots: bool | None = False, call_tag: int = 0, scales=None) -> Launch:
     """The op's pipeline up to the launch: check the call, route (offsets and combine
     table on the device), plan (C, L, tiles) and size the buffer's slots.
     `defer_slots`: the routing's second pass (the table) is left to the launch, which
     queues it on GatherRS's stream (`Routing.slots`), so that GEMM2 starts after the
     first pass; off, the table is complete when this returns (tools that read it before
-    a launch); None (the op): deferred where GEMM2 does not read the table (row order)."""
+    a launch); None (the op): deferred where GEMM2 does not read the table (row order).
+    `scales`: FP8 x and weight (`fp8.py`), kept on the handle for its launch."""
     session.check_open()
     for buf in session.buffers():
         buf.begin_call()
     with _arrives_on_raise(session):
         return _prepare(session, x, weight, tokens_per_expert, token_index, num_tokens, topk,
                         probs, comm_ctas, splits, config, expected_rows, defer_slots,
-                        check_int("call_tag", call_tag, 0, MAX_CALL_TAG - 1))
+                        check_int("call_tag", call_tag, 0, MAX_CALL_TAG - 1), scales)
 
 
 def _prepare(session, x, weight, tokens_per_expert, token_index, num_tokens, topk, probs,
-             comm_ctas, splits, config, expected_rows, defer_slots, call_tag) -> Launch:
+             comm_ctas, splits, config, expected_rows, defer_slots, call_tag,
+             scales) -> Launch:
     call = _checked_call(session, x, weight, tokens_per_expert, token_index, num_tokens, topk,
-                         probs, comm_ctas, splits, config, expected_rows)
+                         probs, comm_ctas, splits, config, expected_rows, scales)
     num_tokens, topk, expected_rows = call.num_tokens, call.topk, call.expected_rows
     if call.backend == "reference":
         return _reference_launch(session, call, weight.shape[1],
-                                 call.config.partial_dtype or x.dtype, call_tag)
+                                 call.config.partial_dtype or call.out_dtype, call_tag)
     if x.shape[1] * x.element_size() % 16:
         raise ValueError(f"the {call.backend} backend needs 16-byte rows for its tensor "
                          f"descriptors: K * itemsize = {x.shape[1]} * {x.element_size()} "
@@ -324,13 +345,13 @@ def _prepare(session, x, weight, tokens_per_expert, token_index, num_tokens, top
     rows = expected_rows if call.padded else call.token_index.shape[0]
     m, k = num_tokens, topk  # token-major y only where T = M k (TP) and fits int32
     tiles = launch_tiles(call.config, call.backend, x.device, x.dtype, token_major=(
-        expected_rows is None and rows == m * k and m * k < 1 << 31))
+        expected_rows is None and rows == m * k and m * k < 1 << 31), fp8=kind_of(call.scales))
     hidden = weight.shape[1]
     if call.captured:  # (before the routing queues anything into the capture)
         _refuse_uncompiled(session, call, tiles, hidden)
     # the receive slots first: growing them queues copies that GatherRS depends on, which
     # must come before the event it forks from, the routing's
-    buf.ensure(num_tokens // call.world, hidden, call.config.partial_dtype or x.dtype,
+    buf.ensure(num_tokens // call.world, hidden, call.config.partial_dtype or call.out_dtype,
                call.captured, call_tag)
     dest = (torch.empty(call.token_index.shape[0], dtype=torch.int32, device=x.device)
             if tiles.token_major else None)
@@ -349,7 +370,7 @@ def _refuse_uncompiled(session, call: Call, tiles: TileConfig, hidden: int) -> N
     an eager call of these shapes): a compile allocates and loads a module, which a
     capture must not record (RuntimeError, as the capture's other refusals)."""
     for key in family_keys(call.config, tiles, session.device, call.backend, hidden,
-                           call.topk, call.splits):
+                           call.topk, call.splits, kind_of(call.scales)):
         if key not in session.families:
             raise RuntimeError(f"gemm2_gather_rs cannot be captured in a CUDA graph here: "
                                f"the kernel family {key} is not compiled; call "

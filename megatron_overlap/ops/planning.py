@@ -24,6 +24,7 @@ from ..kernels import gemm2
 from ..planner import PlanCache
 from .config import (GPU_TILES, INTERPRET_TILES, OverlapConfig, TileConfig, default_splits,
                      in_placement, with_register_caps)
+from .fp8 import fp8_tiles
 
 SPLIT_CANDIDATES = (1, 2, 4)
 #: the L ranked where the calibration prices the splits' HBM traffic (`hbm_balance`)
@@ -56,11 +57,12 @@ def resolved(tiles: TileConfig, device: torch.device, dtype: torch.dtype) -> Til
 
 
 def launch_tiles(config: OverlapConfig, backend: str, device: torch.device,
-                 dtype: torch.dtype, token_major: bool) -> TileConfig:
+                 dtype: torch.dtype, token_major: bool, fp8: str | None = None) -> TileConfig:
     """The tiles a launch runs: the config's or the backend's default, resolved; y
     token-major only where the caller allows it (every token has its k rows on this rank
-    and y's row numbers fit int32), else in GEMM2's row order."""
-    tiles = config.tiles or default_tiles(backend, config.placement)
+    and y's row numbers fit int32), else in GEMM2's row order. `fp8`: the scaling kind
+    of FP8 operands (`dtype` e4m3; "block" runs BLOCK_K = 128: `fp8.fp8_tiles`)."""
+    tiles = fp8_tiles(config.tiles or default_tiles(backend, config.placement), fp8)
     if tiles.gemm_impl not in ("triton", "auto") and (backend != "triton"
                                                       or dtype != torch.bfloat16):
         raise ValueError(f"TileConfig.gemm_impl={tiles.gemm_impl!r} is a Gluon kernel for "
@@ -97,8 +99,10 @@ class KernelFamily:
 @dataclass(frozen=True)
 class FamilyKey:
     """What a kernel family's binaries depend on: the device, the backend, GEMM2's tiles,
-    GatherRS's communication tile (TMc x TNc) and its table slots (pow2(top-k)). The
-    planner looks a family up by it; `plans.KernelFamilies` compiles one per key."""
+    GatherRS's communication tile (TMc x TNc), its table slots (pow2(top-k)) and GEMM2's
+    FP8 scaling kind (None: bf16 operands; "tensor" / "block": the FP8 kernel, compiled
+    and its residency read apart). The planner looks a family up by it;
+    `plans.KernelFamilies` compiles one per key."""
 
     device: torch.device
     backend: str
@@ -106,21 +110,24 @@ class FamilyKey:
     comm_tm: int
     comm_tn: int
     slots: int
+    fp8: str | None = None
 
     def __str__(self) -> str:
         t = self.tiles
         layout = "token-major" if t.token_major else "row order"
-        return (f"{self.backend} GEMM2 {t.block_m}x{t.block_n}x{t.block_k} ({t.gemm_impl}, "
+        fp8 = f"FP8 {self.fp8} " if self.fp8 else ""
+        return (f"{self.backend} {fp8}GEMM2 {t.block_m}x{t.block_n}x{t.block_k} ({t.gemm_impl}, "
                 f"{t.placement}, {layout}) + GatherRS {self.comm_tm}x{self.comm_tn} x "
                 f"{self.slots} slots on {self.device}")
 
 
 def family_key(tiles: TileConfig, device: torch.device, backend: str, hidden: int,
-               topk: int, splits: int) -> FamilyKey:
-    """The family a launch of hidden size N = `hidden` and top-k `topk` runs at L =
-    `splits`: the communication tile follows the split width ceil(N / L)."""
+               topk: int, splits: int, fp8: str | None = None) -> FamilyKey:
+    """The family a launch of hidden size N = `hidden` and top-k `topk` (on FP8 operands
+    of kind `fp8`) runs at L = `splits`: the communication tile follows the split width
+    ceil(N / L)."""
     comm_tm, comm_tn = tiles.comm_shape(topk, -(-hidden // splits))
-    return FamilyKey(device, backend, tiles, comm_tm, comm_tn, gemm2.next_pow2(topk))
+    return FamilyKey(device, backend, tiles, comm_tm, comm_tn, gemm2.next_pow2(topk), fp8)
 
 
 def partition_o_comm(family: KernelFamily) -> int:
@@ -140,7 +147,8 @@ class PlanRequest:
     """Everything a launch's plan depends on: the sizes (M tokens, N hidden, K ffn, D
     ranks), the routing through W_comp's only input, row_tiles = sum_e ceil(M_e / TM),
     top-k and the rows per token this rank gathers (local_topk, in quarters so decisions
-    stay cacheable), and the caller's explicit L and C (None: the planner's)."""
+    stay cacheable), the caller's explicit L and C (None: the planner's), and the FP8
+    scaling kind of GEMM2's operands (None: bf16; the kernel family's key)."""
 
     config: OverlapConfig
     tiles: TileConfig
@@ -156,6 +164,7 @@ class PlanRequest:
     local_topk: float
     splits: int | None
     comm_ctas: int | None
+    fp8: str | None = None
 
 
 @dataclass(frozen=True)

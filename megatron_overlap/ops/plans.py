@@ -113,7 +113,7 @@ def _occupancies(key: FamilyKey) -> tuple[int, int, str | None, dict]:
     flags = tuple(torch.zeros(n, dtype=torch.int32, device=key.device)
                   for n in (MAX_SPLITS, 1, 1))
     return compiled_occupancies(key.device, flags, key.tiles, key.comm_tm, key.comm_tn,
-                                key.slots)
+                                key.slots, key.fp8)
 
 
 def planned_splits(config: OverlapConfig, tiles: TileConfig, device: torch.device, hidden: int,
@@ -128,13 +128,14 @@ def planned_splits(config: OverlapConfig, tiles: TileConfig, device: torch.devic
 
 
 def family_keys(config: OverlapConfig, tiles: TileConfig, device: torch.device, backend: str,
-                hidden: int, topk: int, splits: int | Iterable[int] | None = None
-                ) -> tuple[FamilyKey, ...]:
-    """The families plans of this shape look up: at each L of `splits` (up to N), else at
-    each L `planned_splits` gives (the config's, or the candidates the planner ranks)."""
+                hidden: int, topk: int, splits: int | Iterable[int] | None = None,
+                fp8: str | None = None) -> tuple[FamilyKey, ...]:
+    """The families plans of this shape (on FP8 operands of kind `fp8`) look up: at each
+    L of `splits` (up to N), else at each L `planned_splits` gives (the config's, or the
+    candidates the planner ranks)."""
     each = (splits,) if isinstance(splits, int) else splits
     each = each or planned_splits(config, tiles, device, hidden, config.splits)
-    return tuple(dict.fromkeys(family_key(tiles, device, backend, hidden, topk, s)
+    return tuple(dict.fromkeys(family_key(tiles, device, backend, hidden, topk, s, fp8)
                                for s in each if 1 <= s <= hidden))
 
 
@@ -142,7 +143,7 @@ def request_families(r: PlanRequest, splits: Iterable[int] | None = None
                      ) -> tuple[FamilyKey, ...]:
     """The families `Planner.plan(r)` looks up (at `splits` where given: those L)."""
     return family_keys(r.config, r.tiles, r.device, r.backend, r.hidden, r.topk,
-                       splits or r.splits)
+                       splits or r.splits, r.fp8)
 
 
 class _Shape:
@@ -181,7 +182,7 @@ class Planner:
         #: replay a GPU's plans on a host without it (its preset's DeviceSpec).
         self.for_device = for_device
         self._caches: dict[tuple, PlanCache] = {}
-        #: per kernels (config, tiles, device, backend, N, k): at each L the family and
+        #: per kernels (config, tiles, device, backend, N, k, fp8): at each L the family and
         #: the caches that rank and plan it
         self._kernels: dict[tuple, dict] = {}
         self._shapes: dict[tuple, _Shape] = {}
@@ -255,12 +256,12 @@ class Planner:
     def _shape(self, r: PlanRequest) -> _Shape:
         """The request's launch shape, its L filled as they are asked for."""
         key = (r.config, r.tiles, r.device, r.backend, r.experts, r.hidden, r.ffn, r.world,
-               r.topk, r.local_topk, r.comm_ctas)
+               r.topk, r.local_topk, r.comm_ctas, r.fp8)
         found = self._shapes.get(key)
         if found is None:
             if len(self._shapes) >= MAX_DECISIONS:
                 self._shapes.clear()
-            kernels_key = (r.config, r.tiles, r.device, r.backend, r.hidden, r.topk)
+            kernels_key = (r.config, r.tiles, r.device, r.backend, r.hidden, r.topk, r.fp8)
             kernels = self._kernels.get(kernels_key)
             if kernels is None:
                 if len(self._kernels) >= MAX_DECISIONS:
@@ -272,7 +273,7 @@ class Planner:
     def _caches_at(self, r: PlanRequest, splits: int, kernels: dict) -> tuple:
         found = kernels.get(splits)
         if found is None:
-            key = family_key(r.tiles, r.device, r.backend, r.hidden, r.topk, splits)
+            key = family_key(r.tiles, r.device, r.backend, r.hidden, r.topk, splits, r.fp8)
             family = self.families.get(key)
             if family is None:
                 raise MissingKernelFamily(key)

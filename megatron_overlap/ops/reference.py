@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from .fp8 import reference_y
 from .grouped import grouped_mm  # (re-exported: the tools' baseline GEMM2)
 
 # torch 2.13 renames the two collectives; 2.11 (the GPU machines) has only the old names.
@@ -30,9 +31,14 @@ def combine_rows(y: torch.Tensor, table: torch.Tensor, probs: torch.Tensor | Non
     return padded[table.long()].sum(dim=1, dtype=torch.float32).to(y.dtype)
 
 
-def reference_forward(x, weight, counts_dev, counts, table, probs, group, world):
-    """(this rank's [M / D, N] output, y [T, N]): GEMM2, combine, then reduce-scatter."""
-    y = grouped_mm(x, weight.transpose(1, 2), counts_dev, counts)  # (any K: grouped.py pads)
+def reference_forward(x, weight, counts_dev, counts, table, probs, group, world, scales=None):
+    """(this rank's [M / D, N] output, y [T, N]): GEMM2, combine, then reduce-scatter.
+    `scales`: FP8 x and weight, dequantized and multiplied in float64 (`fp8.reference_y`:
+    the counts on the host, read from the device where only there)."""
+    if scales is not None:
+        y = reference_y(x, weight, counts if counts is not None else counts_dev.tolist(), scales)
+    else:
+        y = grouped_mm(x, weight.transpose(1, 2), counts_dev, counts)  # (any K: grouped.py pads)
     full = combine_rows(y, table, probs)
     if world == 1:
         return full, y

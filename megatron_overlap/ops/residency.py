@@ -15,19 +15,25 @@ from ..kernels import gemm2
 from ..kernels.gemm2_layout import TokenPlaces
 from ..planner import co_resident, resident_ctas
 from .config import TileConfig
+from .fp8 import OPERAND_DTYPE, compile_scales
 
 
 def compiled_occupancies(device: torch.device, flags: tuple, t: TileConfig, comm_tm: int,
-                         comm_tn: int, slots: int) -> tuple[int, int, str | None, dict]:
+                         comm_tn: int, slots: int, fp8: str | None = None
+                         ) -> tuple[int, int, str | None, dict]:
     """(o_comp, o_comm, misfit, resources) of the GEMM2 and GatherRS binaries for tiles t,
     a comm tile of comm_tm x comm_tn and `slots` table slots on a CUDA device: misfit is
     None if o_comp GEMM2 CTAs and one GatherRS CTA fit one SM together, else the resource
     that does not; resources their registers, shared memory, spills and warps.
-    `flags`: the buffer's (ready, done, error) words, arguments of the compiles."""
+    `flags`: the buffer's (ready, done, error) words, arguments of the compiles. `fp8`:
+    GEMM2 on FP8 operands of that scaling kind: the FP8 kernel is compiled, so o_comp is
+    its own."""
     ready, done, error = flags
-    x = torch.empty(t.block_m, t.block_k, dtype=torch.bfloat16, device=device)
-    w = torch.empty(1, t.block_n, t.block_k, dtype=torch.bfloat16, device=device)
+    dtype = OPERAND_DTYPE if fp8 else torch.bfloat16
+    x = torch.empty(t.block_m, t.block_k, dtype=dtype, device=device)
+    w = torch.empty(1, t.block_n, t.block_k, dtype=dtype, device=device)
     y = torch.empty(t.block_m, t.block_n, dtype=torch.bfloat16, device=device)
+    scales = compile_scales(fp8, t.block_m, t.block_k, t.block_n, device) if fp8 else None
     idx = torch.zeros(2, dtype=torch.int32, device=device)
     marks = torch.zeros(t.block_m, dtype=torch.int32, device=device)  # (one expert: one word)
     places = (TokenPlaces(marks, marks, 1, 1, marks)
@@ -36,7 +42,7 @@ def compiled_occupancies(device: torch.device, flags: tuple, t: TileConfig, comm
         x, w, y, idx, idx, ready, splits=1, programs=1, block_m=t.block_m,
         block_n=t.block_n, block_k=t.block_k, num_warps=t.gemm_warps,
         num_stages=t.gemm_stages, flatten=t.gemm_flatten, warmup=True, places=places,
-        impl=t.gemm_impl, maxnreg=t.gemm_maxnreg)
+        impl=t.gemm_impl, maxnreg=t.gemm_maxnreg, scales=scales)
     table = torch.zeros(1, slots, dtype=torch.int32, device=device)
     ptrs = torch.zeros(1, dtype=torch.int64, device=device)
     ck = grs.launch_gather_rs(

@@ -32,6 +32,7 @@ import torch
 from . import launcher
 from .buffer import OverlapBuffer
 from .config import OverlapConfig, resolve_backend
+from .fp8 import OPERAND_DTYPE, Fp8Scales, check_kind
 from .groups import check_device, group_size_rank, hosts_agree
 from .op import Launch, launched, needs_grads, prepare, run
 from .planning import SPLIT_CANDIDATES, KernelFamily, LaunchPlan, PlanRequest, launch_tiles
@@ -105,7 +106,8 @@ class OverlapSession:
     # ---------------------------------------------------------------- kernels and plans
     def warm_up(self, hidden: int, topk: int, dtype: torch.dtype = torch.bfloat16, *,
                 config: OverlapConfig | None = None, splits: int | tuple | None = None,
-                token_major: bool | None = None) -> tuple[KernelFamily, ...]:
+                token_major: bool | None = None,
+                fp8: str | None = None) -> tuple[KernelFamily, ...]:
         """Compile the kernel families of calls with hidden size N = `hidden`, top-k
         `topk` and `dtype` activations, so that planning them compiles nothing.
 
@@ -113,7 +115,9 @@ class OverlapSession:
         that says which L the planner ranks; `splits`: the L to compile for (an int or
         several; default: the config's, else every L the planner may choose);
         `token_major`: y's layout, True where every token has its k rows on this rank
-        (TP: T = M k), False under EP, None both. Returns the families (their residency
+        (TP: T = M k), False under EP, None both; `fp8`: calls on FP8 operands with scales
+        of that kind ("tensor" / "block", `Fp8Scales.kind`; `dtype` is then e4m3): the FP8
+        kernel's families, compiled apart. Returns the families (their residency
         o_comp, o_comm, misfit and the binaries' resources); none on the reference path.
         A family compiles once per session: a second warm-up of a shape is free. Local
         (no collective, no peer memory: the first call sets that up), nothing launched."""
@@ -122,14 +126,15 @@ class OverlapSession:
             raise TypeError(f"config must be an OverlapConfig, got {type(config).__name__}")
         config = config or self.config
         hidden, topk = check_int("hidden", hidden, 1), check_int("topk", topk, 1, MAX_TOPK)
+        dtype = OPERAND_DTYPE if check_kind(fp8) else dtype
         backend = resolve_backend(config.backend, self.device)
         if backend == "reference" or not self.peer_capable:
             return ()
         layouts = (True, False) if token_major is None else (bool(token_major),)
         keys = (key for tiles in dict.fromkeys(launch_tiles(config, backend, self.device,
-                                                           dtype, t) for t in layouts)
+                                                           dtype, t, fp8) for t in layouts)
                 for key in family_keys(config, tiles, self.device, backend, hidden, topk,
-                                       splits))
+                                       splits, fp8))
         return self.families.warm(dict.fromkeys(keys))
 
     def plan(self, request: PlanRequest) -> LaunchPlan:
@@ -158,8 +163,9 @@ class OverlapSession:
     def prepare(self, x, weight, tokens_per_expert, token_index, num_tokens: int, topk: int,
                 probs=None, **options) -> Launch:
         """The call checked, routed and planned, nothing launched: a `Launch` handle
-        (its `plan`, `routing`, `launch_plan`, `buffer`) for `launch`. Options as the op's,
-        and `defer_slots` (op.prepare)."""
+        (its `plan`, `routing`, `launch_plan`, `buffer`) for `launch`. Options as the op's
+        (`scales` too: the handle keeps them, and `launch` and `reference` use them), and
+        `defer_slots` (op.prepare)."""
         return prepare(self, x, weight, tokens_per_expert, token_index, num_tokens, topk,
                        probs, **options)
 
@@ -181,12 +187,14 @@ class OverlapSession:
     def launch_kernels(self, handle: Launch, x, weight, out, launch_plan=None) -> torch.Tensor:
         """GEMM2 and GatherRS overlapped into `out` [M / D, N]; returns y."""
         return launcher.launch(self._own(handle).buffer, x, weight, handle.routing,
-                               launch_plan or handle.launch_plan, None, out)
+                               launch_plan or handle.launch_plan, None, out,
+                               scales=handle.call.scales)
 
     def gemm2_alone(self, handle: Launch, x, weight, y, launch_plan=None) -> torch.Tensor:
         """GEMM2 by itself into y [T, N] (the readiness flags cleared after it)."""
         return launcher.launch_gemm2_alone(self._own(handle).buffer, x, weight, handle.routing,
-                                           launch_plan or handle.launch_plan, y)
+                                           launch_plan or handle.launch_plan, y,
+                                           scales=handle.call.scales)
 
     def comm_alone(self, handle: Launch, y, out, launch_plan=None) -> None:
         """GatherRS by itself on a given y, every split ready, into `out`."""
@@ -198,11 +206,12 @@ class OverlapSession:
         """The reference path's [M / D, N] on a prepared handle's routing (torch's grouped
         GEMM2, the one-gather combine, NCCL's / gloo's reduce-scatter), its table complete
         (prepared with `defer_slots=False`, the default); `counts_on_device`: the grouped
-        GEMM reads the counts on the device only (what a CUDA graph can capture)."""
+        GEMM reads the counts on the device only (what a CUDA graph can capture). A handle
+        of FP8 operands: their float64 product, dequantized with its scales (`fp8.py`)."""
         self._own(handle)
         return reference_forward(x, weight, handle.counts_dev,
                                  None if counts_on_device else handle.counts, handle.table,
-                                 probs, self.group, self.world)[0]
+                                 probs, self.group, self.world, handle.call.scales)[0]
 
     # ---------------------------------------------------------------- lifecycle
     def check(self) -> None:
@@ -265,11 +274,13 @@ def gemm2_gather_rs(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert,
                     probs: torch.Tensor | None = None, group=None, *,
                     comm_ctas: int | None = None, splits: int | None = None,
                     config: OverlapConfig | None = None, return_plan: bool = False,
-                    expected_rows: int | None = None, call_tag: int = 0):
+                    expected_rows: int | None = None, call_tag: int = 0,
+                    scales: Fp8Scales | None = None):
     """Overlapped GEMM2 + top-k combine + reduce-scatter; returns this rank's [M/D, N].
 
     Args:
-        x: [T, K] expert-sorted activations (bf16, fp16 or fp32), rows of expert 0 first.
+        x: [T, K] expert-sorted activations (bf16, fp16 or fp32; e4m3 with `scales`),
+            rows of expert 0 first.
         weight: [E, N, K] FC2 weights of the local experts (nn.Linear layout), x's dtype.
         tokens_per_expert: [E] rows per local expert: a host list / CPU tensor (exact
             planning) or an int32 / int64 CUDA tensor (the planner's normalized-load
@@ -300,6 +311,11 @@ def gemm2_gather_rs(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert,
             pair in order, so without tags a rank that skipped a call and makes its next
             one before its peers' wait ran out pairs it with their skipped one, a wrong
             result on both; with tags both raise, and the next call alike runs.
+        scales: `Fp8Scales(kind, x_scale_inv, w_scale_inv)` where x and weight are FP8
+            (TE's data viewed as float8_e4m3fn; kind "tensor" or "block", the layouts of
+            kernels/gemm2_fp8.py): GEMM2 dequantizes in its fp32 accumulation and the
+            output is bf16. Forward only: a call needing gradients raises
+            NotImplementedError (ops/fp8.py says what runs where).
 
     CUDA graphs: a call captured under torch.no_grad with tokens_per_expert a CUDA
     tensor and a Triton backend replays correctly for whatever the captured x, counts
@@ -315,4 +331,4 @@ def gemm2_gather_rs(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert,
     return default_session(group, x.device)(
         x, weight, tokens_per_expert, token_index, num_tokens, topk, probs,
         comm_ctas=comm_ctas, splits=splits, config=config, return_plan=return_plan,
-        expected_rows=expected_rows, call_tag=call_tag)
+        expected_rows=expected_rows, call_tag=call_tag, scales=scales)

@@ -122,15 +122,16 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device)
 
 
-def validate(x, weight, counts, token_index, num_tokens, topk, probs, world, padded=False):
+def validate(x, weight, counts, token_index, num_tokens, topk, probs, world, padded=False,
+             fp8=False):
     """Every check that can fail with a clear message before a kernel sees the data
     (`padded`: the counts may sum to fewer than x's rows; the rest are padding). x and
     weight have passed `expert_count`, num_tokens and topk `check_int` (the op's
-    `_checked_call`)."""
+    `_checked_call`), and with `fp8` their dtypes and scales `fp8.check_call`."""
     for name, t in (("token_index", token_index), ("probs", probs)):
         if t is not None and not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if x.dtype not in DTYPES or weight.dtype != x.dtype:
+    if not fp8 and (x.dtype not in DTYPES or weight.dtype != x.dtype):
         raise ValueError(f"x and weight must share a dtype in {DTYPES}; got {x.dtype}, "
                          f"{weight.dtype}")
     if weight.shape[2] != x.shape[1]:
