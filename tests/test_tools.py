@@ -14,6 +14,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
 
 import calibrate  # noqa: E402
 import report  # noqa: E402
+import report_model  # noqa: E402
 from megatron_overlap.mcore import prefill  # noqa: E402
 
 #: recorded prefill runs, trimmed to what tools/fit_fusion.py reads (tests/data/README.md)
@@ -40,13 +41,13 @@ def test_report_prefill_section_adds_the_captured_forward_where_a_run_timed_it(t
         r["policies"]["graph"] = dict(median_ms=4.0, ci95_ms=[3.9, 4.1])
     rows[1]["graph"] = dict(captured=False, error="RuntimeError: capture failed")
     del rows[1]["policies"]["graph"], rows[1]["speedup_graph"]
-    text = report.prefill_section("t", rows, str(tmp_path))
+    text = report_model.prefill_section("t", rows, str(tmp_path))
     assert "--cuda-graph" in text and "| stock / graph | replay = eager |" in text
     assert "| 4.00 [3.90, 4.10] | 2.500x | yes |" in text
     assert "| RuntimeError: capture failed | - | - |" in text
     assert "| OOM | OOM | - | - | - | OOM | - | - |" in text
     assert "| 2.500x | 2.500x |" in text  # the graph's geomean and min over captured S
-    plain = report.prefill_section("t", [_result("qwen", 1024, 0.95)], str(tmp_path))
+    plain = report_model.prefill_section("t", [_result("qwen", 1024, 0.95)], str(tmp_path))
     assert "graph" not in plain
 
 
@@ -62,13 +63,13 @@ def test_report_layer_section_adds_the_captured_layer_where_a_run_timed_it():
     rows[0]["stats"]["graph"] = _stat(1.0)
     rows[0].update(speedup_graph=4.0, graph=dict(captured=True, equal=True, max_rel_diff=0.0))
     rows[1]["graph"] = dict(captured=False, error="RuntimeError: x")
-    text = report.layer_section("t", rows)
+    text = report_model.layer_section("t", rows)
     assert "| stock / graph | replay = eager |" in text
     assert "| 1.000 [0.900, 1.100] | 4.00x | yes |" in text
     assert "| not captured | - | - |" in text
     assert "stock / graph 4.00x (min 4.00x, max 4.00x)" in text
     del rows[0]["graph"], rows[1]["graph"], rows[0]["speedup_graph"], rows[0]["stats"]["graph"]
-    assert "graph" not in report.layer_section("t", rows)
+    assert "graph" not in report_model.layer_section("t", rows)
 
 
 def test_report_graph_table_gives_the_ops_gpu_ratio_to_gemm2_alone():
@@ -128,7 +129,7 @@ def test_report_prefill_section_keeps_oom_rows_and_geomeans_over_the_rest(tmp_pa
     rows[1]["decisions_rank0"] = [dict(layer=i, C=8, max_over_mean=v) for i, v in
                                   enumerate((1.3, 5.2, 2.0), 1)] + [dict(layer=4)]
     rows[0]["decisions_rank0"] = [dict(layer=1, backend="auto")]  # below the thresholds
-    text = report.prefill_section("t", rows, str(tmp_path))
+    text = report_model.prefill_section("t", rows, str(tmp_path))
     assert "| qwen | TP2EP1 | 4x8192 | OOM | OOM | - | - | - |" in text
     assert "| 1.100x | 3 / 4 | 1.30 / 2.00 / 5.20 |" in text
     assert "| 0.900x | 0 / 1 | - |" in text and "| 1.210x | - | - |" in text
@@ -508,11 +509,11 @@ def test_report_shows_the_fused_flags_ratio_beside_the_default_one(tmp_path):
     rows = [_result("qwen", 4096, 1.2), _result("qwen", 16384, 1.1)]
     for r, tuned in zip(rows, (1.05, 0.98)):
         r["speedups_by_baseline"] = dict(default=r["speedup"], fused=tuned)
-    text = report.prefill_section("t", rows, str(tmp_path))
+    text = report_model.prefill_section("t", rows, str(tmp_path))
     assert "| speedup, fused MoE flags |" in text
     assert "| 1.200x |" in text and "| 1.050x |" in text and "| 0.980x |" in text
     assert f"| {math.sqrt(1.05 * 0.98):.3f}x | 0.980x |" in text
-    assert "fused MoE flags" not in report.prefill_section("t", rows[:0] + [
+    assert "fused MoE flags" not in report_model.prefill_section("t", rows[:0] + [
         _result("qwen", 4096, 1.2)], str(tmp_path))
 
 
