@@ -147,7 +147,7 @@ def test_a_run_cut_at_its_bound_still_archives_what_its_finished_stages_wrote(tm
                             env=dict(os.environ, PATH=f"{bin_}:{os.environ['PATH']}",
                                      OUT=str(out), CAL_NAME="h100", TAG="a_"))
     try:
-        for _ in range(200):  # the second stage is running once the first one's file exists
+        for _ in range(1200):  # the second stage is running once the first one's file exists
             if (out / "first.done").exists():
                 break
             subprocess.run(["sleep", "0.05"])
