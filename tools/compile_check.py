@@ -141,6 +141,16 @@ def kernels():
             yield (f"{name} H={h}", getattr(module, f"{name}_kernel"),
                    _signature(pointers, {"rows": "i32"}, meta), meta, dict(num_warps=4),
                    {(i,): [["tt.divisibility", 16]] for i in aligned})
+    from megatron_overlap.kernels import sum_rows  # (the permutation's backward)
+
+    for h in (2048, 1536):  # (Triton 3.6 rejects a masked 1-D load in its loop at some shapes)
+        block_t, block_h = sum_rows.block_shape(h)
+        meta = dict(H=h, BLOCK_T=block_t, BLOCK_H=block_h)
+        yield (f"sum_rows H={h}", sum_rows.sum_rows_kernel,
+               _signature({"rows_ptr": "*bf16", "order_ptr": "*i64", "starts_ptr": "*i64",
+                           "out_ptr": "*bf16"}, {"num_src": "i32"}, meta), meta,
+               dict(num_warps=4), {(0,): [["tt.divisibility", 16]],
+                                   (3,): [["tt.divisibility", 16]]})
     marks_ptrs = {"token_index_ptr": "*i64", "offsets_ptr": "*i32", "table_ptr": "*i32",
                   "marks_ptr": "*i32", "error_ptr": "*i32", "packed_ptr": "*i32"}
     for from_counts, padded in ((False, False), (True, True)):
