@@ -24,7 +24,8 @@ def _t(w_comp, splits, p, q, q_tail) -> float:
         a, b = (lw + p - 1) // p + q, (w_comp + p - 1) // p + splits * q
         t = a if a > b else b
     else:
-        a, b = (lw + p - 1) // p, (w_comp + p - 1) // p + (splits - 1) * q
+        # (no q term at L = 1, also where q overflowed to inf: 0 * inf is NaN)
+        a, b = (lw + p - 1) // p, (w_comp + p - 1) // p + ((splits - 1) * q if splits > 1 else 0)
         t = (a if a > b else b) + q_tail
     if splits > 2 and w_comp // p < q < (w_comp + p - 1) // p:
         t = recurrence(w_comp, p, splits, q, q if q_tail is None else q_tail)

@@ -284,3 +284,14 @@ def test_reference_and_fast_ties_on_hand_cases():
     for splits in (1, 2, 3, 7):
         want = reference_solve(600, 4, 1.0, splits, kernel, device, flat)
         assert (solve(600, 4, 1.0, splits, kernel, device, flat.c_max)[0], ) == want[:1]
+
+
+def test_an_overflowing_service_time_is_an_infinite_t_at_one_split_not_nan():
+    """q = inf at L = 1 has no (L - 1) q term: T is inf (a C that loses), never NaN (which
+    compares with nothing and made the whole-curve minimum undefined)."""
+    from megatron_overlap.planner.curve import t_at
+
+    inf = float("inf")
+    assert t_at(0, 1, 2, inf, inf) == inf
+    assert t_at(10, 1, 2, 3.0, 4.0) == 5 + 4.0  # A_0 = A_{L-1} = 5, plus q_tail
+    assert t_at(10, 2, 2, 3.0, 4.0) == max(10, 5 + 3.0) + 4.0

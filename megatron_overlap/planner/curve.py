@@ -64,7 +64,9 @@ def t_at(w_comp: int, splits: int, p: int, q: float, q_tail: float | None = None
     if q_tail is None:  # A_{L-1} + q against A_0 + L q (the partition's form since eq. 13)
         a, b = a_last + q, a_first + splits * q
         return a if a > b else b
-    b = a_first + (splits - 1) * q  # max(A_{L-1}, A_0 + (L-1) q) + q_tail: for L <= 2
+    # max(A_{L-1}, A_0 + (L-1) q) + q_tail: for L <= 2 (no q term at L = 1: where q
+    # overflowed to inf, 0 * inf would make T NaN, which no C compares with)
+    b = a_first + (splits - 1) * q if splits > 1 else a_first
     return (a_last if a_last > b else b) + q_tail  # the recurrence's own sums
 
 
