@@ -91,6 +91,10 @@ def decision(d) -> tuple:
 
 @settings(max_examples=1500, deadline=None)
 @given(workloads, kernels, st.integers(2, 200), st.integers(0, 8), calibrations)
+@example(  # q(1) overflows to inf at L = 1: T(1) was 0 * inf = NaN, no minimum
+    Workload(tokens=7937, hidden=1000, ffn=1, world=4, splits=1, expert_counts=(0,)),
+    KernelSpec(16, 16, 64, 16, 1, 1, False, True), 2, 0,
+    Calibration(rho_ref=1e300, k_ref=352, tm_ref=128, tn_ref=128, d_ref=1, c_max=1))
 def test_plan_decides_as_the_whole_curve(w, kernel, sms, margin, calib):
     """C*, T(C*) (bit for bit), the tile counts and rho, and every T(C) of the curve."""
     device = DeviceSpec("d", sms, min(margin, sms - 1))
