@@ -40,6 +40,14 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
+def block_scale_shape(m: int, k: int, block_rows: int) -> tuple[int, int]:
+    """The shape of TE's blockwise `scale_inv` (padding included) for an [M, K] tensor:
+    1 x 128 blocks [ceil(K/128), roundup(M, 4)] (transposed), 128 x 128 blocks
+    [ceil(M/128), roundup(ceil(K/128), 4)]."""
+    kb = -(-k // BLOCK)
+    return (kb, _round_up(m, 4)) if block_rows == 1 else (-(-m // BLOCK), _round_up(kb, 4))
+
+
 def scale_from_amax(amax: torch.Tensor, fp8_max: float, *, pow2: bool = False,
                     epsilon: float = 0.0, value_for_inf: float = FLT_MAX) -> torch.Tensor:
     """TE's `compute_scale_from_amax`, elementwise on an fp32 amax tensor."""
@@ -121,11 +129,10 @@ def quantize_blockwise(x: torch.Tensor, block_rows: int, dtype=torch.float8_e4m3
                             value_for_inf=torch.finfo(x.dtype).max)
     full = scale.repeat_interleave(block_rows, 0).repeat_interleave(BLOCK, 1)[:m, :k]
     data = cast_fp8(x.float() * full, dtype)
+    out = torch.full(block_scale_shape(m, k, block_rows), float("nan"), device=x.device)
     if block_rows == 1:  # TE's 1x128 kernel divides in double: `1.0 / scale`
-        out = torch.full((kb, _round_up(m, 4)), float("nan"), device=x.device)
         out[:, :m] = (1.0 / scale.double()).float().t()
     else:  # the 128x128 kernel in fp32: `1.0f / scale`
-        out = torch.full((mb, _round_up(kb, 4)), float("nan"), device=x.device)
         out[:, :kb] = 1.0 / scale
     return data, out
 

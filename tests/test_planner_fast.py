@@ -299,3 +299,15 @@ def test_an_overflowing_service_time_is_an_infinite_t_at_one_split_not_nan():
     assert t_at(0, 1, 2, inf, inf) == inf
     assert t_at(10, 1, 2, 3.0, 4.0) == 5 + 4.0  # A_0 = A_{L-1} = 5, plus q_tail
     assert t_at(10, 2, 2, 3.0, 4.0) == max(10, 5 + 3.0) + 4.0
+
+
+def test_the_offline_planner_plans_for_the_gpu_it_is_given_and_refuses_anything_else():
+    """`ops.Planner(for_device=...)`: a tool replays an H200's plans on this host; a value
+    that is not a planner DeviceSpec is a TypeError naming for_device."""
+    from megatron_overlap.ops import Planner
+    from megatron_overlap.planner import get_preset
+
+    h200 = get_preset("h200").device
+    assert Planner(for_device=h200).for_device == h200
+    with pytest.raises(TypeError, match="for_device"):
+        Planner(for_device="h200")

@@ -25,7 +25,7 @@ import functools
 
 import torch
 
-from ..kernels.fp8_quant import BLOCK
+from ..kernels.fp8_quant import BLOCK, block_scale_shape
 from ..kernels.gemm2_fp8 import (FP8_DTYPES, SCALING, Fp8Scales, check_fp8_operands,
                                  grouped_gemm2_fp8_reference)
 
@@ -91,6 +91,5 @@ def compile_scales(fp8: str, rows: int, k: int, hidden: int, device) -> Fp8Scale
     residency's compile of the FP8 kernel takes (`residency.compiled_occupancies`)."""
     if fp8 == "tensor":
         return Fp8Scales(fp8, torch.ones(1, device=device), torch.ones(1, device=device))
-    kb = -(-k // BLOCK)
-    return Fp8Scales(fp8, torch.ones(kb, -(-rows // 4) * 4, device=device),
-                     torch.ones(1, -(-hidden // BLOCK), -(-kb // 4) * 4, device=device))
+    return Fp8Scales(fp8, torch.ones(block_scale_shape(rows, k, 1), device=device),
+                     torch.ones(1, *block_scale_shape(hidden, k, BLOCK), device=device))

@@ -32,6 +32,11 @@ from . import config as _config
 from .validation import capturing as _capturing
 
 
+def _kernel_runs_on(t: torch.Tensor) -> bool:
+    """The Triton kernels run on t's device: CUDA, or CPU under the interpreter."""
+    return t.is_cuda or (t.device.type == "cpu" and interpreting())
+
+
 def _check_tensors(fn: str, **tensors) -> None:
     """TypeError naming the argument that is not a tensor; ValueError naming one on a
     device the Triton kernels do not run on (None values are optional arguments)."""
@@ -40,7 +45,7 @@ def _check_tensors(fn: str, **tensors) -> None:
             continue
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
-        if not (t.is_cuda or (t.device.type == "cpu" and interpreting())):
+        if not _kernel_runs_on(t):
             raise ValueError(f"{fn}: {name} is on {t.device}; its Triton kernel runs on "
                              f"CUDA tensors, or on CPU ones with TRITON_INTERPRET=1 set "
                              f"before triton is imported")
@@ -68,8 +73,7 @@ class _PermuteRows(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         (index,) = ctx.saved_tensors
-        kernel_device = grad.is_cuda or (grad.device.type == "cpu" and interpreting())
-        if not kernel_device or grad.dtype not in _sum_rows.DTYPES:
+        if not _kernel_runs_on(grad) or grad.dtype not in _sum_rows.DTYPES:
             return grad.new_zeros(ctx.src_shape).index_add_(0, index, grad), None  # torch's
         rows = grad.reshape(grad.shape[0], math.prod(grad.shape[1:]))  # [R, H]: flat rows
         return _sum_rows.sum_rows_by_index(rows, index, ctx.src_shape[0]).view(

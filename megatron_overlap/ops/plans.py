@@ -178,6 +178,9 @@ class Planner:
         #: read only: a family not found raises MissingKernelFamily (None: the families
         #: without a binary, `UncompiledFamilies`)
         self.families = families if families is not None else UncompiledFamilies()
+        if for_device is not None and not isinstance(for_device, DeviceSpec):
+            raise TypeError(f"for_device must be a planner DeviceSpec or None, got "
+                            f"{type(for_device).__name__}")
         #: the GPU the plans are for; None: the request's device (`device_spec`). Tools
         #: replay a GPU's plans on a host without it (its preset's DeviceSpec).
         self.for_device = for_device
