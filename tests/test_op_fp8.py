@@ -133,10 +133,8 @@ def _bad_calls():
         ("scales off x's device", lambda p: _with(p, scales=scales(
             p, w_scale_inv=p["scales"].w_scale_inv.to("meta"))), ValueError,
          "must be on x's device"),
-        ("probs need grads", lambda p: _with(p, probs=p["probs"].clone().requires_grad_()),
-         NotImplementedError, "forward only"),
         ("weight needs grads", lambda p: _with(p, weight=p["weight"].clone().requires_grad_()),
-         NotImplementedError, "forward only"),
+         ValueError, "must not require grad"),
         ("a Gluon GEMM2", lambda p: _with(p, config=OverlapConfig(
             backend="interpret", tiles=dataclasses.replace(GPU_TILES, gemm_impl="gluon"))),
          ValueError, "Gluon kernel"),
@@ -151,16 +149,68 @@ def test_fp8_calls_the_op_cannot_run_raise_a_named_error(name, change, error, me
         call(p, p.get("config", INTERP))
 
 
-def test_a_prepared_fp8_call_refuses_gradients_at_its_launch():
+@pytest.mark.parametrize("config", [INTERP, REF], ids=["interpret", "reference"])
+def test_fp8_backward_hands_the_rows_gradient_to_grad_sink_and_probs_get_theirs_from_y(
+        config):
+    """Training on FP8 operands: the output is the no-gradient call's, bit for bit; the
+    sink receives each row's token gradient times its probability, and probs the dot
+    of that gradient with y (the fp64 product rounded to bf16 as the kernel's y)."""
+    p = problem("block")
+    with torch.no_grad():
+        plain = call(p, config)
+    sink = torch.randn(p["x"].shape[0], HIDDEN, requires_grad=True)
+    probs = p["probs"].clone().requires_grad_()
+    out = gemm2_gather_rs(p["x"], p["weight"], p["counts"], p["token_index"], TOKENS, TOPK,
+                          probs, config=config, scales=p["scales"], grad_sink=sink)
+    assert torch.equal(out, plain)
+    g = torch.randn(TOKENS, HIDDEN).bfloat16()
+    out.backward(g)
+    rows = g[p["token_index"]].float()
+    torch.testing.assert_close(sink.grad, rows * p["probs"][:, None], rtol=2 ** -7, atol=0)
+    y = fp8_reference(p)[0].to(torch.bfloat16).double()
+    want = (rows.double() * y).sum(1)
+    torch.testing.assert_close(probs.grad.double(), want, rtol=1e-2, atol=1e-2 * float(
+        (rows.double().abs() * y.abs()).sum(1).max()))
+
+
+def test_a_prepared_fp8_launch_takes_grad_sink_and_refuses_one_of_other_rows():
     p = problem("block")
     session = OverlapSession(None, "cpu", INTERP)
-    with torch.no_grad():
-        handle = session.prepare(p["x"], p["weight"], p["counts"], p["token_index"], TOKENS,
-                                 TOPK, scales=p["scales"])
-    with pytest.raises(NotImplementedError, match="forward only"):
-        session.launch(handle, p["x"], p["weight"], p["probs"].clone().requires_grad_())
+    handle = session.prepare(p["x"], p["weight"], p["counts"], p["token_index"], TOKENS,
+                             TOPK, scales=p["scales"])
+    sink = torch.zeros(p["x"].shape[0], HIDDEN, requires_grad=True)
+    session.launch(handle, p["x"], p["weight"], grad_sink=sink).float().sum().backward()
+    rows_with_probs = sink.grad.abs().sum(1) > 0  # (every row's token gradient is 1)
+    assert rows_with_probs.all()
+    with pytest.raises(ValueError, match=r"grad_sink must be \[T, N\]"):
+        session.launch(handle, p["x"], p["weight"],
+                       grad_sink=torch.zeros(3, HIDDEN, requires_grad=True))
     with pytest.raises(ValueError, match="fp8 must be None or one of"):
         session.warm_up(HIDDEN, TOPK, fp8="rowwise")
+
+
+def _sink_misuse():
+    rows = TOKENS * TOPK
+    return [
+        ("bf16_operands", dict(scales=None), torch.zeros(rows, HIDDEN, requires_grad=True),
+         ValueError, "grad_sink is for FP8 operands"),
+        ("sink_without_grad", {}, torch.zeros(rows, HIDDEN), ValueError,
+         "does not require grad"),
+        ("integer_sink", {}, torch.zeros(rows, HIDDEN, dtype=torch.int32), TypeError,
+         "floating-point"),
+    ]
+
+
+@pytest.mark.parametrize("name, change, sink, error, message", _sink_misuse(),
+                         ids=[c[0] for c in _sink_misuse()])
+def test_grad_sink_misuse_is_a_named_error(name, change, sink, error, message):
+    p = problem("tensor")
+    if "scales" in change:
+        p = dict(p, x=p["x_hp"].bfloat16(), weight=p["weight"].float().bfloat16())
+    with pytest.raises(error, match=message):
+        gemm2_gather_rs(p["x"], p["weight"], p["counts"], p["token_index"], TOKENS, TOPK,
+                        config=INTERP, scales=change.get("scales", p["scales"]),
+                        grad_sink=sink)
 
 
 def test_warm_up_compiles_the_fp8_families_apart_and_the_call_compiles_nothing():

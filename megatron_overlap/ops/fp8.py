@@ -9,9 +9,11 @@ x [T, K] and weight [E, N, K] are TE's FP8 data viewed as `torch.float8_e4m3fn`;
 in fp32 and applies the scales; y, the partial sums and the output are bf16, and the
 combine and reduce-scatter run as for bf16 operands.
 
-Forward only: the backward of FP8 GEMM2 (dgrad, wgrad in the recipe's formats) is
-TE's grouped GEMMs' work, not built yet, so a call that would build an autograd node
-is refused (NotImplementedError) before anything runs. The Triton backends run the FP8
+Training: the FP8 operands carry no gradient. GEMM2's backward (dgrad, wgrad in the
+recipe's formats) is the caller's node `grad_sink` ([T, N], e.g. TE's GroupedLinear
+run with its forward GEMM skipped): the op's backward hands it dL/dy, each row's token
+gradient with its probability applied, and gives probs their gradient from y. The
+combine's backward is the bf16 path's. The Triton backends run the FP8
 kernel (`grouped_gemm2_fp8_kernel`; "block" with BLOCK_K = 128, `fp8_tiles`); the
 reference backend dequantizes the operands and multiplies in float64
 (`grouped_gemm2_fp8_reference`, rounded to bf16 as the kernel's y), a checking path;
@@ -48,8 +50,8 @@ def kind_of(scales: Fp8Scales | None) -> str | None:
 
 def check_call(x, weight, scales, probs) -> None:
     """The op's FP8 checks (ValueError / TypeError naming the argument): FP8 operands come
-    with `scales` and `scales` with e4m3 operands of its shapes on x's device; a call
-    that needs gradients is refused (`refuse_grads`)."""
+    with `scales` and `scales` with e4m3 operands of its shapes on x's device, which carry
+    no gradient themselves (`grad_sink` does: `check_sink`)."""
     if scales is None:
         if x.dtype in FP8_DTYPES or weight.dtype in FP8_DTYPES:
             raise ValueError(f"x / weight are {x.dtype} / {weight.dtype}: FP8 operands need "
@@ -58,16 +60,33 @@ def check_call(x, weight, scales, probs) -> None:
     if not isinstance(scales, Fp8Scales):
         raise TypeError(f"scales must be an Fp8Scales, got {type(scales).__name__}")
     check_fp8_operands(x, weight, scales)  # (the op sets BLOCK_K = 128 for "block")
-    refuse_grads(torch.is_grad_enabled() and (
-        x.requires_grad or weight.requires_grad or (probs is not None and probs.requires_grad)))
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        raise ValueError("FP8 x and weight must not require grad: their gradients are "
+                         "the recipe's (dgrad and wgrad in FP8), which the op hands to "
+                         "grad_sink's node instead of computing them")
 
 
-def refuse_grads(grads: bool) -> None:
-    if grads:
-        raise NotImplementedError(
-            "gemm2_gather_rs on FP8 operands is forward only (inference, prefill): its "
-            "backward is not built yet; call it under torch.no_grad with x, weight and "
-            "probs that do not require grad")
+def check_sink(x, weight, scales, grad_sink) -> None:
+    """`grad_sink`: None, or with FP8 operands a [T, N] floating tensor on x's device, the
+    output of the caller's own node for GEMM2 (its values are never read): the op's
+    backward hands it dL/dy, each row's token gradient with its probability applied, and
+    that node computes dgrad and wgrad in the recipe's formats (TE's GroupedLinear with
+    its forward GEMM skipped, mcore/te_fp8.py). Where gradients are on it must need one."""
+    if grad_sink is None:
+        return
+    if scales is None:
+        raise ValueError("grad_sink is for FP8 operands (scales=...): on bf16, fp16 or fp32 "
+                         "operands the op computes GEMM2's dgrad and wgrad itself")
+    if not isinstance(grad_sink, torch.Tensor) or not grad_sink.is_floating_point():
+        raise TypeError(f"grad_sink must be a floating-point tensor, got "
+                        f"{getattr(grad_sink, 'dtype', type(grad_sink).__name__)}")
+    rows = (x.shape[0], weight.shape[1])
+    if tuple(grad_sink.shape) != rows or grad_sink.device != x.device:
+        raise ValueError(f"grad_sink must be [T, N] = {list(rows)} on {x.device} (GEMM2's "
+                         f"output rows), got {list(grad_sink.shape)} on {grad_sink.device}")
+    if torch.is_grad_enabled() and not grad_sink.requires_grad:
+        raise ValueError("grad_sink does not require grad: nothing would receive GEMM2's "
+                         "gradient (pass None where no gradient flows to x and weight)")
 
 
 @functools.lru_cache(maxsize=16)  # (on the launch path: one replace per tiles)

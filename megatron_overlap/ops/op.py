@@ -41,7 +41,7 @@ from .groups import call_backend
 from .config import OverlapConfig, TileConfig
 from .grouped import grouped_mm, grouped_wgrad
 from .buffer import OverlapBuffer
-from .fp8 import OUT_DTYPE, Fp8Scales, check_call as check_fp8, kind_of, refuse_grads
+from .fp8 import OUT_DTYPE, Fp8Scales, check_call as check_fp8, check_sink, kind_of
 from .planning import LaunchPlan, PlanRequest, launch_tiles
 from .plans import family_keys
 from .routing import Routing
@@ -71,26 +71,18 @@ def _forward(x, weight, probs, counts_dev, table, launch):
 class _Gemm2GatherRS(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, probs, counts_dev, token_index, table, launch):
-        counts, group, world = launch.counts, launch.group, launch.world
         out, y = _forward(x, weight, probs, counts_dev, table, launch)
-        ctx.meta = (counts, group, world)
-        keep_y = probs is not None and probs.requires_grad
-        dest = None if launch.routing is None else launch.routing.dest
-        if keep_y and dest is not None:  # token-major y: back to GEMM2's row order
-            y = y[dest.long()]
-        ctx.save_for_backward(x, weight, probs, counts_dev, token_index, y if keep_y else None)
+        ctx.meta = (launch.counts, launch.group, launch.world)
+        ctx.save_for_backward(x, weight, probs, counts_dev, token_index,
+                              _y_for_probs(y, probs, launch))
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         x, weight, probs, counts_dev, token_index, y = ctx.saved_tensors
         counts, group, world = ctx.meta
-        grad_rows = _gathered_rows(grad_out, token_index, group, world)  # [T, N]
-        grad_probs = None
-        if probs is not None:
-            if ctx.needs_input_grad[2]:
-                grad_probs = (grad_rows.float() * y.float()).sum(1).to(probs.dtype)
-            grad_rows = grad_rows * probs.to(grad_rows.dtype)[:, None]
+        grad_rows, grad_probs = _rows_gradient(grad_out, token_index, probs, y, group, world,
+                                               ctx.needs_input_grad[2])
         grad_x = grad_w = None
         # (grouped.py pads operands whose rows are not 16-byte multiples: any N, K)
         if ctx.needs_input_grad[0]:  # dx[rows of e] = dy W[e]: [T, N] @ [N, K]
@@ -98,6 +90,47 @@ class _Gemm2GatherRS(torch.autograd.Function):
         if ctx.needs_input_grad[1]:  # dW[e] = dy_e^T x_e, every expert in one grouped GEMM
             grad_w = grouped_wgrad(grad_rows, x, counts_dev, counts)
         return grad_x, grad_w, grad_probs, None, None, None, None
+
+
+class _Fp8GatherRS(torch.autograd.Function):
+    """FP8 operands whose GEMM2 backward is the caller's: the output from the quantized x
+    and W, and in backward dL/dy (each row's token gradient, probabilities applied) handed
+    to `sink`, whose node (TE's GroupedLinear) runs dgrad and wgrad in its recipe."""
+
+    @staticmethod
+    def forward(ctx, sink, probs, x, weight, counts_dev, token_index, table, launch):
+        out, y = _forward(x, weight, probs, counts_dev, table, launch)
+        ctx.meta = (launch.group, launch.world, None if sink is None else sink.dtype)
+        ctx.save_for_backward(probs, token_index, _y_for_probs(y, probs, launch))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        probs, token_index, y = ctx.saved_tensors
+        group, world, sink_dtype = ctx.meta
+        grad_rows, grad_probs = _rows_gradient(grad_out, token_index, probs, y, group, world,
+                                               ctx.needs_input_grad[1])
+        grad_sink = None if sink_dtype is None else grad_rows.to(sink_dtype)
+        return grad_sink, grad_probs, None, None, None, None, None, None
+
+
+def _y_for_probs(y, probs, launch):
+    """GEMM2's y in row order where the probabilities need a gradient (dL/dp = <g, y>)."""
+    if probs is None or not probs.requires_grad:
+        return None
+    dest = None if launch.routing is None else launch.routing.dest
+    return y if dest is None else y[dest.long()]  # (token-major y: back to row order)
+
+
+def _rows_gradient(grad_out, token_index, probs, y, group, world: int, probs_grad: bool):
+    """(dL/dy [T, N]: each row's token gradient, probabilities applied; dL/dprobs)."""
+    grad_rows = _gathered_rows(grad_out, token_index, group, world)  # [T, N]
+    grad_probs = None
+    if probs is not None:
+        if probs_grad:
+            grad_probs = (grad_rows.float() * y.float()).sum(1).to(probs.dtype)
+        grad_rows = grad_rows * probs.to(grad_rows.dtype)[:, None]
+    return grad_rows, grad_probs
 
 
 def _gathered_rows(grad_out, token_index, group, world: int) -> torch.Tensor:
@@ -116,23 +149,24 @@ def run(session, x: torch.Tensor, weight: torch.Tensor, tokens_per_expert,
         probs: torch.Tensor | None = None, *, comm_ctas: int | None = None,
         splits: int | None = None, config: OverlapConfig | None = None,
         return_plan: bool = False, expected_rows: int | None = None, call_tag: int = 0,
-        scales=None):
+        scales=None, grad_sink: torch.Tensor | None = None):
     """The op on `session`: prepare, then launch (`OverlapSession.__call__`, whose
     docstring `gemm2_gather_rs` carries, says what each argument is)."""
-    grads = needs_grads(x, weight, probs, expected_rows is not None)
+    check_sink(x, weight, scales, grad_sink)
+    grads = needs_grads(x, weight, probs, expected_rows is not None, grad_sink)
     launch = prepare(session, x, weight, tokens_per_expert, token_index, num_tokens, topk,
                      probs, comm_ctas=comm_ctas, splits=splits, config=config,
                      expected_rows=expected_rows, defer_slots=None, call_tag=call_tag,
                      scales=scales)
-    out = launched(session, launch, x, weight, probs, token_index, grads)
+    out = launched(session, launch, x, weight, probs, token_index, grads, grad_sink)
     return (out, launch.plan) if return_plan else out
 
 
-def needs_grads(x, weight, probs, padded: bool) -> bool:
+def needs_grads(x, weight, probs, padded: bool, grad_sink=None) -> bool:
     """Does the call build an autograd node? Refuses one that could not run backward:
     padded rows (`expected_rows`) or a CUDA-graph capture."""
-    grads = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
-                                         or (probs is not None and probs.requires_grad))
+    grads = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, weight, probs, grad_sink))
     if grads and padded:
         raise ValueError("expected_rows (padded rows) is for inference: the backward needs "
                          "x's rows to be the counts'")
@@ -143,15 +177,17 @@ def needs_grads(x, weight, probs, padded: bool) -> bool:
     return grads
 
 
-def launched(session, launch: "Launch", x, weight, probs, token_index, grads: bool):
+def launched(session, launch: "Launch", x, weight, probs, token_index, grads: bool,
+             grad_sink=None):
     """The output of a prepared launch (`prepare`'s handle, on the same x, weight, probs
     and token_index): the kernels queued, an autograd node where `grads`, the error word's
     copy queued behind them, and an earlier call's error raised after they launched.
-    FP8 operands are forward only (`fp8.refuse_grads`)."""
-    if launch.call.scales is not None:
-        refuse_grads(grads)
+    FP8 operands' node hands GEMM2's backward to `grad_sink` (`fp8.check_sink`)."""
     with _arrives_on_raise(session):
-        if grads:
+        if grads and launch.call.scales is not None:
+            out = _Fp8GatherRS.apply(grad_sink, probs, x, weight, launch.counts_dev,
+                                     token_index, launch.table, launch)
+        elif grads:
             out = _Gemm2GatherRS.apply(x, weight, probs, launch.counts_dev, token_index,
                                        launch.table, launch)
         else:  # inference and prefill: no autograd node to build

@@ -32,7 +32,7 @@ import torch
 from . import launcher
 from .buffer import OverlapBuffer
 from .config import OverlapConfig, resolve_backend
-from .fp8 import OPERAND_DTYPE, Fp8Scales, check_kind
+from .fp8 import OPERAND_DTYPE, Fp8Scales, check_kind, check_sink
 from .groups import check_device, group_size_rank, hosts_agree
 from .op import Launch, launched, needs_grads, prepare, run
 from .planning import SPLIT_CANDIDATES, KernelFamily, LaunchPlan, PlanRequest, launch_tiles
@@ -169,17 +169,20 @@ class OverlapSession:
         return prepare(self, x, weight, tokens_per_expert, token_index, num_tokens, topk,
                        probs, **options)
 
-    def launch(self, handle: Launch, x, weight, probs=None) -> torch.Tensor:
+    def launch(self, handle: Launch, x, weight, probs=None, grad_sink=None) -> torch.Tensor:
         """The output of a prepared call, on the same x, weight and probs its `prepare`
-        was given (an autograd node where they need gradients)."""
+        was given (an autograd node where they, or an FP8 call's `grad_sink`, need
+        gradients)."""
         self._own(handle)
         given = (tuple(x.shape), tuple(weight.shape), x.dtype)
         if given != handle.call.operands or x.device != self.device:
             raise ValueError(f"x and weight (shapes {given[0]}, {given[1]}, {given[2]} on "
                              f"{x.device}) must be those the handle was prepared with "
                              f"({handle.call.operands} on {self.device})")
-        grads = needs_grads(x, weight, probs, handle.call.expected_rows is not None)
-        return launched(self, handle, x, weight, probs, handle.call.token_index, grads)
+        check_sink(x, weight, handle.call.scales, grad_sink)
+        grads = needs_grads(x, weight, probs, handle.call.expected_rows is not None, grad_sink)
+        return launched(self, handle, x, weight, probs, handle.call.token_index, grads,
+                        grad_sink)
 
     # ---------------------------------------------------------------- one side alone
     # (calibration and benchmarks: a prepared handle's kernels without the op's host
@@ -275,7 +278,7 @@ def gemm2_gather_rs(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert,
                     comm_ctas: int | None = None, splits: int | None = None,
                     config: OverlapConfig | None = None, return_plan: bool = False,
                     expected_rows: int | None = None, call_tag: int = 0,
-                    scales: Fp8Scales | None = None):
+                    scales: Fp8Scales | None = None, grad_sink: torch.Tensor | None = None):
     """Overlapped GEMM2 + top-k combine + reduce-scatter; returns this rank's [M/D, N].
 
     Args:
@@ -314,8 +317,13 @@ def gemm2_gather_rs(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert,
         scales: `Fp8Scales(kind, x_scale_inv, w_scale_inv)` where x and weight are FP8
             (TE's data viewed as float8_e4m3fn; kind "tensor" or "block", the layouts of
             kernels/gemm2_fp8.py): GEMM2 dequantizes in its fp32 accumulation and the
-            output is bf16. Forward only: a call needing gradients raises
-            NotImplementedError (ops/fp8.py says what runs where).
+            output is bf16. The FP8 operands carry no gradient (ValueError if they
+            require one).
+        grad_sink: with `scales`, in training: [T, N], the output of the caller's own
+            node for GEMM2 (TE's GroupedLinear with its forward GEMM skipped; its values
+            are never read). The op's backward hands it dL/dy (each row's token
+            gradient, probs applied) and that node runs dgrad and wgrad in the recipe's
+            formats; probs get their gradient from y. None: no gradient reaches x and W.
 
     CUDA graphs: a call captured under torch.no_grad with tokens_per_expert a CUDA
     tensor and a Triton backend replays correctly for whatever the captured x, counts
@@ -331,4 +339,4 @@ def gemm2_gather_rs(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert,
     return default_session(group, x.device)(
         x, weight, tokens_per_expert, token_index, num_tokens, topk, probs,
         comm_ctas=comm_ctas, splits=splits, config=config, return_plan=return_plan,
-        expected_rows=expected_rows, call_tag=call_tag, scales=scales)
+        expected_rows=expected_rows, call_tag=call_tag, scales=scales, grad_sink=grad_sink)
