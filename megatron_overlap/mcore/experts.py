@@ -176,7 +176,8 @@ def te_fc1_is_grouped(experts) -> bool:
     from megatron.core.transformer.moe.experts import TEGroupedMLP
 
     c = experts.config if isinstance(experts, TEGroupedMLP) else None
-    return (c is not None and c.moe_mlp_glu_interleave_size is None
+    # (FP8: FC1 is TE's quantized GroupedLinear, mcore/te_fp8.py)
+    return (c is not None and not c.fp8 and not c.fp4 and c.moe_mlp_glu_interleave_size is None
             and not getattr(c, "use_fused_weighted_squared_relu", False))
 
 

@@ -29,19 +29,24 @@ from typing import NamedTuple
 import torch
 from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
 
-from ..ops import ExpertWeightStack, with_bias_columns
+from ..ops import ExpertWeightStack, Fp8Scales, with_bias_columns
 from .experts import (GroupedGemmExperts, apply_probs_on_input, bias_scale,
                       grouped_fc1_activation, host_counts, routed_activation, te_fc1_is_grouped)
+from .te_fp8 import fp8_refusal, te_fp8_fc2
 
 FUSED_EXPERTS = (TEGroupedMLP, SequentialMLP, GroupedGemmExperts)
 
 
 class FC2Operands(NamedTuple):
     """h [T, K'] (FC1 + activation, probabilities applied) and weight [E, N, K'], where
-    K' = K, or K + BIAS_COLUMNS with an FC2 bias folded in."""
+    K' = K, or K + BIAS_COLUMNS with an FC2 bias folded in; under TE's FP8 recipes both
+    e4m3 with their `scales`, and `sink`, TE's FC2 node that runs their backward
+    (mcore/te_fp8.py; None without gradients)."""
 
     h: torch.Tensor
     weight: torch.Tensor
+    scales: Fp8Scales | None = None
+    sink: torch.Tensor | None = None
 
 
 @dataclass
@@ -75,7 +80,7 @@ def unsupported_experts(experts) -> str | None:
         return "TEGroupedMLP with fine-grained activation offloading"
     if getattr(fc2, "single_grouped_weight", False) or not hasattr(fc2, "weight0"):
         return "TEGroupedMLP whose FC2 is one grouped weight (single_grouped_weight)"
-    return None
+    return fp8_refusal(experts.config, fc2)
 
 
 def fc2_params(experts):
@@ -161,10 +166,13 @@ def fc2_operands(experts, stacks: OperandStacks, x: torch.Tensor, tokens_per_exp
     """FC1 + activation of the expert-sorted rows x and the FC2 weight of `experts`.
 
     tokens_per_expert may be None where `device_counts` is given and the experts run FC1
-    without the host counts (GroupedGemmExperts, TEGroupedMLP by `te_fc1_is_grouped`); x's rows past their sum (`valid_rows`,
-    on the device) are then padding, h's rows there unspecified. Gradients reach every
-    parameter, the biases' included.
+    without the host counts (GroupedGemmExperts, TEGroupedMLP by `te_fc1_is_grouped`);
+    x's rows past their sum (`valid_rows`, on the device) are then padding, h's rows there
+    unspecified. Gradients reach every parameter, the biases' included. Under TE's FP8
+    autocast TEGroupedMLP's FC1 and FC2 quantization are TE's (`te_fp8_fc2`).
     """
+    if isinstance(experts, TEGroupedMLP) and experts.config.fp8:
+        return FC2Operands(*te_fp8_fc2(experts, x, host_counts(tokens_per_expert), probs))
     h = _fc1_activation(experts, stacks, x, tokens_per_expert, probs, device_counts,
                         valid_rows)
     weights, biases = fc2_params(experts)

@@ -328,15 +328,17 @@ class OverlapMoELayer(MoELayer):
         path = flight.path = self.last_path = self._path(hidden_states, probs)
         if not path.fused:
             return super().routed_experts_compute(hidden_states, probs)
-        permuted, (h, weight) = self._fc1(self._permute(hidden_states, probs, path),
-                                          hidden_states, probs, path)
+        permuted, operands = self._fc1(self._permute(hidden_states, probs, path),
+                                       hidden_states, probs, path)
+        h, weight = operands.h, operands.weight
         # probs are already in h (the activation applied them, as Megatron's experts do).
         try:
             out, plan = self._session_on(h.device)(
                 h, weight.to(h.dtype), permuted.counts, permuted.token_index,
                 permuted.num_tokens, self.config.moe_router_topk, None,
                 config=self.overlap_config, return_plan=True,
-                expected_rows=permuted.expected_rows, call_tag=self._call_tag())
+                expected_rows=permuted.expected_rows, call_tag=self._call_tag(),
+                scales=operands.scales, grad_sink=operands.sink)
         except Exception:
             # every rank raises for a fault or its next call: the counts restart, and meet
             # again after at most one more mismatch

@@ -16,12 +16,13 @@ from ..ops import OverlapSession
 from .dispatch import OverlapAllGatherDispatcher, rows_bound
 from .experts import in_inference, te_fc1_is_grouped
 from .fc2_operands import unsupported_experts
+from .te_fp8 import recipe_kind
 
 
 def unsupported_reason(layer) -> str | None:
     """Why `layer` (an MoELayer with its OverlapConfig) cannot run the fused path here,
-    or None: another dispatcher, the inference dispatcher, fp8 / fp4, experts
-    `unsupported_experts` refuses, latent MoE, a dispatch backward overlapped with the
+    or None: another dispatcher, the inference dispatcher, fp8 / fp4 outside TE's Hopper
+    recipes over TEGroupedMLP (`te_fp8.fp8_refusal`), experts `unsupported_experts` refuses, latent MoE, a dispatch backward overlapped with the
     experts' wgrad, or rows the Triton kernels cannot read."""
     c = layer.config
     # (OverlapAllGatherDispatcher: a layer adopted again)
@@ -31,9 +32,10 @@ def unsupported_reason(layer) -> str | None:
         return f"the {name} dispatcher (only allgather is fused)"
     if hasattr(layer, "_inference_token_dispatcher"):
         return "transformer_impl='inference_optimized' (its own dispatcher)"
-    if c.fp8 or c.fp4:  # (TE's quantized GEMMs: the op's GEMM2 is bf16/fp16/fp32)
-        return "fp8/fp4 experts (the fused GEMM2 runs bf16, fp16 or fp32)"
-    if (why := unsupported_experts(layer.experts)) is not None:
+    if (c.fp8 or c.fp4) and not isinstance(layer.experts, TEGroupedMLP):
+        return (f"fp8/fp4 {type(layer.experts).__name__} experts (FP8 fuses TEGroupedMLP "
+                f"under TE's recipes)")
+    if (why := unsupported_experts(layer.experts)) is not None:  # (FP8: te_fp8.fp8_refusal)
         return why
     if c.moe_latent_size:
         return "latent MoE projections"
@@ -49,7 +51,7 @@ def row_bytes_refusal(c) -> str | None:
     must be 16-byte multiples; K = the expert FFN width on this rank, in the dtype the
     layer computes in (Megatron's --bf16 / --fp16, else params_dtype)."""
     ffn = (c.moe_ffn_hidden_size or c.ffn_hidden_size) // (c.expert_tensor_parallel_size or 1)
-    dtype = layer_dtype(c)
+    dtype = torch.float8_e4m3fn if c.fp8 else layer_dtype(c)
     if ffn * dtype.itemsize % 16:
         return (f"an expert FFN width of {ffn} per rank in {str(dtype).removeprefix('torch.')} "
                 f"({ffn * dtype.itemsize} B a row; the fused GEMM2 reads 16-byte multiples)")
@@ -63,12 +65,12 @@ def layer_dtype(c) -> torch.dtype:
 
 def warmed(layer, session: OverlapSession) -> OverlapSession:
     """`session` with the Triton kernels `layer` launches compiled (at build, not in its
-    first forward's planning), in the dtype it computes in; y token-major where every
-    expert is local. Nothing compiles off CUDA."""
+    first forward's planning), in the dtype it computes in (FP8: its recipe's kernels);
+    y token-major where every expert is local. Nothing compiles off CUDA."""
     c = layer.config
     if session.device.type == "cuda" and layer.overlap_config.backend in ("auto", "triton"):
         session.warm_up(c.hidden_size, c.moe_router_topk, layer_dtype(c),
-                        config=layer.overlap_config,
+                        config=layer.overlap_config, fp8=recipe_kind(c),
                         token_major=layer.num_local_experts == c.num_moe_experts)
     return session
 

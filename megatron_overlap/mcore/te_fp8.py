@@ -1,0 +1,229 @@
+"""FC2 of TEGroupedMLP under Transformer Engine's FP8 recipes, as the fused op takes it.
+
+Megatron's TEGroupedMLP.forward runs as written: the rows padded to the recipe's
+alignment (`quantization_padding`), FC1 in FP8, the activation with the probabilities,
+then `linear_fc2` (TE's GroupedLinear) with its forward GEMM skipped. TE quantizes FC2's
+input per expert and its weights exactly as in its own forward (current scaling's amax,
+delayed scaling's amax history and scale, blockwise 1x128 / 128x128 blocks, cached
+workspaces), so its scaling state advances as stock's and a run can switch
+`--moe-overlap` between checkpoints; its autograd node is kept, and TE runs FC2's dgrad
+and wgrad in the recipe's formats in the backward. The op computes the GEMM TE skipped,
+with the combine and reduce-scatter, from the e4m3 data and scale_inv TE made, the
+padding rows dropped; its backward hands dL/dy to TE's node (`grad_sink`).
+
+    recipe (Megatron --fp8-recipe)   TE quantizer                     op's Fp8Scales.kind
+    tensorwise                       Float8CurrentScaling, per expert  "tensor" (E x scales)
+    delayed                          DelayedScaling, per expert        "tensor"
+    blockwise                        Float8BlockScaling 1x128/128x128  "block"
+    mxfp8, custom, fp4               -                                 stock (`fp8_refusal`)
+
+How the GEMM is skipped: TE's GroupedLinear calls `general_grouped_gemm` through its
+module's globals; for the one FC2 call that name is a function that records the
+quantized operands (A: weights, B: inputs) and computes nothing (`_gemm_skipped`).
+TE's output buffer is allocated and never written; its rows are never read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from typing import NamedTuple
+
+import torch
+
+from ..ops import Fp8Scales
+
+#: Megatron's --fp8-recipe -> the op's scaling kind (the recipes whose GEMM2 the op runs)
+RECIPE_KINDS = {"tensorwise": "tensor", "delayed": "tensor", "blockwise": "block"}
+_GEMM = "general_grouped_gemm"
+E4M3 = torch.float8_e4m3fn
+
+
+class Fp8FC2(NamedTuple):
+    """The op's FP8 GEMM2 operands: x [T, K] and weight [E, N, K] e4m3, their scales, and
+    `sink` ([T, N], TE's FC2 node with the padding rows dropped; None without grads)."""
+
+    x: torch.Tensor
+    weight: torch.Tensor
+    scales: Fp8Scales
+    sink: torch.Tensor | None
+
+
+def recipe_kind(config) -> str | None:
+    """The op's scaling kind for Megatron config `config` (None: not FP8)."""
+    if not config.fp8:
+        return None
+    return RECIPE_KINDS.get(str(getattr(config.fp8_recipe, "value", config.fp8_recipe)))
+
+
+def fp8_refusal(config, fc2) -> str | None:
+    """Why FC2 `fc2` of a TEGroupedMLP under `config` cannot run on the op in FP8 (None:
+    it can, or the layer is not FP8)."""
+    if config.fp4:
+        return "fp4 experts (the fused GEMM2 takes e4m3 with TE's Hopper recipes)"
+    if not config.fp8:
+        return None
+    recipe = str(getattr(config.fp8_recipe, "value", config.fp8_recipe))
+    if recipe not in RECIPE_KINDS:
+        return (f"--fp8-recipe {recipe} (the fused GEMM2 takes "
+                f"{', '.join(RECIPE_KINDS)}; mxfp8 is Blackwell's)")
+    if getattr(fc2, "use_bias", False):
+        return "an FC2 bias under FP8 (TE adds it in its FP8 GEMM's epilogue)"
+    if gemm_module(fc2) is None:
+        return (f"{type(fc2).__name__} calls no module-level {_GEMM} (a Transformer "
+                f"Engine other than 2.x)")
+    return None
+
+
+def gemm_module(fc2):
+    """The module whose `general_grouped_gemm` FC2's forward calls: that of the class in
+    fc2's MRO defining `forward` next to it (TE's grouped_linear under Megatron's
+    TEGroupedLinear), else None."""
+    for cls in type(fc2).__mro__:
+        module = sys.modules.get(cls.__module__)
+        if "forward" in vars(cls) and callable(getattr(module, _GEMM, None)):
+            return module
+    return None
+
+
+@contextlib.contextmanager
+def _gemm_skipped(fc2, captured: dict):
+    """FC2's forward with its GEMM replaced by a record of the quantized operands."""
+    module = gemm_module(fc2)
+    real = getattr(module, _GEMM)
+
+    def record(weights, inputs, out, *args, **kwargs):
+        captured["weights"], captured["inputs"] = list(weights), list(inputs)
+        return out, None, None
+
+    setattr(module, _GEMM, record)
+    try:
+        yield
+    finally:
+        setattr(module, _GEMM, real)
+
+
+class _CapturingFC2(torch.nn.Module):
+    """Stands in for TEGroupedMLP.linear_fc2 for one forward: runs it with its GEMM
+    skipped and keeps its quantized operands and (padded) splits."""
+
+    def __init__(self, fc2):
+        super().__init__()
+        object.__setattr__(self, "fc2", fc2)  # (not a submodule: no parameters twice)
+        self.captured: dict = {}
+        self.splits: list[int] | None = None
+
+    def forward(self, h, m_splits):
+        self.splits = list(m_splits)
+        with _gemm_skipped(self.fc2, self.captured):
+            return self.fc2(h, m_splits)
+
+
+class _KeepPadded(torch.nn.Module):
+    """Stands in for TEGroupedMLP.quantization_unpadding for one forward: keeps the
+    unpadded splits and returns the (never written) padded rows as they are."""
+
+    counts: list[int] | None = None
+
+    def forward(self, out, counts):
+        self.counts = list(counts)
+        return out
+
+
+class _DropPadding(torch.autograd.Function):
+    """[T, N] rows of TE's padded FC2 output (values unused); backward puts each row's
+    gradient at its padded place, zeros on the padding rows (as Fp8Unpadding's)."""
+
+    @staticmethod
+    def forward(ctx, padded, places):
+        ctx.save_for_backward(places)
+        ctx.padded_rows = padded.shape[0]
+        return padded.new_empty(places.shape[0], padded.shape[1])
+
+    @staticmethod
+    def backward(ctx, grad):
+        (places,) = ctx.saved_tensors
+        out = grad.new_zeros(ctx.padded_rows, grad.shape[1])
+        return out.index_copy_(0, places, grad), None
+
+
+def padded_places(counts: list[int], padded: list[int], device) -> torch.Tensor | None:
+    """[T] int64: each row's place among the padded rows (each expert's rows first, its
+    padding after), on `device`; None where nothing is padded."""
+    if counts == padded:
+        return None
+    shift, run = [], 0
+    for c, p in zip(counts, padded):
+        shift.append(run)
+        run += p - c
+    shifts = torch.tensor(shift, dtype=torch.int64).to(device, non_blocking=True)
+    sizes = torch.tensor(counts, dtype=torch.int64).to(device, non_blocking=True)
+    rows = sum(counts)
+    return (torch.arange(rows, device=device)
+            + torch.repeat_interleave(shifts, sizes, output_size=rows))
+
+
+def _joined(parts: list[torch.Tensor], places: torch.Tensor | None) -> torch.Tensor:
+    """The rows of per-expert [m_e, K] tensors as one [T, K] (a view where TE allocated
+    them back to back), then the rows at `places` (the padding dropped)."""
+    first = parts[0]
+    step = first.stride(0)
+    back_to_back = all(
+        p.is_contiguous() and p.shape[1:] == first.shape[1:]
+        and p.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+        for p in parts)
+    offset, rows = first.storage_offset(), 0
+    for p in parts if back_to_back else ():
+        back_to_back &= p.storage_offset() == offset + rows * step
+        rows += p.shape[0]
+    joined = (torch.as_strided(first, (rows, *first.shape[1:]), first.stride(), offset)
+              if back_to_back else torch.cat(parts))
+    return joined if places is None else joined.index_select(0, places)
+
+
+def operands(kind: str, captured: dict, counts: list[int], padded: list[int],
+             device) -> tuple[torch.Tensor, torch.Tensor, Fp8Scales]:
+    """(x, weight, scales) from TE's quantized FC2 operands: the inputs' rowwise data and
+    scale_inv per expert, the weights' stacked (one copy per call)."""
+    inputs, weights = captured["inputs"], captured["weights"]
+    places = padded_places(counts, padded, device)
+    if kind == "tensor":
+        x = _joined([t._data for t in inputs], places)
+        x_scale = torch.cat([t._scale_inv.reshape(1) for t in inputs])
+        weight = torch.stack([t._data for t in weights])
+        w_scale = torch.cat([t._scale_inv.reshape(1) for t in weights])
+    else:
+        x = _joined([t._rowwise_data for t in inputs], places)
+        x_scale = torch.cat([t._rowwise_scale_inv[:, :c] for t, c in zip(inputs, counts)],
+                            dim=1)
+        weight = torch.stack([t._rowwise_data for t in weights])
+        w_scale = torch.stack([t._rowwise_scale_inv for t in weights])
+    return x.view(E4M3), weight.view(E4M3), Fp8Scales(kind, x_scale.float(), w_scale.float())
+
+
+def te_fp8_fc2(experts, x: torch.Tensor, counts: list[int], probs: torch.Tensor) -> Fp8FC2:
+    """TEGroupedMLP `experts`' forward on the expert-sorted rows x (host `counts`, its
+    probs) under TE's FP8 autocast, FC2's GEMM left to the op: its operands and sink."""
+    fc2, unpadding = experts.linear_fc2, getattr(experts, "quantization_unpadding", None)
+    capture, keep = _CapturingFC2(fc2), _KeepPadded()
+    experts.linear_fc2 = capture
+    if unpadding is not None:
+        experts.quantization_unpadding = keep
+    try:
+        out, _ = experts(x, torch.tensor(counts), probs)
+    finally:
+        experts.linear_fc2 = fc2
+        if unpadding is not None:
+            experts.quantization_unpadding = unpadding
+    if not capture.captured:
+        raise RuntimeError(f"{type(fc2).__name__}'s forward computed no FP8 GEMM (is TE's "
+                           f"FP8 autocast on?): the fused FP8 path cannot take its operands")
+    padded = capture.splits
+    unpadded = keep.counts if keep.counts is not None else padded
+    kind = recipe_kind(experts.config)
+    fp8_x, weight, scales = operands(kind, capture.captured, unpadded, padded, x.device)
+    sink = None
+    if out.requires_grad:
+        places = padded_places(unpadded, padded, x.device)
+        sink = out if places is None else _DropPadding.apply(out, places)
+    return Fp8FC2(fp8_x, weight, scales, sink)

@@ -1,0 +1,135 @@
+"""Test-only double of Transformer Engine's FP8 GroupedLinear as TEGroupedMLP uses it, for
+the FP8 layer on CPU (tests/test_mcore_te_fp8.py); the GPU test with real TE is
+tests/test_mcore_te_fp8_gpu.py.
+
+The contract mcore/te_fp8.py relies on, kept: `forward(x, m_splits)` quantizes each
+expert's rows and weight with the recipe of `config.fp8_recipe` (kernels/fp8_quant.py's
+emulation of TE's quantizers) into storages with TE 2.12's attribute names (`_data`,
+`_scale_inv`; `_rowwise_data`, `_rowwise_scale_inv` in the GEMM-ready layouts) and calls
+this module's `general_grouped_gemm(weights, inputs, [out], ...)` through the module's
+globals; its autograd node computes dgrad and wgrad from the dequantized operands. With
+`fp8` off it is the bf16 double of tests/test_mcore_te_experts.py. `Fp8Padding` and
+`Fp8Unpadding` pad each expert's rows to the alignment with zero rows, as TE's do.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_overlap.kernels import fp8_quant as q
+
+CALLS = {"gemm": 0}
+
+
+class Tensorwise:
+    def __init__(self, data, scale_inv):
+        self._data, self._scale_inv = data.view(torch.uint8), scale_inv.reshape(1)
+
+    def values(self):
+        return self._data.view(torch.float8_e4m3fn).double() * self._scale_inv.double()
+
+
+class Blockwise:
+    def __init__(self, data, scale_inv, block_rows):
+        self._rowwise_data, self._rowwise_scale_inv = data.view(torch.uint8), scale_inv
+        self.block_rows = block_rows
+
+    def values(self):
+        return q.dequantize_blockwise(self._rowwise_data.view(torch.float8_e4m3fn),
+                                      self._rowwise_scale_inv, self.block_rows)
+
+
+def quantize(t: torch.Tensor, recipe: str, block_rows: int):
+    if recipe == "blockwise":
+        return Blockwise(*q.quantize_blockwise(t, block_rows), block_rows)
+    return Tensorwise(*q.quantize_tensorwise(t))  # (delayed: its first step's scale)
+
+
+def general_grouped_gemm(A, B, out, quantization_params, out_dtype, layout="TN",
+                         m_splits=None, **kwargs):
+    """out[0] rows of gemm i = B[i] @ A[i]^T, from the dequantized operands."""
+    CALLS["gemm"] += 1
+    rows = [b.values() @ a.values().t() for a, b in zip(A, B)]
+    out[0].copy_(torch.cat(rows).to(out[0].dtype))
+    return out, None, None
+
+
+class _Fp8GroupedLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, m_splits, recipe, *weights):
+        inputs = [quantize(xe, recipe, 1) for xe in torch.split(x, m_splits)]
+        qweights = [quantize(w.detach(), recipe, 128) for w in weights]
+        out = x.new_empty(x.shape[0], weights[0].shape[0])
+        general_grouped_gemm(qweights, inputs, [out], [None] * len(weights), x.dtype)
+        ctx.operands, ctx.m_splits, ctx.dtypes = (inputs, qweights), m_splits, (x.dtype,)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        inputs, qweights = ctx.operands
+        grads = list(torch.split(grad.double(), ctx.m_splits))
+        dx = torch.cat([g @ w.values() for g, w in zip(grads, qweights)])
+        dws = [(g.t() @ xe.values()).float() for g, xe in zip(grads, inputs)]
+        return (dx.to(ctx.dtypes[0]), None, None, *dws)
+
+
+class GroupedLinearFp8Double(torch.nn.Module):
+    """TE GroupedLinear's contract as TEGroupedMLP uses it, FP8 when `config.fp8`."""
+
+    def __init__(self, num_gemms, input_size, output_size, *, config, init_method, bias,
+                 skip_bias_add, is_expert, tp_comm_buffer_name, pg_collection=None, name=None):
+        super().__init__()
+        self.config, self.use_bias, self.num_gemms = config, bias, num_gemms
+        self.skip_bias_add = skip_bias_add
+        for i in range(num_gemms):
+            w = torch.empty(output_size, input_size, dtype=config.params_dtype)
+            init_method(w)
+            self.register_parameter(f"weight{i}", torch.nn.Parameter(w))
+            if bias:
+                self.register_parameter(f"bias{i}", torch.nn.Parameter(
+                    torch.randn(output_size, dtype=config.params_dtype)))
+
+    def forward(self, x, m_splits):
+        weights = [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
+        if self.config.fp8:
+            recipe = str(getattr(self.config.fp8_recipe, "value", self.config.fp8_recipe))
+            out = _Fp8GroupedLinear.apply(x, list(m_splits), recipe, *weights)
+        else:
+            out = torch.cat([xe @ w.t() for xe, w in zip(torch.split(x, m_splits), weights)])
+        if self.use_bias:
+            return out, [getattr(self, f"bias{i}") for i in range(self.num_gemms)]
+        return out, None
+
+
+class Fp8Padding(torch.nn.Module):
+    def __init__(self, num_gemms, align_size=None):
+        super().__init__()
+        self.align = align_size or 16
+
+    def forward(self, inp, m_splits):
+        padded = [-(-m // self.align) * self.align for m in m_splits]
+        parts = []
+        for rows, m, p in zip(torch.split(inp, list(m_splits)), m_splits, padded):
+            parts += [rows, rows.new_zeros(p - m, *rows.shape[1:])]
+        return torch.cat(parts), padded
+
+
+class Fp8Unpadding(torch.nn.Module):
+    def __init__(self, num_gemms, align_size=None):
+        super().__init__()
+        self.align = align_size or 16
+
+    def forward(self, inp, m_splits):
+        padded = [-(-m // self.align) * self.align for m in m_splits]
+        return torch.cat([rows[:m] for rows, m in zip(torch.split(inp, padded), m_splits)])
+
+
+def install() -> None:
+    """Megatron's experts module pads with these where TE is absent, and TE's version
+    checks of an FP8 config pass."""
+    from megatron.core.transformer import transformer_config
+    from megatron.core.transformer.moe import experts
+
+    experts.Fp8Padding, experts.Fp8Unpadding = Fp8Padding, Fp8Unpadding
+    experts.HAVE_TE = True  # (TEGroupedMLP asserts it under FP8)
+    transformer_config.is_te_min_version = lambda *args, **kwargs: True

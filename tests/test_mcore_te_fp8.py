@@ -1,0 +1,121 @@
+"""OverlapMoELayer over Megatron's TEGroupedMLP under the FP8 recipes, on CPU.
+
+TE needs CUDA, so its FP8 GroupedLinear is a double (tests/te_fp8_double.py: TE's
+quantizers emulated, TE's attribute names, the GEMM called through the module's
+`general_grouped_gemm`); Megatron's TEGroupedMLP around it is the real one, with its
+padding to 16 rows per expert. Checked: the layer fuses, TE's FC2 GEMM is skipped and
+the op computes it from the quantized operands (padding dropped), the output and every
+gradient (FC2's from TE's node through `grad_sink`) match the stock FP8 layer's; what
+cannot fuse is said at build. The GPU test with real TE: tests/test_mcore_te_fp8_gpu.py.
+"""
+
+import dataclasses
+from functools import partial
+
+import pytest
+import torch
+
+from dist_harness import run_ranks
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU backends")
+
+RECIPES = ("tensorwise", "delayed", "blockwise")
+
+
+def _fp8_spec():
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, TEGroupedMLP
+    from te_fp8_double import GroupedLinearFp8Double
+
+    spec = get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False).submodules.mlp
+    experts = partial(TEGroupedMLP, submodules=GroupedMLPSubmodules(
+        linear_fc1=GroupedLinearFp8Double, linear_fc2=GroupedLinearFp8Double))
+    return partial(spec.func, *spec.args, **dict(
+        spec.keywords, submodules=dataclasses.replace(spec.keywords["submodules"],
+                                                      experts=experts)))
+
+
+def _fp8_config(world, recipe, **overrides):
+    from test_mcore_layer import _config
+
+    return _config(1, world, fp8="e4m3", fp8_recipe=recipe, bf16=True,
+                   params_dtype=torch.bfloat16, moe_shared_expert_intermediate_size=None,
+                   **overrides)
+
+
+def _fp8_scenarios(rank, world):
+    import warnings
+
+    import mcore_shims
+    import te_fp8_double
+
+    mcore_shims.install()
+    te_fp8_double.install()
+    from megatron.core import parallel_state as ps
+    from test_mcore_layer import _rel_diff, _run
+
+    from megatron_overlap.mcore.spec import with_overlap_moe
+    from megatron_overlap.ops import OverlapConfig
+
+    ps.initialize_model_parallel(1, 1, expert_model_parallel_size=world)
+    g = torch.Generator().manual_seed(7 + rank)
+    x = torch.randn(12, 2, 32, generator=g).bfloat16()
+    grad = torch.randn(12, 2, 32, generator=g).bfloat16()
+    spec, found = _fp8_spec(), {}
+    for recipe in RECIPES:
+        config = _fp8_config(world, recipe)
+        torch.manual_seed(1234)
+        stock = spec(config=config)
+        te_fp8_double.CALLS["gemm"] = 0
+        ref = _run(stock, x, grad)
+        stock_gemms = te_fp8_double.CALLS["gemm"]
+        for backend in ("reference", "interpret"):
+            layer = with_overlap_moe(spec, OverlapConfig(backend=backend))(config=config)
+            layer.load_state_dict(stock.state_dict())
+            te_fp8_double.CALLS["gemm"] = 0
+            with warnings.catch_warnings():
+                warnings.filterwarnings("error", message="megatron-overlap")
+                out, dx, grads = _run(layer, x, grad)
+            found[(recipe, backend)] = dict(
+                out=_rel_diff(out, ref[0]), dx=_rel_diff(dx, ref[1]),
+                dw={k: _rel_diff(grads[k], ref[2][k]) for k in ref[2]},
+                grad_names=sorted(grads) == sorted(ref[2]), dtype=out.dtype,
+                reason=layer.unsupported_reason, fused=layer.last_path.fused,
+                gemms=(te_fp8_double.CALLS["gemm"], stock_gemms))
+    refusals = {}
+    for name, overrides in (("mxfp8", dict(fp8_recipe="mxfp8")),
+                            ("fc2_bias", dict(add_bias_linear=True, bias_dropout_fusion=False))):
+        config = _fp8_config(world, overrides.pop("fp8_recipe", "tensorwise"), **overrides)
+        layer = with_overlap_moe(spec, OverlapConfig(backend="reference"))(config=config)
+        refusals[name] = layer.unsupported_reason
+    found["refusals"] = refusals
+    ps.destroy_model_parallel()
+    return found
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["TP1EP1", "TP1EP2"])
+def fp8_runs(request):
+    return run_ranks(request.param, _fp8_scenarios)
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+@pytest.mark.parametrize("backend", ["reference", "interpret"])
+def test_fp8_te_experts_fuse_skip_tes_fc2_gemm_and_match_stock_fp8(fp8_runs, recipe,
+                                                                    backend):
+    """The op's GEMM2 on TE's quantized operands equals TE's GEMM on them (fp32 sums,
+    bf16 y), the padding rows dropped; TE's FC2 node, fed dL/dy by the op, gives FC2's
+    and, through FC1, every other gradient as stock does."""
+    for r in fp8_runs:
+        res = r[(recipe, backend)]
+        assert res["reason"] is None and res["fused"], res
+        assert res["gemms"] == (1, 2), res  # FC1's GEMM ran, FC2's was the op's
+        assert res["dtype"] == torch.bfloat16 and res["grad_names"], res
+        assert res["out"] < 2e-2 and res["dx"] < 2e-2, res
+        worst = max(res["dw"].items(), key=lambda kv: kv[1])
+        assert worst[1] < 2e-2, worst
+
+
+def test_fp8_layers_that_cannot_fuse_say_why_at_build(fp8_runs):
+    for r in fp8_runs:
+        assert "--fp8-recipe mxfp8" in r["refusals"]["mxfp8"], r["refusals"]
+        assert "FC2 bias under FP8" in r["refusals"]["fc2_bias"], r["refusals"]

@@ -1,0 +1,106 @@
+"""OverlapMoELayer under Transformer Engine's FP8 recipes on one Hopper GPU (device
+machine, TE brought by tools/te_wheels.sh): `pytest -m gpu tests/test_mcore_te_fp8_gpu.py`.
+
+Megatron's TE model with `fp8="e4m3"` and each Hopper recipe (tensorwise = current
+scaling, delayed, blockwise), one MoE layer of TEGroupedMLP experts: stock core-TE FP8
+against the same model with --moe-overlap, whose GEMM2 runs on TE's quantized operands
+in the op and whose FC2 backward is TE's (mcore/te_fp8.py). Checked: every MoE layer
+fuses, and the logits, the loss and every parameter's gradient are no further from
+core-TE FP8's than core-TE FP8's are from core-TE bf16's (FP8's own error), with a floor
+at bf16's tolerance. Skipped without CUDA, TE or an sm_90 GPU.
+"""
+
+import warnings
+
+import pytest
+import torch
+
+from dist_harness import run_ranks
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def _rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+def _arm(model, tokens, positions, labels, fused: bool, fp8: str | None):
+    """(logits, loss, gradients) of one arm: overlapped or stock, FP8 or bf16."""
+    from megatron_overlap.mcore.convert import set_overlap_enabled
+
+    set_overlap_enabled(model, fused)
+    model.config.fp8 = fp8
+    for m in model.modules():
+        if hasattr(m, "config"):
+            m.config.fp8 = fp8
+    model.zero_grad(set_to_none=True)
+    with torch.no_grad():  # (prefill: the op without a sink)
+        logits = model(tokens, positions, None)
+    loss = model(tokens, positions, None, labels=labels).float().mean()
+    loss.backward()
+    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()
+             if p.grad is not None}
+    return logits.detach().float(), float(loss), grads
+
+
+def _fp8_parity(rank, world, recipe):
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from megatron_overlap.mcore.convert import fused_at_every_size
+    from megatron_overlap.mcore.layer import OverlapMoELayer
+    from megatron_overlap.mcore.models import build_model
+    from megatron_overlap.ops import OverlapConfig
+
+    ps.destroy_model_parallel()
+    ps.initialize_model_parallel(1, 1, expert_model_parallel_size=1)
+    model_parallel_cuda_manual_seed(3, force_reset_rng=True)
+    torch.manual_seed(3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = build_model("qwen", impl="te", overlap=OverlapConfig(backend="triton",
+                                                                      sync_errors=True),
+                            num_layers=1, hidden_size=1024, moe_ffn_hidden_size=512,
+                            num_moe_experts=16, vocab_size=1024, fp8="e4m3",
+                            fp8_recipe=recipe).cuda()
+        layers = [m for m in model.modules() if isinstance(m, OverlapMoELayer)]
+        g = torch.Generator().manual_seed(5)
+        tokens = torch.randint(0, 1024, (2, 512), generator=g).cuda()
+        positions = torch.arange(512).expand_as(tokens).contiguous().cuda()
+        labels = torch.randint(0, 1024, (2, 512), generator=g).cuda()
+        res = {"reasons": [m.unsupported_reason for m in layers]}
+        with fused_at_every_size(model):
+            bf16 = _arm(model, tokens, positions, labels, False, None)
+            stock = _arm(model, tokens, positions, labels, False, "e4m3")
+            ours = _arm(model, tokens, positions, labels, True, "e4m3")
+            res["fused"] = all(m.last_path.fused for m in layers)
+            res["fp8_op"] = all(m.last_plan is not None for m in layers)
+    res["warnings"] = [str(w.message) for w in caught if "megatron-overlap" in str(w.message)]
+    res["logits"] = (_rel(ours[0], stock[0]), _rel(stock[0], bf16[0]))
+    res["loss"] = (abs(ours[1] - stock[1]) / abs(stock[1]),
+                   abs(stock[1] - bf16[1]) / abs(bf16[1]))
+    res["same_params"] = sorted(ours[2]) == sorted(stock[2])
+    res["grads"] = {n: (_rel(ours[2][n], stock[2][n]), _rel(stock[2][n], bf16[2][n]))
+                    for n in stock[2] if n in ours[2]}
+    ps.destroy_model_parallel()
+    return res
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "blockwise"])
+def test_fp8_moe_layer_fuses_and_stays_within_fp8s_own_error_of_core_te_fp8(recipe):
+    from megatron_overlap.optional import te_available
+
+    if (why := te_available()) is not None:
+        pytest.skip(f"Transformer Engine not importable: {why}")
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("the FP8 GEMM2 is built for Hopper's e4m3 wgmma")
+    (r,) = run_ranks(1, _fp8_parity, recipe, backend="nccl")
+    assert r["reasons"] == [None] and r["warnings"] == [], r
+    assert r["fused"] and r["fp8_op"], r
+    ours, fp8_error = r["logits"]
+    assert ours <= max(fp8_error, 1e-2), r["logits"]
+    assert r["loss"][0] <= max(r["loss"][1], 1e-3), r["loss"]
+    assert r["same_params"], r
+    worst = max(r["grads"].items(), key=lambda kv: kv[1][0] / max(kv[1][1], 5e-2))
+    assert worst[1][0] <= max(worst[1][1], 5e-2), worst
