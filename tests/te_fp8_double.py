@@ -7,7 +7,9 @@ expert's rows and weight with the recipe of `config.fp8_recipe` (kernels/fp8_qua
 emulation of TE's quantizers) into storages with TE 2.12's attribute names (`_data`,
 `_scale_inv`; `_rowwise_data`, `_rowwise_scale_inv` in the GEMM-ready layouts) and calls
 this module's `general_grouped_gemm(weights, inputs, [out], ...)` through the module's
-globals; its autograd node computes dgrad and wgrad from the dequantized operands. With
+globals; its autograd node computes dgrad and wgrad from the dequantized operands. The
+quantized weights are cached as Megatron's TEGroupedLinear has TE cache them: quantized
+at a first microbatch (`is_first_microbatch`), read as they are at the others. With
 `fp8` off it is the bf16 double of tests/test_mcore_te_experts.py. `Fp8Padding` and
 `Fp8Unpadding` pad each expert's rows to the alignment with zero rows, as TE's do.
 """
@@ -56,9 +58,8 @@ def general_grouped_gemm(A, B, out, quantization_params, out_dtype, layout="TN",
 
 class _Fp8GroupedLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, m_splits, recipe, *weights):
+    def forward(ctx, x, m_splits, recipe, qweights, *weights):
         inputs = [quantize(xe, recipe, 1) for xe in torch.split(x, m_splits)]
-        qweights = [quantize(w.detach(), recipe, 128) for w in weights]
         out = x.new_empty(x.shape[0], weights[0].shape[0])
         general_grouped_gemm(qweights, inputs, [out], [None] * len(weights), x.dtype)
         ctx.operands, ctx.m_splits, ctx.dtypes = (inputs, qweights), m_splits, (x.dtype,)
@@ -70,7 +71,7 @@ class _Fp8GroupedLinear(torch.autograd.Function):
         grads = list(torch.split(grad.double(), ctx.m_splits))
         dx = torch.cat([g @ w.values() for g, w in zip(grads, qweights)])
         dws = [(g.t() @ xe.values()).float() for g, xe in zip(grads, inputs)]
-        return (dx.to(ctx.dtypes[0]), None, None, *dws)
+        return (dx.to(ctx.dtypes[0]), None, None, None, *dws)
 
 
 class GroupedLinearFp8Double(torch.nn.Module):
@@ -81,6 +82,9 @@ class GroupedLinearFp8Double(torch.nn.Module):
         super().__init__()
         self.config, self.use_bias, self.num_gemms = config, bias, num_gemms
         self.skip_bias_add = skip_bias_add
+        # Megatron's TEGroupedLinear: TE caches the FP8 weights at a first microbatch
+        # and reads the cache at the others
+        self.is_first_microbatch, self.workspace = True, None
         for i in range(num_gemms):
             w = torch.empty(output_size, input_size, dtype=config.params_dtype)
             init_method(w)
@@ -93,7 +97,10 @@ class GroupedLinearFp8Double(torch.nn.Module):
         weights = [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
         if self.config.fp8:
             recipe = str(getattr(self.config.fp8_recipe, "value", self.config.fp8_recipe))
-            out = _Fp8GroupedLinear.apply(x, list(m_splits), recipe, *weights)
+            if self.is_first_microbatch or self.workspace is None:
+                self.workspace = [quantize(w.detach(), recipe, 128) for w in weights]
+            out = _Fp8GroupedLinear.apply(x, list(m_splits), recipe, self.workspace, *weights)
+            self.is_first_microbatch = False
         else:
             out = torch.cat([xe @ w.t() for xe, w in zip(torch.split(x, m_splits), weights)])
         if self.use_bias:

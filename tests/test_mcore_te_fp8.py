@@ -82,6 +82,7 @@ def _fp8_scenarios(rank, world):
                 grad_names=sorted(grads) == sorted(ref[2]), dtype=out.dtype,
                 reason=layer.unsupported_reason, fused=layer.last_path.fused,
                 gemms=(te_fp8_double.CALLS["gemm"], stock_gemms))
+    found["cache"] = _weight_cache(spec, world, x)
     refusals = {}
     for name, overrides in (("mxfp8", dict(fp8_recipe="mxfp8")),
                             ("fc2_bias", dict(add_bias_linear=True, bias_dropout_fusion=False))):
@@ -91,6 +92,27 @@ def _fp8_scenarios(rank, world):
     found["refusals"] = refusals
     ps.destroy_model_parallel()
     return found
+
+
+def _weight_cache(spec, world, x):
+    """The stacked e4m3 FC2 weights across calls: kept while TE reads its cached FP8
+    weights, built again when TE quantizes them again (a step's first microbatch)."""
+    from megatron_overlap.mcore.spec import with_overlap_moe
+    from megatron_overlap.ops import OverlapConfig
+
+    layer = with_overlap_moe(spec, OverlapConfig(backend="reference"))(
+        config=_fp8_config(world, "tensorwise"))
+    stack, fc2 = layer._stacks.fc2_fp8, layer.experts.linear_fc2
+    with torch.no_grad():
+        first = layer(x)[0]
+        built = stack._value
+        again = layer(x)[0]
+        kept = stack._value is built
+        fc2.weight0.mul_(2.0)  # an optimizer step; the next step's first microbatch:
+        fc2.is_first_microbatch = True
+        stepped = layer(x)[0]
+    return dict(kept=kept and torch.equal(first, again), rebuilt=stack._value is not built,
+                changed=not torch.equal(stepped, first))
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["TP1EP1", "TP1EP2"])
@@ -119,3 +141,8 @@ def test_fp8_layers_that_cannot_fuse_say_why_at_build(fp8_runs):
     for r in fp8_runs:
         assert "--fp8-recipe mxfp8" in r["refusals"]["mxfp8"], r["refusals"]
         assert "FC2 bias under FP8" in r["refusals"]["fc2_bias"], r["refusals"]
+
+
+def test_fp8_weights_stack_once_while_te_reads_its_cached_fp8_weights(fp8_runs):
+    for r in fp8_runs:
+        assert r["cache"] == dict(kept=True, rebuilt=True, changed=True), r["cache"]

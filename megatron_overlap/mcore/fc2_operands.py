@@ -32,7 +32,7 @@ from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
 from ..ops import ExpertWeightStack, Fp8Scales, with_bias_columns
 from .experts import (GroupedGemmExperts, apply_probs_on_input, bias_scale,
                       grouped_fc1_activation, host_counts, routed_activation, te_fc1_is_grouped)
-from .te_fp8 import fp8_refusal, te_fp8_fc2
+from .te_fp8 import Fp8WeightStack, fp8_refusal, te_fp8_fc2
 
 FUSED_EXPERTS = (TEGroupedMLP, SequentialMLP, GroupedGemmExperts)
 
@@ -51,10 +51,12 @@ class FC2Operands(NamedTuple):
 
 @dataclass
 class OperandStacks:
-    """One layer's cached expert operands: FC1's weight (TEGroupedMLP) and FC2's."""
+    """One layer's cached expert operands: FC1's weight (TEGroupedMLP) and FC2's (TE's
+    e4m3 weights under FP8)."""
 
     fc1: ExpertWeightStack = field(default_factory=ExpertWeightStack)
     fc2: ExpertWeightStack = field(default_factory=ExpertWeightStack)
+    fc2_fp8: Fp8WeightStack = field(default_factory=Fp8WeightStack)
 
 
 class _FC2Input(torch.nn.Module):
@@ -172,7 +174,8 @@ def fc2_operands(experts, stacks: OperandStacks, x: torch.Tensor, tokens_per_exp
     autocast TEGroupedMLP's FC1 and FC2 quantization are TE's (`te_fp8_fc2`).
     """
     if isinstance(experts, TEGroupedMLP) and experts.config.fp8:
-        return FC2Operands(*te_fp8_fc2(experts, x, host_counts(tokens_per_expert), probs))
+        return FC2Operands(*te_fp8_fc2(experts, stacks.fc2_fp8, x,
+                                       host_counts(tokens_per_expert), probs))
     h = _fc1_activation(experts, stacks, x, tokens_per_expert, probs, device_counts,
                         valid_rows)
     weights, biases = fc2_params(experts)

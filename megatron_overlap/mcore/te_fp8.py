@@ -105,18 +105,53 @@ def _gemm_skipped(fc2, captured: dict):
 
 class _CapturingFC2(torch.nn.Module):
     """Stands in for TEGroupedMLP.linear_fc2 for one forward: runs it with its GEMM
-    skipped and keeps its quantized operands and (padded) splits."""
+    skipped and keeps its quantized operands, (padded) splits, and whether TE quantized
+    the weights again (`requantized`)."""
 
     def __init__(self, fc2):
         super().__init__()
         object.__setattr__(self, "fc2", fc2)  # (not a submodule: no parameters twice)
         self.captured: dict = {}
         self.splits: list[int] | None = None
+        self.requantized = True
 
     def forward(self, h, m_splits):
         self.splits = list(m_splits)
+        self.requantized = not reuses_weight_workspace(self.fc2)
         with _gemm_skipped(self.fc2, self.captured):
             return self.fc2(h, m_splits)
+
+
+def reuses_weight_workspace(fc2) -> bool:
+    """Does this call of Megatron's TEGroupedLinear `fc2` read TE's cached FP8 weights
+    as they are? Where it passes TE `is_first_microbatch=False` (after a step's first
+    microbatch; in inference after the first call) over bf16 / fp32 parameters; FP8
+    parameters change in place, so never."""
+    weight = getattr(fc2, "weight0", None)
+    return (getattr(fc2, "is_first_microbatch", None) is False
+            and not getattr(fc2, "disable_parameter_transpose_cache", False)
+            and type(weight) is torch.nn.Parameter)
+
+
+class Fp8WeightStack:
+    """One layer's FC2 weights as the op reads them: TE's e4m3 weights stacked [E, N, K]
+    with their scales, built again only where TE quantized them again or handed other
+    tensors (holds the last stack only)."""
+
+    def __init__(self):
+        self._key = self._value = None
+
+    def operand(self, kind: str, weights: list, requantized: bool) -> tuple:
+        data = [t._data if kind == "tensor" else t._rowwise_data for t in weights]
+        key = (kind, tuple(d.data_ptr() for d in data))
+        if requantized or key != self._key:
+            if kind == "tensor":
+                scale = torch.cat([t._scale_inv.reshape(1) for t in weights])
+            else:
+                scale = torch.stack([t._rowwise_scale_inv for t in weights])
+            self._value = (torch.stack(data).view(E4M3), scale.float())
+            self._key = key
+        return self._value
 
 
 class _KeepPadded(torch.nn.Module):
@@ -181,29 +216,27 @@ def _joined(parts: list[torch.Tensor], places: torch.Tensor | None) -> torch.Ten
     return joined if places is None else joined.index_select(0, places)
 
 
-def operands(kind: str, captured: dict, counts: list[int], padded: list[int],
-             device) -> tuple[torch.Tensor, torch.Tensor, Fp8Scales]:
-    """(x, weight, scales) from TE's quantized FC2 operands: the inputs' rowwise data and
-    scale_inv per expert, the weights' stacked (one copy per call)."""
-    inputs, weights = captured["inputs"], captured["weights"]
+def input_operand(kind: str, inputs: list, counts: list[int], padded: list[int],
+                  device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x [T, K] e4m3, x_scale_inv) from TE's per-expert quantized FC2 inputs: their
+    rowwise data joined, the padding rows dropped; one scale per expert ("tensor") or
+    the 1x128 scales of the kept rows ("block", [ceil(K/128), T])."""
     places = padded_places(counts, padded, device)
     if kind == "tensor":
         x = _joined([t._data for t in inputs], places)
-        x_scale = torch.cat([t._scale_inv.reshape(1) for t in inputs])
-        weight = torch.stack([t._data for t in weights])
-        w_scale = torch.cat([t._scale_inv.reshape(1) for t in weights])
+        scale = torch.cat([t._scale_inv.reshape(1) for t in inputs])
     else:
         x = _joined([t._rowwise_data for t in inputs], places)
-        x_scale = torch.cat([t._rowwise_scale_inv[:, :c] for t, c in zip(inputs, counts)],
-                            dim=1)
-        weight = torch.stack([t._rowwise_data for t in weights])
-        w_scale = torch.stack([t._rowwise_scale_inv for t in weights])
-    return x.view(E4M3), weight.view(E4M3), Fp8Scales(kind, x_scale.float(), w_scale.float())
+        scale = torch.cat([t._rowwise_scale_inv[:, :c] for t, c in zip(inputs, counts)],
+                          dim=1)
+    return x.view(E4M3), scale.float()
 
 
-def te_fp8_fc2(experts, x: torch.Tensor, counts: list[int], probs: torch.Tensor) -> Fp8FC2:
+def te_fp8_fc2(experts, weights: Fp8WeightStack, x: torch.Tensor, counts: list[int],
+               probs: torch.Tensor) -> Fp8FC2:
     """TEGroupedMLP `experts`' forward on the expert-sorted rows x (host `counts`, its
-    probs) under TE's FP8 autocast, FC2's GEMM left to the op: its operands and sink."""
+    probs) under TE's FP8 autocast, FC2's GEMM left to the op: its operands (the
+    weights through the layer's `weights` stack) and sink."""
     fc2, unpadding = experts.linear_fc2, getattr(experts, "quantization_unpadding", None)
     capture, keep = _CapturingFC2(fc2), _KeepPadded()
     experts.linear_fc2 = capture
@@ -221,9 +254,11 @@ def te_fp8_fc2(experts, x: torch.Tensor, counts: list[int], probs: torch.Tensor)
     padded = capture.splits
     unpadded = keep.counts if keep.counts is not None else padded
     kind = recipe_kind(experts.config)
-    fp8_x, weight, scales = operands(kind, capture.captured, unpadded, padded, x.device)
+    fp8_x, x_scale = input_operand(kind, capture.captured["inputs"], unpadded, padded,
+                                   x.device)
+    weight, w_scale = weights.operand(kind, capture.captured["weights"], capture.requantized)
     sink = None
     if out.requires_grad:
         places = padded_places(unpadded, padded, x.device)
         sink = out if places is None else _DropPadding.apply(out, places)
-    return Fp8FC2(fp8_x, weight, scales, sink)
+    return Fp8FC2(fp8_x, weight, Fp8Scales(kind, x_scale, w_scale), sink)
