@@ -12,9 +12,10 @@ stays eager). `--moe-fusions` runs both arms under Megatron's `--moe-permute-fus
 --moe-router-fusion`; `--baselines default,fused` times both flag sets in one schedule
 (`baselines`: the second's arms are "stock-fused" / "overlap-fused"). `--impl te`
 builds the model on Transformer Engine as Megatron-LM's default flags do (stock =
-core-TE); `--train` times a training step (forward with labels and the loss's
-backward, no optimizer) instead of the inference forward. Latency is the
-median over iterations of the slowest rank's time, with a 95% bootstrap interval.
+core-TE), `--fp8-recipe R` both arms in FP8 with TE's recipe R; `--train` times a
+training step (forward with labels and the loss's backward, no optimizer) instead of
+the inference forward. Latency: the median over iterations of the slowest rank's time
+(95% bootstrap interval).
 The B sequences are split over the attention data-parallel ranks (world / TP), so the
 TP x EP group of every MoE layer sees M = B * S tokens in every layout.
 
@@ -79,8 +80,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(config.json + safetensors; load_hf_checkpoint) instead of random "
                         "ones; --model is then the folder's, --layers keeps the first ones")
     p.add_argument("--no-bias-swiglu-fusion", action="store_true",
-                   help="eager SwiGLU, as Megatron-LM's flag of that name (fused by default "
-                        "on CUDA)")
+                   help="eager SwiGLU, as Megatron-LM's flag (fused by default on CUDA)")
+    p.add_argument("--fp8-recipe", choices=("tensorwise", "delayed", "blockwise"),
+                   help="both arms in FP8 (e4m3) with this TE recipe (--impl te)")
     p.add_argument("--train", action="store_true",
                    help="time a training step instead (forward with labels, the loss's "
                         "backward; train mode, gradients zeroed between steps, no optimizer)")
@@ -93,7 +95,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="also time the overlapped forward captured into a CUDA graph "
                         "(policy 'graph'; CUDA; Megatron's inference RNG "
                         "tracker, whose fork a capture allows, for every policy)")
-    p.add_argument("--json", default=None, metavar="FILE", help="write the results here (rank 0)")
+    p.add_argument("--json", default=None, metavar="FILE", help="results (rank 0)")
     p.add_argument("--preload", default=None, metavar="FILE.py|MODULE",
                    help="imported (its install() called) before Megatron builds anything")
     p.add_argument("--log-level", default="INFO", help="rank 0's level (decision lines at INFO)")
@@ -197,7 +199,9 @@ def run_all(args) -> list[dict]:
     if "fused" in args.baseline_list:
         check_moe_fusions_available()
     overlap, policy = overlap_config_from_args(args), layer_policy_from_args(args)
-    fusion = {"bias_activation_fusion": False} if args.no_bias_swiglu_fusion else {}
+    overrides = {"bias_activation_fusion": False} if args.no_bias_swiglu_fusion else {}
+    if args.fp8_recipe:
+        overrides.update(fp8="e4m3", fp8_recipe=args.fp8_recipe)
     if args.cuda_graph:
         _inference_rng_tracker(args, device)
     if args.hf:
@@ -206,12 +210,12 @@ def run_all(args) -> list[dict]:
         model = load_hf_checkpoint(args.hf, args.tp, args.ep, overlap=overlap, policy=policy,
                                    impl=args.impl,
                                    num_layers=args.layers, experts=args.experts,
-                                   **fusion).to(device)
+                                   **overrides).to(device)
         args.model = model.hf_arch  # (the report's name)
     else:
         model = build_model(args.model, args.tp, args.ep, args.layers, experts=args.experts,
                             overlap=overlap, policy=policy, tiny=args.tiny, impl=args.impl,
-                            **fusion).to(device)
+                            **overrides).to(device)
     model.train(args.train)
     set_moe_fusions(model, BASELINES[args.baseline_list[0]])
     results = []
@@ -231,7 +235,7 @@ def _header(args, seq: int, device) -> dict:
                 experts=args.experts, baselines=args.baseline_list,
                 moe_fusions=BASELINES[args.baseline_list[0]], tiny=args.tiny,
                 device=str(device), cuda_graph=args.cuda_graph,
-                mode="train" if args.train else "prefill",
+                mode="train" if args.train else "prefill", fp8=args.fp8_recipe,
                 swiglu_fusion=device.type == "cuda" and not args.no_bias_swiglu_fusion)
 
 
