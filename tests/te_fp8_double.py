@@ -17,6 +17,7 @@ at a first microbatch (`is_first_microbatch`), read as they are at the others. W
 from __future__ import annotations
 
 import torch
+from test_mcore_te_experts import GroupedLinearDouble
 
 from megatron_overlap.kernels import fp8_quant as q
 
@@ -74,61 +75,51 @@ class _Fp8GroupedLinear(torch.autograd.Function):
         return (dx.to(ctx.dtypes[0]), None, None, None, *dws)
 
 
-class GroupedLinearFp8Double(torch.nn.Module):
+class GroupedLinearFp8Double(GroupedLinearDouble):
     """TE GroupedLinear's contract as TEGroupedMLP uses it, FP8 when `config.fp8`."""
 
-    def __init__(self, num_gemms, input_size, output_size, *, config, init_method, bias,
-                 skip_bias_add, is_expert, tp_comm_buffer_name, pg_collection=None, name=None):
-        super().__init__()
-        self.config, self.use_bias, self.num_gemms = config, bias, num_gemms
-        self.skip_bias_add = skip_bias_add
+    def __init__(self, *args, config, **kwargs):
+        super().__init__(*args, config=config, **kwargs)
+        self.config = config
         # Megatron's TEGroupedLinear: TE caches the FP8 weights at a first microbatch
         # and reads the cache at the others
         self.is_first_microbatch, self.workspace = True, None
-        for i in range(num_gemms):
-            w = torch.empty(output_size, input_size, dtype=config.params_dtype)
-            init_method(w)
-            self.register_parameter(f"weight{i}", torch.nn.Parameter(w))
-            if bias:
-                self.register_parameter(f"bias{i}", torch.nn.Parameter(
-                    torch.randn(output_size, dtype=config.params_dtype)))
 
     def forward(self, x, m_splits):
+        if not self.config.fp8:
+            return super().forward(x, m_splits)
         weights = [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
-        if self.config.fp8:
-            recipe = str(getattr(self.config.fp8_recipe, "value", self.config.fp8_recipe))
-            if self.is_first_microbatch or self.workspace is None:
-                self.workspace = [quantize(w.detach(), recipe, 128) for w in weights]
-            out = _Fp8GroupedLinear.apply(x, list(m_splits), recipe, self.workspace, *weights)
-            self.is_first_microbatch = False
-        else:
-            out = torch.cat([xe @ w.t() for xe, w in zip(torch.split(x, m_splits), weights)])
-        if self.use_bias:
+        recipe = str(getattr(self.config.fp8_recipe, "value", self.config.fp8_recipe))
+        if self.is_first_microbatch or self.workspace is None:
+            self.workspace = [quantize(w.detach(), recipe, 128) for w in weights]
+        out = _Fp8GroupedLinear.apply(x, list(m_splits), recipe, self.workspace, *weights)
+        self.is_first_microbatch = False
+        if self.use_bias:  # (the layer refuses an FC2 bias under FP8: FC1's returned)
             return out, [getattr(self, f"bias{i}") for i in range(self.num_gemms)]
         return out, None
 
 
-class Fp8Padding(torch.nn.Module):
+class _Aligned(torch.nn.Module):
     def __init__(self, num_gemms, align_size=None):
         super().__init__()
         self.align = align_size or 16
 
+    def padded(self, m_splits) -> list[int]:
+        return [-(-m // self.align) * self.align for m in m_splits]
+
+
+class Fp8Padding(_Aligned):
     def forward(self, inp, m_splits):
-        padded = [-(-m // self.align) * self.align for m in m_splits]
         parts = []
-        for rows, m, p in zip(torch.split(inp, list(m_splits)), m_splits, padded):
+        for rows, m, p in zip(torch.split(inp, list(m_splits)), m_splits, self.padded(m_splits)):
             parts += [rows, rows.new_zeros(p - m, *rows.shape[1:])]
-        return torch.cat(parts), padded
+        return torch.cat(parts), self.padded(m_splits)
 
 
-class Fp8Unpadding(torch.nn.Module):
-    def __init__(self, num_gemms, align_size=None):
-        super().__init__()
-        self.align = align_size or 16
-
+class Fp8Unpadding(_Aligned):
     def forward(self, inp, m_splits):
-        padded = [-(-m // self.align) * self.align for m in m_splits]
-        return torch.cat([rows[:m] for rows, m in zip(torch.split(inp, padded), m_splits)])
+        rows = torch.split(inp, self.padded(m_splits))
+        return torch.cat([part[:m] for part, m in zip(rows, m_splits)])
 
 
 def install() -> None:

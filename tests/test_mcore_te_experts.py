@@ -42,7 +42,9 @@ class GroupedLinearDouble(torch.nn.Module):
         return out, None
 
 
-def _te_moe_spec():
+def _te_moe_spec(linear=GroupedLinearDouble):
+    """The MoE layer spec with TEGroupedMLP experts over `linear` (TE's GroupedLinear
+    contract)."""
     import dataclasses
     from functools import partial
 
@@ -51,7 +53,7 @@ def _te_moe_spec():
 
     spec = get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False).submodules.mlp
     experts = partial(TEGroupedMLP, submodules=GroupedMLPSubmodules(
-        linear_fc1=GroupedLinearDouble, linear_fc2=GroupedLinearDouble))
+        linear_fc1=linear, linear_fc2=linear))
     return partial(spec.func, *spec.args, **dict(
         spec.keywords, submodules=dataclasses.replace(spec.keywords["submodules"],
                                                       experts=experts)))

@@ -9,9 +9,6 @@ gradient (FC2's from TE's node through `grad_sink`) match the stock FP8 layer's;
 cannot fuse is said at build. The GPU test with real TE: tests/test_mcore_te_fp8_gpu.py.
 """
 
-import dataclasses
-from functools import partial
-
 import pytest
 import torch
 
@@ -23,16 +20,10 @@ RECIPES = ("tensorwise", "delayed", "blockwise")
 
 
 def _fp8_spec():
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.moe.experts import GroupedMLPSubmodules, TEGroupedMLP
     from te_fp8_double import GroupedLinearFp8Double
+    from test_mcore_te_experts import _te_moe_spec
 
-    spec = get_gpt_layer_local_spec(num_experts=4, moe_grouped_gemm=False).submodules.mlp
-    experts = partial(TEGroupedMLP, submodules=GroupedMLPSubmodules(
-        linear_fc1=GroupedLinearFp8Double, linear_fc2=GroupedLinearFp8Double))
-    return partial(spec.func, *spec.args, **dict(
-        spec.keywords, submodules=dataclasses.replace(spec.keywords["submodules"],
-                                                      experts=experts)))
+    return _te_moe_spec(GroupedLinearFp8Double)
 
 
 def _fp8_config(world, recipe, **overrides):
