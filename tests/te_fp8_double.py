@@ -7,7 +7,9 @@ expert's rows and weight with the recipe of `config.fp8_recipe` (kernels/fp8_qua
 emulation of TE's quantizers) into storages with TE 2.12's attribute names (`_data`,
 `_scale_inv`; `_rowwise_data`, `_rowwise_scale_inv` in the GEMM-ready layouts) and calls
 this module's `general_grouped_gemm(weights, inputs, [out], ...)` through the module's
-globals; its autograd node computes dgrad and wgrad from the dequantized operands. The
+globals, and in training drops the inputs' rowwise data after it, as TE's
+`update_usage(rowwise_usage=False)` does; its autograd node computes dgrad and wgrad from
+the dequantized operands. The
 quantized weights are cached as Megatron's TEGroupedLinear has TE cache them: quantized
 at a first microbatch (`is_first_microbatch`), read as they are at the others. With
 `fp8` off it is the bf16 double of tests/test_mcore_te_experts.py. `Fp8Padding` and
@@ -27,19 +29,27 @@ CALLS = {"gemm": 0}
 class Tensorwise:
     def __init__(self, data, scale_inv):
         self._data, self._scale_inv = data.view(torch.uint8), scale_inv.reshape(1)
+        self.kept = self._data
 
     def values(self):
-        return self._data.view(torch.float8_e4m3fn).double() * self._scale_inv.double()
+        return self.kept.view(torch.float8_e4m3fn).double() * self._scale_inv.double()
+
+    def drop_rowwise(self):  # (TE's update_usage(rowwise_usage=False) after the GEMM)
+        self._data = None
 
 
 class Blockwise:
     def __init__(self, data, scale_inv, block_rows):
         self._rowwise_data, self._rowwise_scale_inv = data.view(torch.uint8), scale_inv
-        self.block_rows = block_rows
+        self.block_rows, self.kept = block_rows, (self._rowwise_data, scale_inv)
 
     def values(self):
-        return q.dequantize_blockwise(self._rowwise_data.view(torch.float8_e4m3fn),
-                                      self._rowwise_scale_inv, self.block_rows)
+        data, scale_inv = self.kept
+        return q.dequantize_blockwise(data.view(torch.float8_e4m3fn), scale_inv,
+                                      self.block_rows)
+
+    def drop_rowwise(self):
+        self._rowwise_data = self._rowwise_scale_inv = None
 
 
 def quantize(t: torch.Tensor, recipe: str, block_rows: int):
@@ -59,10 +69,12 @@ def general_grouped_gemm(A, B, out, quantization_params, out_dtype, layout="TN",
 
 class _Fp8GroupedLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, m_splits, recipe, qweights, *weights):
+    def forward(ctx, x, m_splits, recipe, qweights, training, *weights):
         inputs = [quantize(xe, recipe, 1) for xe in torch.split(x, m_splits)]
         out = x.new_empty(x.shape[0], weights[0].shape[0])
         general_grouped_gemm(qweights, inputs, [out], [None] * len(weights), x.dtype)
+        for t in inputs if training else ():  # (the wgrad reads the columnwise copy)
+            t.drop_rowwise()
         ctx.operands, ctx.m_splits, ctx.dtypes = (inputs, qweights), m_splits, (x.dtype,)
         return out
 
@@ -72,7 +84,7 @@ class _Fp8GroupedLinear(torch.autograd.Function):
         grads = list(torch.split(grad.double(), ctx.m_splits))
         dx = torch.cat([g @ w.values() for g, w in zip(grads, qweights)])
         dws = [(g.t() @ xe.values()).float() for g, xe in zip(grads, inputs)]
-        return (dx.to(ctx.dtypes[0]), None, None, None, *dws)
+        return (dx.to(ctx.dtypes[0]), None, None, None, None, *dws)
 
 
 class GroupedLinearFp8Double(GroupedLinearDouble):
@@ -92,7 +104,8 @@ class GroupedLinearFp8Double(GroupedLinearDouble):
         recipe = str(getattr(self.config.fp8_recipe, "value", self.config.fp8_recipe))
         if self.is_first_microbatch or self.workspace is None:
             self.workspace = [quantize(w.detach(), recipe, 128) for w in weights]
-        out = _Fp8GroupedLinear.apply(x, list(m_splits), recipe, self.workspace, *weights)
+        out = _Fp8GroupedLinear.apply(x, list(m_splits), recipe, self.workspace,
+                                      torch.is_grad_enabled(), *weights)
         self.is_first_microbatch = False
         if self.use_bias:  # (the layer refuses an FC2 bias under FP8: FC1's returned)
             return out, [getattr(self, f"bias{i}") for i in range(self.num_gemms)]

@@ -93,7 +93,8 @@ def _gemm_skipped(fc2, captured: dict):
     real = getattr(module, _GEMM)
 
     def record(weights, inputs, out, *args, **kwargs):
-        captured["weights"], captured["inputs"] = list(weights), list(inputs)
+        captured["weights"] = [rowwise(t) for t in weights]
+        captured["inputs"] = [rowwise(t) for t in inputs]
         return out, None, None
 
     setattr(module, _GEMM, record)
@@ -101,6 +102,17 @@ def _gemm_skipped(fc2, captured: dict):
         yield
     finally:
         setattr(module, _GEMM, real)
+
+
+def rowwise(storage) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rowwise data, its scale_inv) of a TE FP8 tensor: `Float8TensorStorage` (`_data`,
+    `_scale_inv`) or `Float8BlockwiseQTensorStorage` (`_rowwise_data`,
+    `_rowwise_scale_inv`). Read at the GEMM: in training TE drops the inputs' rowwise copy
+    right after it (`update_usage(rowwise_usage=False)`, keeping the columnwise one for
+    the wgrad)."""
+    if hasattr(storage, "_rowwise_data"):
+        return storage._rowwise_data, storage._rowwise_scale_inv
+    return storage._data, storage._scale_inv
 
 
 class _CapturingFC2(torch.nn.Module):
@@ -142,13 +154,14 @@ class Fp8WeightStack:
         self._key = self._value = None
 
     def operand(self, kind: str, weights: list, requantized: bool) -> tuple:
-        data = [t._data if kind == "tensor" else t._rowwise_data for t in weights]
+        """(weight [E, N, K] e4m3, w_scale_inv) of TE's (data, scale_inv) per expert."""
+        data = [d for d, _ in weights]
         key = (kind, tuple(d.data_ptr() for d in data))
         if requantized or key != self._key:
             if kind == "tensor":
-                scale = torch.cat([t._scale_inv.reshape(1) for t in weights])
+                scale = torch.cat([s.reshape(1) for _, s in weights])
             else:
-                scale = torch.stack([t._rowwise_scale_inv for t in weights])
+                scale = torch.stack([s for _, s in weights])
             self._value = (torch.stack(data).view(E4M3), scale.float())
             self._key = key
         return self._value
@@ -218,17 +231,15 @@ def _joined(parts: list[torch.Tensor], places: torch.Tensor | None) -> torch.Ten
 
 def input_operand(kind: str, inputs: list, counts: list[int], padded: list[int],
                   device) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x [T, K] e4m3, x_scale_inv) from TE's per-expert quantized FC2 inputs: their
-    rowwise data joined, the padding rows dropped; one scale per expert ("tensor") or
+    """(x [T, K] e4m3, x_scale_inv) from TE's per-expert quantized FC2 inputs ((data,
+    scale_inv) each, `rowwise`): their data joined, the padding rows dropped; one scale per expert ("tensor") or
     the 1x128 scales of the kept rows ("block", [ceil(K/128), T])."""
     places = padded_places(counts, padded, device)
+    x = _joined([data for data, _ in inputs], places)
     if kind == "tensor":
-        x = _joined([t._data for t in inputs], places)
-        scale = torch.cat([t._scale_inv.reshape(1) for t in inputs])
+        scale = torch.cat([s.reshape(1) for _, s in inputs])
     else:
-        x = _joined([t._rowwise_data for t in inputs], places)
-        scale = torch.cat([t._rowwise_scale_inv[:, :c] for t, c in zip(inputs, counts)],
-                          dim=1)
+        scale = torch.cat([s[:, :c] for (_, s), c in zip(inputs, counts)], dim=1)
     return x.view(E4M3), scale.float()
 
 
