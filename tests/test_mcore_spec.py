@@ -171,6 +171,10 @@ def test_flags_parse_into_the_overlap_config_and_the_layer_policy(tmp_path):
     assert layer_policy_from_args(_parse(["--moe-overlap", "--moe-overlap-host-counts"])
                                   ).host_counts is True
     assert layer_policy_from_args(argparse.Namespace()) == LayerPolicy()
+    assert LayerPolicy().fp8 is False  # FP8 layers fuse only where asked
+    assert layer_policy_from_args(_parse(["--moe-overlap", "--moe-overlap-fp8"])).fp8 is True
+    with pytest.raises(ValueError, match="LayerPolicy.fp8 must be a bool"):
+        LayerPolicy(fp8="yes")
     assert auto.placement == OverlapConfig().placement  # "auto": the device default
     part = overlap_config_from_args(_parse(["--moe-overlap", "--moe-overlap-placement",
                                             "partition"]))

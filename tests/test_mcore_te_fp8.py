@@ -19,6 +19,12 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU backends"
 RECIPES = ("tensorwise", "delayed", "blockwise")
 
 
+def _opt_in():
+    from megatron_overlap.mcore.policy import LayerPolicy
+
+    return LayerPolicy(fp8=True)
+
+
 def _fp8_spec():
     from te_fp8_double import GroupedLinearFp8Double
     from test_mcore_te_experts import _te_moe_spec
@@ -61,7 +67,8 @@ def _fp8_scenarios(rank, world):
         ref = _run(stock, x, grad)
         stock_gemms = te_fp8_double.CALLS["gemm"]
         for backend in ("reference", "interpret"):
-            layer = with_overlap_moe(spec, OverlapConfig(backend=backend))(config=config)
+            layer = with_overlap_moe(spec, OverlapConfig(backend=backend), _opt_in())(
+                config=config)
             layer.load_state_dict(stock.state_dict())
             te_fp8_double.CALLS["gemm"] = 0
             with warnings.catch_warnings():
@@ -75,10 +82,13 @@ def _fp8_scenarios(rank, world):
                 gemms=(te_fp8_double.CALLS["gemm"], stock_gemms))
     found["cache"] = _weight_cache(spec, world, x)
     refusals = {}
-    for name, overrides in (("mxfp8", dict(fp8_recipe="mxfp8")),
-                            ("fc2_bias", dict(add_bias_linear=True, bias_dropout_fusion=False))):
+    for name, overrides, policy in (
+            ("mxfp8", dict(fp8_recipe="mxfp8"), _opt_in()),
+            ("fc2_bias", dict(add_bias_linear=True, bias_dropout_fusion=False), _opt_in()),
+            ("not_opted_in", {}, None)):
         config = _fp8_config(world, overrides.pop("fp8_recipe", "tensorwise"), **overrides)
-        layer = with_overlap_moe(spec, OverlapConfig(backend="reference"))(config=config)
+        layer = with_overlap_moe(spec, OverlapConfig(backend="reference"), policy)(
+            config=config)
         refusals[name] = layer.unsupported_reason
     found["refusals"] = refusals
     ps.destroy_model_parallel()
@@ -91,7 +101,7 @@ def _weight_cache(spec, world, x):
     from megatron_overlap.mcore.spec import with_overlap_moe
     from megatron_overlap.ops import OverlapConfig
 
-    layer = with_overlap_moe(spec, OverlapConfig(backend="reference"))(
+    layer = with_overlap_moe(spec, OverlapConfig(backend="reference"), _opt_in())(
         config=_fp8_config(world, "tensorwise"))
     stack, fc2 = layer._stacks.fc2_fp8, layer.experts.linear_fc2
     with torch.no_grad():
@@ -132,6 +142,7 @@ def test_fp8_layers_that_cannot_fuse_say_why_at_build(fp8_runs):
     for r in fp8_runs:
         assert "--fp8-recipe mxfp8" in r["refusals"]["mxfp8"], r["refusals"]
         assert "FC2 bias under FP8" in r["refusals"]["fc2_bias"], r["refusals"]
+        assert "without --moe-overlap-fp8" in r["refusals"]["not_opted_in"], r["refusals"]
 
 
 def test_fp8_weights_stack_once_while_te_reads_its_cached_fp8_weights(fp8_runs):

@@ -25,15 +25,21 @@ class LayerPolicy:
         uniform; GEMM2's row tiles barely depend on the skew). True brings them to the
         host first: exact planning, one host sync per layer (after FC1 is queued).
         `--moe-overlap-host-counts`.
+    fp8: False (the default): MoE layers under TE's FP8 recipes run stock; True fuses
+        them (TEGroupedMLP under tensorwise, delayed or blockwise: mcore/te_fp8.py). Opt-in
+        until the fused FP8 layer is measured against core-TE FP8 on a GPU (RESULTS).
+        `--moe-overlap-fp8`.
     """
 
     fuse: str = "auto"
     host_counts: bool = False
+    fp8: bool = False
 
     def __post_init__(self) -> None:
         if self.fuse not in FUSE_CHOICES:
             raise ValueError(f"LayerPolicy.fuse must be one of {FUSE_CHOICES}, got "
                              f"{self.fuse!r}")
-        if not isinstance(self.host_counts, bool):
-            raise ValueError(f"LayerPolicy.host_counts must be a bool, got "
-                             f"{self.host_counts!r}")
+        for name in ("host_counts", "fp8"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"LayerPolicy.{name} must be a bool, got "
+                                 f"{getattr(self, name)!r}")

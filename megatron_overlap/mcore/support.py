@@ -37,6 +37,9 @@ def unsupported_reason(layer) -> str | None:
                 f"under TE's recipes)")
     if (why := unsupported_experts(layer.experts)) is not None:  # (FP8: te_fp8.fp8_refusal)
         return why
+    if (c.fp8 or c.fp4) and not layer.policy.fp8:
+        return ("FP8 experts without --moe-overlap-fp8 (LayerPolicy(fp8=True)): the fused "
+                "FP8 layer is opt-in until measured against core-TE FP8 on a GPU")
     if c.moe_latent_size:
         return "latent MoE projections"
     if c.overlap_dispatch_backward_with_experts_wgrad:
