@@ -127,15 +127,16 @@ def test_fp8_te_experts_fuse_skip_tes_fc2_gemm_and_match_stock_fp8(fp8_runs, rec
                                                                     backend):
     """The op's GEMM2 on TE's quantized operands equals TE's GEMM on them (fp32 sums,
     bf16 y), the padding rows dropped; TE's FC2 node, fed dL/dy by the op, gives FC2's
-    and, through FC1, every other gradient as stock does."""
+    and, through FC1, every other parameter's gradient as stock does, bit for bit."""
     for r in fp8_runs:
         res = r[(recipe, backend)]
         assert res["reason"] is None and res["fused"], res
         assert res["gemms"] == (1, 2), res  # FC1's GEMM ran, FC2's was the op's
         assert res["dtype"] == torch.bfloat16 and res["grad_names"], res
         assert res["out"] < 2e-2 and res["dx"] < 2e-2, res
-        worst = max(res["dw"].items(), key=lambda kv: kv[1])
-        assert worst[1] < 2e-2, worst
+        # TE's node gets stock's dL/dy: every parameter's gradient is stock's, bit for bit
+        # (x's differs by the permutation backward's rounding: fp32 sums rounded once)
+        assert all(d == 0.0 for d in res["dw"].values()), res["dw"]
 
 
 def test_fp8_layers_that_cannot_fuse_say_why_at_build(fp8_runs):
