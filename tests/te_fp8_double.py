@@ -13,7 +13,8 @@ the dequantized operands. The
 quantized weights are cached as Megatron's TEGroupedLinear has TE cache them: quantized
 at a first microbatch (`is_first_microbatch`), read as they are at the others. With
 `fp8` off it is the bf16 double of tests/test_mcore_te_experts.py. `Fp8Padding` and
-`Fp8Unpadding` pad each expert's rows to the alignment with zero rows, as TE's do.
+`Fp8Unpadding` pad each expert's rows to the alignment with zero rows, as TE's do. FP8
+runs while `FP8GlobalStateManager.enabled` (TE: inside its autocast), else bf16.
 """
 
 from __future__ import annotations
@@ -24,6 +25,16 @@ from test_mcore_te_experts import GroupedLinearDouble
 from megatron_overlap.kernels import fp8_quant as q
 
 CALLS = {"gemm": 0}
+
+
+class FP8GlobalStateManager:
+    """TE's FP8 state as GroupedLinear reads it: FP8 runs inside TE's autocast only."""
+
+    enabled = True
+
+    @classmethod
+    def is_fp8_enabled(cls) -> bool:
+        return cls.enabled
 
 
 class Tensorwise:
@@ -88,7 +99,7 @@ class _Fp8GroupedLinear(torch.autograd.Function):
 
 
 class GroupedLinearFp8Double(GroupedLinearDouble):
-    """TE GroupedLinear's contract as TEGroupedMLP uses it, FP8 when `config.fp8`."""
+    """TE GroupedLinear's contract as TEGroupedMLP uses it, FP8 inside TE's autocast."""
 
     def __init__(self, *args, config, **kwargs):
         super().__init__(*args, config=config, **kwargs)
@@ -98,7 +109,7 @@ class GroupedLinearFp8Double(GroupedLinearDouble):
         self.is_first_microbatch, self.workspace = True, None
 
     def forward(self, x, m_splits):
-        if not self.config.fp8:
+        if not FP8GlobalStateManager.is_fp8_enabled():  # (TE: bf16 outside its autocast)
             return super().forward(x, m_splits)
         weights = [getattr(self, f"weight{i}") for i in range(self.num_gemms)]
         recipe = str(getattr(self.config.fp8_recipe, "value", self.config.fp8_recipe))

@@ -81,6 +81,7 @@ def _fp8_scenarios(rank, world):
                 reason=layer.unsupported_reason, fused=layer.last_path.fused,
                 gemms=(te_fp8_double.CALLS["gemm"], stock_gemms))
     found["cache"] = _weight_cache(spec, world, x)
+    found["outside_autocast"] = _outside_autocast(spec, world, x, grad)
     refusals = {}
     for name, overrides, policy in (
             ("mxfp8", dict(fp8_recipe="mxfp8"), _opt_in()),
@@ -116,6 +117,34 @@ def _weight_cache(spec, world, x):
                 changed=not torch.equal(stepped, first))
 
 
+def _outside_autocast(spec, world, x, grad):
+    """An FP8 layer called outside TE's FP8 autocast (TE computes FC2 in bf16): the call
+    runs stock, after one warning, with stock's output."""
+    import warnings
+
+    import te_fp8_double
+    from test_mcore_layer import _run
+
+    from megatron_overlap.mcore.spec import with_overlap_moe
+    from megatron_overlap.ops import OverlapConfig
+
+    config = _fp8_config(world, "tensorwise")
+    torch.manual_seed(1234)
+    stock = spec(config=config)
+    layer = with_overlap_moe(spec, OverlapConfig(backend="reference"), _opt_in())(
+        config=config)
+    layer.load_state_dict(stock.state_dict())
+    te_fp8_double.FP8GlobalStateManager.enabled = False
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out, ref = _run(layer, x, grad)[0], _run(stock, x, grad)[0]
+    finally:
+        te_fp8_double.FP8GlobalStateManager.enabled = True
+    return dict(fused=layer.last_path.fused, same=torch.equal(out, ref),
+                warned=[str(w.message) for w in caught if "megatron-overlap" in str(w.message)])
+
+
 @pytest.fixture(scope="module", params=[1, 2], ids=["TP1EP1", "TP1EP2"])
 def fp8_runs(request):
     return run_ranks(request.param, _fp8_scenarios)
@@ -149,3 +178,30 @@ def test_fp8_layers_that_cannot_fuse_say_why_at_build(fp8_runs):
 def test_fp8_weights_stack_once_while_te_reads_its_cached_fp8_weights(fp8_runs):
     for r in fp8_runs:
         assert r["cache"] == dict(kept=True, rebuilt=True, changed=True), r["cache"]
+
+
+def test_an_fp8_layer_outside_tes_fp8_autocast_runs_stock_after_one_warning(fp8_runs):
+    for r in fp8_runs:
+        res = r["outside_autocast"]
+        assert not res["fused"] and res["same"], res
+        assert len(res["warned"]) <= 1 and all("outside TE's FP8 autocast" in w
+                                               for w in res["warned"]), res
+
+
+@pytest.mark.parametrize("back_to_back", [True, False])
+def test_tes_per_expert_fp8_rows_join_without_their_padding(back_to_back):
+    """x from TE's per-expert tensors: a view of one bulk allocation, one row gather where
+    padding sits between the experts' rows, or one copy of separate tensors."""
+    from megatron_overlap.mcore.te_fp8 import _joined, padded_places
+
+    counts, padded = [5, 0, 16, 3], [16, 0, 16, 16]
+    bulk = torch.arange(sum(padded) * 4, dtype=torch.uint8).reshape(-1, 4)
+    parts = list(bulk.split(padded)) if back_to_back else [
+        t.clone() for t in bulk.split(padded)]
+    want = torch.cat([t[:c] for t, c in zip(bulk.split(padded), counts)])
+    got = _joined(parts, counts, padded_places(counts, padded, "cpu"))
+    assert torch.equal(got, want)
+    whole = _joined(parts, padded, padded_places(padded, padded, "cpu"))
+    assert torch.equal(whole, bulk)
+    if back_to_back:  # (nothing padded: the bulk allocation itself, no copy)
+        assert whole.data_ptr() == bulk.data_ptr()

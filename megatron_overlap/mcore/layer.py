@@ -39,6 +39,7 @@ from .dispatch import Deferred, OverlapAllGatherDispatcher, Permuted
 from .decision_log import launch_line
 from .experts import in_inference, needs_host_counts
 from .fc2_operands import FC2Operands, OperandStacks, fc2_operands, pack_expert_weights
+from .te_fp8 import autocast_refusal
 from .policy import LayerPolicy
 from .shared_gate import gate_joins, join
 from .support import capture_refusal, stock_launches, unsupported_reason, warmed
@@ -187,6 +188,9 @@ class OverlapMoELayer(MoELayer):
         if self.unsupported_reason is not None:
             _warn_once(self.unsupported_reason, f"{self.unsupported_reason} is not supported; those MoE "
                        "layers run the stock Megatron path")
+            return False
+        if (why := autocast_refusal(self.experts)) is not None:
+            _warn_once(why, f"{why}: those calls run the stock Megatron path")
             return False
         if capturing(hidden_states):
             why = capture_refusal(self, hidden_states, host_counts)

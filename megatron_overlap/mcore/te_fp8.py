@@ -75,6 +75,19 @@ def fp8_refusal(config, fc2) -> str | None:
     return None
 
 
+def autocast_refusal(experts) -> str | None:
+    """Why this call of FP8 TEGroupedMLP `experts` runs stock (None: it fuses): TE's FP8
+    autocast is off (a layer called outside Megatron's FP8 context: TE would compute FC2
+    in bf16, which the fused FP8 path cannot take). Read from the FP8 state TE's
+    GroupedLinear reads (its module's `FP8GlobalStateManager`)."""
+    if not experts.config.fp8:
+        return None
+    state = getattr(gemm_module(experts.linear_fc2), "FP8GlobalStateManager", None)
+    if state is not None and not state.is_fp8_enabled():
+        return "an FP8 layer called outside TE's FP8 autocast (TE computes it in bf16)"
+    return None
+
+
 def gemm_module(fc2):
     """The module whose `general_grouped_gemm` FC2's forward calls: that of the class in
     fc2's MRO defining `forward` next to it (TE's grouped_linear under Megatron's
@@ -211,31 +224,37 @@ def padded_places(counts: list[int], padded: list[int], device) -> torch.Tensor 
             + torch.repeat_interleave(shifts, sizes, output_size=rows))
 
 
-def _joined(parts: list[torch.Tensor], places: torch.Tensor | None) -> torch.Tensor:
-    """The rows of per-expert [m_e, K] tensors as one [T, K] (a view where TE allocated
-    them back to back), then the rows at `places` (the padding dropped)."""
+def _back_to_back(parts: list[torch.Tensor]) -> torch.Tensor | None:
+    """One [sum m_e, K] view of per-expert [m_e, K] tensors that TE allocated back to
+    back, in order, in one storage (its bulk allocation), else None."""
     first = parts[0]
-    step = first.stride(0)
-    back_to_back = all(
-        p.is_contiguous() and p.shape[1:] == first.shape[1:]
-        and p.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
-        for p in parts)
+    if not all(p.is_contiguous() and p.shape[1:] == first.shape[1:]
+               and p.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+               for p in parts):
+        return None
     offset, rows = first.storage_offset(), 0
-    for p in parts if back_to_back else ():
-        back_to_back &= p.storage_offset() == offset + rows * step
+    for p in parts:
+        if p.storage_offset() != offset + rows * first.stride(0):
+            return None
         rows += p.shape[0]
-    joined = (torch.as_strided(first, (rows, *first.shape[1:]), first.stride(), offset)
-              if back_to_back else torch.cat(parts))
-    return joined if places is None else joined.index_select(0, places)
+    return torch.as_strided(first, (rows, *first.shape[1:]), first.stride(), offset)
 
 
-def input_operand(kind: str, inputs: list, counts: list[int], padded: list[int],
-                  device) -> tuple[torch.Tensor, torch.Tensor]:
+def _joined(parts: list[torch.Tensor], counts: list[int], places) -> torch.Tensor:
+    """[T, K]: the first counts[e] rows of each per-expert tensor (the padding after
+    them dropped): a view, one row gather (`places`), or one copy."""
+    joined = _back_to_back(parts)
+    if joined is not None:
+        return joined if places is None else joined.index_select(0, places)
+    return torch.cat([p[:c] for p, c in zip(parts, counts)])
+
+
+def input_operand(kind: str, inputs: list, counts: list[int],
+                  places: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(x [T, K] e4m3, x_scale_inv) from TE's per-expert quantized FC2 inputs ((data,
-    scale_inv) each, `rowwise`): their data joined, the padding rows dropped; one scale per expert ("tensor") or
-    the 1x128 scales of the kept rows ("block", [ceil(K/128), T])."""
-    places = padded_places(counts, padded, device)
-    x = _joined([data for data, _ in inputs], places)
+    scale_inv) each, `rowwise`): their data joined, the padding rows dropped; one scale
+    per expert ("tensor") or the 1x128 scales of the kept rows ("block", [KB, T])."""
+    x = _joined([data for data, _ in inputs], counts, places)
     if kind == "tensor":
         scale = torch.cat([s.reshape(1) for _, s in inputs])
     else:
@@ -265,11 +284,10 @@ def te_fp8_fc2(experts, weights: Fp8WeightStack, x: torch.Tensor, counts: list[i
     padded = capture.splits
     unpadded = keep.counts if keep.counts is not None else padded
     kind = recipe_kind(experts.config)
-    fp8_x, x_scale = input_operand(kind, capture.captured["inputs"], unpadded, padded,
-                                   x.device)
+    places = padded_places(unpadded, padded, x.device)
+    fp8_x, x_scale = input_operand(kind, capture.captured["inputs"], unpadded, places)
     weight, w_scale = weights.operand(kind, capture.captured["weights"], capture.requantized)
     sink = None
     if out.requires_grad:
-        places = padded_places(unpadded, padded, x.device)
         sink = out if places is None else _DropPadding.apply(out, places)
     return Fp8FC2(fp8_x, weight, Fp8Scales(kind, x_scale, w_scale), sink)
