@@ -36,112 +36,19 @@ import torch
 
 from ..kernels.routing_table import combine_table
 from ..planner import Workload, expert_row_tiles
-from . import launcher
 from .groups import call_backend
 from .config import OverlapConfig, TileConfig
-from .grouped import grouped_mm, grouped_wgrad
 from .buffer import OverlapBuffer
 from .fp8 import OUT_DTYPE, Fp8Scales, check_call as check_fp8, check_sink, kind_of
 from .planning import LaunchPlan, PlanRequest, launch_tiles
 from .plans import family_keys
 from .routing import Routing
-from .reference import all_gather, reference_forward
-from .validation import (MAX_TOKENS, MAX_TOPK, aligned, capturing, check_int,
+from .nodes import Fp8GatherRS, Gemm2GatherRS, forward
+from .validation import (MAX_TOKENS, MAX_TOPK, capturing, check_int,
                          check_options, expert_count, host_counts, to_device, validate)
 
 #: call tags live in bits 16-30 of the descriptor's kind word (`OverlapBuffer._descriptor`)
 MAX_CALL_TAG = 1 << 15
-
-
-def _forward(x, weight, probs, counts_dev, table, launch):
-    """(out, y) of a prepared launch: the overlapped kernels or the reference path."""
-    counts, group, world = launch.counts, launch.group, launch.world
-    scales = launch.call.scales
-    if launch.buffer is None:  # (the rows past the counts' sum are padding)
-        return reference_forward(x[:sum(counts)], weight, counts_dev, counts, table, probs,
-                                 group, world, scales)
-    out = torch.empty(table.shape[0] // world, weight.shape[1], dtype=launch.call.out_dtype,
-                      device=x.device)
-    y = launcher.launch(launch.buffer, aligned(x), aligned(weight), launch.routing,
-                        launch.launch_plan, probs, out, fork=launch.routing.routed,
-                        scales=scales)
-    return out, y
-
-
-class _Gemm2GatherRS(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, probs, counts_dev, token_index, table, launch):
-        out, y = _forward(x, weight, probs, counts_dev, table, launch)
-        ctx.meta = (launch.counts, launch.group, launch.world)
-        ctx.save_for_backward(x, weight, probs, counts_dev, token_index,
-                              _y_for_probs(y, probs, launch))
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        x, weight, probs, counts_dev, token_index, y = ctx.saved_tensors
-        counts, group, world = ctx.meta
-        grad_rows, grad_probs = _rows_gradient(grad_out, token_index, probs, y, group, world,
-                                               ctx.needs_input_grad[2])
-        grad_x = grad_w = None
-        # (grouped.py pads operands whose rows are not 16-byte multiples: any N, K)
-        if ctx.needs_input_grad[0]:  # dx[rows of e] = dy W[e]: [T, N] @ [N, K]
-            grad_x = grouped_mm(grad_rows, weight, counts_dev, counts)
-        if ctx.needs_input_grad[1]:  # dW[e] = dy_e^T x_e, every expert in one grouped GEMM
-            grad_w = grouped_wgrad(grad_rows, x, counts_dev, counts)
-        return grad_x, grad_w, grad_probs, None, None, None, None
-
-
-class _Fp8GatherRS(torch.autograd.Function):
-    """FP8 operands whose GEMM2 backward is the caller's: the output from the quantized x
-    and W, and in backward dL/dy (each row's token gradient, probabilities applied) handed
-    to `sink`, whose node (TE's GroupedLinear) runs dgrad and wgrad in its recipe."""
-
-    @staticmethod
-    def forward(ctx, sink, probs, x, weight, counts_dev, token_index, table, launch):
-        out, y = _forward(x, weight, probs, counts_dev, table, launch)
-        ctx.meta = (launch.group, launch.world, None if sink is None else sink.dtype)
-        ctx.save_for_backward(probs, token_index, _y_for_probs(y, probs, launch))
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        probs, token_index, y = ctx.saved_tensors
-        group, world, sink_dtype = ctx.meta
-        grad_rows, grad_probs = _rows_gradient(grad_out, token_index, probs, y, group, world,
-                                               ctx.needs_input_grad[1])
-        grad_sink = None if sink_dtype is None else grad_rows.to(sink_dtype)
-        return grad_sink, grad_probs, None, None, None, None, None, None
-
-
-def _y_for_probs(y, probs, launch):
-    """GEMM2's y in row order where the probabilities need a gradient (dL/dp = <g, y>)."""
-    if probs is None or not probs.requires_grad:
-        return None
-    dest = None if launch.routing is None else launch.routing.dest
-    return y if dest is None else y[dest.long()]  # (token-major y: back to row order)
-
-
-def _rows_gradient(grad_out, token_index, probs, y, group, world: int, probs_grad: bool):
-    """(dL/dy [T, N]: each row's token gradient, probabilities applied; dL/dprobs)."""
-    grad_rows = _gathered_rows(grad_out, token_index, group, world)  # [T, N]
-    grad_probs = None
-    if probs is not None:
-        if probs_grad:
-            grad_probs = (grad_rows.float() * y.float()).sum(1).to(probs.dtype)
-        grad_rows = grad_rows * probs.to(grad_rows.dtype)[:, None]
-    return grad_rows, grad_probs
-
-
-def _gathered_rows(grad_out, token_index, group, world: int) -> torch.Tensor:
-    """[T, N] the output gradient of each row's token: the gradient of a reduce-scatter is
-    an all-gather, then each row reads its token's."""
-    grad_out = grad_out.contiguous()
-    full = grad_out
-    if world > 1:
-        full = grad_out.new_empty(grad_out.shape[0] * world, grad_out.shape[1])
-        all_gather(full, grad_out, group=group)
-    return full[token_index.long()]
 
 
 def run(session, x: torch.Tensor, weight: torch.Tensor, tokens_per_expert,
@@ -185,13 +92,13 @@ def launched(session, launch: "Launch", x, weight, probs, token_index, grads: bo
     FP8 operands' node hands GEMM2's backward to `grad_sink` (`fp8.check_sink`)."""
     with _arrives_on_raise(session):
         if grads and launch.call.scales is not None:
-            out = _Fp8GatherRS.apply(grad_sink, probs, x, weight, launch.counts_dev,
+            out = Fp8GatherRS.apply(grad_sink, probs, x, weight, launch.counts_dev,
                                      token_index, launch.table, launch)
         elif grads:
-            out = _Gemm2GatherRS.apply(x, weight, probs, launch.counts_dev, token_index,
+            out = Gemm2GatherRS.apply(x, weight, probs, launch.counts_dev, token_index,
                                        launch.table, launch)
         else:  # inference and prefill: no autograd node to build
-            out = _forward(x, weight, probs, launch.counts_dev, launch.table, launch)[0]
+            out = forward(x, weight, probs, launch.counts_dev, launch.table, launch)[0]
     if launch.buffer is not None:
         launch.buffer.note_launch(launch.plan.w_comp if launch.counts is not None else None,
                                   sync=launch.config.sync_errors, captured=launch.captured)
@@ -245,7 +152,7 @@ class Call:
 @dataclass
 class Launch:
     """A prepared call: its checked inputs and the three stages' values (routing, plan;
-    None on the reference path), launched by `_forward`."""
+    None on the reference path), launched by `nodes.forward`."""
 
     call: Call
     counts_dev: torch.Tensor
