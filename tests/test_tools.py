@@ -537,3 +537,24 @@ def test_grid_report_adds_the_fused_flags_ratio_from_its_own_files(tmp_path):
     assert "| on / off, fused MoE flags |" in text and "| 1.11x |" in text
     assert "fused MoE flags: min 1.000x over 2 points, geomean at S >= 4096 " \
            f"{math.sqrt(10 / 9):.3f}x" in text
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--fp8-recipe", "blockwise", "--impls", "local"], "FP8 experts are TE's"),
+    (["--fp8-recipe", "tensorwise", "--impls", "te", "--cuda-graph"], "no capture"),
+    (["--fp8-recipe", "mxfp8", "--impls", "te"], "invalid choice")])
+def test_layer_benchmark_refuses_fp8_runs_it_cannot_make_by_name(flags, message):
+    import subprocess
+
+    tool = os.path.join(os.path.dirname(__file__), "..", "tools", "bench_layer.py")
+    done = subprocess.run([sys.executable, tool, *flags], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 2 and message in done.stderr, done.stderr[-500:]
+
+
+def test_layer_benchmark_policy_opts_fp8_layers_in_with_its_fp8_flag():
+    import bench_layer
+
+    args = argparse.Namespace(fuse="always", fp8_recipe="blockwise")
+    assert bench_layer.layer_policy(args).fp8 is True
+    assert bench_layer.layer_policy(argparse.Namespace(fuse="auto")).fp8 is False

@@ -66,9 +66,11 @@ def build_case(model_name, tp, ep, seq, batch, args, device, impl: str = "local"
         raise ValueError(f"--input-layer {input_layer}: {model_name} has {depth} layers")
     depth = input_layer or _first_moe_layer(model_name)
     config = OverlapConfig.from_env(backend=args.backend)
-    fusion = {"bias_activation_fusion": False} if args.no_bias_swiglu_fusion else {}
+    overrides = {"bias_activation_fusion": False} if args.no_bias_swiglu_fusion else {}
+    if getattr(args, "fp8_recipe", None):
+        overrides.update(fp8="e4m3", fp8_recipe=args.fp8_recipe)
     model = build_model(model_name, tp, ep, depth, overlap=config, policy=layer_policy(args),
-                        tiny=args.tiny, impl=impl, **fusion).to(device).eval()
+                        tiny=args.tiny, impl=impl, **overrides).to(device).eval()
     layer = [m for m in model.modules() if isinstance(m, OverlapMoELayer)][-1]
     if not input_layer:
         dp = ps.get_data_parallel_world_size()
@@ -115,8 +117,18 @@ def add_fuse_arg(ap, default: str = "always") -> None:
 
 
 def layer_policy(args, **fields) -> LayerPolicy:
-    """The layers' LayerPolicy from the `--fuse` flag (and `fields`)."""
-    return LayerPolicy(fuse=args.fuse, **fields)
+    """The layers' LayerPolicy from the `--fuse` flag (and `fields`); FP8 layers fused
+    where `--fp8-recipe` asks for them."""
+    return LayerPolicy(fuse=args.fuse, fp8=bool(getattr(args, "fp8_recipe", None)), **fields)
+
+
+def in_fp8(layer):
+    """The FP8 context Megatron's TransformerBlock enters around a layer of an FP8 config
+    (TE's autocast with the config's recipe; a null context without FP8): a layer called
+    by itself runs as inside the model."""
+    from megatron.core.fp8_utils import get_fp8_context
+
+    return get_fp8_context(layer.config)
 
 
 def routing_skew(layer, hidden) -> dict:
@@ -161,7 +173,7 @@ def _agreement(layer, hidden, fused: bool) -> tuple[float, float]:
     """(relative error, max |diff|) of the overlapped layer's output against stock's,
     both under Megatron's MoE fusions or both without."""
     set_moe_fusions(layer, fused)
-    with torch.no_grad():  # outputs agree before anything is timed
+    with torch.no_grad(), in_fp8(layer):  # outputs agree before anything is timed
         layer.overlap_enabled = False
         ref = layer(hidden)[0].float()
         layer.overlap_enabled = True
@@ -181,7 +193,7 @@ def layer_case(model_name, tp, ep, seq, batch, args, device):
         def fn():
             layer.overlap_enabled = overlap
             set_moe_fusions(layer, fused)
-            with torch.no_grad():
+            with torch.no_grad(), in_fp8(layer):
                 layer(hidden)
         return fn
 
@@ -214,6 +226,7 @@ def layer_case(model_name, tp, ep, seq, batch, args, device):
             extra["speedup_graph"] = base / stats["graph"]["median"]
         graph.release()
     return dict(model=model_name, tp=tp, ep=ep, seq=seq, batch=batch, impls=args.impls,
+                fp8=getattr(args, "fp8_recipe", None),
                 baselines=args.baseline_list, moe_fusions=BASELINES[first],
                 rel_err=err, max_abs_diff=max_diff, input_layer=args.input_layer, routing=skew,
                 decision=None if plan is None else dict(C=plan.comm_ctas, L=plan.splits,
@@ -272,10 +285,18 @@ def main() -> int:
     ap.add_argument("--cuda-graph", action="store_true",
                     help="also time the overlapped layer captured into a CUDA graph and "
                          "replayed ('graph'; needs CUDA, inference, every expert local)")
+    ap.add_argument("--fp8-recipe", choices=("tensorwise", "delayed", "blockwise"),
+                    help="the layers in FP8 (e4m3) with this TE recipe inside Megatron's FP8 "
+                         "context, both arms (--impls te; the overlapped arm opted in as "
+                         "--moe-overlap-fp8 does)")
     ap.add_argument("--preload", default=None)
     ap.add_argument("--json", default="")
     args = ap.parse_args()
     args.impls = args.impls.split(",")
+    if args.fp8_recipe and args.impls != ["te"]:
+        ap.error("--fp8-recipe: FP8 experts are TE's (--impls te)")
+    if args.fp8_recipe and args.cuda_graph:
+        ap.error("--cuda-graph: TE's FP8 experts split the rows on the host (no capture)")
     if len(set(args.impls)) < len(args.impls):
         ap.error(f"--impls: distinct entries, got {','.join(args.impls)}")
     try:
