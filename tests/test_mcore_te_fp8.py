@@ -35,9 +35,9 @@ def _fp8_spec():
 def _fp8_config(world, recipe, **overrides):
     from test_mcore_layer import _config
 
-    return _config(1, world, fp8="e4m3", fp8_recipe=recipe, bf16=True,
-                   params_dtype=torch.bfloat16, moe_shared_expert_intermediate_size=None,
-                   **overrides)
+    return _config(1, world, **{**dict(
+        fp8="e4m3", fp8_recipe=recipe, bf16=True, params_dtype=torch.bfloat16,
+        moe_shared_expert_intermediate_size=None), **overrides})
 
 
 def _fp8_scenarios(rank, world):
@@ -86,7 +86,8 @@ def _fp8_scenarios(rank, world):
     for name, overrides, policy in (
             ("mxfp8", dict(fp8_recipe="mxfp8"), _opt_in()),
             ("fc2_bias", dict(add_bias_linear=True, bias_dropout_fusion=False), _opt_in()),
-            ("not_opted_in", {}, None)):
+            ("not_opted_in", {}, None),
+            ("fp32_activations", dict(bf16=False, params_dtype=torch.float32), _opt_in())):
         config = _fp8_config(world, overrides.pop("fp8_recipe", "tensorwise"), **overrides)
         layer = with_overlap_moe(spec, OverlapConfig(backend="reference"), policy)(
             config=config)
@@ -173,6 +174,7 @@ def test_fp8_layers_that_cannot_fuse_say_why_at_build(fp8_runs):
         assert "--fp8-recipe mxfp8" in r["refusals"]["mxfp8"], r["refusals"]
         assert "FC2 bias under FP8" in r["refusals"]["fc2_bias"], r["refusals"]
         assert "without --moe-overlap-fp8" in r["refusals"]["not_opted_in"], r["refusals"]
+        assert "writes bf16" in r["refusals"]["fp32_activations"], r["refusals"]
 
 
 def test_fp8_weights_stack_once_while_te_reads_its_cached_fp8_weights(fp8_runs):

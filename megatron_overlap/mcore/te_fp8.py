@@ -69,6 +69,9 @@ def fp8_refusal(config, fc2) -> str | None:
                 f"{', '.join(RECIPE_KINDS)}; mxfp8 is Blackwell's)")
     if getattr(fc2, "use_bias", False):
         return "an FC2 bias under FP8 (TE adds it in its FP8 GEMM's epilogue)"
+    if not config.bf16:
+        return ("FP8 with fp16 / fp32 activations (the fused FP8 GEMM2 writes bf16, as "
+                "TE's FP8 recipes run under --bf16)")
     if gemm_module(fc2) is None:
         return (f"{type(fc2).__name__} calls no module-level {_GEMM} (a Transformer "
                 f"Engine other than 2.x)")
