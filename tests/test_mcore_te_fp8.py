@@ -140,10 +140,25 @@ def _outside_autocast(spec, world, x, grad):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             out, ref = _run(layer, x, grad)[0], _run(stock, x, grad)[0]
+        direct = _direct_call_error(layer, x)
     finally:
         te_fp8_double.FP8GlobalStateManager.enabled = True
-    return dict(fused=layer.last_path.fused, same=torch.equal(out, ref),
+    return dict(fused=layer.last_path.fused, same=torch.equal(out, ref), direct=direct,
                 warned=[str(w.message) for w in caught if "megatron-overlap" in str(w.message)])
+
+
+def _direct_call_error(layer, x):
+    """The FC2 operands asked for where TE computed FC2 in bf16: a named error."""
+    from megatron_overlap.mcore.te_fp8 import te_fp8_fc2
+
+    rows = x.reshape(-1, x.shape[-1])
+    counts = [rows.shape[0]] + [0] * (layer.num_local_experts - 1)
+    try:
+        te_fp8_fc2(layer.experts, layer._stacks.fc2_fp8, rows, counts,
+                   torch.ones(rows.shape[0], dtype=rows.dtype))
+    except RuntimeError as err:
+        return str(err)
+    return None
 
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["TP1EP1", "TP1EP2"])
@@ -186,6 +201,7 @@ def test_an_fp8_layer_outside_tes_fp8_autocast_runs_stock_after_one_warning(fp8_
     for r in fp8_runs:
         res = r["outside_autocast"]
         assert not res["fused"] and res["same"], res
+        assert "computed no FP8 GEMM" in (res["direct"] or ""), res
         assert len(res["warned"]) <= 1 and all("outside TE's FP8 autocast" in w
                                                for w in res["warned"]), res
 
@@ -207,3 +223,36 @@ def test_tes_per_expert_fp8_rows_join_without_their_padding(back_to_back):
     assert torch.equal(whole, bulk)
     if back_to_back:  # (nothing padded: the bulk allocation itself, no copy)
         assert whole.data_ptr() == bulk.data_ptr()
+
+
+GEMMS_RUN = []
+
+
+def general_grouped_gemm(weights, inputs, out, *args, **kwargs):
+    """(TE's name, looked up by `te_fp8.gemm_module` in the module of _BF16GroupedLinear)"""
+    GEMMS_RUN.append(len(weights))
+    out[0].copy_(torch.cat([b @ a.t() for a, b in zip(weights, inputs)]))
+    return out, None, None
+
+
+class _BF16GroupedLinear(torch.nn.Module):
+    """TE's GroupedLinear outside its FP8 autocast: the same GEMM call on bf16 tensors."""
+
+    def forward(self, x, m_splits):
+        out = x.new_empty(x.shape[0], 3)
+        weights = [torch.ones(3, x.shape[1]) for _ in m_splits]
+        general_grouped_gemm(weights, list(torch.split(x, m_splits)), [out])
+        return out
+
+
+def test_a_bf16_grouped_gemm_runs_as_tes_and_captures_nothing():
+    """TE calls the same `general_grouped_gemm` in bf16: the skip records FP8 operands
+    only, so a bf16 call computes its GEMM and leaves nothing for the op (which then
+    raises its named error, `te_fp8_fc2`) instead of failing on a bf16 tensor."""
+    from megatron_overlap.mcore.te_fp8 import _gemm_skipped
+
+    captured, x = {}, torch.randn(5, 4)
+    with _gemm_skipped(_BF16GroupedLinear(), captured):
+        out = _BF16GroupedLinear()(x, [2, 3])
+    assert captured == {} and GEMMS_RUN == [2]
+    torch.testing.assert_close(out, x.sum(1, keepdim=True).expand(5, 3))
