@@ -37,6 +37,20 @@ def test_calibrate_smoke_measures_each_side_alone_and_writes_a_preset(tmp_path):
     assert data["measured"]
 
 
+def test_calibrate_fp8_smoke_adds_the_fp8_family_to_its_base_and_keeps_the_rest(tmp_path):
+    from megatron_overlap.planner import get_preset, load_preset_file
+
+    data = _smoke("calibrate", tmp_path, "--layout", "TP1EP2", "--fp8", "block",
+                  "--base", "h200")
+    preset = load_preset_file(tmp_path / "calibrate.json")
+    base = get_preset("h200")
+    assert set(preset.fp8) == {"block"} and preset.calibration == base.calibration
+    assert preset.step_costs == base.step_costs
+    family = preset.fp8["block"]
+    assert family.calibration.k_ref == data["measured"]["k"] and family.wave_us > 0
+    assert set(data["measured"]["ms"]) == {"bf16", "fp8", "fp8 K/2"}
+
+
 def test_tune_tiles_smoke_picks_gemm2_and_gatherrs_tiles(tmp_path):
     data = _smoke("tune_tiles", tmp_path)
     assert set(data["best"]) >= {"gemm", "comm", "placement"}

@@ -35,6 +35,17 @@ when the two share the GPU, and it drives C* to 32-56 where the measured optimum
 fastest GatherRS alone.
 o_comp / o_comm come from the compiled kernels' registers and shared memory. Never per
 shape: once per device and kernel family.
+
+    torchrun --nproc-per-node 1 tools/calibrate.py --fp8 block --json out/h200.json
+
+`--fp8 tensor|block` adds the FP8 kernel family of that scaling kind to a calibration
+(`--base`, default the shipped one of this device; one GPU suffices). Only GEMM2's side
+changes with its operands: GatherRS reads the same bf16 y. So GEMM2 alone is timed on
+the bf16 operands and on the same operands quantized as TE's recipe quantizes them
+(`ops.quantize_fp8_operands`), side by side, and at K/2 on FP8 operands (K_epi); the FP8
+family's rho_ref is the base's rho at this K and tile times t_bf16 / t_fp8 (the same
+communication wave over the FP8 compute wave), its fuse-or-not wave the base's times
+t_fp8 / t_bf16, the rest of its terms (C_max, f, the roofline) the base's.
 """
 
 from __future__ import annotations
@@ -54,9 +65,12 @@ from benchlib import abba, add_run_args, env_info, smoke_setup, write_json  # no
 from tune_tiles import phase_launch, tiles_from_json  # noqa: E402
 from workloads import OpCase, rank_inputs  # noqa: E402
 
-from megatron_overlap.ops import OverlapConfig, default_session  # noqa: E402
+from megatron_overlap.ops import (OverlapConfig, default_session,  # noqa: E402
+                                  quantize_fp8_operands)
 from megatron_overlap.planner import (Calibration, DeviceSpec, KernelSpec,  # noqa: E402
-                                      Preset, Workload, makespan, plan, preset_for_device)
+                                      Preset, Workload, get_preset, makespan, plan,
+                                      preset_for_device)
+from megatron_overlap.planner.calibration import Fp8Family  # noqa: E402
 
 
 def phase_timer(inp, group, c: int, phases, splits: int, backend: str, tiles=None):
@@ -64,10 +78,11 @@ def phase_timer(inp, group, c: int, phases, splits: int, backend: str, tiles=Non
     session = default_session(group, inp["x"].device)
     launch = session.prepare(
         inp["x"], inp["weight"], inp["counts_list"], inp["token_index"], inp["tokens"],
-        inp["topk"], comm_ctas=c, splits=splits, config=cfg)
-    out = torch.empty(inp["tokens"] // launch.world, inp["hidden"], dtype=inp["x"].dtype,
+        inp["topk"], comm_ctas=c, splits=splits, config=cfg, scales=inp.get("scales"))
+    out_dtype = torch.bfloat16 if "scales" in inp else inp["x"].dtype  # (FP8: bf16 out)
+    out = torch.empty(inp["tokens"] // launch.world, inp["hidden"], dtype=out_dtype,
                       device=inp["x"].device)
-    y = torch.randn(inp["x"].shape[0], inp["hidden"], device=inp["x"].device).to(inp["x"].dtype)
+    y = torch.randn(inp["x"].shape[0], inp["hidden"], device=inp["x"].device).to(out_dtype)
     return phase_launch(session, launch, inp, phases, out, y), launch
 
 
@@ -148,6 +163,75 @@ def fit_k_epi(k1: int, t1: float, k2: int, t2: float) -> float | None:
     return max(0.0, (t2 * k1 - t1 * k2) / (t1 - t2))
 
 
+def half_k(inp: dict, step: int = 8) -> dict:
+    """The case at half the reduction dim (rounded down to `step`, 16-byte rows of the
+    operands the kernel reads: 8 bf16, 16 FP8): same tiles and waves."""
+    k_half = inp["ffn"] // 2 // step * step
+    if k_half == 0:
+        raise SystemExit(f"calibrate: K = {inp['ffn']} has no half in multiples of {step}")
+    return dict(inp, ffn=k_half, x=inp["x"][:, :k_half].contiguous(),
+                weight=inp["weight"][..., :k_half].contiguous())
+
+
+def quantized(inp: dict, kind: str) -> dict:
+    x, weight, scales = quantize_fp8_operands(inp["x"], inp["weight"], inp["counts_list"], kind)
+    return dict(inp, x=x, weight=weight, scales=scales)
+
+
+def fp8_family(base: Preset, k: int, bf16_tile: tuple[int, int], fp8_tile: tuple[int, int],
+               t_bf16: float, t_fp8: float, k_epi: float | None) -> Fp8Family:
+    """The FP8 family of `base` from one compute wave of each family at K = `k` (any
+    unit, the same for both): rho is the same communication wave over the FP8 compute
+    wave, the fuse-or-not wave the base's scaled by t_fp8 / t_bf16."""
+    b = base.calibration
+    epi = b.k_epi or 0.0
+    to_here = (b.k_ref + epi) / (k + epi) * (b.tm_ref * b.tn_ref) / (bf16_tile[0] * bf16_tile[1])
+    calib = dataclasses.replace(b, rho_ref=round(b.rho_ref * to_here * t_bf16 / t_fp8, 4),
+                                k_ref=k, tm_ref=fp8_tile[0], tn_ref=fp8_tile[1],
+                                k_epi=None if k_epi is None else round(k_epi, 1))
+    wave_us = (None if base.step_costs is None else
+               round(base.step_costs.wave_us / to_here * t_fp8 / t_bf16, 3))
+    return Fp8Family(calib, wave_us)
+
+
+def calibrate_fp8(args, inp: dict, group, backend: str, tiles) -> dict:
+    """--fp8 KIND: the base calibration with the FP8 family of that kind added (module
+    docstring); the JSON payload."""
+    base = get_preset(args.base) if args.base else preset_for_device(
+        torch.cuda.get_device_name() if backend == "triton" else "")
+    if base is None:
+        raise SystemExit("calibrate --fp8: no shipped calibration for this device; make "
+                         "the bf16 one first (without --fp8) and pass it as --base")
+    fp8_inp, fp8_half = quantized(inp, args.fp8), quantized(half_k(inp, 16), args.fp8)
+    fns, launches = {}, {}
+    for name, case_inp in (("bf16", inp), ("fp8", fp8_inp), ("fp8 K/2", fp8_half)):
+        fns[name], launches[name] = phase_timer(case_inp, group, args.c_cal, ("gemm2",),
+                                                args.splits, backend, tiles)
+    med = {n: statistics.median(v) for n, v in
+           abba(fns, args.samples, 3, group, progress="calibrate --fp8").items()}
+    waves = {n: math.ceil(args.splits * lp.plan.w_comp / lp.plan.compute_slots)
+             for n, lp in ((n, h.launch_plan) for n, h in launches.items())}
+    wave = {n: med[n] / waves[n] for n in med}
+    kernels = {n: launches[n].launch_plan.cache.kernel for n in ("bf16", "fp8")}
+    k_epi = fit_k_epi(inp["ffn"], med["fp8"], fp8_half["ffn"], med["fp8 K/2"])
+    family = fp8_family(base, inp["ffn"], *((kernels[n].tile_m, kernels[n].tile_n)
+                                            for n in ("bf16", "fp8")),
+                        wave["bf16"], wave["fp8"], k_epi)
+    preset = dataclasses.replace(base, fp8={**base.fp8, args.fp8: family})
+    if dist.get_rank() == 0:
+        print(f"calibrate --fp8 {args.fp8}: GEMM2 wave {wave['bf16'] * 1e3:.2f} us bf16, "
+              f"{wave['fp8'] * 1e3:.2f} us FP8 ({waves['bf16']} / {waves['fp8']} waves); "
+              f"K_epi={k_epi}; rho_ref {base.calibration.rho_ref} -> "
+              f"{family.calibration.rho_ref} at K={inp['ffn']}; fuse-or-not wave "
+              f"{family.wave_us} us")
+    return dict(preset=preset.to_json(), measured=dict(
+        case=OpCase(args.model, args.layout, args.seq, "uniform").label(), fp8=args.fp8,
+        base=base.name, k=inp["ffn"], ms=med, waves=waves, wave_us={n: w * 1e3 for n, w in wave.items()},
+        k_epi=k_epi, resources={n: h.launch_plan.family.resources
+                                for n, h in launches.items()}),
+        env=env_info(), command=" ".join(sys.argv))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="qwen")
@@ -161,6 +245,10 @@ def main() -> int:
     ap.add_argument("--overlap-cset", default="4,6,8,12,16,20,24,28,32,40,48")
     ap.add_argument("--samples", type=int, default=20)
     ap.add_argument("--name", default="h200")
+    ap.add_argument("--fp8", choices=("tensor", "block"),
+                    help="add the FP8 family of this scaling kind to --base (module docstring)")
+    ap.add_argument("--base", help="--fp8: the calibration to extend, a preset name or JSON "
+                                   "(default: the shipped one of this device)")
     ap.add_argument("--with-c-sat", action="store_true",
                     help="ship the fitted C_sat in the preset (it is always recorded); off "
                          "by default: on H200 it moved no decision (docs/RESULTS.md)")
@@ -179,12 +267,17 @@ def main() -> int:
         from megatron_overlap.ops import PARTITION_TILES
 
         tiles = PARTITION_TILES
+    if args.fp8:
+        payload = calibrate_fp8(args, inp, group, backend, tiles)
+        if rank == 0:
+            write_json(args.json, payload)
+        dist.destroy_process_group()
+        return 0
     comp_fn, launch = phase_timer(inp, group, args.c_cal, ("gemm2",), args.splits, backend, tiles)
     # the same GEMM2 at half the reduction dim: same tiles and waves, so the two times
     # give the per-wave cost that does not scale with K (K_epi)
-    k_half = inp["ffn"] // 2 // 8 * 8
-    half = dict(inp, ffn=k_half, x=inp["x"][:, :k_half].contiguous(),
-                weight=inp["weight"][..., :k_half].contiguous())
+    half = half_k(inp)
+    k_half = half["ffn"]
     comp_half_fn, _ = phase_timer(half, group, args.c_cal, ("gemm2",), args.splits, backend,
                                   tiles)
     comm_fn, _ = phase_timer(inp, group, args.c_cal, ("comm",), args.splits, backend, tiles)

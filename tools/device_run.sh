@@ -18,6 +18,8 @@
 #                 GatherRS tiles alone, and later stages use them (MEGATRON_OVERLAP_TILES)
 #   calibrate     the planner's calibration of this device -> $CAL_NAME.json; SHIP_CAL=1:
 #                 later stages plan with it as if shipped (over a shipped one: SHIP_OVER=1)
+#   calibrate_fp8 the FP8 kernel families (tensor, block) added to this device's shipped
+#                 calibration on one GPU -> $CAL_NAME.json; later stages plan with it
 #   unpermute_rate  TE's and Megatron's unpermute timed into the calibration (after te)
 # Benchmarks (layouts: LAYOUTS, default every TPxEPy of this machine's GPUs; one GPU TP1EP1):
 #   bench_op      the op against the reference, C swept, eager (OP_MODELS, OP_SEQS, ROUTING)
@@ -161,6 +163,15 @@ for s in "$@"; do
           echo "calibrate: $CAL_NAME is shipped; kept (SHIP_OVER=1 replaces it)" | tee -a "$LOG"
         else cp "$OUT/$CAL_NAME.json" /tmp/site/megatron_overlap/planner/calibrations/; fi
       fi ;;
+    calibrate_fp8)  # GEMM2 alone, bf16 beside FP8: no peer is timed, one GPU suffices
+      base=$CAL_NAME
+      for kind in tensor block; do
+        stage calibrate_fp8_$kind 150 torchrun --nproc-per-node 1 "$REPO/tools/calibrate.py" \
+          --fp8 $kind --base "$base" --json "$OUT/${CAL_NAME}_fp8$kind.json" && base=$OUT/${CAL_NAME}_fp8$kind.json
+      done
+      if [ "$base" != "$CAL_NAME" ]; then  # (the shipped terms kept: safe to plan with)
+        cp "$base" "$OUT/$CAL_NAME.json"
+        cp "$base" /tmp/site/megatron_overlap/planner/calibrations/$CAL_NAME.json; fi ;;
     unpermute_rate)  # TE's fused unpermute and Megatron's, timed at the three models' shapes,
       # written into this device's calibration (the fuse-or-not's step costs; after `te`)
       cp "$REPO/megatron_overlap/planner/calibrations/$CAL_NAME.json" "$OUT/$CAL_NAME.json"

@@ -39,7 +39,7 @@ from .dispatch import Deferred, OverlapAllGatherDispatcher, Permuted
 from .decision_log import launch_line
 from .experts import in_inference, needs_host_counts
 from .fc2_operands import FC2Operands, OperandStacks, fc2_operands, pack_expert_weights
-from .te_fp8 import autocast_refusal
+from .te_fp8 import autocast_refusal, recipe_kind
 from .policy import LayerPolicy
 from .shared_gate import gate_joins, join
 from .support import capture_refusal, stock_launches, unsupported_reason, warmed
@@ -212,7 +212,8 @@ class OverlapMoELayer(MoELayer):
     def _fusion_for(self, hidden_states, inference: bool):
         """The planner's fuse-or-not answer for calls of this many tokens (cached), against
         the stock path as it runs here: TE's fused unpermute under `moe_permute_fusion`
-        (read per call, as Megatron's dispatcher reads it)."""
+        (read per call, as Megatron's dispatcher reads it); FP8 experts priced with their
+        recipe's kernel family."""
         te_unpermute = bool(self.config.moe_permute_fusion)
         key = (hidden_states.shape[0], hidden_states.dtype, te_unpermute)
         found = self._fusion.get(key)
@@ -226,7 +227,7 @@ class OverlapMoELayer(MoELayer):
                 local_experts=local, experts=c.num_moe_experts, dtype=key[1],
                 device=hidden_states.device, group=self.token_dispatcher.tp_ep_group,
                 config=self.overlap_config, stock_launches=stock_launches(self),
-                padded=padded, stock_permute_fused=te_unpermute)
+                padded=padded, stock_permute_fused=te_unpermute, fp8=recipe_kind(c))
             if len(self._fusion) >= 64:  # (bounded: a sweep of sizes)
                 self._fusion.clear()
             self._fusion[key] = found

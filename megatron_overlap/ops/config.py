@@ -344,18 +344,27 @@ def device_spec(device: torch.device, sm_margin: int) -> DeviceSpec:
 _warned: set[str] = set()
 
 
-def calibration_for(device: DeviceSpec, preset: str | None) -> Calibration:
-    """The shipped (or given) calibration for this device; the paper's as a fallback."""
-    if preset is not None:
-        return get_preset(preset).calibration
-    found = preset_for_device(device.name)
+def calibration_for(device: DeviceSpec, preset: str | None, fp8: str | None = None
+                    ) -> Calibration:
+    """The shipped (or given) calibration for this device and GEMM2's operands (`fp8`:
+    their FP8 scaling kind; None: bf16); the paper's as a fallback."""
+    found = get_preset(preset) if preset is not None else preset_for_device(device.name)
     if found is not None:
-        return found.calibration
-    if device.name not in _warned and device.name != "triton-interpreter":
-        _warned.add(device.name)
-        log.warning("no calibration shipped for %s; using the paper's A100 rho_ref (run "
-                    "tools/calibrate.py to make one)", device.name)
+        if fp8 is not None and fp8 not in found.fp8:
+            _warn_once(f"{found.name}/{fp8}", "calibration %s has no FP8 %s-scaled family; "
+                       "planning it with the bf16 family's (tools/calibrate.py --fp8 %s "
+                       "makes one)", found.name, fp8, fp8)
+        return found.for_operands(fp8)[0]
+    if device.name != "triton-interpreter":
+        _warn_once(device.name, "no calibration shipped for %s; using the paper's A100 "
+                   "rho_ref (run tools/calibrate.py to make one)", device.name)
     return A100_PAPER.calibration
+
+
+def _warn_once(key: str, message: str, *args) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(message, *args)
 
 
 def preset_of(config: OverlapConfig, device: DeviceSpec) -> Preset | None:

@@ -27,7 +27,8 @@ import functools
 
 import torch
 
-from ..kernels.fp8_quant import BLOCK, block_scale_shape
+from ..kernels.fp8_quant import (BLOCK, block_scale_shape, quantize_blockwise,
+                                 quantize_tensorwise, quantize_tensorwise_splits)
 from ..kernels.gemm2_fp8 import (FP8_DTYPES, SCALING, Fp8Scales, check_fp8_operands,
                                  grouped_gemm2_fp8_reference)
 
@@ -112,3 +113,25 @@ def compile_scales(fp8: str, rows: int, k: int, hidden: int, device) -> Fp8Scale
         return Fp8Scales(fp8, torch.ones(1, device=device), torch.ones(1, device=device))
     return Fp8Scales(fp8, torch.ones(block_scale_shape(rows, k, 1), device=device),
                      torch.ones(1, *block_scale_shape(hidden, k, BLOCK), device=device))
+
+
+def quantize_operands(x: torch.Tensor, weight: torch.Tensor, counts: list[int], kind: str
+                      ) -> tuple[torch.Tensor, torch.Tensor, Fp8Scales]:
+    """(x e4m3, weight e4m3, scales): GEMM2's operands x [T, K] (rows sorted by expert,
+    `counts` each) and weight [E, N, K] quantized as TE's recipes quantize them: "tensor"
+    one current scale per expert's rows of x and per W_e (TE's GroupedLinear splits its
+    input by expert); "block" 1x128 x and 128x128 W blocks. For benchmarks and checks of
+    the op on FP8 operands; the layer takes TE's own (mcore/te_fp8.py)."""
+    if kind not in SCALING:
+        raise ValueError(f"kind must be one of {tuple(SCALING)}, got {kind!r}")
+    if x.dim() != 2 or weight.dim() != 3 or sum(counts) != x.shape[0]:
+        raise ValueError(f"x [T, K], weight [E, N, K] and counts summing to T expected; "
+                         f"got {tuple(x.shape)}, {tuple(weight.shape)}, sum {sum(counts)}")
+    if kind == "block":
+        xq, x_scale_inv = quantize_blockwise(x, 1)
+        wq = [quantize_blockwise(w, BLOCK) for w in weight]
+    else:
+        xq, x_scale_inv = quantize_tensorwise_splits(x, counts)
+        wq = [quantize_tensorwise(w) for w in weight]
+    scales = Fp8Scales(kind, x_scale_inv, torch.stack([s for _, s in wq]))
+    return xq, torch.stack([d for d, _ in wq]), scales

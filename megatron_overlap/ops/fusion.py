@@ -29,7 +29,8 @@ def fusion_decision(*, num_tokens: int, hidden: int, ffn: int, topk: int,
                     local_experts: int, experts: int, dtype: torch.dtype,
                     device: torch.device, group=None, config: OverlapConfig | None = None,
                     stock_launches: int = 0, padded: bool = False,
-                    stock_permute_fused: bool = False, session=None) -> FusionDecision:
+                    stock_permute_fused: bool = False, session=None,
+                    fp8: str | None = None) -> FusionDecision:
     """The model's answer for one MoE layer call of `num_tokens` gathered tokens.
 
     Args: the call's sizes (`ffn` = GEMM2's K on this rank, `local_experts` of `experts`
@@ -39,7 +40,10 @@ def fusion_decision(*, num_tokens: int, hidden: int, ffn: int, topk: int,
     bound (inference under EP), which puts GEMM2's output in row order;
     `stock_permute_fused`: the stock path unpermutes with TE's fused kernel (the layer's
     `config.moe_permute_fusion`); `session`: the `OverlapSession` whose planner plans
-    the call (None: the group's default session, `gemm2_gather_rs`'s).
+    the call (None: the group's default session, `gemm2_gather_rs`'s); `fp8`: GEMM2
+    runs on FP8 operands of this scaling kind ("tensor" / "block", `ops.Fp8Scales`; None:
+    on `dtype`): both sides are priced with that kernel family's calibration (the bf16
+    family's where the device has none for it), the output and its combine in `dtype`.
 
     Returns NO_MODEL (fuse) on the reference backend and where neither the config's
     preset nor the device's shipped calibration has `step_costs`.
@@ -59,8 +63,9 @@ def fusion_decision(*, num_tokens: int, hidden: int, ffn: int, topk: int,
         session = default_session(group, device)
     world = session.world
     rows = num_tokens * topk * local_experts // experts
-    tiles = launch_tiles(config, backend, device, dtype, token_major=(  # as `op.prepare`
-        not padded and rows == num_tokens * topk and num_tokens * topk < 1 << 31))
+    operand_dtype = torch.float8_e4m3fn if fp8 is not None else dtype
+    tiles = launch_tiles(config, backend, device, operand_dtype, token_major=(  # as `op.prepare`
+        not padded and rows == num_tokens * topk and num_tokens * topk < 1 << 31), fp8=fp8)
     counts = Workload.from_total(tokens=num_tokens, hidden=hidden, ffn=ffn, world=world,
                                  splits=1, total_assignments=rows,
                                  local_experts=local_experts).expert_counts
@@ -68,14 +73,15 @@ def fusion_decision(*, num_tokens: int, hidden: int, ffn: int, topk: int,
     launch_plan = session.plan(PlanRequest(
         config, tiles, device, backend, expert_row_tiles(counts, tiles.block_m),
         local_experts, num_tokens, hidden, ffn, world, topk, local_topk, config.splits,
-        config.comm_ctas))
+        config.comm_ctas, fp8))
     plan, cache = launch_plan.plan, launch_plan.cache
     preset = preset_of(config, cache.device)
-    if preset is None or preset.step_costs is None:
+    step_costs = None if preset is None else preset.for_operands(fp8)[1]
+    if step_costs is None:
         return NO_MODEL
     workload = Workload(num_tokens, hidden, ffn, world, plan.splits, counts, topk=topk,
                         local_topk=local_topk)
     return decide_fusion(workload, plan, cache.kernel, cache.device, cache.calib,
-                         preset.step_costs, element_bytes=dtype.itemsize,
+                         step_costs, element_bytes=dtype.itemsize,
                          stock_launches=stock_launches,
                          stock_permute_fused=stock_permute_fused)

@@ -117,13 +117,13 @@ def _occupancies(key: FamilyKey) -> tuple[int, int, str | None, dict]:
 
 
 def planned_splits(config: OverlapConfig, tiles: TileConfig, device: torch.device, hidden: int,
-                   splits: int | None = None) -> tuple[int, ...]:
+                   splits: int | None = None, fp8: str | None = None) -> tuple[int, ...]:
     """The L a plan may run at: `splits` where given, else the candidates `Planner.plan`
-    ranks (`split_candidates`: down to one column tile where the calibration prices the
-    splits' HBM traffic)."""
+    ranks (`split_candidates`: down to one column tile where the calibration of the
+    operands' family, `fp8` their FP8 scaling kind, prices the splits' HBM traffic)."""
     if splits:
         return (splits,)
-    calib = calibration_for(device_spec(device, config.sm_margin), config.preset)
+    calib = calibration_for(device_spec(device, config.sm_margin), config.preset, fp8)
     return split_candidates(hidden, tiles.block_n if calib.hbm_balance is not None else None)
 
 
@@ -134,7 +134,7 @@ def family_keys(config: OverlapConfig, tiles: TileConfig, device: torch.device, 
     L of `splits` (up to N), else at each L `planned_splits` gives (the config's, or the
     candidates the planner ranks)."""
     each = (splits,) if isinstance(splits, int) else splits
-    each = each or planned_splits(config, tiles, device, hidden, config.splits)
+    each = each or planned_splits(config, tiles, device, hidden, config.splits, fp8)
     return tuple(dict.fromkeys(family_key(tiles, device, backend, hidden, topk, s, fp8)
                                for s in each if 1 <= s <= hidden))
 
@@ -236,12 +236,14 @@ class Planner:
                       k, world, plan.source)
 
     # ------------------------------------------------------------------ the caches
-    def _plan_cache(self, family: KernelFamily, config: OverlapConfig, device: torch.device,
+    def _plan_cache(self, family: KernelFamily, r: PlanRequest,
                     ranking: bool = False) -> PlanCache:
-        """The planner's decision cache for one kernel family on one device. `ranking`:
-        the model the op ranks L with (no tail-helper, no overlap-factor term)."""
+        """The planner's decision cache for one kernel family (on the request's operands)
+        on its device. `ranking`: the model the op ranks L with (no tail-helper, no
+        overlap-factor term)."""
+        config, device = r.config, r.device
         helpers = config.tail_helpers and not ranking
-        key = (family, device, config.sm_margin, config.preset, helpers, ranking)
+        key = (family, device, config.sm_margin, config.preset, r.fp8, helpers, ranking)
         cache = self._caches.get(key)
         if cache is None:
             spec_device = (device_spec(device, config.sm_margin) if self.for_device is None
@@ -251,7 +253,7 @@ class Planner:
             # when they run (KernelSpec.tail_helpers)
             spec = kernel_spec(family.tiles, family.comm_tm, family.comm_tn, family.o_comp,
                                partition_o_comm(family), helpers, family.shared)
-            calib = calibration_for(spec_device, config.preset)
+            calib = calibration_for(spec_device, config.preset, r.fp8)
             cache = self._caches[key] = PlanCache(
                 spec, spec_device, ranking_calibration(calib) if ranking else calib)
         return cache
@@ -281,8 +283,8 @@ class Planner:
             if family is None:
                 raise MissingKernelFamily(key)
             found = kernels[splits] = (family,
-                                       self._plan_cache(family, r.config, r.device, True),
-                                       self._plan_cache(family, r.config, r.device))
+                                       self._plan_cache(family, r, True),
+                                       self._plan_cache(family, r))
         return found
 
     def _at(self, r: PlanRequest, splits: int, shape: _Shape) -> tuple:
@@ -318,7 +320,8 @@ class Planner:
         """The L `plan` ranks: down to one column tile where the ranking prices the
         splits' HBM traffic (`split_candidates`)."""
         if shape.candidates is None:
-            shape.candidates = planned_splits(r.config, r.tiles, r.device, r.hidden)
+            shape.candidates = planned_splits(r.config, r.tiles, r.device, r.hidden,
+                                              fp8=r.fp8)
         return shape.candidates
 
     def _ranked(self, r: PlanRequest, shape: _Shape) -> Callable[[int], float]:

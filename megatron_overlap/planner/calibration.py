@@ -77,6 +77,25 @@ class Calibration:
         return (comm_us / comm_splits) / (comp_us / comp_waves)
 
 
+@dataclass(frozen=True)
+class Fp8Family:
+    """The calibration of a GEMM2 on FP8 operands of one scaling kind ("tensor": a scale
+    per expert; "block": 1x128 / 128x128 blocks), beside the bf16 family's. Only GEMM2's
+    side changes with its operands: the communication reads the same bf16 output, so
+    rho_ref is the bf16 family's communication wave over this family's compute wave, and
+    `wave_us` is this family's t_ref for fuse-or-not (planner/fusion.py; None: the bf16
+    family's)."""
+
+    calibration: Calibration
+    wave_us: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.calibration, Calibration):
+            raise ValueError(f"Fp8Family.calibration must be a Calibration, got "
+                             f"{type(self.calibration).__name__}")
+        require_real(self, "wave_us", 0, strict=True)
+
+
 def ranking_calibration(calib: Calibration) -> Calibration:
     """The calibration the op ranks L with: f was fitted and checked at a fixed L, and
     ranking L with it (and the tail-helper term) picked one split, no overlap, almost

@@ -8,16 +8,18 @@ per shape) and shipped in `calibrations/`; they are found by name or by device n
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from .fusion import StepCosts
-from .calibration import Calibration
+from .calibration import Calibration, Fp8Family
 from .inputs import DeviceSpec, KernelSpec
 
 CALIBRATION_DIR = Path(__file__).with_name("calibrations")
 #: the most splits the op runs (its readiness flags: one word per split)
 MAX_SPLITS = 64
+#: the scaling kinds of GEMM2's FP8 operands a preset may calibrate (ops/fp8.py)
+FP8_KINDS = ("tensor", "block")
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,20 @@ class Preset:
     # the model whether to fuse each call; None (the paper's preset, a device without
     # them): it fuses at every size.
     step_costs: StepCosts | None = None
+    # The FP8 kernel families' calibrations by scaling kind (`tools/calibrate.py --fp8`);
+    # a kind without one is planned with the bf16 family's (`for_operands`).
+    fp8: dict[str, Fp8Family] = field(default_factory=dict, hash=False)
+
+    def for_operands(self, fp8: str | None) -> tuple[Calibration, StepCosts | None]:
+        """The calibration and step costs that plan a GEMM2 on operands of scaling kind
+        `fp8` (None: bf16): the kind's own where calibrated, else the bf16 family's."""
+        family = self.fp8.get(fp8) if fp8 is not None else None
+        if family is None:
+            return self.calibration, self.step_costs
+        costs = self.step_costs
+        if costs is not None and family.wave_us is not None:
+            costs = replace(costs, wave_us=family.wave_us)
+        return family.calibration, costs
 
     def with_sm_margin(self, sm_margin: int) -> "Preset":
         return replace(self, device=DeviceSpec(self.device.name, self.device.sms, sm_margin))
@@ -43,6 +59,8 @@ class Preset:
             "calibration": asdict(self.calibration),
             "default_splits": self.default_splits,
             **({"step_costs": asdict(self.step_costs)} if self.step_costs is not None else {}),
+            **({"fp8": {kind: asdict(f) for kind, f in sorted(self.fp8.items())}}
+               if self.fp8 else {}),
         }
 
     def __post_init__(self) -> None:
@@ -53,6 +71,12 @@ class Preset:
         if self.step_costs is not None and not isinstance(self.step_costs, StepCosts):
             raise ValueError(f"Preset.step_costs must be a StepCosts or None, got "
                              f"{type(self.step_costs).__name__}")
+        if not isinstance(self.fp8, dict):
+            raise ValueError(f"Preset.fp8 must be a dict, got {type(self.fp8).__name__}")
+        for kind, family in self.fp8.items():
+            if kind not in FP8_KINDS or not isinstance(family, Fp8Family):
+                raise ValueError(f"Preset.fp8 maps a scaling kind in {FP8_KINDS} to an "
+                                 f"Fp8Family, got {kind!r}: {type(family).__name__}")
 
     @classmethod
     def from_json(cls, data: dict) -> "Preset":
@@ -65,6 +89,8 @@ class Preset:
                 default_splits=data.get("default_splits", 1),
                 step_costs=(StepCosts(**data["step_costs"]) if data.get("step_costs")
                             is not None else None),
+                fp8={kind: Fp8Family(Calibration(**f["calibration"]), f.get("wave_us"))
+                     for kind, f in data.get("fp8", {}).items()},
             )
         except (KeyError, TypeError, AttributeError) as err:
             raise ValueError(f"malformed calibration preset: {type(err).__name__}: {err}") from err
