@@ -93,8 +93,44 @@ def _fp8_scenarios(rank, world):
             config=config)
         refusals[name] = layer.unsupported_reason
     found["refusals"] = refusals
+    found["pricing"] = _fp8_pricing(spec, world)
     ps.destroy_model_parallel()
     return found
+
+
+def _fp8_pricing(spec, world):
+    """(the blockwise layer's fuse-or-not predictions, `fusion_decision`'s with fp8 =
+    "block", and with bf16 operands) under H200's preset with a "block" family whose
+    GEMM2 wave is half bf16's (a preset file written for the test)."""
+    import dataclasses
+    import json
+    import os
+    import tempfile
+
+    from megatron_overlap.mcore.spec import with_overlap_moe
+    from megatron_overlap.mcore.support import stock_launches
+    from megatron_overlap.ops import OverlapConfig, fusion_decision
+    from megatron_overlap.planner import get_preset
+    from megatron_overlap.planner.calibration import Fp8Family
+
+    h200 = get_preset("h200")
+    family = Fp8Family(h200.calibration, h200.step_costs.wave_us / 2)
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(dataclasses.replace(h200, fp8={"block": family}).to_json(), f)
+    try:
+        config = OverlapConfig(backend="interpret", preset=f.name)
+        layer = with_overlap_moe(spec, config, _opt_in())(
+            config=_fp8_config(world, "blockwise"))
+        tokens = 12 * 2 * world
+        got = layer._fusion_for(torch.empty(tokens, 32, dtype=torch.bfloat16), False)
+        want = {kind: fusion_decision(
+            num_tokens=tokens, hidden=32, ffn=16, topk=2, local_experts=4 // world,
+            experts=4, dtype=torch.bfloat16, device=torch.device("cpu"),
+            group=layer.token_dispatcher.tp_ep_group, config=config,
+            stock_launches=stock_launches(layer), fp8=kind) for kind in ("block", None)}
+    finally:
+        os.unlink(f.name)
+    return [(d.fused_us, d.unfused_us) for d in (got, want["block"], want[None])]
 
 
 def _weight_cache(spec, world, x):
@@ -195,6 +231,15 @@ def test_fp8_layers_that_cannot_fuse_say_why_at_build(fp8_runs):
 def test_fp8_weights_stack_once_while_te_reads_its_cached_fp8_weights(fp8_runs):
     for r in fp8_runs:
         assert r["cache"] == dict(kept=True, rebuilt=True, changed=True), r["cache"]
+
+
+def test_an_fp8_layers_fuse_or_not_prices_its_recipes_kernel_family(fp8_runs):
+    """A blockwise layer asks fuse-or-not for its "block" family (a GEMM2 wave half
+    bf16's here): the predictions `fusion_decision(fp8="block")` makes, below bf16's."""
+    for r in fp8_runs:
+        layer, block, bf16 = r["pricing"]
+        assert layer == pytest.approx(block), r["pricing"]
+        assert block[0] < bf16[0] and block[1] < bf16[1], r["pricing"]
 
 
 def test_an_fp8_layer_outside_tes_fp8_autocast_runs_stock_after_one_warning(fp8_runs):

@@ -55,7 +55,8 @@ def test_the_kernels_own_checks_still_name_the_argument():
 
 @pytest.mark.parametrize("name, bad, match", [
     ("num_tokens", 0, "num_tokens must be an int >= 1"), ("ffn", 1.5, "ffn must be an int"),
-    ("local_experts", 8, r"local_experts \(8\) must be <= experts \(4\)")])
+    ("local_experts", 8, r"local_experts \(8\) must be <= experts \(4\)"),
+    ("fp8", "mxfp8", r"fp8 must be None or one of \('tensor', 'block'\)")])
 def test_fusion_decision_names_the_bad_size(name, bad, match):
     import torch
 

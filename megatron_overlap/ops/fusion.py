@@ -17,6 +17,7 @@ import torch
 from ..planner import Workload, expert_row_tiles
 from ..planner.fusion import FusionDecision, decide_fusion
 from .config import OverlapConfig, preset_of, resolve_backend
+from .fp8 import check_kind
 from .planning import PlanRequest, launch_tiles
 from .validation import check_int
 
@@ -53,6 +54,7 @@ def fusion_decision(*, num_tokens: int, hidden: int, ffn: int, topk: int,
                         ("topk", topk), ("local_experts", local_experts),
                         ("experts", experts)):
         check_int(name, value, 1)
+    check_kind(fp8)
     if local_experts > experts:
         raise ValueError(f"local_experts ({local_experts}) must be <= experts ({experts})")
     backend = resolve_backend(config.backend, device)
