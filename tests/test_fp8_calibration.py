@@ -15,7 +15,7 @@ import torch
 from megatron_overlap.ops import OverlapConfig, fusion_decision, quantize_fp8_operands
 from megatron_overlap.ops.config import calibration_for
 from megatron_overlap.planner import DeviceSpec, Preset, get_preset
-from megatron_overlap.planner.calibration import Fp8Family
+from megatron_overlap.planner import Fp8Family
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "tools"))

@@ -111,7 +111,7 @@ def _fp8_pricing(spec, world):
     from megatron_overlap.mcore.support import stock_launches
     from megatron_overlap.ops import OverlapConfig, fusion_decision
     from megatron_overlap.planner import get_preset
-    from megatron_overlap.planner.calibration import Fp8Family
+    from megatron_overlap.planner import Fp8Family
 
     h200 = get_preset("h200")
     family = Fp8Family(h200.calibration, h200.step_costs.wave_us / 2)

@@ -67,10 +67,9 @@ from workloads import OpCase, rank_inputs  # noqa: E402
 
 from megatron_overlap.ops import (OverlapConfig, default_session,  # noqa: E402
                                   quantize_fp8_operands)
-from megatron_overlap.planner import (Calibration, DeviceSpec, KernelSpec,  # noqa: E402
-                                      Preset, Workload, get_preset, makespan, plan,
-                                      preset_for_device)
-from megatron_overlap.planner.calibration import Fp8Family  # noqa: E402
+from megatron_overlap.planner import (Calibration, DeviceSpec, Fp8Family,  # noqa: E402
+                                      KernelSpec, Preset, Workload, get_preset, makespan,
+                                      plan, preset_for_device)
 
 
 def phase_timer(inp, group, c: int, phases, splits: int, backend: str, tiles=None):

@@ -16,7 +16,7 @@ every C (`curve.py`), the C that can be C* (`bounds.py`), Algorithm 1 and the Pl
 
 from . import model as model  # (the glossary; the names it held before the split stay there)
 from .cache import PlanCache
-from .calibration import Calibration, ranking_calibration
+from .calibration import Calibration, Fp8Family, ranking_calibration
 from .fusion import FusionDecision, StepCosts, decide_fusion
 from .inputs import MAX_C, DeviceSpec, KernelSpec, Workload
 from .occupancy import AMPERE_A100, HOPPER, Occupancy, SMLimits, co_resident, resident_ctas
@@ -26,7 +26,7 @@ from .quantities import (comm_tiles, compute_slots, compute_tiles, expert_row_ti
 from .search import DEFAULT_COMM_CTAS, Plan, plan, solve, timed_plan
 
 __all__ = [
-    "A100_PAPER", "AMPERE_A100", "Calibration", "DEFAULT_COMM_CTAS", "DeviceSpec", "HOPPER",
+    "A100_PAPER", "AMPERE_A100", "Calibration", "Fp8Family", "DEFAULT_COMM_CTAS", "DeviceSpec", "HOPPER",
     "FusionDecision", "KernelSpec", "Occupancy", "Plan", "PlanCache", "Preset", "SMLimits", "StepCosts", "Workload",
     "comm_tiles", "compute_slots", "decide_fusion", "compute_tiles", "expert_row_tiles", "get_preset", "load_preset_file",
     "makespan", "plan", "preset_for_device", "preset_names", "ranking_calibration", "reservation",
