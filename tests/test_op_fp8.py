@@ -80,7 +80,7 @@ def test_fp8_op_matches_the_fp64_product_of_the_dequantized_operands(kind, per_e
 def test_fp8_launch_writes_every_output_element_and_y_is_the_fp64_product(kind, token_major):
     """A prepared FP8 call on NaN-poisoned outputs: every element written, the op's bits;
     y (token-major or in GEMM2's row order) near the float64 product row by row; the
-    session's reference on the handle's routing near both; "block" runs BLOCK_K = 128."""
+    session's reference on the handle's routing near both; FP8 runs BLOCK_K = 128."""
     config = INTERP if token_major else ROW_ORDER
     p = problem(kind)
     session = OverlapSession(None, "cpu", config)
@@ -88,7 +88,7 @@ def test_fp8_launch_writes_every_output_element_and_y_is_the_fp64_product(kind, 
                              TOPK, scales=p["scales"])
     tiles = handle.launch_plan.tiles
     assert tiles.token_major == token_major
-    assert tiles.block_k == (128 if kind == "block" else INTERPRET_TILES.block_k)
+    assert tiles.block_k == 128  # (FP8: `fp8_tiles`)
     out = torch.full((TOKENS, HIDDEN), float("nan"), dtype=torch.bfloat16)
     y = session.launch_kernels(handle, p["x"], p["weight"], out)
     handle.buffer.check()
@@ -223,8 +223,9 @@ def test_warm_up_compiles_the_fp8_families_apart_and_the_call_compiles_nothing()
     block = set(session.families) - bf16 - tensor
     assert {k.fp8 for k in bf16} == {None} and {k.fp8 for k in tensor} == {"tensor"}
     assert {k.fp8 for k in block} == {"block"} and len(tensor) == len(bf16) == len(block)
-    # the same tiles as bf16 for "tensor"; "block" on BLOCK_K = 128
-    assert {k.tiles for k in tensor} == {k.tiles for k in bf16}
+    # FP8 on bf16's tiles but BLOCK_K = 128
+    assert {dataclasses.replace(k.tiles, block_k=128) for k in bf16} == {
+        k.tiles for k in tensor} == {k.tiles for k in block}
     assert {f.tiles.block_k for f in families} == {128} and "FP8 block" in str(min(
         block, key=str))
     for kind in ("tensor", "block"):
