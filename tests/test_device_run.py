@@ -22,12 +22,12 @@ import report_grid  # noqa: E402
 def header_stages() -> list[str]:
     """The stages the header comment lists (a name at two spaces' indent)."""
     head = SCRIPT.read_text().split("\nset -u\n")[0]
-    return re.findall(r"^#   ([a-z_]+)\s", head, re.M)
+    return re.findall(r"^#   ([a-z_0-9]+)\s", head, re.M)
 
 
 def case_stages() -> list[str]:
     """The stages the script's `case` runs (its arms at four spaces' indent)."""
-    return re.findall(r"^    ([a-z_]+)\)", SCRIPT.read_text(), re.M)
+    return re.findall(r"^    ([a-z_0-9]+)\)", SCRIPT.read_text(), re.M)
 
 
 def test_the_script_parses_and_its_header_lists_exactly_its_stages():
