@@ -143,9 +143,6 @@ def grouped_gemm2_fp8_kernel(
             sx_rows, sw_cols, sx_ok, sw_ok = block_scale_ptrs(
                 sx_ptr, sw_ptr, rows, end_row, col0, N, expert, sx_stride1, sw_stride0,
                 sw_stride1, BLOCK_N)
-            num_kb = tl.cdiv(K, BLOCK_K)
-            sx_next, sw_next = block_scales(sx_rows, sw_cols, 0, num_kb, sx_ok, sw_ok,
-                                            sx_stride0, sw_stride2)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
             a = x_desc.load([first_row, k0])
@@ -154,13 +151,8 @@ def grouped_gemm2_fp8_kernel(
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
             if SCALING == 2:  # (BLOCK_K = 128: a K step is one scale block)
-                sx, sw = sx_next, sw_next
-                # the next step's scales load under this step's product: their latency
-                # stays off the K loop's path (measured on H100: a K step's loads in
-                # front of its product made the block kernel twice the tensor one's time)
-                sx_next, sw_next = block_scales(sx_rows, sw_cols, k0 // BLOCK_K + 1, num_kb,
-                                                sx_ok, sw_ok, sx_stride0, sw_stride2)
-                acc += tl.dot(a, b.T) * (sx[:, None] * sw[None, :])
+                acc += tl.dot(a, b.T) * block_scales(sx_rows, sw_cols, k0 // BLOCK_K, sx_ok,
+                                                     sw_ok, sx_stride0, sw_stride2)
             else:
                 acc = tl.dot(a, b.T, acc)
         if SCALING == 1:

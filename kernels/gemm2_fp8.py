@@ -76,15 +76,12 @@ def block_scale_ptrs(sx_ptr, sw_ptr, rows, end_row, col0, N, expert, sx_stride1,
 
 
 @triton.jit
-def block_scales(sx_rows, sw_cols, kb, num_kb, row_ok, col_ok, sx_stride0, sw_stride2):
-    """(sx [BLOCK_M], sw [BLOCK_N]) fp32 of K step kb: each row's 1x128 scale and each
-    column's 128x128 W block's, the step's product scaled by their outer product. Rows
-    past their expert, columns past N and a step past the last (kb = num_kb: the K loop
-    prefetches one ahead) read nothing: zeros that no stored output uses."""
-    here = kb < num_kb
-    sx = tl.load(sx_rows + kb * sx_stride0, mask=row_ok & here, other=0.0)
-    sw = tl.load(sw_cols + kb * sw_stride2, mask=col_ok & here, other=0.0)
-    return sx, sw
+def block_scales(sx_rows, sw_cols, kb, row_ok, col_ok, sx_stride0, sw_stride2):
+    """[BLOCK_M, BLOCK_N] fp32: the scale of each product of K step kb (rows past their
+    expert and columns past N read nothing: their outputs are never stored)."""
+    sx = tl.load(sx_rows + kb * sx_stride0, mask=row_ok, other=0.0)
+    sw = tl.load(sw_cols + kb * sw_stride2, mask=col_ok, other=0.0)
+    return sx[:, None] * sw[None, :]
 
 
 def _check_dtype(name: str, t: torch.Tensor) -> None:
