@@ -175,6 +175,13 @@ def test_flags_parse_into_the_overlap_config_and_the_layer_policy(tmp_path):
     assert layer_policy_from_args(_parse(["--moe-overlap", "--moe-overlap-fp8"])).fp8 is True
     with pytest.raises(ValueError, match="LayerPolicy.fp8 must be a bool"):
         LayerPolicy(fp8="yes")
+    # blockwise only where asked as well (measured slower), and only beside fp8
+    assert LayerPolicy(fp8=True).fp8_blockwise is False
+    both = layer_policy_from_args(_parse(["--moe-overlap", "--moe-overlap-fp8",
+                                          "--moe-overlap-fp8-blockwise"]))
+    assert both.fp8 and both.fp8_blockwise
+    with pytest.raises(ValueError, match="fp8_blockwise needs fp8=True"):
+        LayerPolicy(fp8_blockwise=True)
     assert auto.placement == OverlapConfig().placement  # "auto": the device default
     part = overlap_config_from_args(_parse(["--moe-overlap", "--moe-overlap-placement",
                                             "partition"]))

@@ -19,10 +19,11 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU backends"
 RECIPES = ("tensorwise", "delayed", "blockwise")
 
 
-def _opt_in():
+def _opt_in(blockwise: bool = True):
+    """FP8 layers fused, blockwise too (the path these tests check, off by default)."""
     from megatron_overlap.mcore.policy import LayerPolicy
 
-    return LayerPolicy(fp8=True)
+    return LayerPolicy(fp8=True, fp8_blockwise=blockwise)
 
 
 def _fp8_spec():
@@ -87,6 +88,7 @@ def _fp8_scenarios(rank, world):
             ("mxfp8", dict(fp8_recipe="mxfp8"), _opt_in()),
             ("fc2_bias", dict(add_bias_linear=True, bias_dropout_fusion=False), _opt_in()),
             ("not_opted_in", {}, None),
+            ("blockwise_not_opted_in", dict(fp8_recipe="blockwise"), _opt_in(False)),
             ("fp32_activations", dict(bf16=False, params_dtype=torch.float32), _opt_in())):
         config = _fp8_config(world, overrides.pop("fp8_recipe", "tensorwise"), **overrides)
         layer = with_overlap_moe(spec, OverlapConfig(backend="reference"), policy)(
@@ -225,6 +227,8 @@ def test_fp8_layers_that_cannot_fuse_say_why_at_build(fp8_runs):
         assert "--fp8-recipe mxfp8" in r["refusals"]["mxfp8"], r["refusals"]
         assert "FC2 bias under FP8" in r["refusals"]["fc2_bias"], r["refusals"]
         assert "without --moe-overlap-fp8" in r["refusals"]["not_opted_in"], r["refusals"]
+        assert "without --moe-overlap-fp8-blockwise" in r["refusals"][
+            "blockwise_not_opted_in"], r["refusals"]
         assert "writes bf16" in r["refusals"]["fp32_activations"], r["refusals"]
 
 

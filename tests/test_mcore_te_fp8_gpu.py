@@ -62,7 +62,7 @@ def _fp8_parity(rank, world, recipe):
         warnings.simplefilter("always")
         model = build_model("qwen", impl="te", overlap=OverlapConfig(backend="triton",
                                                                       sync_errors=True),
-                            policy=LayerPolicy(fp8=True),
+                            policy=LayerPolicy(fp8=True, fp8_blockwise=True),
                             num_layers=1, hidden_size=1024, moe_ffn_hidden_size=512,
                             num_moe_experts=16, vocab_size=1024, fp8="e4m3",
                             fp8_recipe=recipe).cuda()

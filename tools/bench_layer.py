@@ -118,8 +118,11 @@ def add_fuse_arg(ap, default: str = "always") -> None:
 
 def layer_policy(args, **fields) -> LayerPolicy:
     """The layers' LayerPolicy from the `--fuse` flag (and `fields`); FP8 layers fused
-    where `--fp8-recipe` asks for them."""
-    return LayerPolicy(fuse=args.fuse, fp8=bool(getattr(args, "fp8_recipe", None)), **fields)
+    where `--fp8-recipe` asks for them, blockwise included (the tool times what it is
+    asked)."""
+    recipe = getattr(args, "fp8_recipe", None)
+    return LayerPolicy(fuse=args.fuse, fp8=bool(recipe), fp8_blockwise=recipe == "blockwise",
+                       **fields)
 
 
 def in_fp8(layer):

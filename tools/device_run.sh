@@ -33,7 +33,8 @@
 #   grid          core-TE against --moe-overlap, one GPU, over GRID_MODES (prefill train) x
 #                 GRID_MODELS x GRID_BATCHES x GRID_SEQS (after te); GRID_FUSED=1: each point
 #                 under Megatron's default MoE flags and its fusions in one schedule;
-#                 FP8 cells: GRID_ARGS="--fp8-recipe R --moe-overlap-fp8" (both arms FP8)
+#                 FP8 cells: GRID_ARGS="--fp8-recipe R --moe-overlap-fp8" (both arms FP8;
+#                 blockwise: add --moe-overlap-fp8-blockwise)
 #   train_loop    Megatron-LM's own training loop, stock vs --moe-overlap (after te)
 # Before and after a change:
 #   ab            the one-GPU op, layer and prefill benchmarks of a base wheel (.whl/base/*.whl,

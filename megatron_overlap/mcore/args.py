@@ -86,10 +86,13 @@ def add_moe_overlap_args(parser: argparse.ArgumentParser) -> argparse.ArgumentPa
                        "expert is on the rank they stay on the device and no MoE layer "
                        "syncs the host.")
     group.add_argument("--moe-overlap-fp8", action="store_true",
-                       help="Fuse MoE layers under --fp8-recipe tensorwise, delayed or "
-                       "blockwise too (TEGroupedMLP; TE quantizes, the op runs GEMM2, TE runs "
-                       "FC2's backward). Opt-in until measured against core-TE FP8 on a GPU; "
-                       "without it FP8 layers run stock.")
+                       help="Fuse MoE layers under --fp8-recipe tensorwise or delayed too "
+                       "(TEGroupedMLP; TE quantizes, the op runs GEMM2, TE runs FC2's "
+                       "backward; measured at parity with core-TE FP8). Without it FP8 "
+                       "layers run stock.")
+    group.add_argument("--moe-overlap-fp8-blockwise", action="store_true",
+                       help="With --moe-overlap-fp8, fuse under --fp8-recipe blockwise too "
+                       "(measured slower than core-TE FP8: for checks and benchmarks).")
     group.add_argument("--moe-overlap-placement", choices=("auto", "shared", "partition"),
                        default="auto",
                        help="Where the communication CTAs run: shared (one beside GEMM2's on "
@@ -165,7 +168,9 @@ def overlap_config_from_args(args) -> OverlapConfig | None:
 
 def layer_policy_from_args(args) -> LayerPolicy:
     """The layers' LayerPolicy from parsed `--moe-overlap-fuse` / `--moe-overlap-host-counts`
-    / `--moe-overlap-fp8` flags (missing attributes: the defaults)."""
+    / `--moe-overlap-fp8` / `--moe-overlap-fp8-blockwise` flags (missing attributes: the
+    defaults)."""
     return LayerPolicy(fuse=getattr(args, "moe_overlap_fuse", "auto"),
                        host_counts=getattr(args, "moe_overlap_host_counts", False),
-                       fp8=getattr(args, "moe_overlap_fp8", False))
+                       fp8=getattr(args, "moe_overlap_fp8", False),
+                       fp8_blockwise=getattr(args, "moe_overlap_fp8_blockwise", False))

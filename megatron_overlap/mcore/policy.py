@@ -26,20 +26,28 @@ class LayerPolicy:
         host first: exact planning, one host sync per layer (after FC1 is queued).
         `--moe-overlap-host-counts`.
     fp8: False (the default): MoE layers under TE's FP8 recipes run stock; True fuses
-        them (TEGroupedMLP under tensorwise, delayed or blockwise: mcore/te_fp8.py). Opt-in
-        until the fused FP8 layer is measured against core-TE FP8 on a GPU (RESULTS).
+        them under tensorwise and delayed scaling (TEGroupedMLP: mcore/te_fp8.py;
+        measured at parity with core-TE FP8 on one H100, docs/RESULTS.md).
         `--moe-overlap-fp8`.
+    fp8_blockwise: with fp8, fuse under blockwise scaling too. Off by default: the fused
+        blockwise layer measured 0.64x-0.85x core-TE FP8's forward on one H100 (its
+        block-scaled GEMM2 runs a wave in twice bf16's time); for checks and benchmarks.
+        `--moe-overlap-fp8-blockwise`.
     """
 
     fuse: str = "auto"
     host_counts: bool = False
     fp8: bool = False
+    fp8_blockwise: bool = False
 
     def __post_init__(self) -> None:
         if self.fuse not in FUSE_CHOICES:
             raise ValueError(f"LayerPolicy.fuse must be one of {FUSE_CHOICES}, got "
                              f"{self.fuse!r}")
-        for name in ("host_counts", "fp8"):
+        for name in ("host_counts", "fp8", "fp8_blockwise"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"LayerPolicy.{name} must be a bool, got "
                                  f"{getattr(self, name)!r}")
+        if self.fp8_blockwise and not self.fp8:
+            raise ValueError("LayerPolicy.fp8_blockwise needs fp8=True (blockwise is one "
+                             "of the FP8 recipes fp8 opts into)")
