@@ -208,8 +208,8 @@ def calibrate_fp8(args, inp: dict, group, backend: str, tiles) -> dict:
                                                 args.splits, backend, tiles)
     med = {n: statistics.median(v) for n, v in
            abba(fns, args.samples, 3, group, progress="calibrate --fp8").items()}
-    waves = {n: math.ceil(args.splits * lp.plan.w_comp / lp.plan.compute_slots)
-             for n, lp in ((n, h.launch_plan) for n, h in launches.items())}
+    waves = {n: math.ceil(args.splits * h.plan.w_comp / h.plan.compute_slots)
+             for n, h in launches.items()}
     wave = {n: med[n] / waves[n] for n in med}
     kernels = {n: launches[n].launch_plan.cache.kernel for n in ("bf16", "fp8")}
     k_epi = fit_k_epi(inp["ffn"], med["fp8"], fp8_half["ffn"], med["fp8 K/2"])

@@ -348,7 +348,7 @@ def calibration_for(device: DeviceSpec, preset: str | None, fp8: str | None = No
                     ) -> Calibration:
     """The shipped (or given) calibration for this device and GEMM2's operands (`fp8`:
     their FP8 scaling kind; None: bf16); the paper's as a fallback."""
-    found = get_preset(preset) if preset is not None else preset_for_device(device.name)
+    found = _preset(preset, device)
     if found is not None:
         if fp8 is not None and fp8 not in found.fp8:
             _warn_once(f"{found.name}/{fp8}", "calibration %s has no FP8 %s-scaled family; "
@@ -369,9 +369,11 @@ def _warn_once(key: str, message: str, *args) -> None:
 
 def preset_of(config: OverlapConfig, device: DeviceSpec) -> Preset | None:
     """The config's preset, else the shipped one for this device (None: none shipped)."""
-    if config.preset is not None:
-        return get_preset(config.preset)
-    return preset_for_device(device.name)
+    return _preset(config.preset, device)
+
+
+def _preset(name: str | None, device: DeviceSpec) -> Preset | None:
+    return get_preset(name) if name is not None else preset_for_device(device.name)
 
 
 def kernel_spec(tiles: TileConfig, comm_tm: int, comm_tn: int, o_comp: int,

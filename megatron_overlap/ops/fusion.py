@@ -17,7 +17,7 @@ import torch
 from ..planner import Workload, expert_row_tiles
 from ..planner.fusion import FusionDecision, decide_fusion
 from .config import OverlapConfig, preset_of, resolve_backend
-from .fp8 import check_kind
+from .fp8 import OPERAND_DTYPE, check_kind
 from .planning import PlanRequest, launch_tiles
 from .validation import check_int
 
@@ -65,7 +65,7 @@ def fusion_decision(*, num_tokens: int, hidden: int, ffn: int, topk: int,
         session = default_session(group, device)
     world = session.world
     rows = num_tokens * topk * local_experts // experts
-    operand_dtype = torch.float8_e4m3fn if fp8 is not None else dtype
+    operand_dtype = OPERAND_DTYPE if fp8 is not None else dtype
     tiles = launch_tiles(config, backend, device, operand_dtype, token_major=(  # as `op.prepare`
         not padded and rows == num_tokens * topk and num_tokens * topk < 1 << 31), fp8=fp8)
     counts = Workload.from_total(tokens=num_tokens, hidden=hidden, ffn=ffn, world=world,
