@@ -7,7 +7,8 @@ against the same model with --moe-overlap, whose GEMM2 runs on TE's quantized op
 in the op and whose FC2 backward is TE's (mcore/te_fp8.py). Checked: every MoE layer
 fuses, and the logits, the loss and every parameter's gradient are no further from
 core-TE FP8's than core-TE FP8's are from core-TE bf16's (FP8's own error), with a floor
-at bf16's tolerance. Skipped without CUDA, TE or an sm_90 GPU.
+at bf16's tolerance; also the logits in eval mode, where tensorwise runs FC1 and FC2 on
+the grouped FP8 experts (mcore/fp8_experts.py). Skipped without CUDA, TE or an sm_90 GPU.
 """
 
 import warnings
@@ -35,13 +36,17 @@ def _arm(model, tokens, positions, labels, fused: bool, fp8: str | None):
         if hasattr(m, "config"):
             m.config.fp8 = fp8
     model.zero_grad(set_to_none=True)
-    with torch.no_grad():  # (prefill: the op without a sink)
+    model.eval()  # (inference: tensorwise runs the grouped FP8 experts, fp8_experts.py)
+    with torch.no_grad():
+        served = model(tokens, positions, None).float()
+    model.train()
+    with torch.no_grad():  # (prefill in training mode: the op without a sink)
         logits = model(tokens, positions, None)
     loss = model(tokens, positions, None, labels=labels).float().mean()
     loss.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()
              if p.grad is not None}
-    return logits.detach().float(), float(loss), grads
+    return logits.detach().float(), float(loss), grads, served
 
 
 def _fp8_parity(rank, world, recipe):
@@ -82,10 +87,12 @@ def _fp8_parity(rank, world, recipe):
             _arm(model, tokens, positions, labels, False, "e4m3")
             stock = _arm(model, tokens, positions, labels, False, "e4m3")
             ours = _arm(model, tokens, positions, labels, True, "e4m3")
+            res["own_fp8"] = [m._stacks.fc1_own_fp8._value is not None for m in layers]
             res["fused"] = all(m.last_path.fused for m in layers)
             res["fp8_op"] = all(m.last_plan is not None for m in layers)
     res["warnings"] = [str(w.message) for w in caught if "megatron-overlap" in str(w.message)]
     res["logits"] = (_rel(ours[0], stock[0]), _rel(stock[0], bf16[0]))
+    res["served"] = (_rel(ours[3], stock[3]), _rel(stock[3], bf16[3]))
     res["loss"] = (abs(ours[1] - stock[1]) / abs(stock[1]),
                    abs(stock[1] - bf16[1]) / abs(bf16[1]))
     res["same_params"] = sorted(ours[2]) == sorted(stock[2])
@@ -108,6 +115,9 @@ def test_fp8_moe_layer_fuses_and_stays_within_fp8s_own_error_of_core_te_fp8(reci
     assert r["fused"] and r["fp8_op"], r
     ours, fp8_error = r["logits"]
     assert ours <= max(fp8_error, 1e-2), r["logits"]
+    # eval mode without gradients: tensorwise on the grouped FP8 experts, the rest TE's
+    assert r["own_fp8"] == [recipe == "tensorwise"], r["own_fp8"]
+    assert r["served"][0] <= max(r["served"][1], 1e-2), r["served"]
     assert r["loss"][0] <= max(r["loss"][1], 1e-3), r["loss"]
     assert r["same_params"], r
     worst = max(r["grads"].items(), key=lambda kv: kv[1][0] / max(kv[1][1], 5e-2))

@@ -32,6 +32,7 @@ from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
 from ..ops import ExpertWeightStack, Fp8Scales, with_bias_columns
 from .experts import (GroupedGemmExperts, apply_probs_on_input, bias_scale,
                       grouped_fc1_activation, host_counts, routed_activation, te_fc1_is_grouped)
+from .fp8_experts import Fp8Weights, own_fp8_operands, own_fp8_runs
 from .te_fp8 import Fp8WeightStack, fp8_refusal, te_fp8_fc2
 
 FUSED_EXPERTS = (TEGroupedMLP, SequentialMLP, GroupedGemmExperts)
@@ -51,12 +52,15 @@ class FC2Operands(NamedTuple):
 
 @dataclass
 class OperandStacks:
-    """One layer's cached expert operands: FC1's weight (TEGroupedMLP) and FC2's (TE's
-    e4m3 weights under FP8)."""
+    """One layer's cached expert operands: FC1's weight (TEGroupedMLP) and FC2's; under FP8
+    TE's e4m3 FC2 weights (training) or FC1's and FC2's quantized by the grouped FP8
+    path (inference, mcore/fp8_experts.py)."""
 
     fc1: ExpertWeightStack = field(default_factory=ExpertWeightStack)
     fc2: ExpertWeightStack = field(default_factory=ExpertWeightStack)
     fc2_fp8: Fp8WeightStack = field(default_factory=Fp8WeightStack)
+    fc1_own_fp8: Fp8Weights = field(default_factory=Fp8Weights)
+    fc2_own_fp8: Fp8Weights = field(default_factory=Fp8Weights)
 
 
 class _FC2Input(torch.nn.Module):
@@ -171,9 +175,14 @@ def fc2_operands(experts, stacks: OperandStacks, x: torch.Tensor, tokens_per_exp
     without the host counts (GroupedGemmExperts, TEGroupedMLP by `te_fc1_is_grouped`);
     x's rows past their sum (`valid_rows`, on the device) are then padding, h's rows there
     unspecified. Gradients reach every parameter, the biases' included. Under TE's FP8
-    autocast TEGroupedMLP's FC1 and FC2 quantization are TE's (`te_fp8_fc2`).
+    autocast TEGroupedMLP runs the grouped FP8 path in inference where it applies
+    (`own_fp8_runs`), else TE's FC1 and FC2 quantization (`te_fp8_fc2`).
     """
     if isinstance(experts, TEGroupedMLP) and experts.config.fp8:
+        if own_fp8_runs(experts, x, probs):
+            return FC2Operands(*own_fp8_operands(
+                experts, stacks.fc1_own_fp8, stacks.fc2_own_fp8, x, tokens_per_expert,
+                probs, device_counts, valid_rows))
         return FC2Operands(*te_fp8_fc2(experts, stacks.fc2_fp8, x,
                                        host_counts(tokens_per_expert), probs))
     h = _fc1_activation(experts, stacks, x, tokens_per_expert, probs, device_counts,

@@ -177,7 +177,7 @@ class OverlapMoELayer(MoELayer):
         """This call's path, from the dispatched rows [M, H] and their probs."""
         rows = (hidden_states,) if probs is None else (hidden_states, probs)
         inference = in_inference(self, chain(rows, self.experts.parameters()))
-        host = needs_host_counts(self.experts, hidden_states)
+        host = needs_host_counts(self.experts, hidden_states, inference)
         return CallPath(self._fuses(hidden_states, inference, host), inference, host)
 
     def _fuses(self, hidden_states, inference: bool, host_counts: bool) -> bool:
@@ -287,7 +287,7 @@ class OverlapMoELayer(MoELayer):
             settled, early = self._one_sync(hidden_states, probs), None
         if early is None:
             return settled, self._operands(settled)
-        return settled, FC2Operands(early.h[:settled.rows.shape[0]], early.weight)
+        return settled, early._replace(h=early.h[:settled.rows.shape[0]])
 
     def _operands(self, permuted: Permuted) -> FC2Operands:
         return fc2_operands(self.experts, self._stacks, permuted.rows, permuted.counts,

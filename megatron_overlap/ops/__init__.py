@@ -11,6 +11,7 @@ from .errors import OverlapMismatchError, OverlapPeerError, OverlapTimeoutError
 from .config import (GPU_TILES, INTERPRET_TILES, PARTITION_TILES, SHARED_COMM_MAXNREG,
                      SHARED_GEMM_MAXNREG, OverlapConfig, TileConfig, load_tiles)
 from .fp8 import Fp8Scales, quantize_operands as quantize_fp8_operands
+from .fp8_groups import fp8_grouped_linear, quantize_fp8_groups, quantize_fp8_stack
 from .fusion import fusion_decision
 from .expert_weights import BIAS_COLUMNS, ExpertWeightStack, with_bias_columns
 from .grouped import accepts as grouped_mm_accepts, grouped_mm, grouped_wgrad
@@ -27,6 +28,8 @@ __all__ = ["BIAS_COLUMNS", "ExpertWeightStack", "grouped_mm_accepts", "OverlapBu
            # FP8 operands of the op: TE's scales (kernels/gemm2_fp8.py), and operands
            # quantized as TE's recipes do (benchmarks, checks)
            "Fp8Scales", "quantize_fp8_operands",
+           # expert-grouped FP8 under current scaling (the layer's own FP8 experts path)
+           "fp8_grouped_linear", "quantize_fp8_groups", "quantize_fp8_stack",
            # tiles a user or the tuner sets (load_tiles: tools/tune_tiles.py's JSON; the
            # shared placement's register caps, TileConfig's gemm_ / comm_maxnreg defaults),
            # and the backward's grouped GEMMs

@@ -1,0 +1,181 @@
+"""Per-group current scaling of expert-sorted rows in two launches, whatever the experts.
+
+Transformer Engine's GroupedLinear quantizes its input under `Float8CurrentScaling` one
+expert at a time (`tex.split_quantize`, one quantizer per GEMM): per expert an amax
+kernel, a scale and a cast, on host-split views, after a host sync for the split. With
+128 experts that is hundreds of launches per FC1 / FC2 (one H100, Qwen 4 x 4096: FC2's
+forward without its GEMM 3.2 ms, `docs/data/fp8_gemm2_probe_h100.json`). Here the groups
+are contiguous row ranges known on the device only:
+
+    x [R, K] (bf16 / fp16 / fp32), group_ends [G] int (cumulative rows of each group,
+    the last <= R; rows past it are padding) ->
+        data [R, K] e4m3:  saturate(x * scale_g) for the group g of each row (padding: 0)
+        group_scale_inv [G] fp32: 1 / scale_g (TE's scale_inv of each group's tensor)
+        row_scale_inv  [R] fp32: each row's group scale_inv (padding: 0), the row-wise
+                               scale a scaled grouped GEMM reads
+
+with scale_g = 448 / amax_g as TE's `compute_scale_from_amax` (epsilon 0, no power-of-2
+rounding: Float8CurrentScaling's defaults): amax 0, inf or NaN gives 1, an infinite
+scale FLT_MAX. The same bits as `quantize_tensorwise_splits` (kernels/fp8_quant.py, TE
+emulated), the reference below: IEEE-rounded divisions (`div_rn`) and the saturating
+round-to-nearest cast TE makes. Launch 1 (`group_amax_kernel`) reduces each row's |x|
+and folds it into its group's amax by a float atomic max (amax is non-negative); launch
+2 (`cast_rows_kernel`) scales and casts. A weight stack [E, N, K] is the same call on
+[E * N, K] with group_ends = N, 2N, ... (`stack_group_ends`).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .fp8_quant import FP8_MAX, FLT_MAX, quantize_tensorwise_splits
+from .launch_cache import LaunchCache
+
+E4M3 = torch.float8_e4m3fn
+#: the most groups one call takes (one program compares each row with every group end)
+MAX_GROUPS = 1024
+
+
+@triton.jit
+def _group_of(rows, ends_ptr, groups, GROUPS_P2: tl.constexpr):
+    """The group of each row: how many group ends are <= the row (== groups: padding)."""
+    g = tl.arange(0, GROUPS_P2)
+    ends = tl.load(ends_ptr + g, mask=g < groups, other=0x7FFFFFFF).to(tl.int64)
+    return tl.sum((rows.to(tl.int64)[:, None] >= ends[None, :]).to(tl.int32), axis=1)
+
+
+@triton.jit
+def _scale_of(amax):
+    """TE's compute_scale_from_amax for e4m3 (epsilon 0, no pow2), IEEE division."""
+    usable = (amax > 0) & (amax < float("inf"))  # (NaN compares false)
+    safe = tl.where(usable, amax, 1.0)
+    scale = tl.math.div_rn(tl.full(amax.shape, 448.0, tl.float32), safe)
+    scale = tl.where(scale == float("inf"), 3.4028234663852886e38, scale)
+    return tl.where(usable, scale, 1.0)
+
+
+@triton.jit
+def _round_to_e4m3(v):
+    """v (fp32, within +-448) rounded to nearest-even e4m3 value, still fp32: 3 mantissa
+    bits kept for normals (|v| >= 2^-6), multiples of 2^-9 below. Then the cast is exact
+    everywhere: the Triton interpreter's own fp32 -> e4m3 rounding is wrong at ties and
+    where rounding carries into the exponent (127.97 -> 64), a GPU's is not needed."""
+    bits = v.to(tl.int32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000).to(tl.float32, bitcast=True)
+    tiny = (tl.abs(v) + 16384.0) - 16384.0  # (fp32's ulp at 2^14 is 2^-9: one RNE add)
+    tiny = tl.where(bits < 0, -tiny, tiny)
+    return tl.where(tl.abs(v) < 0.015625, tiny, normal)
+
+
+@triton.jit(do_not_specialize=["rows", "groups"])
+def group_amax_kernel(x_ptr, ends_ptr, amax_ptr, rows, groups, stride_x, K: tl.constexpr,
+                      GROUPS_P2: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    group = _group_of(r, ends_ptr, groups, GROUPS_P2)
+    live = (r < rows) & (group < groups)
+    row_max = tl.zeros((BLOCK_R,), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        c = k0 + tl.arange(0, BLOCK_K)
+        v = tl.load(x_ptr + r.to(tl.int64)[:, None] * stride_x + c[None, :],
+                    mask=live[:, None] & (c < K)[None, :], other=0.0)
+        row_max = tl.maximum(row_max, tl.max(tl.abs(v.to(tl.float32)), axis=1))
+    tl.atomic_max(amax_ptr + group, row_max, mask=live, sem="relaxed")
+
+
+@triton.jit(do_not_specialize=["rows", "groups"])
+def cast_rows_kernel(x_ptr, ends_ptr, amax_ptr, out_ptr, row_scale_inv_ptr,
+                     group_scale_inv_ptr, rows, groups, stride_x, K: tl.constexpr,
+                     GROUPS_P2: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    if pid == 0:  # the groups' scale_inv, once
+        g = tl.arange(0, GROUPS_P2)
+        amax = tl.load(amax_ptr + g, mask=g < groups, other=0.0)
+        tl.store(group_scale_inv_ptr + g, tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32),
+                                                         _scale_of(amax)), mask=g < groups)
+    r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
+    group = _group_of(r, ends_ptr, groups, GROUPS_P2)
+    live = (r < rows) & (group < groups)
+    scale = _scale_of(tl.load(amax_ptr + group, mask=live, other=0.0))
+    one = tl.full(scale.shape, 1.0, tl.float32)
+    tl.store(row_scale_inv_ptr + r, tl.where(live, tl.math.div_rn(one, scale), 0.0),
+             mask=r < rows)
+    for k0 in range(0, K, BLOCK_K):
+        c = k0 + tl.arange(0, BLOCK_K)
+        inside = (r < rows)[:, None] & (c < K)[None, :]
+        v = tl.load(x_ptr + r.to(tl.int64)[:, None] * stride_x + c[None, :],
+                    mask=live[:, None] & (c < K)[None, :], other=0.0)
+        q = tl.minimum(tl.maximum(v.to(tl.float32) * scale[:, None], -448.0), 448.0)
+        tl.store(out_ptr + r.to(tl.int64)[:, None] * K + c[None, :],
+                 _round_to_e4m3(q).to(out_ptr.dtype.element_ty), mask=inside)
+
+
+_AMAX = LaunchCache(group_amax_kernel)
+_CAST = LaunchCache(cast_rows_kernel)
+
+
+def _tiles(k: int) -> tuple[int, int]:
+    """(BLOCK_R, BLOCK_K): 16-byte loads along K, about 8192 elements a K step."""
+    block_k = min(256, triton.next_power_of_2(max(k, 16)))
+    return max(8, 8192 // block_k), block_k
+
+
+def _check(x: torch.Tensor, group_ends: torch.Tensor) -> None:
+    if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise ValueError(f"x must be [R, K] bf16 / fp16 / fp32, got {tuple(x.shape)} {x.dtype}")
+    if x.stride(1) != 1:
+        raise ValueError(f"x's rows must be contiguous, got strides {x.stride()}")
+    if (group_ends.dim() != 1 or group_ends.is_floating_point()
+            or group_ends.device != x.device):
+        raise ValueError(f"group_ends must be [G] integers on {x.device}, got "
+                         f"{tuple(group_ends.shape)} {group_ends.dtype} on {group_ends.device}")
+    if not 0 < group_ends.numel() <= MAX_GROUPS:
+        raise ValueError(f"1 to {MAX_GROUPS} groups, got {group_ends.numel()}")
+
+
+def quantize_groups(x: torch.Tensor, group_ends: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(data [R, K] e4m3, group_scale_inv [G] fp32, row_scale_inv [R] fp32): each group
+    of rows of x (the rows before group_ends[g], from the previous end) quantized as one
+    tensor under TE's current scaling (module doc). Rows past the last end are padding:
+    written 0 with row scale_inv 0, read nowhere. Ends must be non-decreasing and at
+    most R (as a cumulative sum of counts is): the device holds them, they are not
+    checked here."""
+    _check(x, group_ends)
+    rows, k = x.shape
+    groups = group_ends.numel()
+    data = torch.empty(rows, k, dtype=E4M3, device=x.device)
+    amax = torch.zeros(groups, dtype=torch.float32, device=x.device)
+    group_scale_inv = torch.empty(groups, dtype=torch.float32, device=x.device)
+    row_scale_inv = torch.empty(rows, dtype=torch.float32, device=x.device)
+    block_r, block_k = _tiles(k)
+    grid = (max(1, triton.cdiv(rows, block_r)),)
+    meta = dict(K=k, GROUPS_P2=triton.next_power_of_2(groups), BLOCK_R=block_r,
+                BLOCK_K=block_k, num_warps=4)
+    if rows and k:
+        _AMAX.launch(grid, (x, group_ends, amax, rows, groups, x.stride(0)), meta)
+    _CAST.launch(grid, (x, group_ends, amax, data, row_scale_inv, group_scale_inv, rows,
+                        groups, x.stride(0)), meta)
+    return data, group_scale_inv, row_scale_inv
+
+
+def stack_group_ends(experts: int, rows_each: int, device) -> torch.Tensor:
+    """group_ends of a weight stack [E, N, K] read as [E * N, K]: N, 2N, ..., E * N."""
+    return torch.arange(1, experts + 1, device=device, dtype=torch.int64) * rows_each
+
+
+def quantize_groups_reference(x: torch.Tensor, counts: list[int]
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The same in pure torch from host counts (TE's per-expert quantizer emulated,
+    `quantize_tensorwise_splits`), padding rows as the kernel writes them."""
+    rows = sum(counts)
+    data, group_scale_inv = quantize_tensorwise_splits(x[:rows], counts)
+    pad = x.shape[0] - rows
+    data = torch.cat([data, torch.zeros(pad, x.shape[1], dtype=E4M3, device=x.device)])
+    row_scale_inv = torch.cat([group_scale_inv.repeat_interleave(
+        torch.tensor(counts, device=x.device)), torch.zeros(pad, device=x.device)])
+    return data, group_scale_inv.float(), row_scale_inv
+
+
+assert FP8_MAX[E4M3] == 448.0 and FLT_MAX == 3.4028234663852886e38  # (the kernel's constants)

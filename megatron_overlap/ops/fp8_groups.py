@@ -1,0 +1,107 @@
+"""Expert-grouped FP8 under current scaling: quantize rows by group, a grouped FP8 GEMM.
+
+What the layer's own FP8 expert path (mcore/fp8_experts.py) runs instead of TE's
+GroupedLinear under `--fp8-recipe tensorwise` in inference, each step one or two
+launches for all experts, the groups' row ranges read on the device (no host sync):
+
+    xq, x_scale_inv, x_rows = quantize_fp8_groups(x, ends)        # TE's current scaling,
+                                                                  # one tensor per group
+    y = fp8_grouped_linear(xq, x_rows, wq, w_scale_inv, ends)     # y[g] = x[g] W_g^T, bf16
+
+`ends` [E]: the cumulative rows of each expert (rows past the last are padding).
+`quantize_fp8_groups` is `kernels/fp8_rows.py` (Triton on CUDA and under the
+interpreter; elsewhere its pure-torch reference, which needs the ends on the host).
+`fp8_grouped_linear` is torch's `_scaled_grouped_mm` (CUTLASS, sm90) with row-wise
+scales: each row's group scale_inv for x, each expert's for W, accumulating in fp32 with
+fast accumulation as TE's forward GEMM under current scaling (`use_split_accumulator`
+off for fprop); off sm90 a dequantized fp32 product per group (a checking path).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels.fp8_rows import quantize_groups, quantize_groups_reference, stack_group_ends
+from .config import interpreting
+
+E4M3 = torch.float8_e4m3fn
+
+
+def _check_ends(ends: torch.Tensor, device) -> None:
+    if not isinstance(ends, torch.Tensor) or ends.dim() != 1 or ends.is_floating_point():
+        raise ValueError(f"ends must be a 1-D integer tensor (cumulative rows per group), "
+                         f"got {getattr(ends, 'shape', type(ends).__name__)}")
+    if ends.device != device:
+        raise ValueError(f"ends on {ends.device}, the rows on {device}")
+
+
+def quantize_fp8_groups(x: torch.Tensor, ends: torch.Tensor
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(data [R, K] e4m3, scale_inv [E] fp32, row_scale_inv [R] fp32): rows of x [R, K]
+    quantized under Transformer Engine's current scaling, each group (the rows up to
+    ends[g] from the previous end) one tensor with its own amax, as TE's GroupedLinear
+    quantizes each expert's input; same bits as TE's quantizer, -0 aside. Padding rows
+    (past ends[-1]) come back 0 with row_scale_inv 0."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    _check_ends(ends, x.device)
+    if x.is_cuda or interpreting():
+        return quantize_groups(x, ends)
+    ends_host = ends.tolist()  # (CPU: no sync to avoid)
+    counts = [b - a for a, b in zip([0] + ends_host[:-1], ends_host)]
+    if min(counts, default=0) < 0 or (ends_host and ends_host[-1] > x.shape[0]):
+        raise ValueError(f"ends must be non-decreasing and at most {x.shape[0]}, got {ends_host}")
+    return quantize_groups_reference(x, counts)
+
+
+def quantize_fp8_stack(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(data [E, N, K] e4m3, scale_inv [E] fp32): each expert's weight [N, K] of the
+    stack one tensor under current scaling (TE's weight quantizer per GEMM)."""
+    if weight.dim() != 3:
+        raise ValueError(f"weight must be a stack [E, N, K], got {tuple(weight.shape)}")
+    e, n, k = weight.shape
+    ends = stack_group_ends(e, n, weight.device)
+    data, scale_inv, _ = quantize_fp8_groups(weight.reshape(e * n, k), ends)
+    return data.view(e, n, k), scale_inv
+
+
+def _scaled_grouped_mm_ok(x: torch.Tensor) -> bool:
+    return (x.is_cuda and hasattr(torch, "_scaled_grouped_mm")
+            and torch.cuda.get_device_capability(x.device) == (9, 0))
+
+
+def fp8_grouped_linear(xq: torch.Tensor, row_scale_inv: torch.Tensor, wq: torch.Tensor,
+                       w_scale_inv: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """[R, N] bf16: y[rows of g] = (xq * row_scale_inv)[rows of g] @ (wq[g] * w_scale_inv[g])^T
+    for e4m3 xq [R, K] and wq [E, N, K] (nn.Linear layout), fp32 accumulation; rows past
+    ends[-1] unspecified."""
+    if xq.dtype != E4M3 or wq.dtype != E4M3 or xq.dim() != 2 or wq.dim() != 3:
+        raise ValueError(f"xq [R, K] and wq [E, N, K] must be e4m3, got {tuple(xq.shape)} "
+                         f"{xq.dtype}, {tuple(wq.shape)} {wq.dtype}")
+    if xq.shape[1] != wq.shape[2] or ends.numel() != wq.shape[0]:
+        raise ValueError(f"xq's K {xq.shape[1]} / ends' groups {ends.numel()} do not match "
+                         f"wq {tuple(wq.shape)}")
+    if row_scale_inv.shape != (xq.shape[0],) or w_scale_inv.shape != (wq.shape[0],):
+        raise ValueError(f"row_scale_inv must be [{xq.shape[0]}] and w_scale_inv "
+                         f"[{wq.shape[0]}], got {tuple(row_scale_inv.shape)}, "
+                         f"{tuple(w_scale_inv.shape)}")
+    _check_ends(ends, xq.device)
+    if _scaled_grouped_mm_ok(xq) and xq.shape[0] and xq.shape[1] % 16 == 0 and wq.shape[1] % 16 == 0:
+        offs = ends.to(torch.int32).clamp(max=xq.shape[0])
+        w_rows = w_scale_inv.float()[:, None].expand(-1, wq.shape[1]).contiguous()
+        return torch._scaled_grouped_mm(xq, wq.transpose(1, 2), row_scale_inv.float(), w_rows,
+                                        offs=offs, out_dtype=torch.bfloat16,
+                                        use_fast_accum=True)
+    return _dequantized_grouped_linear(xq, row_scale_inv, wq, w_scale_inv, ends)
+
+
+def _dequantized_grouped_linear(xq, row_scale_inv, wq, w_scale_inv, ends) -> torch.Tensor:
+    """The same product in fp32 from the dequantized operands, one matmul per group."""
+    out = torch.zeros(xq.shape[0], wq.shape[1], dtype=torch.bfloat16, device=xq.device)
+    x = xq.float() * row_scale_inv.float()[:, None]
+    start = 0
+    for g, end in enumerate(ends.tolist()):
+        w = wq[g].float() * w_scale_inv[g].float()
+        out[start:end] = (x[start:end] @ w.t()).to(torch.bfloat16)
+        start = end
+    return out
