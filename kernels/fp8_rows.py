@@ -69,25 +69,36 @@ def _round_to_e4m3(v):
     return tl.where(tl.abs(v) < 0.015625, tiny, normal)
 
 
+@triton.jit
+def _source_rows(r, live, src_ptr, HAS_SRC: tl.constexpr):
+    """int64 row of x each row r reads: src[r] (a gather) or r itself."""
+    if HAS_SRC:
+        return tl.load(src_ptr + r, mask=live, other=0).to(tl.int64)
+    return r.to(tl.int64)
+
+
 @triton.jit(do_not_specialize=["rows", "groups"])
-def group_amax_kernel(x_ptr, ends_ptr, amax_ptr, rows, groups, stride_x, K: tl.constexpr,
-                      GROUPS_P2: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+def group_amax_kernel(x_ptr, src_ptr, ends_ptr, amax_ptr, rows, groups, stride_x,
+                      K: tl.constexpr, GROUPS_P2: tl.constexpr, BLOCK_R: tl.constexpr,
+                      BLOCK_K: tl.constexpr, HAS_SRC: tl.constexpr):
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     group = _group_of(r, ends_ptr, groups, GROUPS_P2)
     live = (r < rows) & (group < groups)
+    src = _source_rows(r, live, src_ptr, HAS_SRC)
     row_max = tl.zeros((BLOCK_R,), tl.float32)
     for k0 in range(0, K, BLOCK_K):
         c = k0 + tl.arange(0, BLOCK_K)
-        v = tl.load(x_ptr + r.to(tl.int64)[:, None] * stride_x + c[None, :],
+        v = tl.load(x_ptr + src[:, None] * stride_x + c[None, :],
                     mask=live[:, None] & (c < K)[None, :], other=0.0)
         row_max = tl.maximum(row_max, tl.max(tl.abs(v.to(tl.float32)), axis=1))
     tl.atomic_max(amax_ptr + group, row_max, mask=live, sem="relaxed")
 
 
 @triton.jit(do_not_specialize=["rows", "groups"])
-def cast_rows_kernel(x_ptr, ends_ptr, amax_ptr, out_ptr, row_scale_inv_ptr,
+def cast_rows_kernel(x_ptr, src_ptr, ends_ptr, amax_ptr, out_ptr, row_scale_inv_ptr,
                      group_scale_inv_ptr, rows, groups, stride_x, K: tl.constexpr,
-                     GROUPS_P2: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+                     GROUPS_P2: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
+                     HAS_SRC: tl.constexpr):
     pid = tl.program_id(0)
     if pid == 0:  # the groups' scale_inv, once
         g = tl.arange(0, GROUPS_P2)
@@ -97,6 +108,7 @@ def cast_rows_kernel(x_ptr, ends_ptr, amax_ptr, out_ptr, row_scale_inv_ptr,
     r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     group = _group_of(r, ends_ptr, groups, GROUPS_P2)
     live = (r < rows) & (group < groups)
+    src = _source_rows(r, live, src_ptr, HAS_SRC)
     scale = _scale_of(tl.load(amax_ptr + group, mask=live, other=0.0))
     one = tl.full(scale.shape, 1.0, tl.float32)
     tl.store(row_scale_inv_ptr + r, tl.where(live, tl.math.div_rn(one, scale), 0.0),
@@ -104,7 +116,7 @@ def cast_rows_kernel(x_ptr, ends_ptr, amax_ptr, out_ptr, row_scale_inv_ptr,
     for k0 in range(0, K, BLOCK_K):
         c = k0 + tl.arange(0, BLOCK_K)
         inside = (r < rows)[:, None] & (c < K)[None, :]
-        v = tl.load(x_ptr + r.to(tl.int64)[:, None] * stride_x + c[None, :],
+        v = tl.load(x_ptr + src[:, None] * stride_x + c[None, :],
                     mask=live[:, None] & (c < K)[None, :], other=0.0)
         q = tl.minimum(tl.maximum(v.to(tl.float32) * scale[:, None], -448.0), 448.0)
         tl.store(out_ptr + r.to(tl.int64)[:, None] * K + c[None, :],
@@ -121,7 +133,7 @@ def _tiles(k: int) -> tuple[int, int]:
     return max(8, 8192 // block_k), block_k
 
 
-def _check(x: torch.Tensor, group_ends: torch.Tensor) -> None:
+def _check(x: torch.Tensor, group_ends: torch.Tensor, src: torch.Tensor | None) -> None:
     if x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise ValueError(f"x must be [R, K] bf16 / fp16 / fp32, got {tuple(x.shape)} {x.dtype}")
     if x.stride(1) != 1:
@@ -132,18 +144,24 @@ def _check(x: torch.Tensor, group_ends: torch.Tensor) -> None:
                          f"{tuple(group_ends.shape)} {group_ends.dtype} on {group_ends.device}")
     if not 0 < group_ends.numel() <= MAX_GROUPS:
         raise ValueError(f"1 to {MAX_GROUPS} groups, got {group_ends.numel()}")
+    if src is not None and (src.dim() != 1 or src.dtype != torch.int64
+                            or src.device != x.device):
+        raise ValueError(f"src must be int64 [R] on {x.device}, got {tuple(src.shape)} "
+                         f"{src.dtype} on {src.device}")
 
 
-def quantize_groups(x: torch.Tensor, group_ends: torch.Tensor
+def quantize_groups(x: torch.Tensor, group_ends: torch.Tensor,
+                    src: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(data [R, K] e4m3, group_scale_inv [G] fp32, row_scale_inv [R] fp32): each group
     of rows of x (the rows before group_ends[g], from the previous end) quantized as one
-    tensor under TE's current scaling (module doc). Rows past the last end are padding:
-    written 0 with row scale_inv 0, read nowhere. Ends must be non-decreasing and at
-    most R (as a cumulative sum of counts is): the device holds them, they are not
-    checked here."""
-    _check(x, group_ends)
-    rows, k = x.shape
+    tensor under TE's current scaling (module doc). With `src` (int64 [R]) the rows are
+    x[src] (x [N, K]), gathered while quantizing: a permutation never written in bf16.
+    Rows past the last end are padding: written 0 with row scale_inv 0, read nowhere
+    (nor is their src). Ends must be non-decreasing and at most R, and src of the other
+    rows in [0, N): the device holds them, they are not checked here."""
+    _check(x, group_ends, src)
+    rows, k = (x.shape[0] if src is None else src.numel()), x.shape[1]
     groups = group_ends.numel()
     data = torch.empty(rows, k, dtype=E4M3, device=x.device)
     amax = torch.zeros(groups, dtype=torch.float32, device=x.device)
@@ -152,11 +170,12 @@ def quantize_groups(x: torch.Tensor, group_ends: torch.Tensor
     block_r, block_k = _tiles(k)
     grid = (max(1, triton.cdiv(rows, block_r)),)
     meta = dict(K=k, GROUPS_P2=triton.next_power_of_2(groups), BLOCK_R=block_r,
-                BLOCK_K=block_k, num_warps=4)
+                BLOCK_K=block_k, HAS_SRC=src is not None, num_warps=4)
+    index = group_ends if src is None else src  # (not read without src)
     if rows and k:
-        _AMAX.launch(grid, (x, group_ends, amax, rows, groups, x.stride(0)), meta)
-    _CAST.launch(grid, (x, group_ends, amax, data, row_scale_inv, group_scale_inv, rows,
-                        groups, x.stride(0)), meta)
+        _AMAX.launch(grid, (x, index, group_ends, amax, rows, groups, x.stride(0)), meta)
+    _CAST.launch(grid, (x, index, group_ends, amax, data, row_scale_inv, group_scale_inv,
+                        rows, groups, x.stride(0)), meta)
     return data, group_scale_inv, row_scale_inv
 
 
@@ -165,10 +184,13 @@ def stack_group_ends(experts: int, rows_each: int, device) -> torch.Tensor:
     return torch.arange(1, experts + 1, device=device, dtype=torch.int64) * rows_each
 
 
-def quantize_groups_reference(x: torch.Tensor, counts: list[int]
+def quantize_groups_reference(x: torch.Tensor, counts: list[int],
+                              src: torch.Tensor | None = None
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The same in pure torch from host counts (TE's per-expert quantizer emulated,
     `quantize_tensorwise_splits`), padding rows as the kernel writes them."""
+    if src is not None:  # (the padding rows' src may be anything: clamped, then dropped)
+        x = x[src.clamp(0, x.shape[0] - 1)]
     rows = sum(counts)
     data, group_scale_inv = quantize_tensorwise_splits(x[:rows], counts)
     pad = x.shape[0] - rows

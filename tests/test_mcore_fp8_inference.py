@@ -3,9 +3,12 @@
 TE's FP8 GroupedLinear is the double of tests/te_fp8_double.py (TE's quantizers
 emulated). Checked: under tensorwise in eval mode without gradients the layer runs FC1
 and FC2 without TE's GroupedLinear GEMMs, its quantization is TE's bit for bit, its
-output matches the stock FP8 layer's within the GEMMs' rounding, the weights are
-quantized once per change; training and the other recipes keep TE's path.
+output matches the stock FP8 layer's within FP8's own error, the permuted rows are
+gathered while quantized (never written in bf16), the weights are quantized once per
+change; training and the other recipes keep TE's path.
 """
+
+import contextlib
 
 import pytest
 import torch
@@ -54,8 +57,9 @@ def _scenarios(rank, world):
             config=config)
         layer.load_state_dict(stock.state_dict())
         te_fp8_double.CALLS["gemm"] = 0
-        out = _eval_no_grad(layer, x)
-        found[recipe] = dict(out=_rel_diff(out, ref), fp8_error=_rel_diff(ref, bf16),
+        with _gathers_recorded() as gathers:
+            out = _eval_no_grad(layer, x)
+        found[recipe] = dict(gathers=gathers, out=_rel_diff(out, ref), fp8_error=_rel_diff(ref, bf16),
                              fused=layer.last_path.fused,
                              gemms=te_fp8_double.CALLS["gemm"],
                              own=layer._stacks.fc1_own_fp8._value is not None)
@@ -67,6 +71,24 @@ def _scenarios(rank, world):
             found["training_gemms"] = te_fp8_double.CALLS["gemm"]
     ps.destroy_model_parallel()
     return found
+
+
+@contextlib.contextmanager
+def _gathers_recorded():
+    """The dispatcher's permutations in the block: did each gather its rows (bf16)?"""
+    from megatron_overlap.mcore.dispatch import OverlapAllGatherDispatcher
+
+    real, gathers = OverlapAllGatherDispatcher._select, []
+
+    def recorded(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
+        gathers.append(out is not None)
+        return out
+    OverlapAllGatherDispatcher._select = recorded
+    try:
+        yield gathers
+    finally:
+        OverlapAllGatherDispatcher._select = real
 
 
 def _cache(layer, x):
@@ -94,6 +116,7 @@ def test_tensorwise_inference_runs_no_te_gemm_and_matches_stock_fp8(runs):
     for r in runs:
         res = r["tensorwise"]
         assert res["fused"] and res["own"] and res["gemms"] == 0, res
+        assert res["gathers"] == [False], res  # (gathered while quantized, never in bf16)
         assert 0 < res["fp8_error"] and res["out"] <= res["fp8_error"], res
 
 
@@ -102,6 +125,7 @@ def test_the_other_recipes_and_training_keep_tes_grouped_linear(runs):
         for recipe in ("delayed", "blockwise"):
             res = r[recipe]
             assert res["fused"] and not res["own"] and res["gemms"] == 1, (recipe, res)
+            assert res["gathers"] == [True], (recipe, res)
             assert res["out"] < 2e-2, (recipe, res)
         assert r["training_gemms"] == 1, r  # FC1 by TE, FC2's GEMM the op's
 
@@ -130,6 +154,21 @@ def test_grouped_quantization_is_tes_per_expert_current_scaling_bit_for_bit():
     assert torch.equal(group_scale_inv, ref[1]) and torch.equal(row_scale_inv, ref[2])
     assert group_scale_inv[0] == 1.0 and group_scale_inv[1] == 1.0
     assert (data[80:].float() == 0).all() and (row_scale_inv[80:] == 0).all()
+
+
+def test_grouped_quantization_gathering_by_token_equals_quantizing_the_permuted_rows():
+    from megatron_overlap.kernels.fp8_rows import quantize_groups
+
+    g = torch.Generator().manual_seed(4)
+    tokens = (torch.randn(24, 96, generator=g) * 2).bfloat16()
+    src = torch.randint(0, 24, (50,), generator=g)
+    src[44:] = 10 ** 9  # padding rows' tokens: never read
+    ends = torch.tensor([7, 30, 30, 44])
+    gathered = quantize_groups(tokens, ends, src)
+    permuted = quantize_groups(tokens[src[:44]], ends)
+    assert torch.equal(gathered[0][:44].float(), permuted[0].float())
+    assert torch.equal(gathered[1], permuted[1]) and torch.equal(gathered[2][:44], permuted[2])
+    assert (gathered[0][44:].float() == 0).all()
 
 
 def test_grouped_fp8_linear_is_the_dequantized_product():

@@ -49,6 +49,25 @@ def _arm(model, tokens, positions, labels, fused: bool, fp8: str | None):
     return logits.detach().float(), float(loss), grads, served
 
 
+def _scaling_state(model) -> list:
+    """(tensor, a copy) of every TE module's delayed-scaling state: the scale, scale_inv and
+    amax history of its forward and backward FP8 metadata (none under the other recipes)."""
+    state = []
+    for m in model.modules():
+        for meta in getattr(m, "fp8_meta", {}).values():
+            for name in ("scale", "scale_inv", "amax_history"):
+                t = getattr(meta, name, None)
+                if isinstance(t, torch.Tensor):
+                    state.append((t, t.detach().clone()))
+    return state
+
+
+def _restore_scaling_state(state) -> None:
+    with torch.no_grad():  # (in place: TE's quantizers hold views of these tensors)
+        for tensor, saved in state:
+            tensor.copy_(saved)
+
+
 def _fp8_parity(rank, world, recipe):
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -79,13 +98,15 @@ def _fp8_parity(rank, world, recipe):
         res = {"reasons": [m.unsupported_reason for m in layers]}
         with fused_at_every_size(model):
             bf16 = _arm(model, tokens, positions, labels, False, None)
-            # one FP8 step first: delayed scaling quantizes with the scales of the step
-            # before (1 at the first), so stock's arm and ours, one after the other on
-            # the same modules, see the same scales only from the second step on
-            # (measured: from fresh scales stock's gradients underflow where ours,
-            # second, do not)
+            # one FP8 step first, then both arms from the same TE scaling state: delayed
+            # scaling quantizes with scales its earlier calls' amax history made, so arms
+            # run one after the other on the same modules would each see the other's
+            # (measured: one warm-up step alone left stock's shared expert's FC1 weight
+            # gradient underflowing to 0 and ours not)
             _arm(model, tokens, positions, labels, False, "e4m3")
+            state = _scaling_state(model)
             stock = _arm(model, tokens, positions, labels, False, "e4m3")
+            _restore_scaling_state(state)
             ours = _arm(model, tokens, positions, labels, True, "e4m3")
             res["own_fp8"] = [m._stacks.fc1_own_fp8._value is not None for m in layers]
             res["fused"] = all(m.last_path.fused for m in layers)

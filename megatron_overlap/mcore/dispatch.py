@@ -68,14 +68,16 @@ def rows_bound(num_tokens: int, topk: int, local: int, experts: int) -> int | No
 class Permuted:
     """One dispatch's rows as the fused op reads them (`gemm2_gather_rs`).
 
-    rows [R, H], probs [R]: expert-major, token-ascending (Megatron's permute order).
+    rows [R, H], probs [R]: expert-major, token-ascending (Megatron's permute order);
+    rows None where they were never gathered (the grouped FP8 path gathers while it
+    quantizes: `Deferred.source`).
     counts [E]: rows per local expert, CPU int64 or on the device; on the device R may
     exceed their sum (padding, which the op skips). num_tokens: M, the gathered tokens.
     group: the TP x EP group the op reduce-scatters over. expected_rows: with padded
     device counts, a uniform routing's rows (for the op's plan); else None.
     """
 
-    rows: torch.Tensor
+    rows: torch.Tensor | None
     counts: torch.Tensor
     probs: torch.Tensor
     num_tokens: int
@@ -104,11 +106,16 @@ class Deferred:
     flows through them)? valid_rows: the counts' sum on the device where the bound
     exceeds the rows by design (EP), so that the work on the padding can be skipped.
     host_copy: is a copy of the counts to the host queued (False: they are meant to stay
-    on the device)?"""
+    on the device)? token_index [R]: each row's token. permuted is None where the rows
+    were not gathered (`gather=False`: the grouped FP8 path quantizes while gathering,
+    from `source`, the tokens before the permutation); then the counts stay on the
+    device and nothing is trimmed."""
 
     def __init__(self, permuted, probs, counts_dev, routing_map, padded=False,
-                 valid_rows=None, host_copy=True):
+                 valid_rows=None, host_copy=True, token_index=None, source=None):
         self.permuted, self.probs, self.counts_dev = permuted, probs, counts_dev
+        self.token_index, self.source = token_index, source
+        self.bound = token_index.shape[0] if permuted is None else permuted.shape[0]
         self.padded, self.valid_rows, self.host_copy = padded, valid_rows, host_copy
         self.routing_map = routing_map  # kept for a redo: the dispatcher drops its own
         self._host = self._ready = None
@@ -155,17 +162,18 @@ class OverlapAllGatherDispatcher(MoEAllGatherTokenDispatcher):
         return permuted, tokens_per_expert, self.local_probs
 
     def deferred_postprocess(self, hidden_states: torch.Tensor, probs: torch.Tensor,
-                             topk: int, pad: bool = False, host_copy: bool = True
-                             ) -> Deferred | None:
+                             topk: int, pad: bool = False, host_copy: bool = True,
+                             gather: bool = True) -> Deferred | None:
         """`single_sync_postprocess` without waiting for the host at all, where the number
         of routed rows is known without the counts (every expert on this rank, EP = 1:
         each of the M tokens has `topk` rows unless the router drops some) or, with `pad`
         (inference: no gradient flows through the padding), bounded by M x min(topk,
         local experts) and that bound at most `MAX_PADDING` times the rows a uniform
         routing gives. The counts go to the host by an asynchronous copy, unless
-        `host_copy` is False (the caller means to keep them on the device). None where
-        neither holds, or with a capacity factor (Megatron then pads and drops by its
-        own rules)."""
+        `host_copy` is False (the caller means to keep them on the device); with
+        `gather` False as well the rows are not gathered (the caller reads them by the
+        token index from `Deferred.source`). None where neither holds, or with a
+        capacity factor (Megatron then pads and drops by its own rules)."""
         lo, hi = self._local_range()
         local, experts = hi - lo, self.routing_map.shape[1]
         if self.config.moe_expert_capacity_factor or not (local == experts or pad):
@@ -183,9 +191,11 @@ class OverlapAllGatherDispatcher(MoEAllGatherTokenDispatcher):
         # (fill 0: the padding, or rows a token routed to fewer experts leaves, must still
         # index a row; `settle` trims them, or asks for a redo with the counts)
         pairs = torch.nonzero_static(self.local_map.T.contiguous(), size=bound, fill_value=0)
-        permuted = self._select(hidden_states, probs[:, lo:hi], pairs, valid)
+        permuted = self._select(hidden_states, probs[:, lo:hi], pairs, valid,
+                                gather or host_copy)
         return Deferred(permuted, self.local_probs, counts_dev, routing_map, pad, valid,
-                        host_copy)
+                        host_copy, self.reversed_local_input_permutation_mapping,
+                        None if permuted is not None else hidden_states)
 
     def permuted(self, rows: torch.Tensor, tokens_per_expert: torch.Tensor,
                  probs: torch.Tensor, *, te_row_map: bool) -> Permuted:
@@ -206,6 +216,9 @@ class OverlapAllGatherDispatcher(MoEAllGatherTokenDispatcher):
         bound (a router that gave some token fewer than top-k experts, where rows may
         not be padded, or more rows than the bound): the routing map is back for a redo
         by `single_sync_postprocess`."""
+        if deferred.permuted is None:
+            raise RuntimeError("a deferred permutation left ungathered (its rows read by "
+                               "the grouped FP8 quantization) has no rows to trim")
         counts = deferred.tokens_per_expert()
         rows, bound = int(counts.sum()), deferred.permuted.shape[0]
         if not (rows == bound or (deferred.padded and rows < bound)):
@@ -220,7 +233,7 @@ class OverlapAllGatherDispatcher(MoEAllGatherTokenDispatcher):
     def permuted_on_device(self, deferred: Deferred) -> Permuted:
         """A deferred postprocess as the op takes it with the counts on the device: every
         row of the bound, and under EP the rows a uniform routing gives (its plan)."""
-        num_tokens, bound = self.hidden_shape_before_permute[0], deferred.permuted.shape[0]
+        num_tokens, bound = self.hidden_shape_before_permute[0], deferred.bound
         local, experts = len(self.local_expert_indices), self.config.num_moe_experts
         expected = None
         if local != experts:
@@ -233,10 +246,10 @@ class OverlapAllGatherDispatcher(MoEAllGatherTokenDispatcher):
         return self.local_expert_indices[0], self.local_expert_indices[-1] + 1
 
     def _select(self, hidden_states, local_probs, pairs,
-                valid: torch.Tensor | None = None) -> torch.Tensor:
+                valid: torch.Tensor | None = None, gather: bool = True) -> torch.Tensor | None:
         """The rows and probabilities of the (expert, token) `pairs`, into this state as
         Megatron's `permute` leaves it; returns the permuted hidden states (index_select's
-        bits). `valid` (the real rows' count, on the device): only those rows are copied
+        bits), or None without `gather` (the token of each row recorded only). `valid` (the real rows' count, on the device): only those rows are copied
         (no gradient). Without it the gradient is each token's rows summed without atomics
         (`permute_rows`): index_select's backward, `index_add_`, adds by bf16 atomics,
         19 ms of a 266 ms Granite training step at S = 16384 on an H100."""
@@ -245,6 +258,8 @@ class OverlapAllGatherDispatcher(MoEAllGatherTokenDispatcher):
         self.local_probs = local_probs.T.contiguous().view(-1).index_select(0, flat)
         self.reversed_local_input_permutation_mapping = token_index
         self.routing_map = None
+        if not gather:
+            return None
         if valid is not None and (hidden_states.is_cuda or interpreting()):
             return gather_rows(hidden_states, token_index, valid)
         return permute_rows(hidden_states, token_index)

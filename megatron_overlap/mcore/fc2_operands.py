@@ -168,7 +168,8 @@ def _fc1_activation(experts, stacks, x, tokens_per_expert, probs, device_counts,
 
 def fc2_operands(experts, stacks: OperandStacks, x: torch.Tensor, tokens_per_expert,
                  probs: torch.Tensor, device_counts: torch.Tensor | None = None,
-                 valid_rows: torch.Tensor | None = None) -> FC2Operands:
+                 valid_rows: torch.Tensor | None = None,
+                 token_index: torch.Tensor | None = None) -> FC2Operands:
     """FC1 + activation of the expert-sorted rows x and the FC2 weight of `experts`.
 
     tokens_per_expert may be None where `device_counts` is given and the experts run FC1
@@ -177,12 +178,17 @@ def fc2_operands(experts, stacks: OperandStacks, x: torch.Tensor, tokens_per_exp
     unspecified. Gradients reach every parameter, the biases' included. Under TE's FP8
     autocast TEGroupedMLP runs the grouped FP8 path in inference where it applies
     (`own_fp8_runs`), else TE's FC1 and FC2 quantization (`te_fp8_fc2`).
+    `token_index`: the rows are x[token_index] (x the tokens before the permutation),
+    which the grouped FP8 path gathers while quantizing; any other path gathers first.
     """
+    own = isinstance(experts, TEGroupedMLP) and own_fp8_runs(experts, x, probs)
+    if token_index is not None and not own:
+        x, token_index = x.index_select(0, token_index), None
+    if own:
+        return FC2Operands(*own_fp8_operands(
+            experts, stacks.fc1_own_fp8, stacks.fc2_own_fp8, x, tokens_per_expert, probs,
+            device_counts, valid_rows, token_index))
     if isinstance(experts, TEGroupedMLP) and experts.config.fp8:
-        if own_fp8_runs(experts, x, probs):
-            return FC2Operands(*own_fp8_operands(
-                experts, stacks.fc1_own_fp8, stacks.fc2_own_fp8, x, tokens_per_expert,
-                probs, device_counts, valid_rows))
         return FC2Operands(*te_fp8_fc2(experts, stacks.fc2_fp8, x,
                                        host_counts(tokens_per_expert), probs))
     h = _fc1_activation(experts, stacks, x, tokens_per_expert, probs, device_counts,

@@ -80,23 +80,37 @@ def own_fp8_runs(experts, x: torch.Tensor, probs: torch.Tensor) -> bool:
             and in_inference(experts, (x, probs, *experts.parameters())))
 
 
+def fp8_gathers(experts, x: torch.Tensor, inference: bool) -> bool:
+    """Does a call of `experts` on the gathered tokens x, `inference` as the layer found
+    it, take its rows by their tokens while quantizing them (the permutation never
+    written in bf16)? Where it runs the grouped FP8 path (`own_fp8_runs`' conditions)
+    and the probabilities are not applied to the input (they scale the rows first)."""
+    return (inference and isinstance(experts, TEGroupedMLP) and own_fp8_refusal(experts) is None
+            and x.dtype == torch.bfloat16 and not experts.config.moe_apply_probs_on_input)
+
+
 def _weights(module, experts: int) -> list[torch.Tensor]:
     return [getattr(module, f"weight{i}") for i in range(experts)]
 
 
 def own_fp8_operands(experts, fc1: Fp8Weights, fc2: Fp8Weights, x: torch.Tensor,
                      tokens_per_expert, probs: torch.Tensor, device_counts=None,
-                     valid_rows=None) -> tuple[torch.Tensor, torch.Tensor, Fp8Scales]:
+                     valid_rows=None, token_index=None
+                     ) -> tuple[torch.Tensor, torch.Tensor, Fp8Scales]:
     """(h [T, K] e4m3, FC2 weight [E, N, K] e4m3, their scales) of TEGroupedMLP `experts`
-    on the expert-sorted rows x: host `tokens_per_expert`, or None with `device_counts`
-    (x's rows past their sum, `valid_rows` on the device, are padding)."""
+    on the expert-sorted rows x (or x[token_index], x the tokens before the permutation:
+    gathered while quantizing): host `tokens_per_expert`, or None with `device_counts`
+    (the rows past their sum, `valid_rows` on the device, are padding)."""
     if tokens_per_expert is not None:
         device_counts = torch.tensor(host_counts(tokens_per_expert)).to(x.device,
                                                                       non_blocking=True)
     ends = torch.cumsum(device_counts, 0)
+    if token_index is not None and experts.config.moe_apply_probs_on_input:
+        x = x.index_select(0, token_index)  # (the probabilities scale the rows first)
+        token_index = None
     x, probs = apply_probs_on_input(experts.config, x, probs)
     e = experts.num_local_experts
-    xq, _, x_rows = quantize_fp8_groups(x, ends)
+    xq, _, x_rows = quantize_fp8_groups(x, ends, token_index)
     w1, w1_scale = fc1.operand(_weights(experts.linear_fc1, e))
     inter = fp8_grouped_linear(xq, x_rows, w1, w1_scale, ends)
     h = routed_activation(experts, inter, None, probs, valid_rows)

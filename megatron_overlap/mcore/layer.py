@@ -39,6 +39,7 @@ from .dispatch import Deferred, OverlapAllGatherDispatcher, Permuted
 from .decision_log import launch_line
 from .experts import in_inference, needs_host_counts
 from .fc2_operands import FC2Operands, OperandStacks, fc2_operands, pack_expert_weights
+from .fp8_experts import fp8_gathers
 from .te_fp8 import autocast_refusal, recipe_kind
 from .policy import LayerPolicy
 from .shared_gate import gate_joins, join
@@ -258,8 +259,10 @@ class OverlapMoELayer(MoELayer):
         # (the permuted rows have hidden_states' dtype and device, and rows iff it has)
         on_device = (not path.host_counts and not self.policy.host_counts
                      and (self.num_local_experts == c.num_moe_experts or pad))
+        # (the grouped FP8 path reads the rows by their tokens while quantizing them)
+        gather = not (on_device and fp8_gathers(self.experts, hidden_states, path.inference))
         deferred = deferred_postprocess(disp, hidden_states, probs, c.moe_router_topk,
-                                        pad=pad, host_copy=not on_device)
+                                        pad=pad, host_copy=not on_device, gather=gather)
         return self._one_sync(hidden_states, probs) if deferred is None else deferred
 
     def _one_sync(self, hidden_states, probs) -> Permuted:
@@ -278,8 +281,11 @@ class OverlapMoELayer(MoELayer):
             return permuted, self._operands(permuted)
         deferred, disp, early = permuted, self.token_dispatcher, None
         if not path.host_counts:  # FC1 before the wait
-            early = fc2_operands(self.experts, self._stacks, deferred.permuted, None,
-                                 deferred.probs, deferred.counts_dev, deferred.valid_rows)
+            ungathered = deferred.permuted is None
+            early = fc2_operands(self.experts, self._stacks,
+                                 deferred.source if ungathered else deferred.permuted, None,
+                                 deferred.probs, deferred.counts_dev, deferred.valid_rows,
+                                 token_index=deferred.token_index if ungathered else None)
             if not deferred.host_copy:
                 return disp.permuted_on_device(deferred), early
         settled = disp.settle(deferred)
