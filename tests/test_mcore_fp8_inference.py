@@ -59,7 +59,7 @@ def _scenarios(rank, world):
         te_fp8_double.CALLS["gemm"] = 0
         with _gathers_recorded() as gathers:
             out = _eval_no_grad(layer, x)
-        found[recipe] = dict(gathers=gathers, out=_rel_diff(out, ref), fp8_error=_rel_diff(ref, bf16),
+        found[recipe] = dict(gathers=gathers, refusal=layer.grouped_fp8_refusal, out=_rel_diff(out, ref), fp8_error=_rel_diff(ref, bf16),
                              fused=layer.last_path.fused,
                              gemms=te_fp8_double.CALLS["gemm"],
                              own=layer._stacks.fc1_own_fp8._value is not None)
@@ -117,6 +117,7 @@ def test_tensorwise_inference_runs_no_te_gemm_and_matches_stock_fp8(runs):
         res = r["tensorwise"]
         assert res["fused"] and res["own"] and res["gemms"] == 0, res
         assert res["gathers"] == [False], res  # (gathered while quantized, never in bf16)
+        assert res["refusal"] is None, res
         assert 0 < res["fp8_error"] and res["out"] <= res["fp8_error"], res
 
 
@@ -126,6 +127,7 @@ def test_the_other_recipes_and_training_keep_tes_grouped_linear(runs):
             res = r[recipe]
             assert res["fused"] and not res["own"] and res["gemms"] == 1, (recipe, res)
             assert res["gathers"] == [True], (recipe, res)
+            assert f"--fp8-recipe {recipe}" in res["refusal"], (recipe, res)  # (said at build)
             assert res["out"] < 2e-2, (recipe, res)
         assert r["training_gemms"] == 1, r  # FC1 by TE, FC2's GEMM the op's
 

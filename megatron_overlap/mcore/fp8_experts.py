@@ -27,12 +27,16 @@ TE's to update.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from megatron.core.transformer.moe.experts import TEGroupedMLP
 
 from ..ops import Fp8Scales, fp8_grouped_linear, quantize_fp8_groups, quantize_fp8_stack
 from .experts import apply_probs_on_input, host_counts, in_inference, routed_activation
 from .te_fp8 import recipe_kind
+
+log = logging.getLogger(__name__)
 
 
 class Fp8Weights:
@@ -68,10 +72,25 @@ def own_fp8_refusal(experts) -> str | None:
     if (c.moe_mlp_glu_interleave_size is not None
             or getattr(c, "use_fused_weighted_squared_relu", False)):
         return "an activation only TE's forward computes"
+    weights = (experts.linear_fc1.weight0, experts.linear_fc2.weight0)
+    if not all(type(w) is torch.nn.Parameter and w.dtype in (torch.bfloat16, torch.float32)
+               for w in weights):
+        return "FP8 or non-bf16 / fp32 expert parameters (TE's fp8_model_init keeps them quantized)"
     ffn = experts.linear_fc2.weight0.shape[1]
     if c.hidden_size % 16 or ffn % 16:
         return f"hidden {c.hidden_size} / FFN {ffn} not multiples of 16 (FP8 GEMM rows)"
     return None
+
+
+def grouped_fp8_note(layer) -> str | None:
+    """At build, for a fused FP8 layer: `own_fp8_refusal` of its experts, logged either
+    way (which path its inference takes); None for a layer not fused in FP8."""
+    if layer.unsupported_reason is not None or not layer.config.fp8:
+        return None
+    why = own_fp8_refusal(layer.experts)
+    log.info("moe-overlap layer %s: FP8 inference %s", layer.layer_number,
+             "on the grouped FP8 experts" if why is None else f"on TE's GroupedLinear: {why}")
+    return why
 
 
 def own_fp8_runs(experts, x: torch.Tensor, probs: torch.Tensor) -> bool:

@@ -39,7 +39,7 @@ from .dispatch import Deferred, OverlapAllGatherDispatcher, Permuted
 from .decision_log import launch_line
 from .experts import in_inference, needs_host_counts
 from .fc2_operands import FC2Operands, OperandStacks, fc2_operands, pack_expert_weights
-from .fp8_experts import fp8_gathers
+from .fp8_experts import fp8_gathers, grouped_fp8_note
 from .te_fp8 import autocast_refusal, recipe_kind
 from .policy import LayerPolicy
 from .shared_gate import gate_joins, join
@@ -155,6 +155,9 @@ class OverlapMoELayer(MoELayer):
         self.last_rows = None
         self.decisions = 0
         self.unsupported_reason = unsupported_reason(self)
+        #: why this fused FP8 layer's inference keeps TE's GroupedLinear (None: the
+        #: grouped FP8 experts take it, or the layer is not fused in FP8), said at build
+        self.grouped_fp8_refusal = grouped_fp8_note(self)
         self._stacks = OperandStacks()  # expert weights, stacked once per change
         self.overlap_session = None
         if self.unsupported_reason is None:
