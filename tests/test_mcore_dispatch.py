@@ -172,6 +172,34 @@ def test_counts_kept_on_the_device_cover_the_bound_with_a_uniform_routings_plan(
     assert permuted.expected_rows == want
 
 
+@settings(max_examples=30, deadline=None)
+@given(routings())
+def test_an_ungathered_permutation_keeps_the_tokens_and_gathers_nothing(case):
+    """`gather=False` with the counts on the device (the grouped FP8 path reads the rows
+    by token): no rows, the tokens before the permutation as the source, the same token
+    of each row, probabilities and counts as the gathered one's; nothing to trim."""
+    routing, probs, local, topk = case
+    tokens = routing.shape[0]
+    hidden = torch.randn(tokens, 4)
+    ref = _dispatcher(OverlapAllGatherDispatcher, routing, local, topk).deferred_postprocess(
+        hidden, probs, topk, pad=True, host_copy=False)
+    disp = _dispatcher(OverlapAllGatherDispatcher, routing, local, topk)
+    late = disp.deferred_postprocess(hidden, probs, topk, pad=True, host_copy=False,
+                                     gather=False)
+    if late is None:
+        assert ref is None
+        return
+    assert late.permuted is None and late.source is hidden and late.bound == ref.bound
+    assert torch.equal(late.token_index, ref.token_index)
+    real = int(ref.counts_dev.sum())  # (past them the gathered rows are padding)
+    assert torch.equal(hidden[late.token_index][:real], ref.permuted[:real])
+    assert torch.equal(late.probs, ref.probs) and torch.equal(late.counts_dev, ref.counts_dev)
+    permuted = disp.permuted_on_device(late)
+    assert permuted.rows is None and torch.equal(permuted.token_index, late.token_index)
+    with pytest.raises(RuntimeError, match="no rows to trim"):
+        disp.settle(late)
+
+
 def test_settle_asks_for_a_redo_where_a_token_has_fewer_experts_and_rows_may_not_pad():
     """A dropped assignment: the counts sum below M x top-k. With a gradient (no pad)
     `settle` gives the routing map back and the single-sync postprocess redoes it; in
