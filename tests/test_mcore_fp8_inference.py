@@ -203,3 +203,27 @@ def test_grouped_quantization_refuses_bad_arguments_by_name(bad, match):
     args.update(bad)
     with pytest.raises(ValueError, match=match):
         quantize_fp8_groups(**args)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(xq=torch.zeros(4, 32)), "must be e4m3"),
+    (dict(wq=torch.zeros(2, 8, 16, dtype=torch.float8_e4m3fn)), "do not match"),
+    (dict(ends=torch.tensor([4])), "do not match"),
+    (dict(row_scale_inv=torch.ones(3)), "row_scale_inv must be \\[4\\]"),
+])
+def test_grouped_fp8_linear_refuses_bad_arguments_by_name(bad, match):
+    from megatron_overlap.ops import fp8_grouped_linear
+
+    args = dict(xq=torch.zeros(4, 32, dtype=torch.float8_e4m3fn), row_scale_inv=torch.ones(4),
+                wq=torch.zeros(2, 8, 32, dtype=torch.float8_e4m3fn), w_scale_inv=torch.ones(2),
+                ends=torch.tensor([1, 4]))
+    args.update(bad)
+    with pytest.raises(ValueError, match=match):
+        fp8_grouped_linear(**args)
+
+
+def test_quantizing_a_weight_stack_needs_three_dimensions():
+    from megatron_overlap.ops import quantize_fp8_stack
+
+    with pytest.raises(ValueError, match="stack \\[E, N, K\\]"):
+        quantize_fp8_stack(torch.zeros(8, 16))

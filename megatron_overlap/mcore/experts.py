@@ -314,15 +314,13 @@ def expert_of_rows(counts: list[int] | None, device_counts: torch.Tensor | None,
     return torch.searchsorted(ends, index, right=True).clamp_(max=ends.numel() - 1)
 
 
-def needs_host_counts(experts, x: torch.Tensor, inference: bool = False) -> bool:
+def needs_host_counts(experts, x: torch.Tensor, grouped_fp8: bool = False) -> bool:
     """Does FC1 of `experts` need the counts brought to the host (a per-expert split of
-    device rows)? Not for grouped experts where torch._grouped_mm runs (FP8 experts: in
-    `inference`, on the grouped FP8 path), nor on CPU, where the "device" counts already
-    are host memory (their loop reads them for free)."""
-    from .fp8_experts import own_fp8_refusal  # (it builds on this module)
-
+    device rows)? Not for grouped experts where torch._grouped_mm runs (FP8 experts: where
+    the call runs the grouped FP8 path, `grouped_fp8`), nor on CPU, where the "device"
+    counts already are host memory (their loop reads them for free)."""
     grouped = (isinstance(experts, GroupedGemmExperts) or te_fc1_is_grouped(experts)
-               or (inference and own_fp8_refusal(experts) is None))
+               or grouped_fp8)
     return not (grouped and x.shape[0] and (x.device.type == "cpu" or _grouped_mm_ok(x)))
 
 

@@ -32,7 +32,7 @@ from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
 from ..ops import ExpertWeightStack, Fp8Scales, with_bias_columns
 from .experts import (GroupedGemmExperts, apply_probs_on_input, bias_scale,
                       grouped_fc1_activation, host_counts, routed_activation, te_fc1_is_grouped)
-from .fp8_experts import Fp8Weights, own_fp8_operands, own_fp8_runs
+from .fp8_experts import Fp8Weights, own_fp8_operands
 from .te_fp8 import Fp8WeightStack, fp8_refusal, te_fp8_fc2
 
 FUSED_EXPERTS = (TEGroupedMLP, SequentialMLP, GroupedGemmExperts)
@@ -169,22 +169,25 @@ def _fc1_activation(experts, stacks, x, tokens_per_expert, probs, device_counts,
 def fc2_operands(experts, stacks: OperandStacks, x: torch.Tensor, tokens_per_expert,
                  probs: torch.Tensor, device_counts: torch.Tensor | None = None,
                  valid_rows: torch.Tensor | None = None,
-                 token_index: torch.Tensor | None = None) -> FC2Operands:
+                 token_index: torch.Tensor | None = None,
+                 grouped_fp8: bool = False) -> FC2Operands:
     """FC1 + activation of the expert-sorted rows x and the FC2 weight of `experts`.
 
     tokens_per_expert may be None where `device_counts` is given and the experts run FC1
     without the host counts (GroupedGemmExperts, TEGroupedMLP by `te_fc1_is_grouped`);
     x's rows past their sum (`valid_rows`, on the device) are then padding, h's rows there
     unspecified. Gradients reach every parameter, the biases' included. Under TE's FP8
-    autocast TEGroupedMLP runs the grouped FP8 path in inference where it applies
-    (`own_fp8_runs`), else TE's FC1 and FC2 quantization (`te_fp8_fc2`).
-    `token_index`: the rows are x[token_index] (x the tokens before the permutation),
-    which the grouped FP8 path gathers while quantizing; any other path gathers first.
+    autocast TEGroupedMLP runs the grouped FP8 path where the caller found the call takes
+    it (`grouped_fp8`: inference, `own_fp8_refusal` None), else TE's FC1 and FC2
+    quantization (`te_fp8_fc2`). `token_index`: the rows are x[token_index] (x the tokens
+    before the permutation), which the grouped FP8 path gathers while quantizing; any
+    other path gathers first.
     """
-    own = isinstance(experts, TEGroupedMLP) and own_fp8_runs(experts, x, probs)
-    if token_index is not None and not own:
+    if token_index is not None and not (grouped_fp8
+                                        and not experts.config.moe_apply_probs_on_input):
+        # (gathered first: the probabilities scale the rows before any quantization)
         x, token_index = x.index_select(0, token_index), None
-    if own:
+    if grouped_fp8:
         return FC2Operands(*own_fp8_operands(
             experts, stacks.fc1_own_fp8, stacks.fc2_own_fp8, x, tokens_per_expert, probs,
             device_counts, valid_rows, token_index))

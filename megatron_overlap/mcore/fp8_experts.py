@@ -17,9 +17,10 @@ forward makes, only the GEMMs are other implementations of the same product (fp3
 accumulation). The weights are quantized once per change of a parameter (`Fp8Weights`),
 as TE's cached FP8 weight workspaces.
 
-Where it runs (`own_fp8_runs`): TEGroupedMLP, recipe tensorwise, no gradient (eval mode,
-no grad through the rows: `in_inference`), no FC1 / FC2 bias, an activation the bf16
-grouped path computes (`te_fc1_is_grouped` apart from FP8). Training and the other
+Where it runs: calls in inference (eval mode, no gradient through the rows, probs or
+experts; bf16 rows: the layer's `CallPath.grouped_fp8`) of fused layers whose experts
+`own_fp8_refusal` takes, decided once at build: TEGroupedMLP, recipe tensorwise, no FC1 /
+FC2 bias, bf16 / fp32 parameters, an activation the bf16 grouped path computes. Training and the other
 recipes keep TE's own quantization (mcore/te_fp8.py): current scaling keeps no state,
 so nothing of TE's scaling state is skipped here; delayed scaling's amax history is
 TE's to update.
@@ -33,7 +34,7 @@ import torch
 from megatron.core.transformer.moe.experts import TEGroupedMLP
 
 from ..ops import Fp8Scales, fp8_grouped_linear, quantize_fp8_groups, quantize_fp8_stack
-from .experts import apply_probs_on_input, host_counts, in_inference, routed_activation
+from .experts import apply_probs_on_input, host_counts, routed_activation
 from .te_fp8 import recipe_kind
 
 log = logging.getLogger(__name__)
@@ -93,21 +94,6 @@ def grouped_fp8_note(layer) -> str | None:
     return why
 
 
-def own_fp8_runs(experts, x: torch.Tensor, probs: torch.Tensor) -> bool:
-    """Does this call of FP8 experts `experts` run on the grouped FP8 path?"""
-    return (own_fp8_refusal(experts) is None and x.dtype == torch.bfloat16
-            and in_inference(experts, (x, probs, *experts.parameters())))
-
-
-def fp8_gathers(experts, x: torch.Tensor, inference: bool) -> bool:
-    """Does a call of `experts` on the gathered tokens x, `inference` as the layer found
-    it, take its rows by their tokens while quantizing them (the permutation never
-    written in bf16)? Where it runs the grouped FP8 path (`own_fp8_runs`' conditions)
-    and the probabilities are not applied to the input (they scale the rows first)."""
-    return (inference and isinstance(experts, TEGroupedMLP) and own_fp8_refusal(experts) is None
-            and x.dtype == torch.bfloat16 and not experts.config.moe_apply_probs_on_input)
-
-
 def _weights(module, experts: int) -> list[torch.Tensor]:
     return [getattr(module, f"weight{i}") for i in range(experts)]
 
@@ -124,9 +110,6 @@ def own_fp8_operands(experts, fc1: Fp8Weights, fc2: Fp8Weights, x: torch.Tensor,
         device_counts = torch.tensor(host_counts(tokens_per_expert)).to(x.device,
                                                                       non_blocking=True)
     ends = torch.cumsum(device_counts, 0)
-    if token_index is not None and experts.config.moe_apply_probs_on_input:
-        x = x.index_select(0, token_index)  # (the probabilities scale the rows first)
-        token_index = None
     x, probs = apply_probs_on_input(experts.config, x, probs)
     e = experts.num_local_experts
     xq, _, x_rows = quantize_fp8_groups(x, ends, token_index)

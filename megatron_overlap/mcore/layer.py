@@ -39,7 +39,7 @@ from .dispatch import Deferred, OverlapAllGatherDispatcher, Permuted
 from .decision_log import launch_line
 from .experts import in_inference, needs_host_counts
 from .fc2_operands import FC2Operands, OperandStacks, fc2_operands, pack_expert_weights
-from .fp8_experts import fp8_gathers, grouped_fp8_note
+from .fp8_experts import grouped_fp8_note
 from .te_fp8 import autocast_refusal, recipe_kind
 from .policy import LayerPolicy
 from .shared_gate import gate_joins, join
@@ -63,6 +63,7 @@ class CallPath:
     inference: bool  # eval mode, no gradient through the rows, probs or experts: padding,
     #                  counts left on the device, one-pass kernels
     host_counts: bool  # FC1 of these experts splits the rows on the host
+    grouped_fp8: bool = False  # FP8 experts in inference on the grouped FP8 path
 
 
 @dataclass
@@ -158,6 +159,8 @@ class OverlapMoELayer(MoELayer):
         #: why this fused FP8 layer's inference keeps TE's GroupedLinear (None: the
         #: grouped FP8 experts take it, or the layer is not fused in FP8), said at build
         self.grouped_fp8_refusal = grouped_fp8_note(self)
+        self._grouped_fp8 = (bool(self.config.fp8) and self.unsupported_reason is None
+                             and self.grouped_fp8_refusal is None)
         self._stacks = OperandStacks()  # expert weights, stacked once per change
         self.overlap_session = None
         if self.unsupported_reason is None:
@@ -181,8 +184,11 @@ class OverlapMoELayer(MoELayer):
         """This call's path, from the dispatched rows [M, H] and their probs."""
         rows = (hidden_states,) if probs is None else (hidden_states, probs)
         inference = in_inference(self, chain(rows, self.experts.parameters()))
-        host = needs_host_counts(self.experts, hidden_states, inference)
-        return CallPath(self._fuses(hidden_states, inference, host), inference, host)
+        grouped_fp8 = (inference and self._grouped_fp8
+                       and hidden_states.dtype == torch.bfloat16)
+        host = needs_host_counts(self.experts, hidden_states, grouped_fp8)
+        return CallPath(self._fuses(hidden_states, inference, host), inference, host,
+                        grouped_fp8)
 
     def _fuses(self, hidden_states, inference: bool, host_counts: bool) -> bool:
         """Overlap this call? The same answer on every rank of the group: it reads only
@@ -263,7 +269,7 @@ class OverlapMoELayer(MoELayer):
         on_device = (not path.host_counts and not self.policy.host_counts
                      and (self.num_local_experts == c.num_moe_experts or pad))
         # (the grouped FP8 path reads the rows by their tokens while quantizing them)
-        gather = not (on_device and fp8_gathers(self.experts, hidden_states, path.inference))
+        gather = not (on_device and path.grouped_fp8 and not c.moe_apply_probs_on_input)
         deferred = deferred_postprocess(disp, hidden_states, probs, c.moe_router_topk,
                                         pad=pad, host_copy=not on_device, gather=gather)
         return self._one_sync(hidden_states, probs) if deferred is None else deferred
@@ -281,26 +287,27 @@ class OverlapMoELayer(MoELayer):
         trims the padding, or, where the counts do not fit the rows (a router gave some
         token fewer than top-k experts, and a gradient flows), it is redone with them."""
         if isinstance(permuted, Permuted):
-            return permuted, self._operands(permuted)
+            return permuted, self._operands(permuted, path)
         deferred, disp, early = permuted, self.token_dispatcher, None
         if not path.host_counts:  # FC1 before the wait
             ungathered = deferred.permuted is None
             early = fc2_operands(self.experts, self._stacks,
                                  deferred.source if ungathered else deferred.permuted, None,
                                  deferred.probs, deferred.counts_dev, deferred.valid_rows,
-                                 token_index=deferred.token_index if ungathered else None)
+                                 token_index=deferred.token_index if ungathered else None,
+                                 grouped_fp8=path.grouped_fp8)
             if not deferred.host_copy:
                 return disp.permuted_on_device(deferred), early
         settled = disp.settle(deferred)
         if settled is None:
             settled, early = self._one_sync(hidden_states, probs), None
         if early is None:
-            return settled, self._operands(settled)
+            return settled, self._operands(settled, path)
         return settled, early._replace(h=early.h[:settled.rows.shape[0]])
 
-    def _operands(self, permuted: Permuted) -> FC2Operands:
+    def _operands(self, permuted: Permuted, path: CallPath) -> FC2Operands:
         return fc2_operands(self.experts, self._stacks, permuted.rows, permuted.counts,
-                            permuted.probs)
+                            permuted.probs, grouped_fp8=path.grouped_fp8)
 
     def _fuses_shared_gate(self, hidden_states) -> bool:
         """Join the gated shared expert to the routed output in one pass this call?"""
