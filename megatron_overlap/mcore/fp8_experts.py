@@ -17,13 +17,17 @@ forward makes, only the GEMMs are other implementations of the same product (fp3
 accumulation). The weights are quantized once per change of a parameter (`Fp8Weights`),
 as TE's cached FP8 weight workspaces.
 
-Where it runs: calls in inference (eval mode, no gradient through the rows, probs or
-experts; bf16 rows: the layer's `CallPath.grouped_fp8`) of fused layers whose experts
-`own_fp8_refusal` takes, decided once at build: TEGroupedMLP, recipe tensorwise, no FC1 /
-FC2 bias, bf16 / fp32 parameters, an activation the bf16 grouped path computes. Training and the other
-recipes keep TE's own quantization (mcore/te_fp8.py): current scaling keeps no state,
-so nothing of TE's scaling state is skipped here; delayed scaling's amax history is
-TE's to update.
+Where it runs: calls of fused layers whose experts `own_fp8_refusal` takes, decided once
+at build: TEGroupedMLP, recipe tensorwise, no FC1 / FC2 bias, bf16 / fp32 parameters, an
+activation the bf16 grouped path computes; in inference (eval mode, no gradient through
+the rows, probs or experts) and, where `own_fp8_training_refusal` takes them too
+(`--fp8-format e4m3`: gradients in e4m3; TE's wgrad not deferred), in training, with
+FP8 dgrad and wgrad under the same current scaling (ops/fp8_train.py). Under Megatron's
+fused gradient accumulation the weight gradients are added into each parameter's
+main_grad as TE's and Megatron's linears add them (`_main_grad_accumulation`). Current
+scaling keeps no state, so nothing of TE's scaling state is skipped; the other recipes
+(delayed scaling's amax history is TE's to update) and `--fp8-format hybrid` keep TE's
+own quantization (mcore/te_fp8.py).
 """
 
 from __future__ import annotations
@@ -33,7 +37,8 @@ import logging
 import torch
 from megatron.core.transformer.moe.experts import TEGroupedMLP
 
-from ..ops import Fp8Scales, fp8_grouped_linear, quantize_fp8_groups, quantize_fp8_stack
+from ..ops import (Fp8Rows, Fp8Scales, Fp8Stack, fp8_expert_linear, quantize_fp8_groups,
+                   quantize_fp8_stack)
 from .experts import apply_probs_on_input, host_counts, routed_activation
 from .te_fp8 import recipe_kind
 
@@ -41,19 +46,23 @@ log = logging.getLogger(__name__)
 
 
 class Fp8Weights:
-    """One weight stack's e4m3 data and per-expert scale_inv, quantized again only after
-    one of its parameters changed (storage or version counter: an optimizer step, a
-    load); holds the last one built."""
+    """One weight stack's e4m3 data and per-expert scale_inv (`Fp8Stack`), quantized again
+    only after one of its parameters changed (storage or version counter: an optimizer
+    step, a load); holds the last one built, with its transpose once a backward asked."""
 
     def __init__(self):
         self._key = self._value = None
 
-    def operand(self, weights: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    def operand(self, weights: list[torch.Tensor], transposed: bool = False) -> Fp8Stack:
         key = tuple((w.data_ptr(), w._version, tuple(w.shape)) for w in weights)
         if key != self._key:
             with torch.no_grad():
-                self._value = quantize_fp8_stack(torch.stack([w.detach() for w in weights]))
+                self._value = Fp8Stack(*quantize_fp8_stack(
+                    torch.stack([w.detach() for w in weights])))
             self._key = key
+        if transposed and self._value.transposed is None:
+            self._value = self._value._replace(
+                transposed=self._value.data.transpose(1, 2).contiguous())
         return self._value
 
 
@@ -83,39 +92,90 @@ def own_fp8_refusal(experts) -> str | None:
     return None
 
 
-def grouped_fp8_note(layer) -> str | None:
-    """At build, for a fused FP8 layer: `own_fp8_refusal` of its experts, logged either
-    way (which path its inference takes); None for a layer not fused in FP8."""
+def own_fp8_training_refusal(experts) -> str | None:
+    """Why FP8 experts `experts` keep TE's GroupedLinear in training (None: the grouped
+    FP8 path trains them): `own_fp8_refusal`, or a format or option of TE's backward."""
+    why = own_fp8_refusal(experts)
+    if why is not None:
+        return why
+    c = experts.config
+    fmt = str(getattr(c.fp8, "value", c.fp8))
+    if fmt != "e4m3":
+        return (f"--fp8-format {fmt} (its gradients are e5m2, which torch's scaled grouped "
+                f"GEMM does not take)")
+    if getattr(c, "delay_wgrad_compute", False):
+        return "delay_wgrad_compute (TE's GroupedLinear defers its wgrad)"
+    return None
+
+
+def grouped_fp8_note(layer) -> tuple[str | None, str | None]:
+    """At build, for a fused FP8 layer: (`own_fp8_refusal`, `own_fp8_training_refusal`)
+    of its experts, logged either way (which path inference and training take); (None,
+    None) for a layer not fused in FP8."""
     if layer.unsupported_reason is not None or not layer.config.fp8:
-        return None
-    why = own_fp8_refusal(layer.experts)
-    log.info("moe-overlap layer %s: FP8 inference %s", layer.layer_number,
-             "on the grouped FP8 experts" if why is None else f"on TE's GroupedLinear: {why}")
-    return why
+        return None, None
+    why, why_training = own_fp8_refusal(layer.experts), own_fp8_training_refusal(layer.experts)
+    for mode, reason in (("inference", why), ("training", why_training)):
+        log.info("moe-overlap layer %s: FP8 %s %s", layer.layer_number, mode,
+                 "on the grouped FP8 experts" if reason is None
+                 else f"on TE's GroupedLinear: {reason}")
+    return why, why_training
 
 
 def _weights(module, experts: int) -> list[torch.Tensor]:
     return [getattr(module, f"weight{i}") for i in range(experts)]
 
 
+def _main_grad_accumulation(config, weights: list[torch.Tensor]):
+    """Under Megatron's fused gradient accumulation, where the parameters have main_grad
+    (Megatron's DDP): a `wgrad_into` adding the weight gradients there and returning what
+    Megatron's linears return (a placeholder, the parameter marked
+    `grad_added_to_main_grad`, so DDP does not add it again); else None (autograd)."""
+    if not config.gradient_accumulation_fusion or not all(
+            hasattr(w, "main_grad") for w in weights):
+        return None
+
+    def into(grads: list[torch.Tensor]) -> list:
+        torch._foreach_add_([w.main_grad for w in weights],
+                            [g.to(w.main_grad.dtype) for g, w in zip(grads, weights)])
+        out = []
+        for w, g in zip(weights, grads):
+            if not hasattr(w, "grad_added_to_main_grad"):
+                out.append(None)
+                continue
+            w.grad_added_to_main_grad = True
+            make = torch.zeros if getattr(w, "zero_out_wgrad", False) else torch.empty
+            out.append(make(w.main_grad.shape, dtype=g.dtype, device=g.device))
+        return out
+    return into
+
+
 def own_fp8_operands(experts, fc1: Fp8Weights, fc2: Fp8Weights, x: torch.Tensor,
                      tokens_per_expert, probs: torch.Tensor, device_counts=None,
                      valid_rows=None, token_index=None
-                     ) -> tuple[torch.Tensor, torch.Tensor, Fp8Scales]:
-    """(h [T, K] e4m3, FC2 weight [E, N, K] e4m3, their scales) of TEGroupedMLP `experts`
-    on the expert-sorted rows x (or x[token_index], x the tokens before the permutation:
-    gathered while quantizing): host `tokens_per_expert`, or None with `device_counts`
-    (the rows past their sum, `valid_rows` on the device, are padding)."""
+                     ) -> tuple[torch.Tensor, torch.Tensor, Fp8Scales, torch.Tensor | None]:
+    """(h [T, K] e4m3, FC2 weight [E, N, K] e4m3, their scales, FC2's grad sink or None)
+    of TEGroupedMLP `experts` on the expert-sorted rows x (or x[token_index], x the tokens
+    before the permutation: gathered while quantizing, in inference): host
+    `tokens_per_expert`, or None with `device_counts` (the rows past their sum,
+    `valid_rows` on the device, are padding). Where gradients flow, FC1 and FC2's sink
+    run FP8 dgrad and wgrad (ops/fp8_train.py)."""
     if tokens_per_expert is not None:
         device_counts = torch.tensor(host_counts(tokens_per_expert)).to(x.device,
                                                                       non_blocking=True)
     ends = torch.cumsum(device_counts, 0)
     x, probs = apply_probs_on_input(experts.config, x, probs)
     e = experts.num_local_experts
-    xq, _, x_rows = quantize_fp8_groups(x, ends, token_index)
-    w1, w1_scale = fc1.operand(_weights(experts.linear_fc1, e))
-    inter = fp8_grouped_linear(xq, x_rows, w1, w1_scale, ends)
+    w1s, w2s = _weights(experts.linear_fc1, e), _weights(experts.linear_fc2, e)
+    grads = torch.is_grad_enabled()
+    x_rows = Fp8Rows(*quantize_fp8_groups(x.detach(), ends, token_index))
+    inter = fp8_expert_linear(x, ends, fc1.operand(w1s, transposed=grads), w1s, x_rows,
+                              wgrad_into=_main_grad_accumulation(experts.config, w1s))
     h = routed_activation(experts, inter, None, probs, valid_rows)
-    hq, h_scale, _ = quantize_fp8_groups(h, ends)
-    w2, w2_scale = fc2.operand(_weights(experts.linear_fc2, e))
-    return hq, w2, Fp8Scales("tensor", h_scale, w2_scale)
+    h_rows = Fp8Rows(*quantize_fp8_groups(h.detach(), ends))
+    w2 = fc2.operand(w2s, transposed=grads)
+    sink = None
+    if grads and (h.requires_grad or any(w.requires_grad for w in w2s)):
+        sink = fp8_expert_linear(h, ends, w2, w2s, h_rows, compute=False,
+                                 wgrad_into=_main_grad_accumulation(experts.config, w2s))
+    return h_rows.data, w2.data, Fp8Scales("tensor", h_rows.scale_inv, w2.scale_inv), sink

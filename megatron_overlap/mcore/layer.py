@@ -63,7 +63,7 @@ class CallPath:
     inference: bool  # eval mode, no gradient through the rows, probs or experts: padding,
     #                  counts left on the device, one-pass kernels
     host_counts: bool  # FC1 of these experts splits the rows on the host
-    grouped_fp8: bool = False  # FP8 experts in inference on the grouped FP8 path
+    grouped_fp8: bool = False  # FP8 experts on the grouped FP8 path (fp8_experts.py)
 
 
 @dataclass
@@ -156,11 +156,12 @@ class OverlapMoELayer(MoELayer):
         self.last_rows = None
         self.decisions = 0
         self.unsupported_reason = unsupported_reason(self)
-        #: why this fused FP8 layer's inference keeps TE's GroupedLinear (None: the
-        #: grouped FP8 experts take it, or the layer is not fused in FP8), said at build
-        self.grouped_fp8_refusal = grouped_fp8_note(self)
-        self._grouped_fp8 = (bool(self.config.fp8) and self.unsupported_reason is None
-                             and self.grouped_fp8_refusal is None)
+        #: why this fused FP8 layer's inference / training keeps TE's GroupedLinear (None:
+        #: the grouped FP8 experts take it, or the layer is not fused in FP8), said at build
+        self.grouped_fp8_refusal, self.grouped_fp8_training_refusal = grouped_fp8_note(self)
+        fp8_fused = bool(self.config.fp8) and self.unsupported_reason is None
+        self._grouped_fp8 = fp8_fused and self.grouped_fp8_refusal is None
+        self._grouped_fp8_training = fp8_fused and self.grouped_fp8_training_refusal is None
         self._stacks = OperandStacks()  # expert weights, stacked once per change
         self.overlap_session = None
         if self.unsupported_reason is None:
@@ -184,7 +185,7 @@ class OverlapMoELayer(MoELayer):
         """This call's path, from the dispatched rows [M, H] and their probs."""
         rows = (hidden_states,) if probs is None else (hidden_states, probs)
         inference = in_inference(self, chain(rows, self.experts.parameters()))
-        grouped_fp8 = (inference and self._grouped_fp8
+        grouped_fp8 = ((self._grouped_fp8 if inference else self._grouped_fp8_training)
                        and hidden_states.dtype == torch.bfloat16)
         host = needs_host_counts(self.experts, hidden_states, grouped_fp8)
         return CallPath(self._fuses(hidden_states, inference, host), inference, host,
@@ -268,8 +269,10 @@ class OverlapMoELayer(MoELayer):
         # (the permuted rows have hidden_states' dtype and device, and rows iff it has)
         on_device = (not path.host_counts and not self.policy.host_counts
                      and (self.num_local_experts == c.num_moe_experts or pad))
-        # (the grouped FP8 path reads the rows by their tokens while quantizing them)
-        gather = not (on_device and path.grouped_fp8 and not c.moe_apply_probs_on_input)
+        # (the grouped FP8 path reads the rows by their tokens while quantizing them in
+        # inference; in training the permutation's backward is the gathered rows')
+        gather = not (on_device and path.grouped_fp8 and pad
+                      and not c.moe_apply_probs_on_input)
         deferred = deferred_postprocess(disp, hidden_states, probs, c.moe_router_topk,
                                         pad=pad, host_copy=not on_device, gather=gather)
         return self._one_sync(hidden_states, probs) if deferred is None else deferred
@@ -303,7 +306,9 @@ class OverlapMoELayer(MoELayer):
             settled, early = self._one_sync(hidden_states, probs), None
         if early is None:
             return settled, self._operands(settled, path)
-        return settled, early._replace(h=early.h[:settled.rows.shape[0]])
+        rows = settled.rows.shape[0]
+        sink = None if early.sink is None else early.sink[:rows]
+        return settled, early._replace(h=early.h[:rows], sink=sink)
 
     def _operands(self, permuted: Permuted, path: CallPath) -> FC2Operands:
         return fc2_operands(self.experts, self._stacks, permuted.rows, permuted.counts,

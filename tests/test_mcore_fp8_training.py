@@ -1,0 +1,215 @@
+"""FP8 TEGroupedMLP trained on the grouped FP8 path (ops/fp8_train.py), on CPU.
+
+TE's FP8 GroupedLinear is the double of tests/te_fp8_double.py (TE's quantizers emulated,
+its backward in float64 from the forward's FP8 operands). Checked: under `--fp8-format
+e4m3 --fp8-recipe tensorwise` a training call runs no GEMM of TE's GroupedLinear; its
+output, input and every parameter gradient are no further from stock FP8's than stock
+FP8's are from stock bf16's; under `hybrid` (e5m2 gradients) training keeps TE's path
+and says why at build; Megatron's fused gradient accumulation gets the weight gradients
+in main_grad. The operator's dgrad and wgrad are the float64 products of their
+quantized operands, and the wgrad's column layout keeps every group's start aligned.
+"""
+
+import pytest
+import torch
+
+from dist_harness import run_ranks
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU backends")
+
+
+def _arms(spec, config, x, grad, backend):
+    """(stock FP8, ours) forward + backward on the same weights, and TE's GEMM count."""
+    import te_fp8_double
+    from test_mcore_layer import _run
+    from test_mcore_te_fp8 import _opt_in
+
+    from megatron_overlap.mcore.spec import with_overlap_moe
+    from megatron_overlap.ops import OverlapConfig
+
+    torch.manual_seed(1234)
+    stock = spec(config=config)
+    ref = _run(stock, x, grad)
+    layer = with_overlap_moe(spec, OverlapConfig(backend=backend), _opt_in())(config=config)
+    layer.load_state_dict(stock.state_dict())
+    te_fp8_double.CALLS["gemm"] = 0
+    ours = _run(layer, x, grad)
+    return ref, ours, layer, te_fp8_double.CALLS["gemm"]
+
+
+def _errors(a, b) -> dict:
+    from test_mcore_layer import _rel_diff
+
+    return dict(out=_rel_diff(a[0], b[0]), dx=_rel_diff(a[1], b[1]),
+                **{k: _rel_diff(a[2][k], b[2][k]) for k in b[2]})
+
+
+def _scenarios(rank, world):
+    import mcore_shims
+    import te_fp8_double
+
+    mcore_shims.install()
+    te_fp8_double.install()
+    from megatron.core import parallel_state as ps
+    from test_mcore_te_fp8 import _fp8_config, _fp8_spec
+
+    ps.initialize_model_parallel(1, 1, expert_model_parallel_size=world)
+    g = torch.Generator().manual_seed(21 + rank)
+    x = (torch.randn(12, 2, 32, generator=g) * 2).bfloat16()
+    grad = torch.randn(12, 2, 32, generator=g).bfloat16()
+    spec, found = _fp8_spec(), {}
+    config = _fp8_config(world, "tensorwise")
+    te_fp8_double.FP8GlobalStateManager.enabled = False  # (TE outside its autocast: bf16)
+    try:
+        bf16, _, _, _ = _arms(spec, config, x, grad, "reference")
+    finally:
+        te_fp8_double.FP8GlobalStateManager.enabled = True
+    for backend in ("reference", "interpret"):
+        stock, ours, layer, gemms = _arms(spec, config, x, grad, backend)
+        found[backend] = dict(
+            ours=_errors(ours, stock), fp8=_errors(stock, bf16), gemms=gemms,
+            fused=layer.last_path.fused, grouped=layer.last_path.grouped_fp8,
+            names=sorted(ours[2]) == sorted(stock[2]),
+            refusal=layer.grouped_fp8_training_refusal)
+    hybrid = _fp8_config(world, "tensorwise", fp8="hybrid")
+    _, _, layer, gemms = _arms(spec, hybrid, x, grad, "reference")
+    found["hybrid"] = dict(gemms=gemms, grouped=layer.last_path.grouped_fp8,
+                           refusal=layer.grouped_fp8_training_refusal,
+                           inference_refusal=layer.grouped_fp8_refusal)
+    found["main_grad"] = _main_grad(spec, world, x, grad)
+    ps.destroy_model_parallel()
+    return found
+
+
+def _main_grad(spec, world, x, grad):
+    """Under gradient_accumulation_fusion with DDP's main_grad: the weight gradients added
+    there (twice over two backwards), grad_added_to_main_grad set, placeholders in .grad."""
+    from test_mcore_layer import _run
+    from test_mcore_te_fp8 import _fp8_config, _opt_in
+
+    from megatron_overlap.mcore.spec import with_overlap_moe
+    from megatron_overlap.ops import OverlapConfig
+
+    config = _fp8_config(world, "tensorwise")
+    torch.manual_seed(1234)
+    layer = with_overlap_moe(spec, OverlapConfig(backend="reference"), _opt_in())(
+        config=config)
+    plain = _run(layer, x, grad)[2]
+    config.gradient_accumulation_fusion = True
+    fc2 = layer.experts.linear_fc2
+    weights = [getattr(fc2, f"weight{i}") for i in range(fc2.num_gemms)]
+    for w in weights:
+        w.main_grad = torch.zeros(w.shape, dtype=torch.float32)
+        w.grad_added_to_main_grad = False
+    _run(layer, x, grad)
+    _run(layer, x, grad)
+    want = torch.stack([plain[f"experts.linear_fc2.weight{i}"].float() * 2
+                        for i in range(len(weights))])
+    got = torch.stack([w.main_grad for w in weights])
+    return dict(added=all(w.grad_added_to_main_grad for w in weights),
+                err=float((got - want).abs().max() / want.abs().max()),
+                placeholder=all(w.grad is not None and w.grad.shape == w.shape
+                                for w in weights))
+
+
+@pytest.fixture(scope="module", params=[1, 2], ids=["TP1EP1", "TP1EP2"])
+def runs(request):
+    return run_ranks(request.param, _scenarios)
+
+
+def test_tensorwise_e4m3_training_runs_no_te_gemm_and_matches_stock_fp8(runs):
+    """FP8 dgrad and wgrad of the grouped path (its gradients quantized as TE's are; the
+    double's backward is not): output and every gradient no further from stock FP8's
+    than stock FP8's are from stock bf16's."""
+    for r in runs:
+        for backend in ("reference", "interpret"):
+            res = r[backend]
+            assert res["fused"] and res["grouped"] and res["gemms"] == 0, res
+            assert res["refusal"] is None and res["names"], res
+            for key, err in res["ours"].items():
+                bound = max(res["fp8"][key], 2 ** -4)  # (FP8's own error, or e4m3's step)
+                assert err <= bound, (backend, key, err, res["fp8"][key])
+            assert res["fp8"]["out"] > 0 and res["fp8"]["dx"] > 0, res
+
+
+def test_hybrid_fp8_training_keeps_tes_grouped_linear_and_says_why(runs):
+    for r in runs:
+        res = r["hybrid"]
+        assert not res["grouped"] and res["gemms"] == 1, res  # FC1 by TE, GEMM2 the op's
+        assert "--fp8-format hybrid" in res["refusal"], res
+        assert res["inference_refusal"] is None, res  # (inference: forward only, e4m3)
+
+
+def test_fused_gradient_accumulation_adds_weight_gradients_into_main_grad(runs):
+    for r in runs:
+        res = r["main_grad"]
+        assert res["added"] and res["placeholder"], res
+        assert res["err"] < 1e-2, res
+
+
+def _dequantized(rows):
+    return rows.data.double() * rows.row_scale_inv.double()[:, None]
+
+
+def test_fp8_expert_linear_gradients_are_the_float64_products_of_their_fp8_operands():
+    """dgrad dx[g] = dy[g] W_g and wgrad dW_g = dy[g]^T x[g] from dy quantized per group
+    (TE's current scaling) and the forward's e4m3 x and W; padding rows get zero."""
+    from megatron_overlap.ops import (Fp8Rows, Fp8Stack, fp8_expert_linear,
+                                      quantize_fp8_groups, quantize_fp8_stack)
+
+    g = torch.Generator().manual_seed(8)
+    x = (torch.randn(45, 32, generator=g) * 3).bfloat16().requires_grad_(True)
+    params = [(torch.randn(16, 32, generator=g) * 0.2).bfloat16().requires_grad_(True)
+              for _ in range(4)]
+    ends = torch.tensor([9, 9, 30, 40])  # an empty group, 5 padding rows
+    weight = Fp8Stack(*quantize_fp8_stack(torch.stack([p.detach() for p in params])))
+    y = fp8_expert_linear(x, ends, weight, params)
+    dy = torch.randn(45, 16, generator=g).bfloat16()
+    y.backward(dy)
+    dq = Fp8Rows(*quantize_fp8_groups(dy, ends))
+    xq = Fp8Rows(*quantize_fp8_groups(x.detach(), ends))
+    expert = torch.repeat_interleave(torch.arange(4), torch.diff(ends, prepend=torch.zeros(1, dtype=torch.long)))
+    w = weight.data.double() * weight.scale_inv.double()[:, None, None]
+    want_dx = torch.einsum("rn,rnk->rk", _dequantized(dq)[:40], w[expert])
+    assert (x.grad[:40].double() - want_dx).abs().max() <= 2 ** -7 * want_dx.abs().max()
+    assert (x.grad[40:] == 0).all()
+    for e, p in enumerate(params):
+        rows = expert == e
+        want = _dequantized(dq)[:40][rows].t() @ _dequantized(xq)[:40][rows]
+        assert (p.grad.double() - want).abs().max() <= 2 ** -7 * want.abs().max().clamp_min(1e-30)
+    assert (params[1].grad == 0).all()  # (the empty group)
+
+
+def test_wgrad_columns_start_every_group_at_a_multiple_of_16():
+    from megatron_overlap.ops.fp8_train import GROUP_ALIGN, group_columns
+
+    g = torch.Generator().manual_seed(9)
+    q = (torch.randn(50, 8, generator=g) * 10).to(torch.float8_e4m3fn)
+    ends = torch.tensor([3, 3, 20, 44])  # 6 padding rows
+    qt, column_ends = group_columns(q, ends)
+    assert qt.dtype == torch.float8_e4m3fn and qt.shape[0] == 8
+    assert qt.shape[1] % GROUP_ALIGN == 0 and column_ends.dtype == torch.int32
+    assert column_ends.tolist() == [16, 16, 48, 80]
+    starts, prev = [0, 16, 16, 48], 0
+    for g_, (start, end) in enumerate(zip(starts, ends.tolist())):
+        width = end - prev
+        assert torch.equal(qt[:, start:start + width].float(), q[prev:end].t().float())
+        assert (qt[:, start + width:column_ends[g_]].float() == 0).all()
+        prev = end
+    assert qt.shape[1] > column_ends[-1]  # (the padding rows' column, past every group)
+
+
+@pytest.mark.parametrize("bad, match", [
+    (dict(params=[torch.zeros(16, 32)] * 3), "params must be the stack's 4 weights"),
+    (dict(ends=torch.tensor([4, 8])), "do not match the stack"),
+    (dict(weight=(None, None)), "weight must be an Fp8Stack"),
+])
+def test_fp8_expert_linear_refuses_bad_arguments_by_name(bad, match):
+    from megatron_overlap.ops import Fp8Stack, fp8_expert_linear, quantize_fp8_stack
+
+    weight = Fp8Stack(*quantize_fp8_stack(torch.ones(4, 16, 32)))
+    args = dict(x=torch.ones(8, 32), ends=torch.tensor([2, 4, 6, 8]), weight=weight,
+                params=[torch.zeros(16, 32)] * 4)
+    args.update(bad)
+    with pytest.raises((ValueError, TypeError), match=match):
+        fp8_expert_linear(**args)
