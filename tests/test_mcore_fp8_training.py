@@ -181,22 +181,25 @@ def test_fp8_expert_linear_gradients_are_the_float64_products_of_their_fp8_opera
 
 
 def test_wgrad_columns_start_every_group_at_a_multiple_of_16():
-    from megatron_overlap.ops.fp8_train import GROUP_ALIGN, group_columns
+    """The rows of each group as columns from a multiple of 16, the rest zero, padding
+    rows nowhere: the kernel (interpreted) and its pure-torch reference alike."""
+    from megatron_overlap.kernels.fp8_columns import ALIGN, group_columns, group_columns_reference
 
     g = torch.Generator().manual_seed(9)
-    q = (torch.randn(50, 8, generator=g) * 10).to(torch.float8_e4m3fn)
-    ends = torch.tensor([3, 3, 20, 44])  # 6 padding rows
-    qt, column_ends = group_columns(q, ends)
-    assert qt.dtype == torch.float8_e4m3fn and qt.shape[0] == 8
-    assert qt.shape[1] % GROUP_ALIGN == 0 and column_ends.dtype == torch.int32
-    assert column_ends.tolist() == [16, 16, 48, 80]
-    starts, prev = [0, 16, 16, 48], 0
-    for g_, (start, end) in enumerate(zip(starts, ends.tolist())):
-        width = end - prev
-        assert torch.equal(qt[:, start:start + width].float(), q[prev:end].t().float())
-        assert (qt[:, start + width:column_ends[g_]].float() == 0).all()
-        prev = end
-    assert qt.shape[1] > column_ends[-1]  # (the padding rows' column, past every group)
+    q = (torch.randn(50, 24, generator=g) * 10).to(torch.float8_e4m3fn)
+    ends = torch.tensor([3, 3, 20, 44])  # an empty group, 6 padding rows
+    for layout in (group_columns, group_columns_reference):
+        qt, column_ends = layout(q, ends)
+        assert qt.dtype == torch.float8_e4m3fn and qt.shape[0] == 24
+        assert qt.shape[1] % ALIGN == 0 and column_ends.dtype == torch.int32
+        assert column_ends.tolist() == [16, 16, 48, 80]
+        prev = 0
+        for start, end, stop in zip([0, 16, 16, 48], ends.tolist(), column_ends.tolist()):
+            width = end - prev
+            assert torch.equal(qt[:, start:start + width].float(), q[prev:end].t().float())
+            assert (qt[:, start + width:stop].float() == 0).all()
+            prev = end
+        assert (qt[:, 80:].float() == 0).all()  # (the padding rows: not copied)
 
 
 @pytest.mark.parametrize("bad, match", [

@@ -3,8 +3,9 @@ machine, TE brought by tools/te_wheels.sh): `pytest -m gpu tests/test_mcore_te_f
 
 Megatron's TE model with `fp8="e4m3"` and each Hopper recipe (tensorwise = current
 scaling, delayed, blockwise), one MoE layer of TEGroupedMLP experts: stock core-TE FP8
-against the same model with --moe-overlap, whose GEMM2 runs on TE's quantized operands
-in the op and whose FC2 backward is TE's (mcore/te_fp8.py). Checked: every MoE layer
+against the same model with --moe-overlap: tensorwise on the grouped FP8 experts in
+training too (FP8 dgrad and wgrad, ops/fp8_train.py), delayed and blockwise with GEMM2 on
+TE's quantized operands in the op and FC2's backward TE's (mcore/te_fp8.py). Checked: every MoE layer
 fuses, and the logits, the loss and every parameter's gradient are no further from
 core-TE FP8's than core-TE FP8's are from core-TE bf16's (FP8's own error), with a floor
 at bf16's tolerance; also the logits in eval mode, where tensorwise runs FC1 and FC2 on
@@ -109,6 +110,7 @@ def _fp8_parity(rank, world, recipe):
             _restore_scaling_state(state)
             ours = _arm(model, tokens, positions, labels, True, "e4m3")
             res["own_fp8"] = [m._stacks.fc1_own_fp8._value is not None for m in layers]
+            res["trained_grouped"] = [m.last_path.grouped_fp8 for m in layers]
             res["fused"] = all(m.last_path.fused for m in layers)
             res["fp8_op"] = all(m.last_plan is not None for m in layers)
     res["warnings"] = [str(w.message) for w in caught if "megatron-overlap" in str(w.message)]
@@ -138,6 +140,7 @@ def test_fp8_moe_layer_fuses_and_stays_within_fp8s_own_error_of_core_te_fp8(reci
     assert ours <= max(fp8_error, 1e-2), r["logits"]
     # eval mode without gradients: tensorwise on the grouped FP8 experts, the rest TE's
     assert r["own_fp8"] == [recipe == "tensorwise"], r["own_fp8"]
+    assert r["trained_grouped"] == [recipe == "tensorwise"], r  # (the backward's call)
     assert r["served"][0] <= max(r["served"][1], 1e-2), r["served"]
     assert r["loss"][0] <= max(r["loss"][1], 1e-3), r["loss"]
     assert r["same_params"], r

@@ -16,7 +16,8 @@ where gradients are e4m3 too) and runs, from the e4m3 operands TE's recipe makes
     wgrad  dW_g  = dy[g]^T x[g]    2d x 2d, contracting over each group's rows, which are
                                    copied as columns with each group's start at a multiple
                                    of 16 (`group_columns`: the GEMM's TMA needs 16-byte
-                                   group starts and raises on others)
+                                   group starts and raises on others; one Triton launch,
+                                   kernels/fp8_columns.py)
 
 accumulating in fp32 with Hopper's fast FP8 accumulation. TE splits the accumulator in
 dgrad and wgrad; torch's grouped kernel with it split took 1.78 ms against 0.58 ms
@@ -35,10 +36,10 @@ from typing import Callable, NamedTuple, Sequence
 
 import torch
 
-from .fp8_groups import E4M3, _scaled_grouped_mm_ok, fp8_grouped_linear, quantize_fp8_groups
-
-#: each group's first column in the wgrad's operands is a multiple of this (16 bytes)
-GROUP_ALIGN = 16
+from ..kernels.fp8_columns import group_columns as group_columns_kernel
+from ..kernels.fp8_columns import group_columns_reference
+from .config import interpreting
+from .fp8_groups import _scaled_grouped_mm_ok, fp8_grouped_linear, quantize_fp8_groups
 
 
 class Fp8Rows(NamedTuple):
@@ -62,22 +63,13 @@ class Fp8Stack(NamedTuple):
 
 def group_columns(q: torch.Tensor, ends: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(qt [K, C] e4m3, column_ends int32 [E]): the rows of q [R, K] before ends[-1] as
-    columns, group g's rows from column column_ends[g-1] (each group's width rounded up
-    to GROUP_ALIGN, its padding columns zero; C a multiple of GROUP_ALIGN with room for
-    every group's padding). Rows past ends[-1] go to the last column, past every group."""
-    rows, k = q.shape
-    groups = ends.numel()
-    counts = torch.diff(ends, prepend=ends.new_zeros(1))
-    widths = (counts + GROUP_ALIGN - 1) // GROUP_ALIGN * GROUP_ALIGN
-    column_ends = torch.cumsum(widths, 0)
-    cols = -(-(rows + (GROUP_ALIGN - 1) * groups + 1) // GROUP_ALIGN) * GROUP_ALIGN
-    row = torch.arange(rows, device=q.device, dtype=ends.dtype)
-    group = torch.searchsorted(ends, row, right=True).clamp(max=groups - 1)
-    dest = (column_ends - widths)[group] + row - (ends - counts)[group]
-    dest = torch.where(row < ends[-1], dest, cols - 1)
-    staged = torch.zeros(cols, k, dtype=torch.uint8, device=q.device)
-    staged.index_copy_(0, dest, q.view(torch.uint8))
-    return staged.t().contiguous().view(E4M3), column_ends.to(torch.int32)
+    columns, group g's from column column_ends[g-1], each group's width rounded up to
+    16 with zero columns (kernels/fp8_columns.py: one launch on CUDA and under
+    the interpreter; elsewhere its pure-torch reference, which reads the ends on the
+    host)."""
+    if q.is_cuda or interpreting():
+        return group_columns_kernel(q, ends)
+    return group_columns_reference(q, ends)
 
 
 def fp8_grouped_wgrad(dy: Fp8Rows, x: Fp8Rows, ends: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,104 @@
+"""Expert-sorted e4m3 rows copied as columns, each group's first column a multiple of 16.
+
+The weight gradient of a grouped linear contracts over each expert's rows: dW_g =
+dy[g]^T x[g]. torch's scaled grouped GEMM takes that as 2d x 2d with the rows as the
+reduction dim, so both operands must be transposed ([K, R] row-major), and its TMA
+raises on a group whose first column is not 16-byte aligned (and hits a device assert
+on an empty one there; docs/data/scaled_grouped_mm_probe_h100.json). So:
+
+    q [R, K] e4m3 (row-major), group_ends [G] (the last <= R; rows past it padding) ->
+        out [K, C] e4m3: the rows of group g as columns from column_ends[g-1], the
+                         columns up to column_ends[g] (each group's width rounded up to
+                         ALIGN) zero; padding rows not copied
+        column_ends [G] int32: the GEMM's group offsets
+
+C = R + (ALIGN - 1) * G rounded up to ALIGN: room for every group's padding whatever the
+counts, known without them (no host sync). One launch, a [BLOCK_R, BLOCK_K] tile
+transposed in registers per program, so both the loads (along K) and the stores (along
+the rows of a group: consecutive columns) are contiguous. A uint8 transpose by torch's
+`.t().contiguous()` runs its generic strided copy: 13 ms for Granite's 524288 x 1536
+rows on one H100, where this is bound by the bytes moved.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .fp8_rows import MAX_GROUPS, _group_of
+from .launch_cache import LaunchCache
+
+E4M3 = torch.float8_e4m3fn
+#: each group's first column is a multiple of this (16 bytes of e4m3)
+ALIGN = 16
+
+
+@triton.jit(do_not_specialize=["rows", "groups", "cols"])
+def group_columns_kernel(q_ptr, ends_ptr, shift_ptr, out_ptr, rows, groups, cols,
+                         K: tl.constexpr, GROUPS_P2: tl.constexpr, BLOCK_R: tl.constexpr,
+                         BLOCK_K: tl.constexpr):
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    c = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    group = _group_of(r, ends_ptr, groups, GROUPS_P2)
+    live = (r < rows) & (group < groups)
+    # (the column of row r: r + its group's first column - its group's first row)
+    dest = r.to(tl.int64) + tl.load(shift_ptr + group, mask=live, other=0)
+    tile = tl.load(q_ptr + r.to(tl.int64)[:, None] * K + c[None, :],
+                   mask=live[:, None] & (c < K)[None, :], other=0)
+    tl.store(out_ptr + c.to(tl.int64)[:, None] * cols + dest[None, :], tl.trans(tile),
+             mask=(c < K)[:, None] & live[None, :])
+
+
+_COLUMNS = LaunchCache(group_columns_kernel)
+
+
+def _layout(rows: int, group_ends: torch.Tensor):
+    """(column_ends int64 [G], shift int64 [G], C): each group's columns and row offset."""
+    counts = torch.diff(group_ends, prepend=group_ends.new_zeros(1)).to(torch.int64)
+    widths = (counts + ALIGN - 1) // ALIGN * ALIGN
+    column_ends = torch.cumsum(widths, 0)
+    shift = (column_ends - widths) - (group_ends.to(torch.int64) - counts)
+    cols = -(-(rows + (ALIGN - 1) * group_ends.numel()) // ALIGN) * ALIGN
+    return column_ends, shift, max(cols, ALIGN)
+
+
+def _check(q: torch.Tensor, group_ends: torch.Tensor) -> None:
+    if q.dim() != 2 or q.dtype != E4M3 or not q.is_contiguous():
+        raise ValueError(f"q must be contiguous [R, K] e4m3, got {tuple(q.shape)} {q.dtype}")
+    if (group_ends.dim() != 1 or group_ends.is_floating_point()
+            or group_ends.device != q.device or not 0 < group_ends.numel() <= MAX_GROUPS):
+        raise ValueError(f"group_ends must be 1 to {MAX_GROUPS} integers on {q.device}, got "
+                         f"{tuple(group_ends.shape)} {group_ends.dtype} on {group_ends.device}")
+
+
+def group_columns(q: torch.Tensor, group_ends: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out [K, C] e4m3, column_ends int32 [G]) as the module doc says; group_ends
+    non-decreasing and at most R (the device holds them: not checked here)."""
+    _check(q, group_ends)
+    rows, k = q.shape
+    column_ends, shift, cols = _layout(rows, group_ends)
+    out = torch.zeros(k, cols, dtype=torch.uint8, device=q.device)
+    block_r, block_k = 64, min(64, triton.next_power_of_2(max(k, 16)))
+    grid = (max(1, triton.cdiv(rows, block_r)), max(1, triton.cdiv(k, block_k)))
+    meta = dict(K=k, GROUPS_P2=triton.next_power_of_2(group_ends.numel()), BLOCK_R=block_r,
+                BLOCK_K=block_k, num_warps=4)
+    if rows and k:
+        _COLUMNS.launch(grid, (q.view(torch.uint8), group_ends, shift, out, rows,
+                               group_ends.numel(), cols), meta)
+    return out.view(E4M3), column_ends.to(torch.int32)
+
+
+def group_columns_reference(q: torch.Tensor, group_ends: torch.Tensor
+                            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same in pure torch from the ends on the host."""
+    _check(q, group_ends)
+    rows, k = q.shape
+    column_ends, shift, cols = _layout(rows, group_ends)
+    out = torch.zeros(k, cols, dtype=torch.uint8, device=q.device)
+    start = 0
+    for end, moved in zip(group_ends.tolist(), shift.tolist()):
+        out[:, start + moved:end + moved] = q[start:end].view(torch.uint8).t()
+        start = end
+    return out.view(E4M3), column_ends.to(torch.int32)
