@@ -17,6 +17,10 @@ padding rows dropped; its backward hands dL/dy to TE's node (`grad_sink`).
     blockwise                        Float8BlockScaling 1x128/128x128  "block"
     mxfp8, custom, fp4               -                                 stock (`fp8_refusal`)
 
+Where the grouped FP8 experts take a call (mcore/fp8_experts.py: tensorwise in inference,
+and in training under `--fp8-format e4m3`), TE's GroupedLinear does not run and this
+module is not used; it runs tensorwise under `hybrid` in training, delayed and blockwise.
+
 How the GEMM is skipped: TE's GroupedLinear calls `general_grouped_gemm` through its
 module's globals; for the one FC2 call that name is a function that records the
 quantized operands (A: weights, B: inputs) and computes nothing (`_gemm_skipped`).
