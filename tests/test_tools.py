@@ -558,3 +558,31 @@ def test_layer_benchmark_policy_opts_fp8_layers_in_with_its_fp8_flag():
     args = argparse.Namespace(fuse="always", fp8_recipe="blockwise")
     assert bench_layer.layer_policy(args).fp8 is True
     assert bench_layer.layer_policy(argparse.Namespace(fuse="auto")).fp8 is False
+
+
+def _layer_backward_case(rank, world):
+    import mcore_shims
+
+    mcore_shims.install()
+    import bench_layer
+
+    from megatron_overlap.mcore import init_parallel
+
+    device = init_parallel(1, 1, seed=0, preload="mcore_shims")
+    args = argparse.Namespace(input_layer=0, backend="interpret", fuse="always", tiny=True,
+                              no_bias_swiglu_fusion=False, impls=["local"],
+                              baseline_list=["default"], backward=True, samples=2, warmup=1,
+                              cuda_graph=False)
+    return bench_layer.layer_case("qwen", 1, 1, 16, 2, args, device)
+
+
+def test_layer_benchmark_backward_mode_times_training_steps_after_checking_input_gradients():
+    from dist_harness import run_ranks
+
+    (r,) = run_ranks(1, _layer_backward_case)
+    assert r["mode"] == "forward+backward", r["mode"]
+    assert {"stock", "overlap"} <= set(r["stats"]), r["stats"]
+    assert all(len(v) == 2 for v in r["samples"].values()), r["samples"]
+    grad = r["grad_agreement"]["local"]
+    assert 0 <= grad["rel_err"] < 2e-2 and grad["max_abs_diff"] >= 0, grad
+    assert r["rel_err"] < 2e-2, r["rel_err"]

@@ -16,7 +16,10 @@ adds "graph": the overlapped layer captured into one CUDA graph and replayed, it
 checked against the eager fused layer (stock stays eager: it syncs the host).
 `--moe-fusions` runs both arms under Megatron's `--moe-permute-fusion --moe-router-fusion`;
 `--baselines default,fused` times both flag sets in one schedule (the second's arms
-suffixed "-fused"; `speedups_by_baseline`: stock / overlap under each).
+suffixed "-fused"; `speedups_by_baseline`: stock / overlap under each). `--backward` times
+forward + backward in training mode instead (the hidden states and every parameter with
+gradients, the same random dL/dy each call; `grad_agreement`: the two arms' input
+gradients).
 """
 
 from __future__ import annotations
@@ -184,6 +187,37 @@ def _agreement(layer, hidden, fused: bool) -> tuple[float, float]:
     return float((out - ref).norm() / ref.norm()), float((out - ref).abs().max())
 
 
+def _input_gradients(layer, hidden, grad, fused: bool) -> tuple[float, float]:
+    """(relative error, max |diff|) of the overlapped layer's dL/dhidden against stock's."""
+    set_moe_fusions(layer, fused)
+    found = []
+    for overlap in (False, True):
+        layer.overlap_enabled = overlap
+        x = hidden.detach().requires_grad_(True)
+        with in_fp8(layer):
+            out = layer(x)[0]
+        out.backward(grad)
+        found.append(x.grad.float())
+    ref, got = found
+    return float((got - ref).norm() / ref.norm()), float((got - ref).abs().max())
+
+
+def _step(layer, hidden, overlap: bool, fused: bool, grad):
+    """One arm's timed call: the forward without gradients, or with `grad` (training
+    mode) forward + backward."""
+    def fn():
+        layer.overlap_enabled = overlap
+        set_moe_fusions(layer, fused)
+        if grad is None:
+            with torch.no_grad(), in_fp8(layer):
+                layer(hidden)
+            return
+        with in_fp8(layer):
+            out = layer(hidden)[0]
+        out.backward(grad)
+    return fn
+
+
 def layer_case(model_name, tp, ep, seq, batch, args, device):
     """Stock and overlapped layer of every implementation and baseline, timed ABBA in one
     schedule. Policies of the first --impls entry are "stock" / "overlap", the others'
@@ -191,22 +225,21 @@ def layer_case(model_name, tp, ep, seq, batch, args, device):
     its name too ("stock-fused"); speedups are over the first's stock."""
     cases = _build_arms(model_name, tp, ep, seq, batch, args, device)
     primary, first = args.impls[0], args.baseline_list[0]
-
-    def run(layer, hidden, overlap: bool, fused: bool):
-        def fn():
-            layer.overlap_enabled = overlap
-            set_moe_fusions(layer, fused)
-            with torch.no_grad(), in_fp8(layer):
-                layer(hidden)
-        return fn
-
-    policies, checks = {}, {}
+    backward = getattr(args, "backward", False)
+    policies, checks, grad_checks = {}, {}, {}
     for impl, (layer, hidden) in cases.items():
+        grad = None
+        if backward:
+            layer.train()
+            gen = torch.Generator(device=hidden.device).manual_seed(99)
+            grad = torch.randn(hidden.shape, generator=gen, device=hidden.device).to(hidden.dtype)
+            grad_checks[impl] = _input_gradients(layer, hidden, grad, BASELINES[first])
+            hidden = hidden.detach().requires_grad_(True)
         for b in args.baseline_list:
             checks[arm(impl, b, first)] = _agreement(layer, hidden, BASELINES[b])
             for name in ("stock", "overlap"):
-                policies[arm(_policy(impl, primary, name), b, first)] = run(
-                    layer, hidden, name == "overlap", BASELINES[b])
+                policies[arm(_policy(impl, primary, name), b, first)] = _step(
+                    layer, hidden, name == "overlap", BASELINES[b], grad)
     layer, hidden = cases[primary]
     set_moe_fusions(layer, BASELINES[first])
     err, max_diff = checks[primary]
@@ -222,7 +255,9 @@ def layer_case(model_name, tp, ep, seq, batch, args, device):
              "speedups_by_baseline": {b: stats[arm("stock", b, first)]["median"]
                                       / stats[arm("overlap", b, first)]["median"]
                                       for b in args.baseline_list},
-             "agreement": {impl: dict(rel_err=e, max_abs_diff=d) for impl, (e, d) in checks.items()}}
+             "agreement": {impl: dict(rel_err=e, max_abs_diff=d) for impl, (e, d) in checks.items()},
+             "grad_agreement": {impl: dict(rel_err=e, max_abs_diff=d)
+                                for impl, (e, d) in grad_checks.items()}}
     if graph is not None:
         extra["graph"] = graph.summary()
         if "graph" in stats:
@@ -230,6 +265,7 @@ def layer_case(model_name, tp, ep, seq, batch, args, device):
         graph.release()
     return dict(model=model_name, tp=tp, ep=ep, seq=seq, batch=batch, impls=args.impls,
                 fp8=getattr(args, "fp8_recipe", None),
+                mode="forward+backward" if backward else "forward",
                 baselines=args.baseline_list, moe_fusions=BASELINES[first],
                 rel_err=err, max_abs_diff=max_diff, input_layer=args.input_layer, routing=skew,
                 decision=None if plan is None else dict(C=plan.comm_ctas, L=plan.splits,
@@ -292,9 +328,14 @@ def main() -> int:
                     help="the layers in FP8 (e4m3) with this TE recipe inside Megatron's FP8 "
                          "context, both arms (--impls te; the overlapped arm opted in as "
                          "--moe-overlap-fp8 does)")
+    ap.add_argument("--backward", action="store_true",
+                    help="time forward + backward in training mode (default: the forward "
+                         "without gradients)")
     ap.add_argument("--preload", default=None)
     ap.add_argument("--json", default="")
     args = ap.parse_args()
+    if args.backward and args.cuda_graph:
+        ap.error("--cuda-graph: the captured layer is the forward (inference)")
     args.impls = args.impls.split(",")
     if args.fp8_recipe and args.impls != ["te"]:
         ap.error("--fp8-recipe: FP8 experts are TE's (--impls te)")

@@ -26,7 +26,8 @@
 #   op_graph      the op, GEMM2 alone and the reference replayed from CUDA graphs, C and L swept
 #   layers        one MoE layer, stock and overlapped (bench_layer.py; LAYER_IMPLS=te,local:
 #                 TE's grouped experts = core-TE beside local ones, after te; FP8:
-#                 LAYER_IMPLS=te LAYER_ARGS="--fp8-recipe R")
+#                 LAYER_IMPLS=te LAYER_ARGS="--fp8-recipe R"; forward + backward in training
+#                 mode: LAYER_ARGS="--backward ...")
 #   prefill       complete-model prefill, stock and overlapped (PREFILL_MODELS, PREFILL_SEQS);
 #                 PREFILL_IMPL=te: the TE spec (core-TE, after te); PREFILL_MODES="prefill
 #                 train": also one training step (TRAIN_SEQS, TRAIN_BATCH, TRAIN_LAYERS)
