@@ -1,4 +1,5 @@
-"""Expert-sorted e4m3 rows copied as columns, each group's first column a multiple of 16.
+"""Expert-sorted e4m3 rows copied as columns, each group's first column a multiple of 16;
+an e4m3 weight stack transposed per expert (`transpose_stack`).
 
 The weight gradient of a grouped linear contracts over each expert's rows: dW_g =
 dy[g]^T x[g]. torch's scaled grouped GEMM takes that as 2d x 2d with the rows as the
@@ -50,7 +51,37 @@ def group_columns_kernel(q_ptr, ends_ptr, shift_ptr, out_ptr, rows, groups, cols
              mask=(c < K)[:, None] & live[None, :])
 
 
+@triton.jit
+def transpose_stack_kernel(q_ptr, out_ptr, N: tl.constexpr, K: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    e = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.program_id(2) * BLOCK_K + tl.arange(0, BLOCK_K)
+    inside = (n < N)[:, None] & (k < K)[None, :]
+    tile = tl.load(q_ptr + e * N * K + n[:, None] * K + k[None, :], mask=inside, other=0)
+    tl.store(out_ptr + e * N * K + k[:, None] * N + n[None, :], tl.trans(tile),
+             mask=(k < K)[:, None] & (n < N)[None, :])
+
+
 _COLUMNS = LaunchCache(group_columns_kernel)
+_TRANSPOSE = LaunchCache(transpose_stack_kernel)
+
+
+def transpose_stack(q: torch.Tensor) -> torch.Tensor:
+    """[E, K, N] e4m3: each expert's matrix of the stack q [E, N, K] transposed (the
+    dgrad's weight operand), one launch. torch's `.transpose(1, 2).contiguous()` on e4m3
+    is the same generic strided copy as above."""
+    if q.dim() != 3 or q.dtype != E4M3 or not q.is_contiguous():
+        raise ValueError(f"q must be a contiguous e4m3 stack [E, N, K], got "
+                         f"{tuple(q.shape)} {q.dtype}")
+    e, n, k = q.shape
+    out = torch.empty(e, k, n, dtype=torch.uint8, device=q.device)
+    block_n, block_k = min(64, triton.next_power_of_2(max(n, 16))), min(64, triton.next_power_of_2(max(k, 16)))
+    if q.numel():
+        _TRANSPOSE.launch((e, triton.cdiv(n, block_n), triton.cdiv(k, block_k)),
+                          (q.view(torch.uint8), out),
+                          dict(N=n, K=k, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4))
+    return out.view(E4M3)
 
 
 def _layout(rows: int, group_ends: torch.Tensor):

@@ -202,6 +202,22 @@ def test_wgrad_columns_start_every_group_at_a_multiple_of_16():
         assert (qt[:, 80:].float() == 0).all()  # (the padding rows: not copied)
 
 
+def test_a_weight_stacks_transpose_is_each_experts_matrix_transposed():
+    """The dgrad's weight operand: the kernel (interpreted) against torch's transpose, at
+    sizes off its 64 x 64 tile."""
+    from megatron_overlap.kernels.fp8_columns import transpose_stack
+    from megatron_overlap.ops import Fp8Stack, quantize_fp8_stack, with_transposed
+
+    g = torch.Generator().manual_seed(10)
+    q = (torch.randn(3, 80, 48, generator=g) * 30).to(torch.float8_e4m3fn)
+    out = transpose_stack(q)
+    assert out.shape == (3, 48, 80) and out.dtype == torch.float8_e4m3fn
+    assert torch.equal(out.view(torch.uint8), q.transpose(1, 2).contiguous().view(torch.uint8))
+    stack = with_transposed(Fp8Stack(*quantize_fp8_stack(torch.randn(2, 32, 16))))
+    assert torch.equal(stack.transposed.float(), stack.data.transpose(1, 2).float())
+    assert with_transposed(stack) is stack  # (made once)
+
+
 @pytest.mark.parametrize("bad, match", [
     (dict(params=[torch.zeros(16, 32)] * 3), "params must be the stack's 4 weights"),
     (dict(ends=torch.tensor([4, 8])), "do not match the stack"),

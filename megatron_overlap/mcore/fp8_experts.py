@@ -38,7 +38,7 @@ import torch
 from megatron.core.transformer.moe.experts import TEGroupedMLP
 
 from ..ops import (Fp8Rows, Fp8Scales, Fp8Stack, fp8_expert_linear, quantize_fp8_groups,
-                   quantize_fp8_stack)
+                   quantize_fp8_stack, with_transposed)
 from .experts import apply_probs_on_input, host_counts, routed_activation
 from .te_fp8 import recipe_kind
 
@@ -60,9 +60,8 @@ class Fp8Weights:
                 self._value = Fp8Stack(*quantize_fp8_stack(
                     torch.stack([w.detach() for w in weights])))
             self._key = key
-        if transposed and self._value.transposed is None:
-            self._value = self._value._replace(
-                transposed=self._value.data.transpose(1, 2).contiguous())
+        if transposed:
+            self._value = with_transposed(self._value)
         return self._value
 
 
@@ -115,10 +114,10 @@ def grouped_fp8_note(layer) -> tuple[str | None, str | None]:
     if layer.unsupported_reason is not None or not layer.config.fp8:
         return None, None
     why, why_training = own_fp8_refusal(layer.experts), own_fp8_training_refusal(layer.experts)
-    for mode, reason in (("inference", why), ("training", why_training)):
-        log.info("moe-overlap layer %s: FP8 %s %s", layer.layer_number, mode,
-                 "on the grouped FP8 experts" if reason is None
-                 else f"on TE's GroupedLinear: {reason}")
+    paths = [f"{mode} on " + ("the grouped FP8 experts" if reason is None
+                              else f"TE's GroupedLinear ({reason})")
+             for mode, reason in (("inference", why), ("training", why_training))]
+    log.info("moe-overlap layer %s: FP8 %s", layer.layer_number, "; ".join(paths))
     return why, why_training
 
 

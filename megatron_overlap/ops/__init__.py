@@ -12,7 +12,7 @@ from .config import (GPU_TILES, INTERPRET_TILES, PARTITION_TILES, SHARED_COMM_MA
                      SHARED_GEMM_MAXNREG, OverlapConfig, TileConfig, load_tiles)
 from .fp8 import Fp8Scales, quantize_operands as quantize_fp8_operands
 from .fp8_groups import fp8_grouped_linear, quantize_fp8_groups, quantize_fp8_stack
-from .fp8_train import Fp8Rows, Fp8Stack, fp8_expert_linear
+from .fp8_train import Fp8Rows, Fp8Stack, fp8_expert_linear, with_transposed
 from .fusion import fusion_decision
 from .expert_weights import BIAS_COLUMNS, ExpertWeightStack, with_bias_columns
 from .grouped import accepts as grouped_mm_accepts, grouped_mm, grouped_wgrad
@@ -32,7 +32,7 @@ __all__ = ["BIAS_COLUMNS", "ExpertWeightStack", "grouped_mm_accepts", "OverlapBu
            # expert-grouped FP8 under current scaling (the layer's own FP8 experts path)
            "fp8_grouped_linear", "quantize_fp8_groups", "quantize_fp8_stack",
            # and trained through it (FP8 dgrad and wgrad: ops/fp8_train.py)
-           "Fp8Rows", "Fp8Stack", "fp8_expert_linear",
+           "Fp8Rows", "Fp8Stack", "fp8_expert_linear", "with_transposed",
            # tiles a user or the tuner sets (load_tiles: tools/tune_tiles.py's JSON; the
            # shared placement's register caps, TileConfig's gemm_ / comm_maxnreg defaults),
            # and the backward's grouped GEMMs

@@ -37,7 +37,7 @@ from typing import Callable, NamedTuple, Sequence
 import torch
 
 from ..kernels.fp8_columns import group_columns as group_columns_kernel
-from ..kernels.fp8_columns import group_columns_reference
+from ..kernels.fp8_columns import group_columns_reference, transpose_stack
 from .config import interpreting
 from .fp8_groups import _scaled_grouped_mm_ok, fp8_grouped_linear, quantize_fp8_groups
 
@@ -59,6 +59,17 @@ class Fp8Stack(NamedTuple):
     data: torch.Tensor
     scale_inv: torch.Tensor
     transposed: torch.Tensor | None = None
+
+
+def with_transposed(weight: Fp8Stack) -> Fp8Stack:
+    """`weight` with its `transposed` data ([E, K, N], one launch on CUDA and under the
+    interpreter: kernels/fp8_columns.py), made where it has none."""
+    if weight.transposed is not None:
+        return weight
+    data = weight.data
+    if data.is_cuda or interpreting():
+        return weight._replace(transposed=transpose_stack(data))
+    return weight._replace(transposed=data.transpose(1, 2).contiguous())
 
 
 def group_columns(q: torch.Tensor, ends: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,9 +128,8 @@ class _Fp8ExpertLinear(torch.autograd.Function):
         dq = Fp8Rows(*quantize_fp8_groups(dy.contiguous(), ends))
         dx = None
         if ctx.needs_input_grad[0]:
-            wt = w.transposed if w.transposed is not None else (
-                w.data.transpose(1, 2).contiguous())
-            dx = fp8_grouped_linear(dq.data, dq.row_scale_inv, wt, w.scale_inv,
+            dx = fp8_grouped_linear(dq.data, dq.row_scale_inv, with_transposed(w).transposed,
+                                    w.scale_inv,
                                     _through_last_row(ends, dq.data.shape[0]))
             dx = dx.to(ctx.x_dtype)
         dws = [None] * len(ctx.param_dtypes)
