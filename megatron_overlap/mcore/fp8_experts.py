@@ -38,7 +38,7 @@ import torch
 from megatron.core.transformer.moe.experts import TEGroupedMLP
 
 from ..ops import (Fp8Rows, Fp8Scales, Fp8Stack, fp8_expert_linear, quantize_fp8_groups,
-                   quantize_fp8_stack, with_transposed)
+                   quantize_fp8_stack, stacked, with_transposed)
 from .experts import apply_probs_on_input, host_counts, routed_activation
 from .te_fp8 import recipe_kind
 
@@ -56,9 +56,8 @@ class Fp8Weights:
     def operand(self, weights: list[torch.Tensor], transposed: bool = False) -> Fp8Stack:
         key = tuple((w.data_ptr(), w._version, tuple(w.shape)) for w in weights)
         if key != self._key:
-            with torch.no_grad():
-                self._value = Fp8Stack(*quantize_fp8_stack(
-                    torch.stack([w.detach() for w in weights])))
+            with torch.no_grad():  # (packed weights: no bf16 copy of the stack)
+                self._value = Fp8Stack(*quantize_fp8_stack(stacked(weights)))
             self._key = key
         if transposed:
             self._value = with_transposed(self._value)

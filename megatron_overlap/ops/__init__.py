@@ -14,7 +14,7 @@ from .fp8 import Fp8Scales, quantize_operands as quantize_fp8_operands
 from .fp8_groups import fp8_grouped_linear, quantize_fp8_groups, quantize_fp8_stack
 from .fp8_train import Fp8Rows, Fp8Stack, fp8_expert_linear, with_transposed
 from .fusion import fusion_decision
-from .expert_weights import BIAS_COLUMNS, ExpertWeightStack, with_bias_columns
+from .expert_weights import BIAS_COLUMNS, ExpertWeightStack, stacked, with_bias_columns
 from .grouped import accepts as grouped_mm_accepts, grouped_mm, grouped_wgrad
 from .helpers import (add_gated_shared_, capturing, gather_rows, interpreting, permute_rows,
                       weighted_swiglu)
@@ -22,7 +22,7 @@ from .planning import ROOFLINE_CANDIDATES, PlanRequest, rank_splits, split_candi
 from .plans import Planner
 from .session import OverlapSession, default_session, gemm2_gather_rs, note_replays
 
-__all__ = ["BIAS_COLUMNS", "ExpertWeightStack", "grouped_mm_accepts", "OverlapBuffer", "OverlapConfig", "OverlapMismatchError",
+__all__ = ["BIAS_COLUMNS", "ExpertWeightStack", "stacked", "grouped_mm_accepts", "OverlapBuffer", "OverlapConfig", "OverlapMismatchError",
            "OverlapPeerError",
            "OverlapTimeoutError", "fusion_decision",
            "gemm2_gather_rs", "with_bias_columns",

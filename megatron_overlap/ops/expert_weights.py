@@ -45,6 +45,13 @@ def _back_to_back(weights: Sequence[torch.Tensor]) -> torch.Tensor | None:
                             (step, *first.stride()), start)
 
 
+def stacked(weights: Sequence[torch.Tensor]) -> torch.Tensor:
+    """[E, N, K] of the E weights [N, K], detached: a view where they lie back to back in
+    one storage (`pack_expert_weights` put them there), else a stacked copy."""
+    view = _back_to_back(weights)
+    return view if view is not None else torch.stack([w.detach() for w in weights])
+
+
 class _Cached(torch.autograd.Function):
     """The cached operand as a function of its sources, for autograd: its gradient goes
     back to each weight (and bias) it was built from."""
