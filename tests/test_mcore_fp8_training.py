@@ -71,6 +71,7 @@ def _scenarios(rank, world):
             fused=layer.last_path.fused, grouped=layer.last_path.grouped_fp8,
             names=sorted(ours[2]) == sorted(stock[2]),
             refusal=layer.grouped_fp8_training_refusal)
+    found["pricing"] = _pricing(spec, config, world)
     hybrid = _fp8_config(world, "tensorwise", fp8="hybrid")
     _, _, layer, gemms = _arms(spec, hybrid, x, grad, "reference")
     found["hybrid"] = dict(gemms=gemms, grouped=layer.last_path.grouped_fp8,
@@ -79,6 +80,23 @@ def _scenarios(rank, world):
     found["main_grad"] = _main_grad(spec, world, x, grad)
     ps.destroy_model_parallel()
     return found
+
+
+def _pricing(spec, config, world):
+    """The fuse-or-not's stock launches and T_unfused on the grouped FP8 path and off it
+    (H200's shipped calibration: the CPU has none)."""
+    from test_mcore_te_fp8 import _opt_in
+
+    from megatron_overlap.mcore.spec import with_overlap_moe
+    from megatron_overlap.mcore.support import stock_launches
+    from megatron_overlap.ops import OverlapConfig
+
+    layer = with_overlap_moe(spec, OverlapConfig(backend="interpret", preset="h200"),
+                             _opt_in())(config=config)
+    rows = torch.empty(24 * world, 32, dtype=torch.bfloat16)
+    grouped, te = (layer._fusion_for(rows, False, flag) for flag in (True, False))
+    return dict(experts=layer.num_local_experts, grouped=stock_launches(layer, True),
+                te=stock_launches(layer), unfused=(grouped.unfused_us, te.unfused_us))
 
 
 def _main_grad(spec, world, x, grad):
@@ -138,6 +156,15 @@ def test_hybrid_fp8_training_keeps_tes_grouped_linear_and_says_why(runs):
         assert not res["grouped"] and res["gemms"] == 1, res  # FC1 by TE, GEMM2 the op's
         assert "--fp8-format hybrid" in res["refusal"], res
         assert res["inference_refusal"] is None, res  # (inference: forward only, e4m3)
+
+
+def test_the_fuse_or_not_prices_stocks_per_expert_fc1_and_quantization_on_the_grouped_path(runs):
+    """On the grouped FP8 path stock's TE makes per expert two GEMMs and an amax and a
+    cast for each of FC1's and FC2's inputs, where ours makes a few launches for all."""
+    for r in runs:
+        res = r["pricing"]
+        assert res["grouped"] == 6 * res["experts"] and res["te"] == res["experts"], res
+        assert res["unfused"][0] > res["unfused"][1], res
 
 
 def test_fused_gradient_accumulation_adds_weight_gradients_into_main_grad(runs):

@@ -188,10 +188,11 @@ class OverlapMoELayer(MoELayer):
         grouped_fp8 = ((self._grouped_fp8 if inference else self._grouped_fp8_training)
                        and hidden_states.dtype == torch.bfloat16)
         host = needs_host_counts(self.experts, hidden_states, grouped_fp8)
-        return CallPath(self._fuses(hidden_states, inference, host), inference, host,
-                        grouped_fp8)
+        return CallPath(self._fuses(hidden_states, inference, host, grouped_fp8), inference,
+                        host, grouped_fp8)
 
-    def _fuses(self, hidden_states, inference: bool, host_counts: bool) -> bool:
+    def _fuses(self, hidden_states, inference: bool, host_counts: bool,
+               grouped_fp8: bool = False) -> bool:
         """Overlap this call? The same answer on every rank of the group: it reads only
         the gathered [M, H] activations' size, the configuration and the device."""
         if not self.overlap_enabled:
@@ -214,19 +215,20 @@ class OverlapMoELayer(MoELayer):
             return True
         if self.policy.fuse == "always":
             return True
-        self.last_fusion = self._fusion_for(hidden_states, inference)
+        self.last_fusion = self._fusion_for(hidden_states, inference, grouped_fp8)
         if not self.last_fusion.fuse:  # the model says the stock path is faster here
             self._note_stock(hidden_states.shape[0], self.last_fusion)
             return False
         return True
 
-    def _fusion_for(self, hidden_states, inference: bool):
+    def _fusion_for(self, hidden_states, inference: bool, grouped_fp8: bool = False):
         """The planner's fuse-or-not answer for calls of this many tokens (cached), against
         the stock path as it runs here: TE's fused unpermute under `moe_permute_fusion`
         (read per call, as Megatron's dispatcher reads it); FP8 experts priced with their
-        recipe's kernel family."""
+        recipe's kernel family, and on the grouped FP8 path stock's per-expert FC1 and
+        quantization launches too."""
         te_unpermute = bool(self.config.moe_permute_fusion)
-        key = (hidden_states.shape[0], hidden_states.dtype, te_unpermute)
+        key = (hidden_states.shape[0], hidden_states.dtype, te_unpermute, grouped_fp8)
         found = self._fusion.get(key)
         if found is None:
             c, local = self.config, self.num_local_experts
@@ -237,7 +239,7 @@ class OverlapMoELayer(MoELayer):
                 session=self._session_on(hidden_states.device), num_tokens=key[0], hidden=c.hidden_size, ffn=ffn, topk=c.moe_router_topk,
                 local_experts=local, experts=c.num_moe_experts, dtype=key[1],
                 device=hidden_states.device, group=self.token_dispatcher.tp_ep_group,
-                config=self.overlap_config, stock_launches=stock_launches(self),
+                config=self.overlap_config, stock_launches=stock_launches(self, grouped_fp8),
                 padded=padded, stock_permute_fused=te_unpermute, fp8=recipe_kind(c))
             if len(self._fusion) >= 64:  # (bounded: a sweep of sizes)
                 self._fusion.clear()

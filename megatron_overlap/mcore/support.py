@@ -82,12 +82,21 @@ def warmed(layer, session: OverlapSession) -> OverlapSession:
     return session
 
 
-def stock_launches(layer) -> int:
+#: TE's current scaling, per expert and quantized input: an amax and a cast launch
+TE_QUANTIZE_LAUNCHES = 2
+
+
+def stock_launches(layer, grouped_fp8: bool = False) -> int:
     """Kernel launches the stock experts make per call beyond the fused path's: TE's
     GroupedLinear runs one GEMM per local expert in FC2, and in FC1 where the fused
-    path groups it (`te_fc1_is_grouped`); a grouped GEMM runs one."""
+    path groups it (`te_fc1_is_grouped`, or the grouped FP8 experts: `grouped_fp8`),
+    and under FP8 on the grouped path it also quantizes FC1's and FC2's inputs one expert
+    at a time, where that path quantizes all experts in two launches each; a grouped
+    GEMM runs one."""
     if not isinstance(layer.experts, TEGroupedMLP):
         return 0
+    if grouped_fp8:
+        return layer.num_local_experts * (2 + 2 * TE_QUANTIZE_LAUNCHES)
     return layer.num_local_experts * (2 if te_fc1_is_grouped(layer.experts) else 1)
 
 
