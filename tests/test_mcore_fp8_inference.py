@@ -5,7 +5,8 @@ emulated). Checked: under tensorwise in eval mode without gradients the layer ru
 and FC2 without TE's GroupedLinear GEMMs, its quantization is TE's bit for bit, its
 output matches the stock FP8 layer's within FP8's own error, the permuted rows are
 gathered while quantized (never written in bf16), the weights are quantized once per
-change; the other recipes keep TE's path (training: test_mcore_fp8_training.py).
+change; blockwise runs its exactly dequantized operands on the bf16 grouped kernels;
+delayed scaling keeps TE's path (training: test_mcore_fp8_training.py).
 """
 
 import contextlib
@@ -62,7 +63,8 @@ def _scenarios(rank, world):
         found[recipe] = dict(gathers=gathers, refusal=layer.grouped_fp8_refusal, out=_rel_diff(out, ref), fp8_error=_rel_diff(ref, bf16),
                              fused=layer.last_path.fused,
                              gemms=te_fp8_double.CALLS["gemm"],
-                             own=layer._stacks.fc1_own_fp8._value is not None)
+                             own=layer._stacks.fc1_own_fp8._value is not None,
+                             own_block=layer._stacks.fc1_own_block._value is not None)
         if recipe == "tensorwise":
             found["cache"] = _cache(layer, x)
     ps.destroy_model_parallel()
@@ -117,11 +119,25 @@ def test_tensorwise_inference_runs_no_te_gemm_and_matches_stock_fp8(runs):
         assert 0 < res["fp8_error"] and res["out"] <= res["fp8_error"], res
 
 
-def test_the_other_recipes_keep_tes_grouped_linear(runs):
+def test_blockwise_inference_runs_no_te_gemm_on_exactly_dequantized_operands(runs):
+    """Blockwise through its power-of-two blocks and back onto the bf16 grouped kernels:
+    TE's e4m3 operands' exact values, fp32 sums; no further from stock FP8's output than
+    stock FP8's is from stock bf16's (an element of h may round to the neighbouring e4m3
+    value after FC1's bf16 output, as under tensorwise)."""
     for r in runs:
-        for recipe in ("delayed", "blockwise"):
+        res = r["blockwise"]
+        assert res["fused"] and res["own_block"] and res["gemms"] == 0, res
+        assert not res["own"] and res["refusal"] is None, res
+        assert res["gathers"] == [True], res  # (the rows gathered in bf16, then blocked)
+        assert 0 < res["fp8_error"] and res["out"] <= res["fp8_error"], res
+
+
+def test_delayed_scaling_keeps_tes_grouped_linear(runs):
+    for r in runs:
+        for recipe in ("delayed",):
             res = r[recipe]
-            assert res["fused"] and not res["own"] and res["gemms"] == 1, (recipe, res)
+            assert res["fused"] and not res["own"] and not res["own_block"], (recipe, res)
+            assert res["gemms"] == 1, (recipe, res)
             assert res["gathers"] == [True], (recipe, res)
             assert f"--fp8-recipe {recipe}" in res["refusal"], (recipe, res)  # (said at build)
             assert res["out"] < 2e-2, (recipe, res)
@@ -222,3 +238,37 @@ def test_quantizing_a_weight_stack_needs_three_dimensions():
 
     with pytest.raises(ValueError, match="stack \\[E, N, K\\]"):
         quantize_fp8_stack(torch.zeros(8, 16))
+
+
+def test_block_dequantization_is_tes_blockwise_quantizer_exactly_in_bf16():
+    """The kernel's rows equal TE's 1x128 quantizer emulated then dequantized in float64
+    (power-of-two scales: the bf16 values are the e4m3 operand's exactly), with a zero
+    block, a tiny one, values past 448 x scale, and a last block narrower than 128."""
+    from megatron_overlap.kernels.fp8_blocks import fake_quantize_rows
+    from megatron_overlap.kernels.fp8_quant import dequantize_blockwise, quantize_blockwise
+    from megatron_overlap.ops import block_dequantized
+
+    g = torch.Generator().manual_seed(12)
+    x = (torch.randn(40, 300, generator=g) * 5).bfloat16()
+    x[3, :128] = 0.0
+    x[4, 128:256] *= 1e-30
+    x[5, 7] = 3e4
+    out = fake_quantize_rows(x)
+    want = dequantize_blockwise(*quantize_blockwise(x, 1), 1)
+    assert out.dtype == torch.bfloat16 and torch.equal(out.double(), want)
+    assert (out[3, :128] == 0).all() and torch.equal(block_dequantized(x), out)
+    assert 0 < (out.float() - x.float()).abs().max() <= 0.07 * x.float().abs().max()
+
+
+def test_block_dequantized_weights_are_each_experts_128_blocks_exactly():
+    from megatron_overlap.kernels.fp8_quant import dequantize_blockwise, quantize_blockwise
+    from megatron_overlap.ops import block_dequantized_weights
+
+    g = torch.Generator().manual_seed(13)
+    w = torch.randn(3, 200, 160, generator=g).bfloat16()  # (blocks straddle no expert)
+    out = block_dequantized_weights(w)
+    for e in range(3):
+        want = dequantize_blockwise(*quantize_blockwise(w[e], 128), 128)
+        assert torch.equal(out[e].double(), want)
+    with pytest.raises(ValueError, match="stack \\[E, N, K\\]"):
+        block_dequantized_weights(w[0])

@@ -9,7 +9,8 @@ TE's quantized operands in the op and FC2's backward TE's (mcore/te_fp8.py). Che
 fuses, and the logits, the loss and every parameter's gradient are no further from
 core-TE FP8's than core-TE FP8's are from core-TE bf16's (FP8's own error), with a floor
 at bf16's tolerance; also the logits in eval mode, where tensorwise runs FC1 and FC2 on
-the grouped FP8 experts (mcore/fp8_experts.py). Skipped without CUDA, TE or an sm_90 GPU.
+the grouped FP8 experts (mcore/fp8_experts.py) and blockwise its exactly dequantized
+operands on the bf16 grouped kernels. Skipped without CUDA, TE or an sm_90 GPU.
 """
 
 import warnings
@@ -111,6 +112,7 @@ def _fp8_parity(rank, world, recipe):
             ours = _arm(model, tokens, positions, labels, True, "e4m3")
             res["own_fp8"] = [m._stacks.fc1_own_fp8._value is not None for m in layers]
             res["trained_grouped"] = [m.last_path.grouped_fp8 for m in layers]
+            res["own_block"] = [m._stacks.fc1_own_block._value is not None for m in layers]
             res["fused"] = all(m.last_path.fused for m in layers)
             res["fp8_op"] = all(m.last_plan is not None for m in layers)
     res["warnings"] = [str(w.message) for w in caught if "megatron-overlap" in str(w.message)]
@@ -138,9 +140,11 @@ def test_fp8_moe_layer_fuses_and_stays_within_fp8s_own_error_of_core_te_fp8(reci
     assert r["fused"] and r["fp8_op"], r
     ours, fp8_error = r["logits"]
     assert ours <= max(fp8_error, 1e-2), r["logits"]
-    # eval mode without gradients: tensorwise on the grouped FP8 experts, the rest TE's
+    # eval mode without gradients: tensorwise on the grouped FP8 experts, blockwise on the
+    # bf16 grouped kernels with its exactly dequantized operands, delayed TE's
     assert r["own_fp8"] == [recipe == "tensorwise"], r["own_fp8"]
     assert r["trained_grouped"] == [recipe == "tensorwise"], r  # (the backward's call)
+    assert r["own_block"] == [recipe == "blockwise"], r  # (eval: exact dequantization)
     assert r["served"][0] <= max(r["served"][1], 1e-2), r["served"]
     assert r["loss"][0] <= max(r["loss"][1], 1e-3), r["loss"]
     assert r["same_params"], r

@@ -32,8 +32,8 @@ from megatron.core.transformer.moe.experts import SequentialMLP, TEGroupedMLP
 from ..ops import ExpertWeightStack, Fp8Scales, with_bias_columns
 from .experts import (GroupedGemmExperts, apply_probs_on_input, bias_scale,
                       grouped_fc1_activation, host_counts, routed_activation, te_fc1_is_grouped)
-from .fp8_experts import Fp8Weights, own_fp8_operands
-from .te_fp8 import Fp8WeightStack, fp8_refusal, te_fp8_fc2
+from .fp8_experts import BlockWeights, Fp8Weights, own_block_operands, own_fp8_operands
+from .te_fp8 import Fp8WeightStack, fp8_refusal, recipe_kind, te_fp8_fc2
 
 FUSED_EXPERTS = (TEGroupedMLP, SequentialMLP, GroupedGemmExperts)
 
@@ -61,6 +61,8 @@ class OperandStacks:
     fc2_fp8: Fp8WeightStack = field(default_factory=Fp8WeightStack)
     fc1_own_fp8: Fp8Weights = field(default_factory=Fp8Weights)
     fc2_own_fp8: Fp8Weights = field(default_factory=Fp8Weights)
+    fc1_own_block: BlockWeights = field(default_factory=BlockWeights)
+    fc2_own_block: BlockWeights = field(default_factory=BlockWeights)
 
 
 class _FC2Input(torch.nn.Module):
@@ -183,10 +185,16 @@ def fc2_operands(experts, stacks: OperandStacks, x: torch.Tensor, tokens_per_exp
     before the permutation), which the grouped FP8 path gathers while quantizing; any
     other path gathers first.
     """
-    if token_index is not None and not (grouped_fp8
-                                        and not experts.config.moe_apply_probs_on_input):
-        # (gathered first: the probabilities scale the rows before any quantization)
+    block = grouped_fp8 and recipe_kind(experts.config) == "block"
+    if token_index is not None and (not grouped_fp8 or block
+                                    or experts.config.moe_apply_probs_on_input):
+        # (gathered first: the probabilities scale the rows before any quantization; the
+        # blockwise path reads gathered rows)
         x, token_index = x.index_select(0, token_index), None
+    if block:
+        return FC2Operands(*own_block_operands(
+            experts, stacks.fc1_own_block, stacks.fc2_own_block, x, tokens_per_expert, probs,
+            device_counts, valid_rows))
     if grouped_fp8:
         return FC2Operands(*own_fp8_operands(
             experts, stacks.fc1_own_fp8, stacks.fc2_own_fp8, x, tokens_per_expert, probs,

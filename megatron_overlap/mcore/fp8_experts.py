@@ -37,9 +37,10 @@ import logging
 import torch
 from megatron.core.transformer.moe.experts import TEGroupedMLP
 
-from ..ops import (Fp8Rows, Fp8Scales, Fp8Stack, fp8_expert_linear, quantize_fp8_groups,
-                   quantize_fp8_stack, stacked, with_transposed)
-from .experts import apply_probs_on_input, host_counts, routed_activation
+from ..ops import (Fp8Rows, Fp8Scales, Fp8Stack, block_dequantized, block_dequantized_weights,
+                   fp8_expert_linear, quantize_fp8_groups, quantize_fp8_stack, stacked,
+                   with_transposed)
+from .experts import apply_probs_on_input, grouped_fc1_activation, host_counts, routed_activation
 from .te_fp8 import recipe_kind
 
 log = logging.getLogger(__name__)
@@ -64,6 +65,27 @@ class Fp8Weights:
         return self._value
 
 
+#: the recipes the grouped FP8 experts take (blockwise: inference, through exact
+#: dequantization onto the bf16 grouped kernels, `own_block_operands`)
+GROUPED_RECIPES = ("tensorwise", "blockwise")
+
+
+class BlockWeights:
+    """One weight stack through the blockwise recipe's 128 x 128 blocks and back (bf16,
+    exactly its e4m3 values), built again only after one of its parameters changed."""
+
+    def __init__(self):
+        self._key = self._value = None
+
+    def operand(self, weights: list[torch.Tensor]) -> torch.Tensor:
+        key = tuple((w.data_ptr(), w._version, tuple(w.shape)) for w in weights)
+        if key != self._key:
+            with torch.no_grad():
+                self._value = block_dequantized_weights(stacked(weights))
+            self._key = key
+        return self._value
+
+
 def own_fp8_refusal(experts) -> str | None:
     """Why FP8 experts `experts` keep TE's GroupedLinear in inference (None: the grouped
     FP8 path takes them; not FP8 at all: a reason too)."""
@@ -73,8 +95,11 @@ def own_fp8_refusal(experts) -> str | None:
     if recipe_kind(c) is None:
         return "not an FP8 layer"
     recipe = str(getattr(c.fp8_recipe, "value", c.fp8_recipe))
-    if recipe != "tensorwise":
-        return f"--fp8-recipe {recipe} (the grouped FP8 path runs tensorwise's current scaling)"
+    if recipe not in GROUPED_RECIPES:
+        return (f"--fp8-recipe {recipe} (the grouped FP8 path runs tensorwise's current "
+                f"scaling and blockwise's power-of-two blocks)")
+    if recipe == "blockwise" and c.moe_apply_probs_on_input:
+        return "blockwise with moe_apply_probs_on_input (TE quantizes the rows after the probabilities)"
     if experts.linear_fc1.use_bias or experts.linear_fc2.use_bias:
         return "expert biases (TE adds them in its FP8 GEMMs' epilogue)"
     if (c.moe_mlp_glu_interleave_size is not None
@@ -97,6 +122,8 @@ def own_fp8_training_refusal(experts) -> str | None:
     if why is not None:
         return why
     c = experts.config
+    if recipe_kind(c) == "block":
+        return "--fp8-recipe blockwise in training (its gradients' 1x128 / 128x1 blocks are TE's)"
     fmt = str(getattr(c.fp8, "value", c.fp8))
     if fmt != "e4m3":
         return (f"--fp8-format {fmt} (its gradients are e5m2, which torch's scaled grouped "
@@ -146,6 +173,20 @@ def _main_grad_accumulation(config, weights: list[torch.Tensor]):
             out.append(make(w.main_grad.shape, dtype=g.dtype, device=g.device))
         return out
     return into
+
+
+def own_block_operands(experts, fc1: BlockWeights, fc2: BlockWeights, x: torch.Tensor,
+                       tokens_per_expert, probs: torch.Tensor, device_counts=None,
+                       valid_rows=None) -> tuple[torch.Tensor, torch.Tensor, None, None]:
+    """(h [T, K], FC2 weight [E, N, K], None, None) of TEGroupedMLP `experts` under the
+    blockwise recipe in inference: x, FC1's and FC2's weights and h through the recipe's
+    blocks and back (exactly their e4m3 values, kernels/fp8_blocks.py), FC1 and GEMM2 on
+    the bf16 grouped kernels, which sum those products in fp32 as TE's block-scaled GEMM."""
+    e = experts.num_local_experts
+    w1 = fc1.operand(_weights(experts.linear_fc1, e))
+    h = grouped_fc1_activation(experts, w1, None, block_dequantized(x), tokens_per_expert,
+                               probs, routed_activation, device_counts, valid_rows)
+    return block_dequantized(h), fc2.operand(_weights(experts.linear_fc2, e)), None, None
 
 
 def own_fp8_operands(experts, fc1: Fp8Weights, fc2: Fp8Weights, x: torch.Tensor,

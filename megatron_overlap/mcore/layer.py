@@ -40,7 +40,7 @@ from .decision_log import launch_line
 from .experts import in_inference, needs_host_counts
 from .fc2_operands import FC2Operands, OperandStacks, fc2_operands, pack_expert_weights
 from .fp8_experts import grouped_fp8_note
-from .te_fp8 import autocast_refusal, recipe_kind
+from .te_fp8 import autocast_refusal, block_scales_exact, recipe_kind
 from .policy import LayerPolicy
 from .shared_gate import gate_joins, join
 from .support import capture_refusal, stock_launches, unsupported_reason, warmed
@@ -162,6 +162,7 @@ class OverlapMoELayer(MoELayer):
         fp8_fused = bool(self.config.fp8) and self.unsupported_reason is None
         self._grouped_fp8 = fp8_fused and self.grouped_fp8_refusal is None
         self._grouped_fp8_training = fp8_fused and self.grouped_fp8_training_refusal is None
+        self._fp8_kind = recipe_kind(self.config)  # (None, "tensor" or "block")
         self._stacks = OperandStacks()  # expert weights, stacked once per change
         self.overlap_session = None
         if self.unsupported_reason is None:
@@ -186,7 +187,8 @@ class OverlapMoELayer(MoELayer):
         rows = (hidden_states,) if probs is None else (hidden_states, probs)
         inference = in_inference(self, chain(rows, self.experts.parameters()))
         grouped_fp8 = ((self._grouped_fp8 if inference else self._grouped_fp8_training)
-                       and hidden_states.dtype == torch.bfloat16)
+                       and hidden_states.dtype == torch.bfloat16
+                       and (self._fp8_kind != "block" or block_scales_exact(self.experts)))
         host = needs_host_counts(self.experts, hidden_states, grouped_fp8)
         return CallPath(self._fuses(hidden_states, inference, host, grouped_fp8), inference,
                         host, grouped_fp8)
@@ -240,7 +242,8 @@ class OverlapMoELayer(MoELayer):
                 local_experts=local, experts=c.num_moe_experts, dtype=key[1],
                 device=hidden_states.device, group=self.token_dispatcher.tp_ep_group,
                 config=self.overlap_config, stock_launches=stock_launches(self, grouped_fp8),
-                padded=padded, stock_permute_fused=te_unpermute, fp8=recipe_kind(c))
+                padded=padded, stock_permute_fused=te_unpermute,
+                fp8=None if grouped_fp8 and self._fp8_kind == "block" else self._fp8_kind)
             if len(self._fusion) >= 64:  # (bounded: a sweep of sizes)
                 self._fusion.clear()
             self._fusion[key] = found
@@ -273,7 +276,7 @@ class OverlapMoELayer(MoELayer):
                      and (self.num_local_experts == c.num_moe_experts or pad))
         # (the grouped FP8 path reads the rows by their tokens while quantizing them in
         # inference; in training the permutation's backward is the gathered rows')
-        gather = not (on_device and path.grouped_fp8 and pad
+        gather = not (on_device and path.grouped_fp8 and pad and self._fp8_kind == "tensor"
                       and not c.moe_apply_probs_on_input)
         deferred = deferred_postprocess(disp, hidden_states, probs, c.moe_router_topk,
                                         pad=pad, host_copy=not on_device, gather=gather)

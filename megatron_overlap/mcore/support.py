@@ -76,9 +76,13 @@ def warmed(layer, session: OverlapSession) -> OverlapSession:
     y token-major where every expert is local. Nothing compiles off CUDA."""
     c = layer.config
     if session.device.type == "cuda" and layer.overlap_config.backend in ("auto", "triton"):
-        session.warm_up(c.hidden_size, c.moe_router_topk, layer_dtype(c),
-                        config=layer.overlap_config, fp8=recipe_kind(c),
-                        token_major=layer.num_local_experts == c.num_moe_experts)
+        kinds = [recipe_kind(c)]
+        if kinds[0] == "block" and getattr(layer, "_grouped_fp8", False):
+            kinds.append(None)  # (blockwise inference runs the bf16 kernels)
+        for kind in kinds:
+            session.warm_up(c.hidden_size, c.moe_router_topk, layer_dtype(c),
+                            config=layer.overlap_config, fp8=kind,
+                            token_major=layer.num_local_experts == c.num_moe_experts)
     return session
 
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.fp8_blocks import (fake_quantize_rows, fake_quantize_rows_reference,
+                                   fake_quantize_weights)
 from ..kernels.fp8_rows import quantize_groups, quantize_groups_reference, stack_group_ends
 from .config import interpreting
 
@@ -107,3 +109,19 @@ def _dequantized_grouped_linear(xq, row_scale_inv, wq, w_scale_inv, ends) -> tor
         out[start:end] = (x[start:end] @ w.t()).to(torch.bfloat16)
         start = end
     return out
+
+
+def block_dequantized(x: torch.Tensor) -> torch.Tensor:
+    """[R, K] bf16: x through Transformer Engine's blockwise recipe for activations (1 x 128
+    blocks, power-of-two scales) and back: exactly its e4m3 operand's values (a power-of-
+    two scale keeps them bf16 values), for the bf16 grouped kernels (kernels/fp8_blocks.py;
+    one launch on CUDA and under the interpreter, else the pure-torch reference)."""
+    if isinstance(x, torch.Tensor) and (x.is_cuda or interpreting()):
+        return fake_quantize_rows(x)
+    return fake_quantize_rows_reference(x)
+
+
+def block_dequantized_weights(weight: torch.Tensor) -> torch.Tensor:
+    """[E, N, K] bf16: each expert's weight through the blockwise recipe's 128 x 128 blocks
+    and back, exactly (once per change of the weights)."""
+    return fake_quantize_weights(weight)
