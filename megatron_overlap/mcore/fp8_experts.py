@@ -22,7 +22,9 @@ at build: TEGroupedMLP, recipe tensorwise, no FC1 / FC2 bias, bf16 / fp32 parame
 activation the bf16 grouped path computes; in inference (eval mode, no gradient through
 the rows, probs or experts) and, where `own_fp8_training_refusal` takes them too
 (`--fp8-format e4m3`: gradients in e4m3; TE's wgrad not deferred), in training, with
-FP8 dgrad and wgrad under the same current scaling (ops/fp8_train.py). Under Megatron's
+FP8 dgrad and wgrad under the same current scaling (ops/fp8_train.py). Blockwise runs
+in inference another way (`own_block_operands`): its power-of-two block scales make the
+dequantized operands exactly the e4m3 ones in bf16, on the bf16 grouped kernels. Under Megatron's
 fused gradient accumulation the weight gradients are added into each parameter's
 main_grad as TE's and Megatron's linears add them (`_main_grad_accumulation`). Current
 scaling keeps no state, so nothing of TE's scaling state is skipped; the other recipes

@@ -18,8 +18,9 @@ padding rows dropped; its backward hands dL/dy to TE's node (`grad_sink`).
     mxfp8, custom, fp4               -                                 stock (`fp8_refusal`)
 
 Where the grouped FP8 experts take a call (mcore/fp8_experts.py: tensorwise in inference,
-and in training under `--fp8-format e4m3`), TE's GroupedLinear does not run and this
-module is not used; it runs tensorwise under `hybrid` in training, delayed and blockwise.
+and in training under `--fp8-format e4m3`; blockwise in inference), TE's GroupedLinear
+does not run and this module is not used; it runs tensorwise under `hybrid` in training,
+delayed, and blockwise in training.
 
 How the GEMM is skipped: TE's GroupedLinear calls `general_grouped_gemm` through its
 module's globals; for the one FC2 call that name is a function that records the
