@@ -86,8 +86,9 @@ def warmed(layer, session: OverlapSession) -> OverlapSession:
     return session
 
 
-#: TE's current scaling, per expert and quantized input: an amax and a cast launch
-TE_QUANTIZE_LAUNCHES = 2
+#: TE's launches per expert and quantized input: current scaling an amax and a cast,
+#: blockwise one kernel
+TE_QUANTIZE_LAUNCHES = {"tensor": 2, "block": 1}
 
 
 def stock_launches(layer, grouped_fp8: bool = False) -> int:
@@ -100,7 +101,8 @@ def stock_launches(layer, grouped_fp8: bool = False) -> int:
     if not isinstance(layer.experts, TEGroupedMLP):
         return 0
     if grouped_fp8:
-        return layer.num_local_experts * (2 + 2 * TE_QUANTIZE_LAUNCHES)
+        quantize = TE_QUANTIZE_LAUNCHES[recipe_kind(layer.config)]
+        return layer.num_local_experts * (2 + 2 * quantize)
     return layer.num_local_experts * (2 if te_fc1_is_grouped(layer.experts) else 1)
 
 
