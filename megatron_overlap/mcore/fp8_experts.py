@@ -35,6 +35,7 @@ own quantization (mcore/te_fp8.py).
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 from megatron.core.transformer.moe.experts import TEGroupedMLP
@@ -43,7 +44,7 @@ from ..ops import (Fp8Rows, Fp8Scales, Fp8Stack, block_dequantized, block_dequan
                    fp8_expert_linear, quantize_fp8_groups, quantize_fp8_stack, stacked,
                    with_transposed)
 from .experts import apply_probs_on_input, grouped_fc1_activation, host_counts, routed_activation
-from .te_fp8 import recipe_kind
+from .te_fp8 import block_scales_exact, recipe_kind
 
 log = logging.getLogger(__name__)
 
@@ -135,18 +136,35 @@ def own_fp8_training_refusal(experts) -> str | None:
     return None
 
 
-def grouped_fp8_note(layer) -> tuple[str | None, str | None]:
-    """At build, for a fused FP8 layer: (`own_fp8_refusal`, `own_fp8_training_refusal`)
-    of its experts, logged either way (which path inference and training take); (None,
-    None) for a layer not fused in FP8."""
+@dataclass(frozen=True)
+class GroupedFp8:
+    """Which calls of a layer the grouped FP8 experts take, decided at build: `kind` the
+    recipe's scaling kind ("tensor", "block"; None: the layer is not fused in FP8, nothing
+    is taken), and why inference / training keep TE's GroupedLinear (None: taken)."""
+
+    kind: str | None = None
+    inference_refusal: str | None = None
+    training_refusal: str | None = None
+
+    def takes(self, experts, inference: bool, dtype: torch.dtype) -> bool:
+        """Does this call (inference or training, rows of `dtype`) take the grouped path?
+        Blockwise only while TE's recipe scales by powers of two (`block_scales_exact`)."""
+        refusal = self.inference_refusal if inference else self.training_refusal
+        return (self.kind is not None and refusal is None and dtype == torch.bfloat16
+                and (self.kind != "block" or block_scales_exact(experts)))
+
+
+def grouped_fp8_note(layer) -> GroupedFp8:
+    """At build: the `GroupedFp8` of a layer (its experts' `own_fp8_refusal` and
+    `own_fp8_training_refusal` where it is fused in FP8), logged in one line."""
     if layer.unsupported_reason is not None or not layer.config.fp8:
-        return None, None
+        return GroupedFp8()
     why, why_training = own_fp8_refusal(layer.experts), own_fp8_training_refusal(layer.experts)
     paths = [f"{mode} on " + ("the grouped FP8 experts" if reason is None
                               else f"TE's GroupedLinear ({reason})")
              for mode, reason in (("inference", why), ("training", why_training))]
     log.info("moe-overlap layer %s: FP8 %s", layer.layer_number, "; ".join(paths))
-    return why, why_training
+    return GroupedFp8(recipe_kind(layer.config), why, why_training)
 
 
 def _weights(module, experts: int) -> list[torch.Tensor]:

@@ -40,7 +40,7 @@ from .decision_log import launch_line
 from .experts import in_inference, needs_host_counts
 from .fc2_operands import FC2Operands, OperandStacks, fc2_operands, pack_expert_weights
 from .fp8_experts import grouped_fp8_note
-from .te_fp8 import autocast_refusal, block_scales_exact, recipe_kind
+from .te_fp8 import autocast_refusal, recipe_kind
 from .policy import LayerPolicy
 from .shared_gate import gate_joins, join
 from .support import capture_refusal, stock_launches, unsupported_reason, warmed
@@ -156,13 +156,11 @@ class OverlapMoELayer(MoELayer):
         self.last_rows = None
         self.decisions = 0
         self.unsupported_reason = unsupported_reason(self)
+        self._grouped = grouped_fp8_note(self)  # (the grouped FP8 experts' calls)
         #: why this fused FP8 layer's inference / training keeps TE's GroupedLinear (None:
         #: the grouped FP8 experts take it, or the layer is not fused in FP8), said at build
-        self.grouped_fp8_refusal, self.grouped_fp8_training_refusal = grouped_fp8_note(self)
-        fp8_fused = bool(self.config.fp8) and self.unsupported_reason is None
-        self._grouped_fp8 = fp8_fused and self.grouped_fp8_refusal is None
-        self._grouped_fp8_training = fp8_fused and self.grouped_fp8_training_refusal is None
-        self._fp8_kind = recipe_kind(self.config)  # (None, "tensor" or "block")
+        self.grouped_fp8_refusal = self._grouped.inference_refusal
+        self.grouped_fp8_training_refusal = self._grouped.training_refusal
         self._stacks = OperandStacks()  # expert weights, stacked once per change
         self.overlap_session = None
         if self.unsupported_reason is None:
@@ -186,9 +184,7 @@ class OverlapMoELayer(MoELayer):
         """This call's path, from the dispatched rows [M, H] and their probs."""
         rows = (hidden_states,) if probs is None else (hidden_states, probs)
         inference = in_inference(self, chain(rows, self.experts.parameters()))
-        grouped_fp8 = ((self._grouped_fp8 if inference else self._grouped_fp8_training)
-                       and hidden_states.dtype == torch.bfloat16
-                       and (self._fp8_kind != "block" or block_scales_exact(self.experts)))
+        grouped_fp8 = self._grouped.takes(self.experts, inference, hidden_states.dtype)
         host = needs_host_counts(self.experts, hidden_states, grouped_fp8)
         return CallPath(self._fuses(hidden_states, inference, host, grouped_fp8), inference,
                         host, grouped_fp8)
@@ -243,7 +239,7 @@ class OverlapMoELayer(MoELayer):
                 device=hidden_states.device, group=self.token_dispatcher.tp_ep_group,
                 config=self.overlap_config, stock_launches=stock_launches(self, grouped_fp8),
                 padded=padded, stock_permute_fused=te_unpermute,
-                fp8=None if grouped_fp8 and self._fp8_kind == "block" else self._fp8_kind)
+                fp8=None if grouped_fp8 and self._grouped.kind == "block" else recipe_kind(c))
             if len(self._fusion) >= 64:  # (bounded: a sweep of sizes)
                 self._fusion.clear()
             self._fusion[key] = found
@@ -276,7 +272,7 @@ class OverlapMoELayer(MoELayer):
                      and (self.num_local_experts == c.num_moe_experts or pad))
         # (the grouped FP8 path reads the rows by their tokens while quantizing them in
         # inference; in training the permutation's backward is the gathered rows')
-        gather = not (on_device and path.grouped_fp8 and pad and self._fp8_kind == "tensor"
+        gather = not (on_device and path.grouped_fp8 and pad and self._grouped.kind == "tensor"
                       and not c.moe_apply_probs_on_input)
         deferred = deferred_postprocess(disp, hidden_states, probs, c.moe_router_topk,
                                         pad=pad, host_copy=not on_device, gather=gather)

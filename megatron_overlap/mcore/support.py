@@ -77,7 +77,8 @@ def warmed(layer, session: OverlapSession) -> OverlapSession:
     c = layer.config
     if session.device.type == "cuda" and layer.overlap_config.backend in ("auto", "triton"):
         kinds = [recipe_kind(c)]
-        if kinds[0] == "block" and getattr(layer, "_grouped_fp8", False):
+        grouped = getattr(layer, "_grouped", None)
+        if kinds[0] == "block" and grouped is not None and grouped.inference_refusal is None:
             kinds.append(None)  # (blockwise inference runs the bf16 kernels)
         for kind in kinds:
             session.warm_up(c.hidden_size, c.moe_router_topk, layer_dtype(c),
