@@ -67,8 +67,31 @@ def _scenarios(rank, world):
                              own_block=layer._stacks.fc1_own_block._value is not None)
         if recipe == "tensorwise":
             found["cache"] = _cache(layer, x)
+        if recipe == "blockwise":
+            found["fp32_scales"] = _with_fp32_block_scales(layer, x, ref)
     ps.destroy_model_parallel()
     return found
+
+
+def _with_fp32_block_scales(layer, x, ref):
+    """A call under a blockwise recipe whose scales are not powers of two (TE's
+    NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1): its dequantized operands would not be exact,
+    so the call keeps TE's path."""
+    from types import SimpleNamespace
+
+    import te_fp8_double
+    from test_mcore_layer import _rel_diff
+
+    fp32 = SimpleNamespace(power_2_scale=False)
+    recipe = SimpleNamespace(fp8_quant_fwd_inp=fp32, fp8_quant_fwd_weight=fp32)
+    te_fp8_double.FP8GlobalStateManager.get_fp8_recipe = classmethod(lambda cls: recipe)
+    te_fp8_double.CALLS["gemm"] = 0
+    try:
+        out = _eval_no_grad(layer, x)
+    finally:
+        del te_fp8_double.FP8GlobalStateManager.get_fp8_recipe
+    return dict(grouped=layer.last_path.grouped_fp8, fused=layer.last_path.fused,
+                gemms=te_fp8_double.CALLS["gemm"], out=_rel_diff(out, ref))
 
 
 @contextlib.contextmanager
@@ -130,6 +153,13 @@ def test_blockwise_inference_runs_no_te_gemm_on_exactly_dequantized_operands(run
         assert not res["own"] and res["refusal"] is None, res
         assert res["gathers"] == [True], res  # (the rows gathered in bf16, then blocked)
         assert 0 < res["fp8_error"] and res["out"] <= res["fp8_error"], res
+
+
+def test_blockwise_with_fp32_scales_keeps_tes_path_where_dequantizing_is_not_exact(runs):
+    for r in runs:
+        res = r["fp32_scales"]
+        assert res["fused"] and not res["grouped"] and res["gemms"] == 1, res
+        assert res["out"] < 2e-2, res  # (TE's quantization, the op's block GEMM2)
 
 
 def test_delayed_scaling_keeps_tes_grouped_linear(runs):
