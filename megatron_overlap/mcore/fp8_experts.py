@@ -1,5 +1,5 @@
-"""TEGroupedMLP under `--fp8-recipe tensorwise` in inference: FC1, the activation and FC2's
-operands on the op's grouped FP8 path instead of TE's GroupedLinear.
+"""TEGroupedMLP's FP8 experts on the grouped path instead of TE's GroupedLinear: FC1, the
+activation and FC2's operands (tensorwise: inference and training; blockwise: inference).
 
 TE's GroupedLinear quantizes one expert at a time: per expert an amax, a scale and a cast
 of its input, host-split views after a host sync, hundreds of launches per layer with
@@ -17,19 +17,19 @@ forward makes, only the GEMMs are other implementations of the same product (fp3
 accumulation). The weights are quantized once per change of a parameter (`Fp8Weights`),
 as TE's cached FP8 weight workspaces.
 
-Where it runs: calls of fused layers whose experts `own_fp8_refusal` takes, decided once
-at build: TEGroupedMLP, recipe tensorwise, no FC1 / FC2 bias, bf16 / fp32 parameters, an
-activation the bf16 grouped path computes; in inference (eval mode, no gradient through
-the rows, probs or experts) and, where `own_fp8_training_refusal` takes them too
-(`--fp8-format e4m3`: gradients in e4m3; TE's wgrad not deferred), in training, with
-FP8 dgrad and wgrad under the same current scaling (ops/fp8_train.py). Blockwise runs
-in inference another way (`own_block_operands`): its power-of-two block scales make the
-dequantized operands exactly the e4m3 ones in bf16, on the bf16 grouped kernels. Under Megatron's
-fused gradient accumulation the weight gradients are added into each parameter's
-main_grad as TE's and Megatron's linears add them (`_main_grad_accumulation`). Current
-scaling keeps no state, so nothing of TE's scaling state is skipped; the other recipes
-(delayed scaling's amax history is TE's to update) and `--fp8-format hybrid` keep TE's
-own quantization (mcore/te_fp8.py).
+Training (`--fp8-format e4m3`: gradients in e4m3; TE's wgrad not deferred) runs FP8
+dgrad and wgrad under the same current scaling (ops/fp8_train.py); under Megatron's fused
+gradient accumulation the weight gradients are added into each parameter's main_grad as
+TE's and Megatron's linears add them (`_main_grad_accumulation`). Blockwise inference
+runs another way (`own_block_operands`): its power-of-two block scales make the
+dequantized operands exactly the e4m3 ones in bf16, on the bf16 grouped kernels.
+
+Which calls: decided once at build (`GroupedFp8`, from `own_fp8_refusal` and
+`own_fp8_training_refusal`): TEGroupedMLP, no FC1 / FC2 bias, bf16 / fp32 parameters, an
+activation the bf16 grouped path computes. Current scaling keeps no state, so nothing of
+TE's scaling state is skipped; delayed scaling (its amax history is TE's to update),
+`--fp8-format hybrid` in training and blockwise training keep TE's own quantization
+(mcore/te_fp8.py).
 """
 
 from __future__ import annotations
