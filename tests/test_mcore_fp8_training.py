@@ -259,3 +259,13 @@ def test_fp8_expert_linear_refuses_bad_arguments_by_name(bad, match):
     args.update(bad)
     with pytest.raises((ValueError, TypeError), match=match):
         fp8_expert_linear(**args)
+
+
+def test_tensorwise_grouped_gemms_are_refused_off_sm90_by_name(monkeypatch):
+    from megatron_overlap.mcore.fp8_experts import scaled_grouped_gemm_refusal
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (10, 0))
+    assert "sm100 GPU" in scaled_grouped_gemm_refusal()
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    assert scaled_grouped_gemm_refusal() is None

@@ -89,6 +89,19 @@ class BlockWeights:
         return self._value
 
 
+def scaled_grouped_gemm_refusal() -> str | None:
+    """Why this process's GPU cannot run tensorwise's grouped FP8 GEMMs (torch's scaled
+    grouped GEMM is sm90's; elsewhere they would fall back to a per-expert loop that
+    reads the counts on the host); None on sm90 and without CUDA (the checking path)."""
+    if not torch.cuda.is_available():
+        return None
+    major, minor = torch.cuda.get_device_capability()
+    if (major, minor) != (9, 0):
+        return (f"an sm{major}{minor} GPU (the grouped FP8 GEMMs are torch's scaled grouped "
+                f"GEMM, built for sm90)")
+    return None
+
+
 def own_fp8_refusal(experts) -> str | None:
     """Why FP8 experts `experts` keep TE's GroupedLinear in inference (None: the grouped
     FP8 path takes them; not FP8 at all: a reason too)."""
@@ -101,6 +114,8 @@ def own_fp8_refusal(experts) -> str | None:
     if recipe not in GROUPED_RECIPES:
         return (f"--fp8-recipe {recipe} (the grouped FP8 path runs tensorwise's current "
                 f"scaling and blockwise's power-of-two blocks)")
+    if recipe == "tensorwise" and (why := scaled_grouped_gemm_refusal()) is not None:
+        return why
     if recipe == "blockwise" and c.moe_apply_probs_on_input:
         return "blockwise with moe_apply_probs_on_input (TE quantizes the rows after the probabilities)"
     if experts.linear_fc1.use_bias or experts.linear_fc2.use_bias:
