@@ -58,13 +58,14 @@ def _scenarios(rank, world):
             config=config)
         layer.load_state_dict(stock.state_dict())
         te_fp8_double.CALLS["gemm"] = 0
-        with _gathers_recorded() as gathers:
+        with _gathers_recorded() as gathers, _fc1_inputs_recorded() as fc1_inputs:
             out = _eval_no_grad(layer, x)
         found[recipe] = dict(gathers=gathers, refusal=layer.grouped_fp8_refusal, out=_rel_diff(out, ref), fp8_error=_rel_diff(ref, bf16),
                              fused=layer.last_path.fused,
                              gemms=te_fp8_double.CALLS["gemm"],
                              own=layer._stacks.fc1_own_fp8._value is not None,
-                             own_block=layer._stacks.fc1_own_block._value is not None)
+                             own_block=layer._stacks.fc1_own_block._value is not None,
+                             fc1_on_block_grid=[_on_block_grid(t) for t in fc1_inputs])
         if recipe == "tensorwise":
             found["cache"] = _cache(layer, x)
         if recipe == "blockwise":
@@ -92,6 +93,34 @@ def _with_fp32_block_scales(layer, x, ref):
         del te_fp8_double.FP8GlobalStateManager.get_fp8_recipe
     return dict(grouped=layer.last_path.grouped_fp8, fused=layer.last_path.fused,
                 gemms=te_fp8_double.CALLS["gemm"], out=_rel_diff(out, ref))
+
+
+@contextlib.contextmanager
+def _fc1_inputs_recorded():
+    """The rows the blockwise path's FC1 reads, recorded (the routed ones)."""
+    from megatron_overlap.mcore import fp8_experts
+
+    real, seen = fp8_experts.grouped_fc1_activation, []
+
+    def recorded(mlp, weight, bias, x, tokens_per_expert, probs, activation=None,
+                 device_counts=None, valid_rows=None):
+        counts = device_counts if tokens_per_expert is None else tokens_per_expert
+        seen.append(x.detach()[:int(sum(counts))].clone())  # (past them: padding)
+        return real(mlp, weight, bias, x, tokens_per_expert, probs, activation,
+                    device_counts, valid_rows)
+    fp8_experts.grouped_fc1_activation = recorded
+    try:
+        yield seen
+    finally:
+        fp8_experts.grouped_fc1_activation = real
+
+
+def _on_block_grid(rows) -> bool:
+    """Are the rows values of TE's 1x128 e4m3 blocks (unchanged by another pass through
+    them, as only such values are) and not all zero?"""
+    from megatron_overlap.ops import block_dequantized
+
+    return bool(rows.abs().max() > 0) and torch.equal(block_dequantized(rows), rows)
 
 
 @contextlib.contextmanager
@@ -151,7 +180,8 @@ def test_blockwise_inference_runs_no_te_gemm_on_exactly_dequantized_operands(run
         res = r["blockwise"]
         assert res["fused"] and res["own_block"] and res["gemms"] == 0, res
         assert not res["own"] and res["refusal"] is None, res
-        assert res["gathers"] == [True], res  # (the rows gathered in bf16, then blocked)
+        assert res["gathers"] == [True], res  # (the tokens blocked, then gathered)
+        assert res["fc1_on_block_grid"] == [True], res  # FC1 reads the blocked rows
         assert 0 < res["fp8_error"] and res["out"] <= res["fp8_error"], res
 
 

@@ -214,13 +214,15 @@ def own_block_operands(experts, fc1: BlockWeights, fc2: BlockWeights, x: torch.T
                        tokens_per_expert, probs: torch.Tensor, device_counts=None,
                        valid_rows=None) -> tuple[torch.Tensor, torch.Tensor, None, None]:
     """(h [T, K], FC2 weight [E, N, K], None, None) of TEGroupedMLP `experts` under the
-    blockwise recipe in inference: x, FC1's and FC2's weights and h through the recipe's
-    blocks and back (exactly their e4m3 values, kernels/fp8_blocks.py), FC1 and GEMM2 on
-    the bf16 grouped kernels, which sum those products in fp32 as TE's block-scaled GEMM."""
+    blockwise recipe in inference, on rows x already through the recipe's 1x128 blocks
+    (`ops.block_dequantized`: the layer does it on the tokens, before the permutation
+    copies them): FC1's and FC2's weights and h through the recipe's blocks and back too
+    (exactly their e4m3 values, kernels/fp8_blocks.py), FC1 and GEMM2 on the bf16 grouped
+    kernels, which sum those products in fp32 as TE's block-scaled GEMM."""
     e = experts.num_local_experts
     w1 = fc1.operand(_weights(experts.linear_fc1, e))
-    h = grouped_fc1_activation(experts, w1, None, block_dequantized(x), tokens_per_expert,
-                               probs, routed_activation, device_counts, valid_rows)
+    h = grouped_fc1_activation(experts, w1, None, x, tokens_per_expert, probs,
+                               routed_activation, device_counts, valid_rows)
     return block_dequantized(h), fc2.operand(_weights(experts.linear_fc2, e)), None, None
 
 

@@ -34,7 +34,8 @@ from itertools import chain
 import torch
 from megatron.core.transformer.moe.moe_layer import MoELayer
 
-from ..ops import OverlapConfig, OverlapSession, capturing, default_session, fusion_decision
+from ..ops import (OverlapConfig, OverlapSession, block_dequantized, capturing, default_session,
+                   fusion_decision)
 from .dispatch import Deferred, OverlapAllGatherDispatcher, Permuted
 from .decision_log import launch_line
 from .experts import in_inference, needs_host_counts
@@ -355,6 +356,10 @@ class OverlapMoELayer(MoELayer):
         path = flight.path = self.last_path = self._path(hidden_states, probs)
         if not path.fused:
             return super().routed_experts_compute(hidden_states, probs)
+        if path.grouped_fp8 and self._grouped.kind == "block":
+            # (TE's 1x128 blocks lie within a row: each token through them once, before
+            # its top-k copies, instead of every copy: own_block_operands)
+            hidden_states = block_dequantized(hidden_states)
         permuted, operands = self._fc1(self._permute(hidden_states, probs, path),
                                        hidden_states, probs, path)
         h, weight = operands.h, operands.weight
