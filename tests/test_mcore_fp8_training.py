@@ -262,10 +262,24 @@ def test_fp8_expert_linear_refuses_bad_arguments_by_name(bad, match):
 
 
 def test_tensorwise_grouped_gemms_are_refused_off_sm90_by_name(monkeypatch):
-    from megatron_overlap.mcore.fp8_experts import scaled_grouped_gemm_refusal
+    from megatron_overlap.ops import scaled_grouped_mm_refusal as scaled_grouped_gemm_refusal
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (10, 0))
     assert "sm100 GPU" in scaled_grouped_gemm_refusal()
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
     assert scaled_grouped_gemm_refusal() is None
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda ops: ops.with_transposed((None, None)), "weight must be an Fp8Stack"),
+    (lambda ops: ops.stacked([]), "one or more tensors of one shape"),
+    (lambda ops: ops.stacked([torch.zeros(4, 8), torch.zeros(4, 16)]), "one shape"),
+    (lambda ops: ops.block_dequantized(torch.zeros(4, 8)), "must be \\[R, K\\] bf16"),
+    (lambda ops: ops.block_dequantized(torch.zeros(8, dtype=torch.bfloat16)), "\\[R, K\\]"),
+])
+def test_the_grouped_fp8_helpers_refuse_bad_arguments_by_name(call, match):
+    from megatron_overlap import ops
+
+    with pytest.raises((ValueError, TypeError), match=match):
+        call(ops)

@@ -41,31 +41,40 @@ import torch
 from megatron.core.transformer.moe.experts import TEGroupedMLP
 
 from ..ops import (Fp8Rows, Fp8Scales, Fp8Stack, block_dequantized, block_dequantized_weights,
-                   fp8_expert_linear, quantize_fp8_groups, quantize_fp8_stack, stacked,
-                   with_transposed)
+                   fp8_expert_linear, quantize_fp8_groups, quantize_fp8_stack,
+                   scaled_grouped_mm_refusal, stacked, with_transposed)
 from .experts import apply_probs_on_input, grouped_fc1_activation, host_counts, routed_activation
 from .te_fp8 import block_scales_exact, recipe_kind
 
 log = logging.getLogger(__name__)
 
 
-class Fp8Weights:
-    """One weight stack's e4m3 data and per-expert scale_inv (`Fp8Stack`), quantized again
-    only after one of its parameters changed (storage or version counter: an optimizer
-    step, a load); holds the last one built, with its transpose once a backward asked."""
+class _PerChange:
+    """A value built from a weight stack (`ops.stacked`: the packed weights' view, no bf16
+    copy), built again only after one of its parameters changed (storage or version
+    counter: an optimizer step, a load); holds the last one built."""
 
     def __init__(self):
         self._key = self._value = None
 
-    def operand(self, weights: list[torch.Tensor], transposed: bool = False) -> Fp8Stack:
+    def _built(self, weights: list[torch.Tensor], build):
         key = tuple((w.data_ptr(), w._version, tuple(w.shape)) for w in weights)
         if key != self._key:
-            with torch.no_grad():  # (packed weights: no bf16 copy of the stack)
-                self._value = Fp8Stack(*quantize_fp8_stack(stacked(weights)))
+            with torch.no_grad():
+                self._value = build(stacked(weights))
             self._key = key
-        if transposed:
-            self._value = with_transposed(self._value)
         return self._value
+
+
+class Fp8Weights(_PerChange):
+    """A weight stack's e4m3 data and per-expert scale_inv (`Fp8Stack`), with its
+    transpose once a backward asked."""
+
+    def operand(self, weights: list[torch.Tensor], transposed: bool = False) -> Fp8Stack:
+        value = self._built(weights, lambda stack: Fp8Stack(*quantize_fp8_stack(stack)))
+        if transposed:
+            self._value = value = with_transposed(value)
+        return value
 
 
 #: the recipes the grouped FP8 experts take (blockwise: inference, through exact
@@ -73,33 +82,12 @@ class Fp8Weights:
 GROUPED_RECIPES = ("tensorwise", "blockwise")
 
 
-class BlockWeights:
-    """One weight stack through the blockwise recipe's 128 x 128 blocks and back (bf16,
-    exactly its e4m3 values), built again only after one of its parameters changed."""
-
-    def __init__(self):
-        self._key = self._value = None
+class BlockWeights(_PerChange):
+    """A weight stack through the blockwise recipe's 128 x 128 blocks and back (bf16,
+    exactly its e4m3 values)."""
 
     def operand(self, weights: list[torch.Tensor]) -> torch.Tensor:
-        key = tuple((w.data_ptr(), w._version, tuple(w.shape)) for w in weights)
-        if key != self._key:
-            with torch.no_grad():
-                self._value = block_dequantized_weights(stacked(weights))
-            self._key = key
-        return self._value
-
-
-def scaled_grouped_gemm_refusal() -> str | None:
-    """Why this process's GPU cannot run tensorwise's grouped FP8 GEMMs (torch's scaled
-    grouped GEMM is sm90's; elsewhere they would fall back to a per-expert loop that
-    reads the counts on the host); None on sm90 and without CUDA (the checking path)."""
-    if not torch.cuda.is_available():
-        return None
-    major, minor = torch.cuda.get_device_capability()
-    if (major, minor) != (9, 0):
-        return (f"an sm{major}{minor} GPU (the grouped FP8 GEMMs are torch's scaled grouped "
-                f"GEMM, built for sm90)")
-    return None
+        return self._built(weights, block_dequantized_weights)
 
 
 def own_fp8_refusal(experts) -> str | None:
@@ -114,7 +102,7 @@ def own_fp8_refusal(experts) -> str | None:
     if recipe not in GROUPED_RECIPES:
         return (f"--fp8-recipe {recipe} (the grouped FP8 path runs tensorwise's current "
                 f"scaling and blockwise's power-of-two blocks)")
-    if recipe == "tensorwise" and (why := scaled_grouped_gemm_refusal()) is not None:
+    if recipe == "tensorwise" and (why := scaled_grouped_mm_refusal()) is not None:
         return why
     if recipe == "blockwise" and c.moe_apply_probs_on_input:
         return "blockwise with moe_apply_probs_on_input (TE quantizes the rows after the probabilities)"

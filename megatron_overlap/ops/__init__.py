@@ -12,7 +12,7 @@ from .config import (GPU_TILES, INTERPRET_TILES, PARTITION_TILES, SHARED_COMM_MA
                      SHARED_GEMM_MAXNREG, OverlapConfig, TileConfig, load_tiles)
 from .fp8 import Fp8Scales, quantize_operands as quantize_fp8_operands
 from .fp8_groups import (block_dequantized, block_dequantized_weights, fp8_grouped_linear,
-                         quantize_fp8_groups, quantize_fp8_stack)
+                         quantize_fp8_groups, quantize_fp8_stack, scaled_grouped_mm_refusal)
 from .fp8_train import Fp8Rows, Fp8Stack, fp8_expert_linear, with_transposed
 from .fusion import fusion_decision
 from .expert_weights import BIAS_COLUMNS, ExpertWeightStack, stacked, with_bias_columns
@@ -32,6 +32,7 @@ __all__ = ["BIAS_COLUMNS", "ExpertWeightStack", "stacked", "grouped_mm_accepts",
            "Fp8Scales", "quantize_fp8_operands",
            # expert-grouped FP8 under current scaling (the layer's own FP8 experts path)
            "fp8_grouped_linear", "quantize_fp8_groups", "quantize_fp8_stack",
+           "scaled_grouped_mm_refusal",
            # and trained through it (FP8 dgrad and wgrad: ops/fp8_train.py)
            "Fp8Rows", "Fp8Stack", "fp8_expert_linear", "with_transposed",
            # blockwise through exact dequantization onto the bf16 grouped kernels

@@ -48,6 +48,9 @@ def _back_to_back(weights: Sequence[torch.Tensor]) -> torch.Tensor | None:
 def stacked(weights: Sequence[torch.Tensor]) -> torch.Tensor:
     """[E, N, K] of the E weights [N, K], detached: a view where they lie back to back in
     one storage (`pack_expert_weights` put them there), else a stacked copy."""
+    if not weights or len({(tuple(w.shape), w.dtype, w.device) for w in weights}) != 1:
+        raise ValueError(f"weights must be one or more tensors of one shape, dtype and "
+                         f"device, got {[(tuple(w.shape), w.dtype) for w in weights]}")
     view = _back_to_back(weights)
     return view if view is not None else torch.stack([w.detach() for w in weights])
 

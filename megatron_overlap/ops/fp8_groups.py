@@ -69,9 +69,23 @@ def quantize_fp8_stack(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return data.view(e, n, k), scale_inv
 
 
+def scaled_grouped_mm_refusal(device=None) -> str | None:
+    """Why the GPU `device` (default: the current one) cannot run the grouped FP8 GEMMs on
+    torch's scaled grouped GEMM (built for sm90; elsewhere `fp8_grouped_linear` falls back
+    to a per-expert loop reading the ends on the host); None on sm90 and without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    if not hasattr(torch, "_scaled_grouped_mm"):
+        return f"torch {torch.__version__} (no torch._scaled_grouped_mm)"
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) != (9, 0):
+        return (f"an sm{major}{minor} GPU (the grouped FP8 GEMMs are torch's scaled grouped "
+                f"GEMM, built for sm90)")
+    return None
+
+
 def _scaled_grouped_mm_ok(x: torch.Tensor) -> bool:
-    return (x.is_cuda and hasattr(torch, "_scaled_grouped_mm")
-            and torch.cuda.get_device_capability(x.device) == (9, 0))
+    return x.is_cuda and scaled_grouped_mm_refusal(x.device) is None
 
 
 def fp8_grouped_linear(xq: torch.Tensor, row_scale_inv: torch.Tensor, wq: torch.Tensor,

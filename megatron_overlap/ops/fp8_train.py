@@ -64,6 +64,8 @@ class Fp8Stack(NamedTuple):
 def with_transposed(weight: Fp8Stack) -> Fp8Stack:
     """`weight` with its `transposed` data ([E, K, N], one launch on CUDA and under the
     interpreter: kernels/fp8_columns.py), made where it has none."""
+    if not isinstance(weight, Fp8Stack):
+        raise TypeError(f"weight must be an Fp8Stack, got {type(weight).__name__}")
     if weight.transposed is not None:
         return weight
     data = weight.data
