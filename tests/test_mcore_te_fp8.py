@@ -9,6 +9,9 @@ gradient (FC2's from TE's node through `grad_sink`) match the stock FP8 layer's;
 cannot fuse is said at build. The GPU test with real TE: tests/test_mcore_te_fp8_gpu.py.
 """
 
+import contextlib
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -18,6 +21,23 @@ pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU backends"
 
 RECIPES = ("tensorwise", "delayed", "blockwise")
 TE_PATH_FORMAT = {"tensorwise": dict(fp8="hybrid")}  # (the format that keeps TE's path)
+
+
+@contextlib.contextmanager
+def fp32_block_scales():
+    """TE's blockwise recipe in force with scales that are not powers of two (TE's
+    NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1), which keeps a blockwise layer on TE's path
+    (its dequantized operands would not be exact); the double quantizes as before."""
+    import te_fp8_double
+
+    fp32 = SimpleNamespace(power_2_scale=False)
+    recipe = SimpleNamespace(fp8_quant_fwd_inp=fp32, fp8_quant_fwd_weight=fp32,
+                             fp8_quant_bwd_grad=fp32)
+    te_fp8_double.FP8GlobalStateManager.get_fp8_recipe = classmethod(lambda cls: recipe)
+    try:
+        yield
+    finally:
+        del te_fp8_double.FP8GlobalStateManager.get_fp8_recipe
 
 
 def _opt_in(blockwise: bool = True):
@@ -75,7 +95,10 @@ def _fp8_scenarios(rank, world):
                 config=config)
             layer.load_state_dict(stock.state_dict())
             te_fp8_double.CALLS["gemm"] = 0
-            with warnings.catch_warnings():
+            # (blockwise: TE's path kept by its recipe's fp32 scales; the grouped path
+            # is test_fp8_block_training.py's)
+            with warnings.catch_warnings(), (fp32_block_scales() if recipe == "blockwise"
+                                             else contextlib.nullcontext()):
                 warnings.filterwarnings("error", message="megatron-overlap")
                 out, dx, grads = _run(layer, x, grad)
             found[(recipe, backend)] = dict(

@@ -173,6 +173,26 @@ def test_fp8_backward_hands_the_rows_gradient_to_grad_sink_and_probs_get_theirs_
         (rows.double().abs() * y.abs()).sum(1).max()))
 
 
+@pytest.mark.parametrize("config", [INTERP, REF], ids=["interpret", "reference"])
+def test_bf16_operands_with_a_grad_sink_hand_it_the_rows_gradient_and_keep_their_output(
+        config):
+    """Blockwise training's GEMM2 (bf16 operands, the recipe's dgrad and wgrad in the
+    caller's node): the output is the no-gradient call's, bit for bit, and the sink gets
+    each row's token gradient times its probability, as under FP8 operands."""
+    p = problem("tensor")
+    x, weight = p["x_hp"].bfloat16(), p["weight"].float().bfloat16()
+    args = (x, weight, p["counts"], p["token_index"], TOKENS, TOPK, p["probs"])
+    with torch.no_grad():
+        plain = gemm2_gather_rs(*args, config=config)
+    sink = torch.zeros(x.shape[0], HIDDEN, requires_grad=True)
+    out = gemm2_gather_rs(*args, config=config, grad_sink=sink)
+    assert torch.equal(out, plain)
+    g = torch.randn(TOKENS, HIDDEN).bfloat16()
+    out.backward(g)
+    torch.testing.assert_close(sink.grad, g[p["token_index"]].float() * p["probs"][:, None],
+                               rtol=2 ** -7, atol=0)
+
+
 def test_a_prepared_fp8_launch_takes_grad_sink_and_refuses_one_of_other_rows():
     p = problem("block")
     session = OverlapSession(None, "cpu", INTERP)
@@ -192,8 +212,9 @@ def test_a_prepared_fp8_launch_takes_grad_sink_and_refuses_one_of_other_rows():
 def _sink_misuse():
     rows = TOKENS * TOPK
     return [
-        ("bf16_operands", dict(scales=None), torch.zeros(rows, HIDDEN, requires_grad=True),
-         ValueError, "grad_sink is for FP8 operands"),
+        ("bf16_operands_needing_grads", dict(scales=None),
+         torch.zeros(rows, HIDDEN, requires_grad=True), ValueError,
+         "goes either to grad_sink's node or to x and weight"),
         ("sink_without_grad", {}, torch.zeros(rows, HIDDEN), ValueError,
          "does not require grad"),
         ("integer_sink", {}, torch.zeros(rows, HIDDEN, dtype=torch.int32), TypeError,
@@ -206,7 +227,8 @@ def _sink_misuse():
 def test_grad_sink_misuse_is_a_named_error(name, change, sink, error, message):
     p = problem("tensor")
     if "scales" in change:
-        p = dict(p, x=p["x_hp"].bfloat16(), weight=p["weight"].float().bfloat16())
+        p = dict(p, x=p["x_hp"].bfloat16().requires_grad_(),
+                 weight=p["weight"].float().bfloat16())
     with pytest.raises(error, match=message):
         gemm2_gather_rs(p["x"], p["weight"], p["counts"], p["token_index"], TOKENS, TOPK,
                         config=INTERP, scales=change.get("scales", p["scales"]),

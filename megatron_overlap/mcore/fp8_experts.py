@@ -1,5 +1,5 @@
 """TEGroupedMLP's FP8 experts on the grouped path instead of TE's GroupedLinear: FC1, the
-activation and FC2's operands (tensorwise: inference and training; blockwise: inference).
+activation and FC2's operands (tensorwise and blockwise, inference and training).
 
 TE's GroupedLinear quantizes one expert at a time: per expert an amax, a scale and a cast
 of its input, host-split views after a host sync, hundreds of launches per layer with
@@ -20,16 +20,17 @@ as TE's cached FP8 weight workspaces.
 Training (`--fp8-format e4m3`: gradients in e4m3; TE's wgrad not deferred) runs FP8
 dgrad and wgrad under the same current scaling (ops/fp8_train.py); under Megatron's fused
 gradient accumulation the weight gradients are added into each parameter's main_grad as
-TE's and Megatron's linears add them (`_main_grad_accumulation`). Blockwise inference
-runs another way (`own_block_operands`): its power-of-two block scales make the
-dequantized operands exactly the e4m3 ones in bf16, on the bf16 grouped kernels.
+TE's and Megatron's linears add them (`_main_grad_accumulation`). Blockwise runs another
+way (`own_block_operands`): its power-of-two block scales make the dequantized operands
+exactly the FP8 ones in bf16, on the bf16 grouped kernels, and in training each GEMM's
+operands are blocked as TE's recipe blocks them (ops/block_train.py).
 
 Which calls: decided once at build (`GroupedFp8`, from `own_fp8_refusal` and
 `own_fp8_training_refusal`): TEGroupedMLP, no FC1 / FC2 bias, bf16 / fp32 parameters, an
 activation the bf16 grouped path computes. Current scaling keeps no state, so nothing of
-TE's scaling state is skipped; delayed scaling (its amax history is TE's to update),
-`--fp8-format hybrid` in training and blockwise training keep TE's own quantization
-(mcore/te_fp8.py).
+TE's scaling state is skipped; delayed scaling (its amax history is TE's to update) and
+`--fp8-format hybrid` with tensorwise in training (e5m2 gradients) keep TE's own
+quantization (mcore/te_fp8.py).
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ import torch
 from megatron.core.transformer.moe.experts import TEGroupedMLP
 
 from ..ops import (Fp8Rows, Fp8Scales, Fp8Stack, block_dequantized, block_dequantized_weights,
-                   fp8_expert_linear, quantize_fp8_groups, quantize_fp8_stack,
-                   scaled_grouped_mm_refusal, stacked, with_transposed)
+                   block_expert_linear, fp8_expert_linear, quantize_fp8_groups,
+                   quantize_fp8_stack, scaled_grouped_mm_refusal, stacked, with_transposed)
 from .experts import apply_probs_on_input, grouped_fc1_activation, host_counts, routed_activation
 from .te_fp8 import block_scales_exact, recipe_kind
 
@@ -77,8 +78,8 @@ class Fp8Weights(_PerChange):
         return value
 
 
-#: the recipes the grouped FP8 experts take (blockwise: inference, through exact
-#: dequantization onto the bf16 grouped kernels, `own_block_operands`)
+#: the recipes the grouped FP8 experts take (blockwise through exact dequantization onto
+#: the bf16 grouped kernels, `own_block_operands`)
 GROUPED_RECIPES = ("tensorwise", "blockwise")
 
 
@@ -128,12 +129,10 @@ def own_fp8_training_refusal(experts) -> str | None:
     if why is not None:
         return why
     c = experts.config
-    if recipe_kind(c) == "block":
-        return "--fp8-recipe blockwise in training (its gradients' 1x128 / 128x1 blocks are TE's)"
     fmt = str(getattr(c.fp8, "value", c.fp8))
-    if fmt != "e4m3":
-        return (f"--fp8-format {fmt} (its gradients are e5m2, which torch's scaled grouped "
-                f"GEMM does not take)")
+    if recipe_kind(c) != "block" and fmt != "e4m3":
+        return (f"--fp8-format {fmt} with --fp8-recipe tensorwise (its gradients are e5m2, "
+                f"which torch's scaled grouped GEMM does not take)")
     if getattr(c, "delay_wgrad_compute", False):
         return "delay_wgrad_compute (TE's GroupedLinear defers its wgrad)"
     return None
@@ -198,20 +197,48 @@ def _main_grad_accumulation(config, weights: list[torch.Tensor]):
     return into
 
 
+def block_gradients(experts, x: torch.Tensor) -> bool:
+    """Does a blockwise call on rows (or tokens) x build the training nodes: gradients on,
+    to x or to the experts' parameters? Else x is blocked once at the tokens (the layer)
+    and FC1 reads it as it is; the nodes block the rows themselves and keep the raw ones
+    for the wgrad's 128 x 1 blocks."""
+    return torch.is_grad_enabled() and (x.requires_grad or any(
+        p.requires_grad for p in experts.parameters()))
+
+
+def _grad_format(config) -> str:
+    """The gradients' FP8 format: e5m2 under `--fp8-format hybrid`, else e4m3."""
+    return "e5m2" if str(getattr(config.fp8, "value", config.fp8)) == "hybrid" else "e4m3"
+
+
 def own_block_operands(experts, fc1: BlockWeights, fc2: BlockWeights, x: torch.Tensor,
                        tokens_per_expert, probs: torch.Tensor, device_counts=None,
-                       valid_rows=None) -> tuple[torch.Tensor, torch.Tensor, None, None]:
-    """(h [T, K], FC2 weight [E, N, K], None, None) of TEGroupedMLP `experts` under the
-    blockwise recipe in inference, on rows x already through the recipe's 1x128 blocks
-    (`ops.block_dequantized`: the layer does it on the tokens, before the permutation
-    copies them): FC1's and FC2's weights and h through the recipe's blocks and back too
-    (exactly their e4m3 values, kernels/fp8_blocks.py), FC1 and GEMM2 on the bf16 grouped
-    kernels, which sum those products in fp32 as TE's block-scaled GEMM."""
-    e = experts.num_local_experts
-    w1 = fc1.operand(_weights(experts.linear_fc1, e))
-    h = grouped_fc1_activation(experts, w1, None, x, tokens_per_expert, probs,
-                               routed_activation, device_counts, valid_rows)
-    return block_dequantized(h), fc2.operand(_weights(experts.linear_fc2, e)), None, None
+                       valid_rows=None) -> tuple[torch.Tensor, torch.Tensor, None, object]:
+    """(h [T, K], FC2 weight [E, N, K], None, FC2's grad sink or None) of TEGroupedMLP
+    `experts` under the blockwise recipe, on the bf16 grouped kernels, which sum the
+    exactly dequantized operands' products in fp32 as TE's block-scaled GEMM: FC1's and
+    FC2's weights and h through the recipe's blocks and back (kernels/fp8_blocks.py).
+    Without gradients x is already through its 1x128 blocks (`ops.block_dequantized`, at
+    the tokens, before the permutation copies them); with them (`block_gradients`) FC1
+    and FC2's sink are `ops.block_expert_linear` nodes, which quantize x, dL/dy and the
+    wgrad's columns as TE's recipe does."""
+    e, c = experts.num_local_experts, experts.config
+    w1s, w2s = _weights(experts.linear_fc1, e), _weights(experts.linear_fc2, e)
+    w1, w2 = fc1.operand(w1s), fc2.operand(w2s)
+    if not block_gradients(experts, x):
+        h = grouped_fc1_activation(experts, w1, None, x, tokens_per_expert, probs,
+                                   routed_activation, device_counts, valid_rows)
+        return block_dequantized(h), w2, None, None
+    counts = None if tokens_per_expert is None else host_counts(tokens_per_expert)
+    if counts is not None:
+        device_counts = torch.tensor(counts).to(x.device, non_blocking=True)
+    fmt = _grad_format(c)
+    inter = block_expert_linear(x, device_counts, w1, w1s, counts, grad_format=fmt,
+                                wgrad_into=_main_grad_accumulation(c, w1s))
+    h = routed_activation(experts, inter, None, probs, valid_rows)
+    sink = block_expert_linear(h, device_counts, w2, w2s, counts, compute=False,
+                               grad_format=fmt, wgrad_into=_main_grad_accumulation(c, w2s))
+    return block_dequantized(h.detach()), w2, None, sink
 
 
 def own_fp8_operands(experts, fc1: Fp8Weights, fc2: Fp8Weights, x: torch.Tensor,

@@ -40,7 +40,7 @@ from .dispatch import Deferred, OverlapAllGatherDispatcher, Permuted
 from .decision_log import launch_line
 from .experts import in_inference, needs_host_counts
 from .fc2_operands import FC2Operands, OperandStacks, fc2_operands, pack_expert_weights
-from .fp8_experts import grouped_fp8_note
+from .fp8_experts import block_gradients, grouped_fp8_note
 from .te_fp8 import autocast_refusal, recipe_kind
 from .policy import LayerPolicy
 from .shared_gate import gate_joins, join
@@ -356,9 +356,11 @@ class OverlapMoELayer(MoELayer):
         path = flight.path = self.last_path = self._path(hidden_states, probs)
         if not path.fused:
             return super().routed_experts_compute(hidden_states, probs)
-        if path.grouped_fp8 and self._grouped.kind == "block":
+        if (path.grouped_fp8 and self._grouped.kind == "block"
+                and not block_gradients(self.experts, hidden_states)):
             # (TE's 1x128 blocks lie within a row: each token through them once, before
-            # its top-k copies, instead of every copy: own_block_operands)
+            # its top-k copies, instead of every copy; in training FC1's node blocks the
+            # rows and keeps them raw for its wgrad: own_block_operands)
             hidden_states = block_dequantized(hidden_states)
         permuted, operands = self._fc1(self._permute(hidden_states, probs, path),
                                        hidden_states, probs, path)

@@ -99,12 +99,13 @@ def autocast_refusal(experts) -> str | None:
 def block_scales_exact(experts) -> bool:
     """Whether TE's blockwise recipe in force scales activations and weights by powers of
     two (its default; NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1 turns it off), which the grouped
-    blockwise path needs to dequantize exactly. Read from the recipe TE's GroupedLinear
-    reads (its module's `FP8GlobalStateManager`); True where none can be read."""
+    blockwise path needs to dequantize exactly, gradients included. Read from the recipe
+    TE's GroupedLinear reads (its module's `FP8GlobalStateManager`); True where none can
+    be read."""
     state = getattr(gemm_module(experts.linear_fc2), "FP8GlobalStateManager", None)
     recipe = getattr(state, "get_fp8_recipe", lambda: None)()
     return all(getattr(getattr(recipe, name, None), "power_2_scale", True)
-               for name in ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight"))
+               for name in ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight", "fp8_quant_bwd_grad"))
 
 
 def gemm_module(fc2):

@@ -11,7 +11,9 @@ from .errors import OverlapMismatchError, OverlapPeerError, OverlapTimeoutError
 from .config import (GPU_TILES, INTERPRET_TILES, PARTITION_TILES, SHARED_COMM_MAXNREG,
                      SHARED_GEMM_MAXNREG, OverlapConfig, TileConfig, load_tiles)
 from .fp8 import Fp8Scales, quantize_operands as quantize_fp8_operands
-from .fp8_groups import (block_dequantized, block_dequantized_weights, fp8_grouped_linear,
+from .block_train import block_expert_linear
+from .fp8_groups import (block_dequantized, block_dequantized_columns,
+                         block_dequantized_weights, fp8_grouped_linear,
                          quantize_fp8_groups, quantize_fp8_stack, scaled_grouped_mm_refusal)
 from .fp8_train import Fp8Rows, Fp8Stack, fp8_expert_linear, with_transposed
 from .fusion import fusion_decision
@@ -37,6 +39,8 @@ __all__ = ["BIAS_COLUMNS", "ExpertWeightStack", "stacked", "grouped_mm_accepts",
            "Fp8Rows", "Fp8Stack", "fp8_expert_linear", "with_transposed",
            # blockwise through exact dequantization onto the bf16 grouped kernels
            "block_dequantized", "block_dequantized_weights",
+           # and trained through it (the recipe's dgrad and wgrad operands: ops/block_train.py)
+           "block_expert_linear", "block_dequantized_columns",
            # tiles a user or the tuner sets (load_tiles: tools/tune_tiles.py's JSON; the
            # shared placement's register caps, TileConfig's gemm_ / comm_maxnreg defaults),
            # and the backward's grouped GEMMs

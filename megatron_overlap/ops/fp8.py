@@ -68,16 +68,19 @@ def check_call(x, weight, scales, probs) -> None:
 
 
 def check_sink(x, weight, scales, grad_sink) -> None:
-    """`grad_sink`: None, or with FP8 operands a [T, N] floating tensor on x's device, the
-    output of the caller's own node for GEMM2 (its values are never read): the op's
-    backward hands it dL/dy, each row's token gradient with its probability applied, and
-    that node computes dgrad and wgrad in the recipe's formats (TE's GroupedLinear with
-    its forward GEMM skipped, mcore/te_fp8.py). Where gradients are on it must need one."""
+    """`grad_sink`: None, or a [T, N] floating tensor on x's device, the output of the
+    caller's own node for GEMM2 (its values are never read): the op's backward hands it
+    dL/dy, each row's token gradient with its probability applied, and that node computes
+    dgrad and wgrad in the recipe's formats (TE's GroupedLinear with its forward GEMM
+    skipped, mcore/te_fp8.py; the grouped FP8 experts' nodes, ops/fp8_train.py and
+    ops/block_train.py, whose blockwise operands are bf16). x and weight then carry no
+    gradient of their own. Where gradients are on it must need one."""
     if grad_sink is None:
         return
-    if scales is None:
-        raise ValueError("grad_sink is for FP8 operands (scales=...): on bf16, fp16 or fp32 "
-                         "operands the op computes GEMM2's dgrad and wgrad itself")
+    if scales is None and torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        raise ValueError("x / weight require grad and grad_sink is given: GEMM2's gradient "
+                         "goes either to grad_sink's node or to x and weight, not both "
+                         "(detach them, or pass no grad_sink)")
     if not isinstance(grad_sink, torch.Tensor) or not grad_sink.is_floating_point():
         raise TypeError(f"grad_sink must be a floating-point tensor, got "
                         f"{getattr(grad_sink, 'dtype', type(grad_sink).__name__)}")

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.fp8_blocks import (fake_quantize_rows, fake_quantize_rows_reference,
-                                   fake_quantize_weights)
+from ..kernels.fp8_blocks import (fake_quantize_columns, fake_quantize_columns_reference,
+                                   fake_quantize_rows, fake_quantize_rows_reference,
+                                   fake_quantize_weights, fake_quantize_weights_reference)
 from ..kernels.fp8_rows import quantize_groups, quantize_groups_reference, stack_group_ends
 from .config import interpreting
 
@@ -125,17 +126,33 @@ def _dequantized_grouped_linear(xq, row_scale_inv, wq, w_scale_inv, ends) -> tor
     return out
 
 
-def block_dequantized(x: torch.Tensor) -> torch.Tensor:
+def block_dequantized(x: torch.Tensor, fmt: str = "e4m3") -> torch.Tensor:
     """[R, K] bf16: x through Transformer Engine's blockwise recipe for activations (1 x 128
-    blocks, power-of-two scales) and back: exactly its e4m3 operand's values (a power-of-
+    blocks, power-of-two scales) and back: exactly its FP8 operand's values (a power-of-
     two scale keeps them bf16 values), for the bf16 grouped kernels (kernels/fp8_blocks.py;
-    one launch on CUDA and under the interpreter, else the pure-torch reference)."""
+    one launch on CUDA and under the interpreter, else the pure-torch reference). `fmt`:
+    "e4m3", or "e5m2" (gradients under `--fp8-format hybrid`)."""
     if isinstance(x, torch.Tensor) and (x.is_cuda or interpreting()):
-        return fake_quantize_rows(x)
-    return fake_quantize_rows_reference(x)
+        return fake_quantize_rows(x, fmt)
+    return fake_quantize_rows_reference(x, fmt)
+
+
+def block_dequantized_columns(x: torch.Tensor, ends: torch.Tensor,
+                              fmt: str = "e4m3") -> torch.Tensor:
+    """[R, K] bf16: each group's rows (ending at `ends`) through the recipe's 128 x 1
+    blocks, the columnwise copy TE makes of each expert's wgrad operand, and back,
+    exactly; the rows past ends[-1] unspecified (one launch on CUDA and under the
+    interpreter, else the pure-torch reference, which reads the ends on the host)."""
+    _check_ends(ends, x.device)
+    if x.is_cuda or interpreting():
+        return fake_quantize_columns(x, ends, fmt)
+    return fake_quantize_columns_reference(x, ends.tolist(), fmt)
 
 
 def block_dequantized_weights(weight: torch.Tensor) -> torch.Tensor:
     """[E, N, K] bf16: each expert's weight through the blockwise recipe's 128 x 128 blocks
-    and back, exactly (once per change of the weights)."""
-    return fake_quantize_weights(weight)
+    and back, exactly (once per change of the weights; one launch on CUDA and under the
+    interpreter, else the pure-torch reference)."""
+    if isinstance(weight, torch.Tensor) and (weight.is_cuda or interpreting()):
+        return fake_quantize_weights(weight)
+    return fake_quantize_weights_reference(weight)

@@ -4,9 +4,10 @@ kernels or the reference path) and its backward.
     Gemm2GatherRS  bf16 / fp16 / fp32 operands: the combine's backward (each row's token
                    gradient, an all-gather under a group), then GEMM2's dgrad and wgrad
                    as grouped GEMMs (grouped.py)
-    Fp8GatherRS    FP8 operands: the same rows' gradient handed to the caller's node
-                   (`grad_sink`, TE's GroupedLinear), which runs dgrad and wgrad in its
-                   recipe; the FP8 x and W carry no gradient
+    SinkGatherRS   FP8 operands, or a `grad_sink` given: the same rows' gradient handed
+                   to the caller's node (`grad_sink`: TE's GroupedLinear, the grouped FP8
+                   experts'), which runs dgrad and wgrad in its recipe; x and W carry
+                   no gradient
 
 Both give probs their gradient from y (dL/dp = <g, y>, y in row order).
 """
@@ -60,10 +61,11 @@ class Gemm2GatherRS(torch.autograd.Function):
         return grad_x, grad_w, grad_probs, None, None, None, None
 
 
-class Fp8GatherRS(torch.autograd.Function):
-    """FP8 operands whose GEMM2 backward is the caller's: the output from the quantized x
-    and W, and in backward dL/dy (each row's token gradient, probabilities applied) handed
-    to `sink`, whose node (TE's GroupedLinear) runs dgrad and wgrad in its recipe."""
+class SinkGatherRS(torch.autograd.Function):
+    """Operands whose GEMM2 backward is the caller's (FP8, or blockwise's dequantized
+    bf16): the output from x and W, and in backward dL/dy (each row's token gradient,
+    probabilities applied) handed to `sink`, whose node runs dgrad and wgrad in its
+    recipe."""
 
     @staticmethod
     def forward(ctx, sink, probs, x, weight, counts_dev, token_index, table, launch):

@@ -43,7 +43,7 @@ from .fp8 import OUT_DTYPE, Fp8Scales, check_call as check_fp8, check_sink, kind
 from .planning import LaunchPlan, PlanRequest, launch_tiles
 from .plans import family_keys
 from .routing import Routing
-from .nodes import Fp8GatherRS, Gemm2GatherRS, forward
+from .nodes import Gemm2GatherRS, SinkGatherRS, forward
 from .validation import (MAX_TOKENS, MAX_TOPK, capturing, check_int,
                          check_options, expert_count, host_counts, to_device, validate)
 
@@ -89,10 +89,11 @@ def launched(session, launch: "Launch", x, weight, probs, token_index, grads: bo
     """The output of a prepared launch (`prepare`'s handle, on the same x, weight, probs
     and token_index): the kernels queued, an autograd node where `grads`, the error word's
     copy queued behind them, and an earlier call's error raised after they launched.
-    FP8 operands' node hands GEMM2's backward to `grad_sink` (`fp8.check_sink`)."""
+    FP8 operands' node, and any call's given a `grad_sink`, hands GEMM2's backward to
+    `grad_sink` (`fp8.check_sink`)."""
     with _arrives_on_raise(session):
-        if grads and launch.call.scales is not None:
-            out = Fp8GatherRS.apply(grad_sink, probs, x, weight, launch.counts_dev,
+        if grads and (launch.call.scales is not None or grad_sink is not None):
+            out = SinkGatherRS.apply(grad_sink, probs, x, weight, launch.counts_dev,
                                      token_index, launch.table, launch)
         elif grads:
             out = Gemm2GatherRS.apply(x, weight, probs, launch.counts_dev, token_index,

@@ -171,8 +171,7 @@ class OverlapSession:
 
     def launch(self, handle: Launch, x, weight, probs=None, grad_sink=None) -> torch.Tensor:
         """The output of a prepared call, on the same x, weight and probs its `prepare`
-        was given (an autograd node where they, or an FP8 call's `grad_sink`, need
-        gradients)."""
+        was given (an autograd node where they, or a `grad_sink`, need gradients)."""
         self._own(handle)
         given = (tuple(x.shape), tuple(weight.shape), x.dtype)
         if given != handle.call.operands or x.device != self.device:
@@ -319,11 +318,14 @@ def gemm2_gather_rs(x: torch.Tensor, weight: torch.Tensor, tokens_per_expert,
             kernels/gemm2_fp8.py): GEMM2 dequantizes in its fp32 accumulation and the
             output is bf16. The FP8 operands carry no gradient (ValueError if they
             require one).
-        grad_sink: with `scales`, in training: [T, N], the output of the caller's own
-            node for GEMM2 (TE's GroupedLinear with its forward GEMM skipped; its values
-            are never read). The op's backward hands it dL/dy (each row's token
-            gradient, probs applied) and that node runs dgrad and wgrad in the recipe's
-            formats; probs get their gradient from y. None: no gradient reaches x and W.
+        grad_sink: in training, where GEMM2's backward is the caller's (an FP8 recipe's
+            formats; blockwise's dequantized bf16 operands): [T, N], the output of the
+            caller's own node for GEMM2 (TE's GroupedLinear with its forward GEMM
+            skipped, `block_expert_linear(compute=False)`; its values are never read).
+            The op's backward hands it dL/dy (each row's token gradient, probs applied)
+            and that node runs dgrad and wgrad; probs get their gradient from y. x and
+            weight then must not require grad. None with FP8 operands: no gradient
+            reaches x and W.
 
     CUDA graphs: a call captured under torch.no_grad with tokens_per_expert a CUDA
     tensor and a Triton backend replays correctly for whatever the captured x, counts
