@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from .fp8_quant import BLOCK, dequantize_blockwise, quantize_blockwise
-from .fp8_rows import _round_to_e4m3
+from .fp8_rows import _saturated_round
 from .launch_cache import LaunchCache
 
 #: the largest bf16 value: TE's scale for an amax too small for a finite fp32 scale
@@ -46,26 +46,13 @@ def _block_scale(amax, FP8_MAX: tl.constexpr):
 
 
 @triton.jit
-def _round_to_e5m2(v):
-    """v (fp32, within +-57344) rounded to nearest-even e5m2 value, still fp32: 2 mantissa
-    bits kept for normals (|v| >= 2^-14), multiples of 2^-16 below (as `_round_to_e4m3`)."""
-    bits = v.to(tl.int32, bitcast=True)
-    normal = ((bits + 0xFFFFF + ((bits >> 21) & 1)) & -0x200000).to(tl.float32, bitcast=True)
-    tiny = (tl.abs(v) + 128.0) - 128.0  # (fp32's ulp at 2^7 is 2^-16: one RNE add)
-    tiny = tl.where(bits < 0, -tiny, tiny)
-    return tl.where(tl.abs(v) < 6.103515625e-05, tiny, normal)
-
-
-@triton.jit
 def _through_blocks(v, amax, AXIS: tl.constexpr, E5M2: tl.constexpr):
     """v's values through blocks of the given amax (along AXIS of the tile) and back."""
     if E5M2:
         scale = tl.expand_dims(_block_scale(amax, 57344.0), AXIS)
-        q = _round_to_e5m2(tl.minimum(tl.maximum(v * scale, -57344.0), 57344.0))
     else:
         scale = tl.expand_dims(_block_scale(amax, 448.0), AXIS)
-        q = _round_to_e4m3(tl.minimum(tl.maximum(v * scale, -448.0), 448.0))
-    return q / scale  # (a power of two: exact)
+    return _saturated_round(v * scale, E5M2) / scale  # (a power of two: exact)
 
 
 @triton.jit(do_not_specialize=["rows"])
@@ -115,7 +102,7 @@ def fake_quantize_weights_kernel(w_ptr, out_ptr, N: tl.constexpr, K: tl.constexp
     v = tl.load(w_ptr + offs, mask=inside, other=0.0).to(tl.float32)
     amax = tl.max(tl.max(tl.abs(v), axis=1), axis=0)
     scale = _block_scale(amax, 448.0)
-    out = _round_to_e4m3(tl.minimum(tl.maximum(v * scale, -448.0), 448.0)) / scale
+    out = _saturated_round(v * scale, False) / scale
     tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=inside)
 
 

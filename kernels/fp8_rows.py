@@ -47,11 +47,12 @@ def _group_of(rows, ends_ptr, groups, GROUPS_P2: tl.constexpr):
 
 
 @triton.jit
-def _scale_of(amax):
-    """TE's compute_scale_from_amax for e4m3 (epsilon 0, no pow2), IEEE division."""
+def _scale_of(amax, FP8_MAX: tl.constexpr):
+    """TE's compute_scale_from_amax (epsilon 0, no pow2), IEEE division; FP8_MAX 448 for
+    e4m3, 57344 for e5m2."""
     usable = (amax > 0) & (amax < float("inf"))  # (NaN compares false)
     safe = tl.where(usable, amax, 1.0)
-    scale = tl.math.div_rn(tl.full(amax.shape, 448.0, tl.float32), safe)
+    scale = tl.math.div_rn(tl.full(amax.shape, FP8_MAX, tl.float32), safe)
     scale = tl.where(scale == float("inf"), 3.4028234663852886e38, scale)
     return tl.where(usable, scale, 1.0)
 
@@ -67,6 +68,25 @@ def _round_to_e4m3(v):
     tiny = (tl.abs(v) + 16384.0) - 16384.0  # (fp32's ulp at 2^14 is 2^-9: one RNE add)
     tiny = tl.where(bits < 0, -tiny, tiny)
     return tl.where(tl.abs(v) < 0.015625, tiny, normal)
+
+
+@triton.jit
+def _round_to_e5m2(v):
+    """v (fp32, within +-57344) rounded to nearest-even e5m2 value, still fp32: 2 mantissa
+    bits kept for normals (|v| >= 2^-14), multiples of 2^-16 below (as `_round_to_e4m3`)."""
+    bits = v.to(tl.int32, bitcast=True)
+    normal = ((bits + 0xFFFFF + ((bits >> 21) & 1)) & -0x200000).to(tl.float32, bitcast=True)
+    tiny = (tl.abs(v) + 128.0) - 128.0  # (fp32's ulp at 2^7 is 2^-16: one RNE add)
+    tiny = tl.where(bits < 0, -tiny, tiny)
+    return tl.where(tl.abs(v) < 6.103515625e-05, tiny, normal)
+
+
+@triton.jit
+def _saturated_round(v, E5M2: tl.constexpr):
+    """v (fp32) saturated to the format's largest value and rounded to its grid (fp32)."""
+    if E5M2:
+        return _round_to_e5m2(tl.minimum(tl.maximum(v, -57344.0), 57344.0))
+    return _round_to_e4m3(tl.minimum(tl.maximum(v, -448.0), 448.0))
 
 
 @triton.jit
@@ -98,18 +118,19 @@ def group_amax_kernel(x_ptr, src_ptr, ends_ptr, amax_ptr, rows, groups, stride_x
 def cast_rows_kernel(x_ptr, src_ptr, ends_ptr, amax_ptr, out_ptr, row_scale_inv_ptr,
                      group_scale_inv_ptr, rows, groups, stride_x, K: tl.constexpr,
                      GROUPS_P2: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                     HAS_SRC: tl.constexpr):
+                     HAS_SRC: tl.constexpr, E5M2: tl.constexpr, FP8_MAX: tl.constexpr):
     pid = tl.program_id(0)
     if pid == 0:  # the groups' scale_inv, once
         g = tl.arange(0, GROUPS_P2)
         amax = tl.load(amax_ptr + g, mask=g < groups, other=0.0)
         tl.store(group_scale_inv_ptr + g, tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32),
-                                                         _scale_of(amax)), mask=g < groups)
+                                                         _scale_of(amax, FP8_MAX)),
+                 mask=g < groups)
     r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     group = _group_of(r, ends_ptr, groups, GROUPS_P2)
     live = (r < rows) & (group < groups)
     src = _source_rows(r, live, src_ptr, HAS_SRC)
-    scale = _scale_of(tl.load(amax_ptr + group, mask=live, other=0.0))
+    scale = _scale_of(tl.load(amax_ptr + group, mask=live, other=0.0), FP8_MAX)
     one = tl.full(scale.shape, 1.0, tl.float32)
     tl.store(row_scale_inv_ptr + r, tl.where(live, tl.math.div_rn(one, scale), 0.0),
              mask=r < rows)
@@ -118,9 +139,9 @@ def cast_rows_kernel(x_ptr, src_ptr, ends_ptr, amax_ptr, out_ptr, row_scale_inv_
         inside = (r < rows)[:, None] & (c < K)[None, :]
         v = tl.load(x_ptr + src[:, None] * stride_x + c[None, :],
                     mask=live[:, None] & (c < K)[None, :], other=0.0)
-        q = tl.minimum(tl.maximum(v.to(tl.float32) * scale[:, None], -448.0), 448.0)
+        q = _saturated_round(v.to(tl.float32) * scale[:, None], E5M2)
         tl.store(out_ptr + r.to(tl.int64)[:, None] * K + c[None, :],
-                 _round_to_e4m3(q).to(out_ptr.dtype.element_ty), mask=inside)
+                 q.to(out_ptr.dtype.element_ty), mask=inside)
 
 
 _AMAX = LaunchCache(group_amax_kernel)
@@ -151,7 +172,7 @@ def _check(x: torch.Tensor, group_ends: torch.Tensor, src: torch.Tensor | None) 
 
 
 def quantize_groups(x: torch.Tensor, group_ends: torch.Tensor,
-                    src: torch.Tensor | None = None
+                    src: torch.Tensor | None = None, dtype: torch.dtype = E4M3
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(data [R, K] e4m3, group_scale_inv [G] fp32, row_scale_inv [R] fp32): each group
     of rows of x (the rows before group_ends[g], from the previous end) quantized as one
@@ -159,11 +180,14 @@ def quantize_groups(x: torch.Tensor, group_ends: torch.Tensor,
     x[src] (x [N, K]), gathered while quantizing: a permutation never written in bf16.
     Rows past the last end are padding: written 0 with row scale_inv 0, read nowhere
     (nor is their src). Ends must be non-decreasing and at most R, and src of the other
-    rows in [0, N): the device holds them, they are not checked here."""
+    rows in [0, N): the device holds them, they are not checked here. `dtype`: e4m3, or
+    e5m2 (TE's gradient format under `--fp8-format hybrid`; scale 57344 / amax)."""
     _check(x, group_ends, src)
+    if dtype not in FP8_MAX:
+        raise ValueError(f"dtype must be one of {tuple(FP8_MAX)}, got {dtype}")
     rows, k = (x.shape[0] if src is None else src.numel()), x.shape[1]
     groups = group_ends.numel()
-    data = torch.empty(rows, k, dtype=E4M3, device=x.device)
+    data = torch.empty(rows, k, dtype=dtype, device=x.device)
     amax = torch.zeros(groups, dtype=torch.float32, device=x.device)
     group_scale_inv = torch.empty(groups, dtype=torch.float32, device=x.device)
     row_scale_inv = torch.empty(rows, dtype=torch.float32, device=x.device)
@@ -171,11 +195,12 @@ def quantize_groups(x: torch.Tensor, group_ends: torch.Tensor,
     grid = (max(1, triton.cdiv(rows, block_r)),)
     meta = dict(K=k, GROUPS_P2=triton.next_power_of_2(groups), BLOCK_R=block_r,
                 BLOCK_K=block_k, HAS_SRC=src is not None, num_warps=4)
+    cast_meta = dict(meta, E5M2=dtype == torch.float8_e5m2, FP8_MAX=FP8_MAX[dtype])
     index = group_ends if src is None else src  # (not read without src)
     if rows and k:
         _AMAX.launch(grid, (x, index, group_ends, amax, rows, groups, x.stride(0)), meta)
     _CAST.launch(grid, (x, index, group_ends, amax, data, row_scale_inv, group_scale_inv,
-                        rows, groups, x.stride(0)), meta)
+                        rows, groups, x.stride(0)), cast_meta)
     return data, group_scale_inv, row_scale_inv
 
 
@@ -185,16 +210,16 @@ def stack_group_ends(experts: int, rows_each: int, device) -> torch.Tensor:
 
 
 def quantize_groups_reference(x: torch.Tensor, counts: list[int],
-                              src: torch.Tensor | None = None
+                              src: torch.Tensor | None = None, dtype: torch.dtype = E4M3
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The same in pure torch from host counts (TE's per-expert quantizer emulated,
     `quantize_tensorwise_splits`), padding rows as the kernel writes them."""
     if src is not None:  # (the padding rows' src may be anything: clamped, then dropped)
         x = x[src.clamp(0, x.shape[0] - 1)]
     rows = sum(counts)
-    data, group_scale_inv = quantize_tensorwise_splits(x[:rows], counts)
+    data, group_scale_inv = quantize_tensorwise_splits(x[:rows], counts, dtype)
     pad = x.shape[0] - rows
-    data = torch.cat([data, torch.zeros(pad, x.shape[1], dtype=E4M3, device=x.device)])
+    data = torch.cat([data, torch.zeros(pad, x.shape[1], dtype=dtype, device=x.device)])
     row_scale_inv = torch.cat([group_scale_inv.repeat_interleave(
         torch.tensor(counts, device=x.device)), torch.zeros(pad, device=x.device)])
     return data, group_scale_inv.float(), row_scale_inv

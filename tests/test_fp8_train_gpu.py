@@ -18,8 +18,12 @@ def _dequantized(rows):
     return rows.data.double() * rows.row_scale_inv.double()[:, None]
 
 
+@pytest.mark.parametrize("grad_dtype", [torch.float8_e4m3fn, torch.float8_e5m2],
+                         ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("counts", [[33, 0, 70, 25, 1, 0, 47, 16], [128] * 8, [0] * 7 + [300]])
-def test_fp8_dgrad_and_wgrad_are_the_float64_products_of_their_fp8_operands(counts):
+def test_fp8_dgrad_and_wgrad_are_the_float64_products_of_their_fp8_operands(counts, grad_dtype):
+    """e4m3 gradients on torch's scaled grouped GEMM; e5m2 (hybrid) on the bf16 grouped
+    GEMM over the FP8 values, times their scales."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("torch's scaled grouped GEMM path is sm90's")
     from megatron_overlap.ops import (Fp8Rows, Fp8Stack, fp8_expert_linear,
@@ -32,10 +36,10 @@ def test_fp8_dgrad_and_wgrad_are_the_float64_products_of_their_fp8_operands(coun
               .requires_grad_(True) for _ in range(experts)]
     ends = torch.tensor(counts, device="cuda").cumsum(0)
     weight = Fp8Stack(*quantize_fp8_stack(torch.stack([p.detach() for p in params])))
-    y = fp8_expert_linear(x, ends, weight, params)
+    y = fp8_expert_linear(x, ends, weight, params, grad_dtype=grad_dtype)
     dy = torch.randn(rows, n, device="cuda", generator=g).bfloat16()
     y.backward(dy)
-    dq = Fp8Rows(*quantize_fp8_groups(dy, ends))
+    dq = Fp8Rows(*quantize_fp8_groups(dy, ends, dtype=grad_dtype))
     xq = Fp8Rows(*quantize_fp8_groups(x.detach(), ends))
     valid = sum(counts)
     expert = torch.repeat_interleave(torch.arange(experts, device="cuda"),
@@ -53,3 +57,23 @@ def test_fp8_dgrad_and_wgrad_are_the_float64_products_of_their_fp8_operands(coun
             continue
         err = (p.grad.double() - want).abs().max() / want.abs().max()
         assert err < 2 ** -6, (e, err)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_blockwise_kernels_on_the_gpu_are_tes_quantizer_exactly(fmt):
+    """The blockwise recipe's rows (1x128), each expert's columns (128x1 from its first
+    row) and 128x128 weight blocks, compiled for the GPU, against TE's quantizer emulated:
+    values over 10 decades (the columns' subnormals), an empty expert, a partial block."""
+    from megatron_overlap.kernels.fp8_blocks import (
+        fake_quantize_columns, fake_quantize_columns_reference, fake_quantize_rows,
+        fake_quantize_rows_reference, fake_quantize_weights, fake_quantize_weights_reference)
+
+    g = torch.Generator(device="cuda").manual_seed(9)
+    x = (torch.randn(1000, 640, device="cuda", generator=g)
+         * torch.logspace(-7, 3, 1000, device="cuda")[:, None]).bfloat16()
+    ends = [0, 333, 333, 900, 990]
+    assert torch.equal(fake_quantize_rows(x, fmt), fake_quantize_rows_reference(x, fmt))
+    cols = fake_quantize_columns(x, torch.tensor(ends, device="cuda", dtype=torch.int32), fmt)
+    assert torch.equal(cols[:990], fake_quantize_columns_reference(x, ends, fmt)[:990])
+    w = torch.randn(3, 300, 640, device="cuda", generator=g).bfloat16()
+    assert torch.equal(fake_quantize_weights(w), fake_quantize_weights_reference(w))

@@ -9,9 +9,6 @@ gradient (FC2's from TE's node through `grad_sink`) match the stock FP8 layer's;
 cannot fuse is said at build. The GPU test with real TE: tests/test_mcore_te_fp8_gpu.py.
 """
 
-import contextlib
-from types import SimpleNamespace
-
 import pytest
 import torch
 
@@ -20,24 +17,18 @@ from dist_harness import run_ranks
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU backends")
 
 RECIPES = ("tensorwise", "delayed", "blockwise")
-TE_PATH_FORMAT = {"tensorwise": dict(fp8="hybrid")}  # (the format that keeps TE's path)
 
 
-@contextlib.contextmanager
-def fp32_block_scales():
-    """TE's blockwise recipe in force with scales that are not powers of two (TE's
-    NVTE_FP8_BLOCK_SCALING_FP32_SCALES=1), which keeps a blockwise layer on TE's path
-    (its dequantized operands would not be exact); the double quantizes as before."""
-    import te_fp8_double
+def on_tes_path(layer):
+    """`layer` with the grouped FP8 experts taking none of its calls (`GroupedFp8()`), as
+    where they refuse them (delayed scaling, `delay_wgrad_compute`, blockwise's fp32
+    scales): TE's GroupedLinear quantizes and its FC2 node runs dgrad and wgrad, the path
+    these tests check (the grouped one: test_mcore_fp8_training.py,
+    test_fp8_block_training.py)."""
+    from megatron_overlap.mcore.fp8_experts import GroupedFp8
 
-    fp32 = SimpleNamespace(power_2_scale=False)
-    recipe = SimpleNamespace(fp8_quant_fwd_inp=fp32, fp8_quant_fwd_weight=fp32,
-                             fp8_quant_bwd_grad=fp32)
-    te_fp8_double.FP8GlobalStateManager.get_fp8_recipe = classmethod(lambda cls: recipe)
-    try:
-        yield
-    finally:
-        del te_fp8_double.FP8GlobalStateManager.get_fp8_recipe
+    layer._grouped = GroupedFp8()
+    return layer
 
 
 def _opt_in(blockwise: bool = True):
@@ -82,23 +73,18 @@ def _fp8_scenarios(rank, world):
     grad = torch.randn(12, 2, 32, generator=g).bfloat16()
     spec, found = _fp8_spec(), {}
     for recipe in RECIPES:
-        # (tensorwise under hybrid: under e4m3 training takes the grouped FP8 path,
-        # test_mcore_fp8_training.py; TE's per-tensor FC2 node is checked here)
-        config = _fp8_config(world, recipe, **TE_PATH_FORMAT.get(recipe, {}))
+        config = _fp8_config(world, recipe)
         torch.manual_seed(1234)
         stock = spec(config=config)
         te_fp8_double.CALLS["gemm"] = 0
         ref = _run(stock, x, grad)
         stock_gemms = te_fp8_double.CALLS["gemm"]
         for backend in ("reference", "interpret"):
-            layer = with_overlap_moe(spec, OverlapConfig(backend=backend), _opt_in())(
-                config=config)
+            layer = on_tes_path(with_overlap_moe(spec, OverlapConfig(backend=backend),
+                                                 _opt_in())(config=config))
             layer.load_state_dict(stock.state_dict())
             te_fp8_double.CALLS["gemm"] = 0
-            # (blockwise: TE's path kept by its recipe's fp32 scales; the grouped path
-            # is test_fp8_block_training.py's)
-            with warnings.catch_warnings(), (fp32_block_scales() if recipe == "blockwise"
-                                             else contextlib.nullcontext()):
+            with warnings.catch_warnings():
                 warnings.filterwarnings("error", message="megatron-overlap")
                 out, dx, grads = _run(layer, x, grad)
             found[(recipe, backend)] = dict(
@@ -167,8 +153,8 @@ def _weight_cache(spec, world, x):
     from megatron_overlap.mcore.spec import with_overlap_moe
     from megatron_overlap.ops import OverlapConfig
 
-    layer = with_overlap_moe(spec, OverlapConfig(backend="reference"), _opt_in())(
-        config=_fp8_config(world, "tensorwise", **TE_PATH_FORMAT["tensorwise"]))
+    layer = on_tes_path(with_overlap_moe(spec, OverlapConfig(backend="reference"), _opt_in())(
+        config=_fp8_config(world, "tensorwise")))
     stack, fc2 = layer._stacks.fc2_fp8, layer.experts.linear_fc2
     with torch.no_grad():
         first = layer(x)[0]

@@ -28,9 +28,9 @@ operands are blocked as TE's recipe blocks them (ops/block_train.py).
 Which calls: decided once at build (`GroupedFp8`, from `own_fp8_refusal` and
 `own_fp8_training_refusal`): TEGroupedMLP, no FC1 / FC2 bias, bf16 / fp32 parameters, an
 activation the bf16 grouped path computes. Current scaling keeps no state, so nothing of
-TE's scaling state is skipped; delayed scaling (its amax history is TE's to update) and
-`--fp8-format hybrid` with tensorwise in training (e5m2 gradients) keep TE's own
-quantization (mcore/te_fp8.py).
+TE's scaling state is skipped; delayed scaling (its amax history is TE's to update) keeps
+TE's own quantization (mcore/te_fp8.py). Under `--fp8-format hybrid` the gradients are
+e5m2, as TE's.
 """
 
 from __future__ import annotations
@@ -130,9 +130,8 @@ def own_fp8_training_refusal(experts) -> str | None:
         return why
     c = experts.config
     fmt = str(getattr(c.fp8, "value", c.fp8))
-    if recipe_kind(c) != "block" and fmt != "e4m3":
-        return (f"--fp8-format {fmt} with --fp8-recipe tensorwise (its gradients are e5m2, "
-                f"which torch's scaled grouped GEMM does not take)")
+    if fmt not in ("e4m3", "hybrid"):
+        return f"--fp8-format {fmt} (the grouped FP8 experts train e4m3 and hybrid)"
     if getattr(c, "delay_wgrad_compute", False):
         return "delay_wgrad_compute (TE's GroupedLinear defers its wgrad)"
     return None
@@ -260,13 +259,18 @@ def own_fp8_operands(experts, fc1: Fp8Weights, fc2: Fp8Weights, x: torch.Tensor,
     w1s, w2s = _weights(experts.linear_fc1, e), _weights(experts.linear_fc2, e)
     grads = torch.is_grad_enabled()
     x_rows = Fp8Rows(*quantize_fp8_groups(x.detach(), ends, token_index))
-    inter = fp8_expert_linear(x, ends, fc1.operand(w1s, transposed=grads), w1s, x_rows,
-                              wgrad_into=_main_grad_accumulation(experts.config, w1s))
+    grad_dtype = torch.float8_e5m2 if _grad_format(experts.config) == "e5m2" else None
+    # (e5m2 gradients run on the bf16 grouped GEMM: no e4m3 transpose of the weights)
+    transposed = grads and grad_dtype is None
+    inter = fp8_expert_linear(x, ends, fc1.operand(w1s, transposed=transposed), w1s, x_rows,
+                              wgrad_into=_main_grad_accumulation(experts.config, w1s),
+                              grad_dtype=grad_dtype or torch.float8_e4m3fn)
     h = routed_activation(experts, inter, None, probs, valid_rows)
     h_rows = Fp8Rows(*quantize_fp8_groups(h.detach(), ends))
-    w2 = fc2.operand(w2s, transposed=grads)
+    w2 = fc2.operand(w2s, transposed=transposed)
     sink = None
     if grads and (h.requires_grad or any(w.requires_grad for w in w2s)):
         sink = fp8_expert_linear(h, ends, w2, w2s, h_rows, compute=False,
-                                 wgrad_into=_main_grad_accumulation(experts.config, w2s))
+                                 wgrad_into=_main_grad_accumulation(experts.config, w2s),
+                                 grad_dtype=grad_dtype or torch.float8_e4m3fn)
     return h_rows.data, w2.data, Fp8Scales("tensor", h_rows.scale_inv, w2.scale_inv), sink

@@ -38,25 +38,27 @@ def _check_ends(ends: torch.Tensor, device) -> None:
         raise ValueError(f"ends on {ends.device}, the rows on {device}")
 
 
-def quantize_fp8_groups(x: torch.Tensor, ends: torch.Tensor, src: torch.Tensor | None = None
+def quantize_fp8_groups(x: torch.Tensor, ends: torch.Tensor, src: torch.Tensor | None = None,
+                        dtype: torch.dtype = E4M3
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(data [R, K] e4m3, scale_inv [E] fp32, row_scale_inv [R] fp32): rows of x [R, K]
     quantized under Transformer Engine's current scaling, each group (the rows up to
     ends[g] from the previous end) one tensor with its own amax, as TE's GroupedLinear
     quantizes each expert's input; the values of TE's quantizer. With `src` (int64 [R])
     the rows are x[src] (x [N, K]: the tokens before the permutation), gathered while
-    quantizing. Padding rows (past ends[-1]) come back 0 with row_scale_inv 0."""
+    quantizing. Padding rows (past ends[-1]) come back 0 with row_scale_inv 0. `dtype`:
+    e4m3, or e5m2 (gradients under `--fp8-format hybrid`)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     _check_ends(ends, x.device)
     if x.is_cuda or interpreting():
-        return quantize_groups(x, ends, src)
+        return quantize_groups(x, ends, src, dtype)
     ends_host = ends.tolist()  # (CPU: no sync to avoid)
     counts = [b - a for a, b in zip([0] + ends_host[:-1], ends_host)]
     rows = x.shape[0] if src is None else src.numel()
     if min(counts, default=0) < 0 or (ends_host and ends_host[-1] > rows):
         raise ValueError(f"ends must be non-decreasing and at most {rows}, got {ends_host}")
-    return quantize_groups_reference(x, counts, src)
+    return quantize_groups_reference(x, counts, src, dtype)
 
 
 def quantize_fp8_stack(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -19,7 +19,11 @@ where gradients are e4m3 too) and runs, from the e4m3 operands TE's recipe makes
                                    group starts and raises on others; one Triton launch,
                                    kernels/fp8_columns.py)
 
-accumulating in fp32 with Hopper's fast FP8 accumulation. TE splits the accumulator in
+accumulating in fp32 with Hopper's fast FP8 accumulation. Under `--fp8-format hybrid`
+(`grad_dtype` e5m2: TE's gradients) dL/dy is quantized to e5m2, which torch's scaled
+grouped GEMM does not take; e5m2's and e4m3's values are bf16 values, so dgrad and wgrad
+run on the bf16 grouped GEMM over the FP8 values themselves, exact products summed in
+fp32, and each product's two scales multiply its result (`_e5m2_dgrad`, `_e5m2_wgrad`). TE splits the accumulator in
 dgrad and wgrad; torch's grouped kernel with it split took 1.78 ms against 0.58 ms
 (bf16: 0.64 ms) for Qwen's FC2 wgrad at 4 x 4096 on one H100
 (docs/data/scaled_grouped_mm_probe_h100.json), and lost the gain. Off sm90 the products
@@ -40,6 +44,9 @@ from ..kernels.fp8_columns import group_columns as group_columns_kernel
 from ..kernels.fp8_columns import group_columns_reference, transpose_stack
 from .config import interpreting
 from .fp8_groups import _scaled_grouped_mm_ok, fp8_grouped_linear, quantize_fp8_groups
+from .grouped import grouped_mm, grouped_wgrad
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
 
 class Fp8Rows(NamedTuple):
@@ -112,11 +119,37 @@ def _through_last_row(ends: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([ends[:-1], ends.new_full((1,), rows)])
 
 
+def _counts(ends: torch.Tensor) -> torch.Tensor:
+    return torch.diff(ends, prepend=ends.new_zeros(1))
+
+
+def _e5m2_dgrad(dy: Fp8Rows, weight: Fp8Stack, ends: torch.Tensor) -> torch.Tensor:
+    """dx [R, K] bf16 from e5m2 rows dy [R, N] and the e4m3 stack [E, N, K]: the FP8
+    values' product on the bf16 grouped GEMM, then each row times its group's two
+    scale_inv (padding rows: zero data, zero scale, through the last group: zeros)."""
+    rows = dy.data.shape[0]
+    through = _through_last_row(ends, rows)
+    out = grouped_mm(dy.data.to(torch.bfloat16), weight.data.to(torch.bfloat16),
+                     _counts(through), None)
+    expert = torch.searchsorted(ends, torch.arange(rows, device=ends.device), right=True)
+    w_scale = weight.scale_inv.float()[expert.clamp_(max=ends.numel() - 1)]
+    return (out.float() * (dy.row_scale_inv.float() * w_scale)[:, None]).to(torch.bfloat16)
+
+
+def _e5m2_wgrad(dy: Fp8Rows, x: Fp8Rows, ends: torch.Tensor) -> torch.Tensor:
+    """dW [E, N, K] bf16 from e5m2 rows dy and e4m3 rows x: each expert's FP8 values'
+    product on the bf16 grouped GEMM times its two scale_inv (an empty expert: zeros)."""
+    dw = grouped_wgrad(dy.data.to(torch.bfloat16), x.data.to(torch.bfloat16), _counts(ends),
+                       None)
+    scale = dy.scale_inv.float() * x.scale_inv.float()
+    return (dw.float() * scale[:, None, None]).to(torch.bfloat16)
+
+
 class _Fp8ExpertLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, ends, weight, rows, compute, wgrad_into, *params):
+    def forward(ctx, x, ends, weight, rows, compute, grad_dtype, wgrad_into, *params):
         ctx.save_for_backward(rows.data, rows.scale_inv, ends)
-        ctx.weight, ctx.wgrad_into = weight, wgrad_into
+        ctx.weight, ctx.wgrad_into, ctx.grad_dtype = weight, wgrad_into, grad_dtype
         ctx.x_dtype, ctx.param_dtypes = x.dtype, [p.dtype for p in params]
         if compute:
             return fp8_grouped_linear(rows.data, rows.row_scale_inv, weight.data,
@@ -127,24 +160,32 @@ class _Fp8ExpertLinear(torch.autograd.Function):
     def backward(ctx, dy):
         data, scale_inv, ends = ctx.saved_tensors
         w = ctx.weight
-        dq = Fp8Rows(*quantize_fp8_groups(dy.contiguous(), ends))
+        e5m2 = ctx.grad_dtype == E5M2
+        dq = Fp8Rows(*quantize_fp8_groups(dy.contiguous(), ends, dtype=ctx.grad_dtype))
         dx = None
-        if ctx.needs_input_grad[0]:
+        if ctx.needs_input_grad[0] and e5m2:
+            dx = _e5m2_dgrad(dq, w, ends).to(ctx.x_dtype)
+        elif ctx.needs_input_grad[0]:
             dx = fp8_grouped_linear(dq.data, dq.row_scale_inv, with_transposed(w).transposed,
                                     w.scale_inv,
                                     _through_last_row(ends, dq.data.shape[0]))
             dx = dx.to(ctx.x_dtype)
         dws = [None] * len(ctx.param_dtypes)
-        if any(ctx.needs_input_grad[6:]):
-            dw = fp8_grouped_wgrad(dq, Fp8Rows(data, scale_inv, None), ends)
+        if any(ctx.needs_input_grad[7:]):
+            x_rows = Fp8Rows(data, scale_inv, None)
+            dw = (_e5m2_wgrad(dq, x_rows, ends) if e5m2
+                  else fp8_grouped_wgrad(dq, x_rows, ends))
             if ctx.wgrad_into is not None:
                 dws = list(ctx.wgrad_into(list(dw.unbind(0))))
             else:
                 dws = [g.to(dtype) for g, dtype in zip(dw.unbind(0), ctx.param_dtypes)]
-        return (dx, None, None, None, None, None, *dws)
+        return (dx, None, None, None, None, None, None, *dws)
 
 
-def _check_linear(x, ends, weight, params, rows) -> None:
+def _check_linear(x, ends, weight, params, rows, grad_dtype) -> None:
+    if grad_dtype not in (E4M3, E5M2):
+        raise ValueError(f"grad_dtype must be torch.float8_e4m3fn or torch.float8_e5m2 "
+                         f"(TE's gradient formats), got {grad_dtype}")
     if not isinstance(weight, Fp8Stack) or not isinstance(rows, Fp8Rows):
         raise TypeError(f"weight must be an Fp8Stack and rows an Fp8Rows, got "
                         f"{type(weight).__name__}, {type(rows).__name__}")
@@ -164,13 +205,15 @@ def _check_linear(x, ends, weight, params, rows) -> None:
 def fp8_expert_linear(x: torch.Tensor, ends: torch.Tensor, weight: Fp8Stack,
                       params: Sequence[torch.Tensor], rows: Fp8Rows | None = None,
                       compute: bool = True,
-                      wgrad_into: Callable[[list[torch.Tensor]], list] | None = None
-                      ) -> torch.Tensor:
+                      wgrad_into: Callable[[list[torch.Tensor]], list] | None = None,
+                      grad_dtype: torch.dtype = E4M3) -> torch.Tensor:
     """[R, N] bf16: y[rows of g] = x[rows of g] W_g^T on the FP8 operands (x quantized
     here unless `rows` gives it quantized), with FP8 dgrad and wgrad to x and `params`
     (module doc). `compute=False`: the product is left to the caller (the op's FP8
-    GEMM2), the output is only the node of its backward."""
+    GEMM2), the output is only the node of its backward. `grad_dtype`: dL/dy's format,
+    e4m3 or e5m2 (`--fp8-format hybrid`)."""
     if rows is None:
         rows = Fp8Rows(*quantize_fp8_groups(x, ends))
-    _check_linear(x, ends, weight, params, rows)
-    return _Fp8ExpertLinear.apply(x, ends, weight, rows, compute, wgrad_into, *params)
+    _check_linear(x, ends, weight, params, rows, grad_dtype)
+    return _Fp8ExpertLinear.apply(x, ends, weight, rows, compute, grad_dtype, wgrad_into,
+                                  *params)
