@@ -71,7 +71,7 @@ def build_case(model_name, tp, ep, seq, batch, args, device, impl: str = "local"
     config = OverlapConfig.from_env(backend=args.backend)
     overrides = {"bias_activation_fusion": False} if args.no_bias_swiglu_fusion else {}
     if getattr(args, "fp8_recipe", None):
-        overrides.update(fp8="e4m3", fp8_recipe=args.fp8_recipe)
+        overrides.update(fp8=getattr(args, "fp8_format", "e4m3"), fp8_recipe=args.fp8_recipe)
     model = build_model(model_name, tp, ep, depth, overlap=config, policy=layer_policy(args),
                         tiny=args.tiny, impl=impl, **overrides).to(device).eval()
     layer = [m for m in model.modules() if isinstance(m, OverlapMoELayer)][-1]
@@ -265,6 +265,7 @@ def layer_case(model_name, tp, ep, seq, batch, args, device):
         graph.release()
     return dict(model=model_name, tp=tp, ep=ep, seq=seq, batch=batch, impls=args.impls,
                 fp8=getattr(args, "fp8_recipe", None),
+                fp8_format=getattr(args, "fp8_format", None) if getattr(args, "fp8_recipe", None) else None,
                 mode="forward+backward" if backward else "forward",
                 baselines=args.baseline_list, moe_fusions=BASELINES[first],
                 rel_err=err, max_abs_diff=max_diff, input_layer=args.input_layer, routing=skew,
@@ -328,6 +329,8 @@ def main() -> int:
                     help="the layers in FP8 (e4m3) with this TE recipe inside Megatron's FP8 "
                          "context, both arms (--impls te; the overlapped arm opted in as "
                          "--moe-overlap-fp8 does)")
+    ap.add_argument("--fp8-format", choices=("e4m3", "hybrid"), default="e4m3",
+                    help="with --fp8-recipe: Megatron's --fp8-format (hybrid: e5m2 gradients)")
     ap.add_argument("--backward", action="store_true",
                     help="time forward + backward in training mode (default: the forward "
                          "without gradients)")

@@ -82,7 +82,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-bias-swiglu-fusion", action="store_true",
                    help="eager SwiGLU, as Megatron-LM's flag (fused by default on CUDA)")
     p.add_argument("--fp8-recipe", choices=("tensorwise", "delayed", "blockwise"),
-                   help="both arms in FP8 (e4m3) with this TE recipe (--impl te)")
+                   help="both arms in FP8 with this TE recipe (--impl te)")
+    p.add_argument("--fp8-format", choices=("e4m3", "hybrid"), default="e4m3",
+                   help="with --fp8-recipe: Megatron's --fp8-format (hybrid: e5m2 gradients)")
     p.add_argument("--train", action="store_true",
                    help="time a training step instead (forward with labels, the loss's "
                         "backward; train mode, gradients zeroed between steps, no optimizer)")
@@ -201,7 +203,7 @@ def run_all(args) -> list[dict]:
     overlap, policy = overlap_config_from_args(args), layer_policy_from_args(args)
     overrides = {"bias_activation_fusion": False} if args.no_bias_swiglu_fusion else {}
     if args.fp8_recipe:
-        overrides.update(fp8="e4m3", fp8_recipe=args.fp8_recipe)
+        overrides.update(fp8=args.fp8_format, fp8_recipe=args.fp8_recipe)
     if args.cuda_graph:
         _inference_rng_tracker(args, device)
     if args.hf:
@@ -236,6 +238,7 @@ def _header(args, seq: int, device) -> dict:
                 moe_fusions=BASELINES[args.baseline_list[0]], tiny=args.tiny,
                 device=str(device), cuda_graph=args.cuda_graph,
                 mode="train" if args.train else "prefill", fp8=args.fp8_recipe,
+                fp8_format=args.fp8_format if args.fp8_recipe else None,
                 swiglu_fusion=device.type == "cuda" and not args.no_bias_swiglu_fusion)
 
 
