@@ -33,6 +33,7 @@ from typing import Callable, Sequence
 import torch
 
 from .fp8_groups import block_dequantized, block_dequantized_columns
+from .fp8_train import weight_gradients
 from .grouped import grouped_mm, grouped_wgrad, offsets
 
 #: the gradients' formats TE's blockwise recipe uses (`--fp8-format e4m3 | hybrid`)
@@ -64,10 +65,7 @@ class _BlockExpertLinear(torch.autograd.Function):
             dw = grouped_wgrad(block_dequantized_columns(dy, ends, fmt),
                                block_dequantized_columns(x.contiguous(), ends),
                                counts_dev, counts)
-            if ctx.wgrad_into is not None:
-                dws = list(ctx.wgrad_into(list(dw.unbind(0))))
-            else:
-                dws = [g.to(dtype) for g, dtype in zip(dw.unbind(0), ctx.param_dtypes)]
+            dws = weight_gradients(dw, ctx.wgrad_into, ctx.param_dtypes)
         return (dx, None, None, None, None, None, None, *dws)
 
 

@@ -175,11 +175,16 @@ class _Fp8ExpertLinear(torch.autograd.Function):
             x_rows = Fp8Rows(data, scale_inv, None)
             dw = (_e5m2_wgrad(dq, x_rows, ends) if e5m2
                   else fp8_grouped_wgrad(dq, x_rows, ends))
-            if ctx.wgrad_into is not None:
-                dws = list(ctx.wgrad_into(list(dw.unbind(0))))
-            else:
-                dws = [g.to(dtype) for g, dtype in zip(dw.unbind(0), ctx.param_dtypes)]
+            dws = weight_gradients(dw, ctx.wgrad_into, ctx.param_dtypes)
         return (dx, None, None, None, None, None, None, *dws)
+
+
+def weight_gradients(dw: torch.Tensor, wgrad_into, dtypes) -> list:
+    """What autograd gets for each expert's parameter from dW [E, N, K]: `wgrad_into`'s
+    answer (Megatron's fused accumulation), else each expert's slice in its dtype."""
+    if wgrad_into is not None:
+        return list(wgrad_into(list(dw.unbind(0))))
+    return [g.to(dtype) for g, dtype in zip(dw.unbind(0), dtypes)]
 
 
 def _check_linear(x, ends, weight, params, rows, grad_dtype) -> None:
