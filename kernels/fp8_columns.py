@@ -14,11 +14,14 @@ on an empty one there; docs/data/scaled_grouped_mm_probe_h100.json). So:
         column_ends [G] int32: the GEMM's group offsets
 
 C = R + (ALIGN - 1) * G rounded up to ALIGN: room for every group's padding whatever the
-counts, known without them (no host sync). One launch, a [BLOCK_R, BLOCK_K] tile
-transposed in registers per program, so both the loads (along K) and the stores (along
-the rows of a group: consecutive columns) are contiguous. A uint8 transpose by torch's
-`.t().contiguous()` runs its generic strided copy: 13 ms for Granite's 524288 x 1536
-rows on one H100, where this is bound by the bytes moved.
+counts, known without them (no host sync). One launch; each program walks one group's
+columns in [BLOCK_R, BLOCK_K] tiles from the group's first row, transposed in registers,
+so the loads (along K) and the stores (a tile's columns: consecutive from an aligned
+one) are contiguous, and writes every column once, zeros included (no memset). A uint8
+transpose by torch's `.t().contiguous()` runs its generic strided copy: 13 ms for
+Granite's 524288 x 1536 rows on one H100, and so did this copy's first version, which
+placed each row by its own loaded offset (14 ms: stores the compiler could not prove
+contiguous).
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8_rows import MAX_GROUPS, _group_of
+from .fp8_rows import MAX_GROUPS
 from .launch_cache import LaunchCache
 
 E4M3 = torch.float8_e4m3fn
@@ -35,20 +38,31 @@ E4M3 = torch.float8_e4m3fn
 ALIGN = 16
 
 
-@triton.jit(do_not_specialize=["rows", "groups", "cols"])
-def group_columns_kernel(q_ptr, ends_ptr, shift_ptr, out_ptr, rows, groups, cols,
-                         K: tl.constexpr, GROUPS_P2: tl.constexpr, BLOCK_R: tl.constexpr,
-                         BLOCK_K: tl.constexpr):
-    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    c = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-    group = _group_of(r, ends_ptr, groups, GROUPS_P2)
-    live = (r < rows) & (group < groups)
-    # (the column of row r: r + its group's first column - its group's first row)
-    dest = r.to(tl.int64) + tl.load(shift_ptr + group, mask=live, other=0)
-    tile = tl.load(q_ptr + r.to(tl.int64)[:, None] * K + c[None, :],
-                   mask=live[:, None] & (c < K)[None, :], other=0)
-    tl.store(out_ptr + c.to(tl.int64)[:, None] * cols + dest[None, :], tl.trans(tile),
-             mask=(c < K)[:, None] & live[None, :])
+@triton.jit(do_not_specialize=["groups", "col_blocks"])
+def group_columns_kernel(q_ptr, ends_ptr, starts_ptr, out_ptr, groups, col_blocks,
+                         K: tl.constexpr, SPLIT: tl.constexpr, BLOCK_R: tl.constexpr,
+                         BLOCK_K: tl.constexpr, ALIGN: tl.constexpr):
+    """Program (g, K tile, s): group g's columns from its first (a multiple of ALIGN),
+    BLOCK_R at a time (tiles s, s + SPLIT, ..), each its rows transposed, the columns
+    past its last row zero; g == groups: the columns past the last group, zero. A
+    tile's columns are consecutive from an aligned one, so its stores are contiguous."""
+    g = tl.program_id(0)
+    k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    first = tl.load(ends_ptr + tl.maximum(g - 1, 0)).to(tl.int64)
+    first = tl.where(g > 0, first, 0)
+    last = tl.load(ends_ptr + tl.minimum(g, groups - 1)).to(tl.int64)
+    last = tl.where(g < groups, last, first)  # (the tail: no rows)
+    col0 = tl.multiple_of(tl.load(starts_ptr + g), ALIGN)
+    width = tl.load(starts_ptr + g + 1) - col0
+    # (C as ALIGN x col_blocks: the compiler then knows each out row starts aligned)
+    out_rows = k.to(tl.int64)[:, None] * (col_blocks * ALIGN)
+    for j in range(tl.program_id(2) * BLOCK_R, width, SPLIT * BLOCK_R):
+        r = first + j + tl.arange(0, BLOCK_R)
+        tile = tl.load(q_ptr + r[:, None] * K + k[None, :],
+                       mask=(r < last)[:, None] & (k < K)[None, :], other=0)
+        c = j + tl.arange(0, BLOCK_R)
+        tl.store(out_ptr + out_rows + (col0 + c)[None, :], tl.trans(tile),
+                 mask=(k < K)[:, None] & (c < width)[None, :])
 
 
 @triton.jit
@@ -109,15 +123,21 @@ def group_columns(q: torch.Tensor, group_ends: torch.Tensor
     non-decreasing and at most R (the device holds them: not checked here)."""
     _check(q, group_ends)
     rows, k = q.shape
-    column_ends, shift, cols = _layout(rows, group_ends)
-    out = torch.zeros(k, cols, dtype=torch.uint8, device=q.device)
-    block_r, block_k = 64, min(64, triton.next_power_of_2(max(k, 16)))
-    grid = (max(1, triton.cdiv(rows, block_r)), max(1, triton.cdiv(k, block_k)))
-    meta = dict(K=k, GROUPS_P2=triton.next_power_of_2(group_ends.numel()), BLOCK_R=block_r,
-                BLOCK_K=block_k, num_warps=4)
-    if rows and k:
-        _COLUMNS.launch(grid, (q.view(torch.uint8), group_ends, shift, out, rows,
-                               group_ends.numel(), cols), meta)
+    column_ends, _, cols = _layout(rows, group_ends)
+    # each group's first column, then the last group's end and C: the program of group
+    # g writes columns starts[g] to starts[g + 1], the one past the last the tail (every
+    # column written once: no memset)
+    starts = torch.cat([column_ends.new_zeros(1), column_ends, column_ends.new_full((1,), cols)])
+    out = torch.empty(k, cols, dtype=torch.uint8, device=q.device)
+    groups = group_ends.numel()
+    block_r, block_k = 128, min(64, triton.next_power_of_2(max(k, 16)))
+    split = max(1, min(8, triton.cdiv(rows, groups * block_r)))
+    grid = (groups + 1, max(1, triton.cdiv(k, block_k)), split)
+    if k:
+        _COLUMNS.launch(grid, (q.view(torch.uint8), group_ends, starts, out, groups,
+                               cols // ALIGN),
+                        dict(K=k, SPLIT=split, BLOCK_R=block_r, BLOCK_K=block_k,
+                             ALIGN=ALIGN, num_warps=4))
     return out.view(E4M3), column_ends.to(torch.int32)
 
 
