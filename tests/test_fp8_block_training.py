@@ -202,3 +202,27 @@ def test_block_expert_linear_refuses_bad_arguments_by_name(bad, match):
     args.update(bad)
     with pytest.raises(ValueError, match=match):
         block_expert_linear(**args)
+
+
+@pytest.mark.parametrize("fp32_quantizer", [None, "fp8_quant_fwd_inp", "fp8_quant_fwd_weight",
+                                            "fp8_quant_bwd_grad"])
+def test_blockwise_takes_the_grouped_path_only_while_every_scale_is_a_power_of_two(
+        monkeypatch, fp32_quantizer):
+    """TE's recipe in force read per call: fp32 scales on the inputs, the weights or (in
+    training) the gradients make a dequantized operand inexact, so the call keeps TE's
+    path (`block_scales_exact`)."""
+    from types import SimpleNamespace
+
+    import mcore_shims
+
+    mcore_shims.install()
+    from megatron_overlap.mcore import te_fp8
+
+    recipe = SimpleNamespace(**{name: SimpleNamespace(power_2_scale=name != fp32_quantizer)
+                                for name in ("fp8_quant_fwd_inp", "fp8_quant_fwd_weight",
+                                             "fp8_quant_bwd_grad")})
+    state = SimpleNamespace(get_fp8_recipe=lambda: recipe)
+    monkeypatch.setattr(te_fp8, "gemm_module",
+                        lambda fc2: SimpleNamespace(FP8GlobalStateManager=state))
+    experts = SimpleNamespace(linear_fc2=None)
+    assert te_fp8.block_scales_exact(experts) is (fp32_quantizer is None)
