@@ -26,23 +26,17 @@ import triton
 import triton.language as tl
 
 from .fp8_quant import BLOCK, dequantize_blockwise, quantize_blockwise
-from .fp8_rows import _saturated_round
+from .fp8_rows import _saturated_round, _scale_of
 from .launch_cache import LaunchCache
-
-#: the largest bf16 value: TE's scale for an amax too small for a finite fp32 scale
-BF16_MAX = 3.3895313892515355e38
 
 
 @triton.jit
 def _block_scale(amax, FP8_MAX: tl.constexpr):
     """TE's compute_scale_from_amax with power-of-two scales (FP8_MAX: 448 for e4m3,
-    57344 for e5m2)."""
-    usable = (amax > 0) & (amax < float("inf"))
-    safe = tl.where(usable, amax, 1.0)
-    scale = tl.math.div_rn(tl.full(amax.shape, FP8_MAX, tl.float32), safe)
-    scale = tl.where(scale == float("inf"), 3.3895313892515355e38, scale)
-    scale = (scale.to(tl.int32, bitcast=True) & -0x800000).to(tl.float32, bitcast=True)
-    return tl.where(usable, scale, 1.0)
+    57344 for e5m2): current scaling's, an infinite one bf16's largest value (the
+    input's type), the mantissa cleared (1 stays 1)."""
+    scale = _scale_of(amax, FP8_MAX, 3.3895313892515355e38)  # (bf16's largest value)
+    return (scale.to(tl.int32, bitcast=True) & -0x800000).to(tl.float32, bitcast=True)
 
 
 @triton.jit

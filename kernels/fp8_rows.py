@@ -47,13 +47,14 @@ def _group_of(rows, ends_ptr, groups, GROUPS_P2: tl.constexpr):
 
 
 @triton.jit
-def _scale_of(amax, FP8_MAX: tl.constexpr):
+def _scale_of(amax, FP8_MAX: tl.constexpr, INF_SCALE: tl.constexpr = 3.4028234663852886e38):
     """TE's compute_scale_from_amax (epsilon 0, no pow2), IEEE division; FP8_MAX 448 for
-    e4m3, 57344 for e5m2."""
+    e4m3, 57344 for e5m2; an infinite scale becomes INF_SCALE (fp32's largest value, or
+    the blockwise quantizer's input type's)."""
     usable = (amax > 0) & (amax < float("inf"))  # (NaN compares false)
     safe = tl.where(usable, amax, 1.0)
     scale = tl.math.div_rn(tl.full(amax.shape, FP8_MAX, tl.float32), safe)
-    scale = tl.where(scale == float("inf"), 3.4028234663852886e38, scale)
+    scale = tl.where(scale == float("inf"), INF_SCALE, scale)
     return tl.where(usable, scale, 1.0)
 
 

@@ -38,7 +38,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
 from megatron.core.utils import get_pg_rank, get_pg_size
 
-from ..ops import grouped_mm_accepts, interpreting, weighted_swiglu
+from ..ops import expert_of_rows_by_ends, grouped_mm_accepts, interpreting, weighted_swiglu
 
 
 def _grouped_mm_ok(x: torch.Tensor) -> bool:
@@ -309,9 +309,7 @@ def expert_of_rows(counts: list[int] | None, device_counts: torch.Tensor | None,
     counts without a host sync (rows past the counts' sum, padding, get the last expert)."""
     if counts is not None:
         device_counts = torch.tensor(counts).to(device, non_blocking=True)
-    ends = torch.cumsum(device_counts, 0)
-    index = torch.arange(rows, device=ends.device)
-    return torch.searchsorted(ends, index, right=True).clamp_(max=ends.numel() - 1)
+    return expert_of_rows_by_ends(torch.cumsum(device_counts, 0), rows)
 
 
 def needs_host_counts(experts, x: torch.Tensor, grouped_fp8: bool = False) -> bool:

@@ -259,12 +259,13 @@ def own_fp8_operands(experts, fc1: Fp8Weights, fc2: Fp8Weights, x: torch.Tensor,
     w1s, w2s = _weights(experts.linear_fc1, e), _weights(experts.linear_fc2, e)
     grads = torch.is_grad_enabled()
     x_rows = Fp8Rows(*quantize_fp8_groups(x.detach(), ends, token_index))
-    grad_dtype = torch.float8_e5m2 if _grad_format(experts.config) == "e5m2" else None
+    e5m2 = _grad_format(experts.config) == "e5m2"
+    grad_dtype = torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn
     # (e5m2 gradients run on the bf16 grouped GEMM: no e4m3 transpose of the weights)
-    transposed = grads and grad_dtype is None
+    transposed = grads and not e5m2
     inter = fp8_expert_linear(x, ends, fc1.operand(w1s, transposed=transposed), w1s, x_rows,
                               wgrad_into=_main_grad_accumulation(experts.config, w1s),
-                              grad_dtype=grad_dtype or torch.float8_e4m3fn)
+                              grad_dtype=grad_dtype)
     h = routed_activation(experts, inter, None, probs, valid_rows)
     h_rows = Fp8Rows(*quantize_fp8_groups(h.detach(), ends))
     w2 = fc2.operand(w2s, transposed=transposed)
@@ -272,5 +273,5 @@ def own_fp8_operands(experts, fc1: Fp8Weights, fc2: Fp8Weights, x: torch.Tensor,
     if grads and (h.requires_grad or any(w.requires_grad for w in w2s)):
         sink = fp8_expert_linear(h, ends, w2, w2s, h_rows, compute=False,
                                  wgrad_into=_main_grad_accumulation(experts.config, w2s),
-                                 grad_dtype=grad_dtype or torch.float8_e4m3fn)
+                                 grad_dtype=grad_dtype)
     return h_rows.data, w2.data, Fp8Scales("tensor", h_rows.scale_inv, w2.scale_inv), sink

@@ -18,7 +18,7 @@ from .fp8_groups import (block_dequantized, block_dequantized_columns,
 from .fp8_train import Fp8Rows, Fp8Stack, fp8_expert_linear, with_transposed
 from .fusion import fusion_decision
 from .expert_weights import BIAS_COLUMNS, ExpertWeightStack, stacked, with_bias_columns
-from .grouped import accepts as grouped_mm_accepts, grouped_mm, grouped_wgrad
+from .grouped import accepts as grouped_mm_accepts, expert_of_rows_by_ends, grouped_mm, grouped_wgrad
 from .helpers import (add_gated_shared_, capturing, gather_rows, interpreting, permute_rows,
                       weighted_swiglu)
 from .planning import ROOFLINE_CANDIDATES, PlanRequest, rank_splits, split_candidates
@@ -46,6 +46,7 @@ __all__ = ["BIAS_COLUMNS", "ExpertWeightStack", "stacked", "grouped_mm_accepts",
            # and the backward's grouped GEMMs
            "GPU_TILES", "INTERPRET_TILES", "PARTITION_TILES", "SHARED_COMM_MAXNREG",
            "SHARED_GEMM_MAXNREG", "TileConfig", "grouped_mm", "grouped_wgrad", "load_tiles",
+           "expert_of_rows_by_ends",
            # how the op chooses L where none is given: the candidates for a hidden size and
            # their ranking (tools replay and plot it)
            "rank_splits", "split_candidates",

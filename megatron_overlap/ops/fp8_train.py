@@ -44,7 +44,7 @@ from ..kernels.fp8_columns import group_columns as group_columns_kernel
 from ..kernels.fp8_columns import group_columns_reference, transpose_stack
 from .config import interpreting
 from .fp8_groups import _scaled_grouped_mm_ok, fp8_grouped_linear, quantize_fp8_groups
-from .grouped import grouped_mm, grouped_wgrad
+from .grouped import expert_of_rows_by_ends, grouped_mm, grouped_wgrad
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -131,8 +131,7 @@ def _e5m2_dgrad(dy: Fp8Rows, weight: Fp8Stack, ends: torch.Tensor) -> torch.Tens
     through = _through_last_row(ends, rows)
     out = grouped_mm(dy.data.to(torch.bfloat16), weight.data.to(torch.bfloat16),
                      _counts(through), None)
-    expert = torch.searchsorted(ends, torch.arange(rows, device=ends.device), right=True)
-    w_scale = weight.scale_inv.float()[expert.clamp_(max=ends.numel() - 1)]
+    w_scale = weight.scale_inv.float()[expert_of_rows_by_ends(ends, rows)]
     return (out.float() * (dy.row_scale_inv.float() * w_scale)[:, None]).to(torch.bfloat16)
 
 

@@ -84,6 +84,13 @@ def _padded(t: torch.Tensor, cols: int) -> torch.Tensor:
     return out
 
 
+def expert_of_rows_by_ends(ends: torch.Tensor, rows: int) -> torch.Tensor:
+    """[rows] int64: the group of each row of groups ending at `ends` [E] (on the device,
+    no host sync); rows past ends[-1], padding, get the last group."""
+    index = torch.arange(rows, device=ends.device)
+    return torch.searchsorted(ends, index, right=True).clamp_(max=ends.numel() - 1)
+
+
 def offsets(counts_dev: torch.Tensor, device: torch.device) -> torch.Tensor:
     """[E] int32 end row of each expert, on `device` (no host sync)."""
     return counts_dev.to(device=device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
