@@ -303,6 +303,12 @@ def test_tensorwise_grouped_gemms_are_refused_off_sm90_by_name(monkeypatch):
     (lambda ops: ops.stacked([torch.zeros(4, 8), torch.zeros(4, 16)]), "one shape"),
     (lambda ops: ops.block_dequantized(torch.zeros(4, 8)), "must be \\[R, K\\] bf16"),
     (lambda ops: ops.block_dequantized(torch.zeros(8, dtype=torch.bfloat16)), "\\[R, K\\]"),
+    (lambda ops: ops.block_dequantized(torch.zeros(4, 8, dtype=torch.bfloat16), "e4m4"),
+     "fmt must be one of"),
+    (lambda ops: ops.block_dequantized_columns(torch.zeros(4, 8, dtype=torch.bfloat16),
+                                               torch.tensor([2.0, 4.0])), "ends must be a 1-D integer"),
+    (lambda ops: ops.block_dequantized_columns(torch.zeros(4, 8), torch.tensor([2, 4])),
+     "must be \\[R, K\\] bf16"),
 ])
 def test_the_grouped_fp8_helpers_refuse_bad_arguments_by_name(call, match):
     from megatron_overlap import ops
