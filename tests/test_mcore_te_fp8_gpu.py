@@ -1,7 +1,7 @@
 """OverlapMoELayer under Transformer Engine's FP8 recipes on one Hopper GPU (device
 machine, TE brought by tools/te_wheels.sh): `pytest -m gpu tests/test_mcore_te_fp8_gpu.py`.
 
-Megatron's TE model with `fp8="e4m3"` and each Hopper recipe (tensorwise = current
+Megatron's TE model with `fp8="e4m3"` (and "hybrid": e5m2 gradients) and each Hopper recipe (tensorwise = current
 scaling, delayed, blockwise), one MoE layer of TEGroupedMLP experts: stock core-TE FP8
 against the same model with --moe-overlap: tensorwise on the grouped FP8 experts in
 training too (FP8 dgrad and wgrad, ops/fp8_train.py), blockwise on its exactly dequantized
@@ -71,7 +71,7 @@ def _restore_scaling_state(state) -> None:
             tensor.copy_(saved)
 
 
-def _fp8_parity(rank, world, recipe):
+def _fp8_parity(rank, world, recipe, fmt):
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -91,7 +91,7 @@ def _fp8_parity(rank, world, recipe):
                                                                       sync_errors=True),
                             policy=LayerPolicy(fp8=True, fp8_blockwise=True),
                             num_layers=1, hidden_size=1024, moe_ffn_hidden_size=512,
-                            num_moe_experts=16, vocab_size=1024, fp8="e4m3",
+                            num_moe_experts=16, vocab_size=1024, fp8=fmt,
                             fp8_recipe=recipe).cuda()
         layers = [m for m in model.modules() if isinstance(m, OverlapMoELayer)]
         g = torch.Generator().manual_seed(5)
@@ -106,11 +106,11 @@ def _fp8_parity(rank, world, recipe):
             # run one after the other on the same modules would each see the other's
             # (measured: one warm-up step alone left stock's shared expert's FC1 weight
             # gradient underflowing to 0 and ours not)
-            _arm(model, tokens, positions, labels, False, "e4m3")
+            _arm(model, tokens, positions, labels, False, fmt)
             state = _scaling_state(model)
-            stock = _arm(model, tokens, positions, labels, False, "e4m3")
+            stock = _arm(model, tokens, positions, labels, False, fmt)
             _restore_scaling_state(state)
-            ours = _arm(model, tokens, positions, labels, True, "e4m3")
+            ours = _arm(model, tokens, positions, labels, True, fmt)
             res["own_fp8"] = [m._stacks.fc1_own_fp8._value is not None for m in layers]
             res["trained_grouped"] = [m.last_path.grouped_fp8 for m in layers]
             res["own_block"] = [m._stacks.fc1_own_block._value is not None for m in layers]
@@ -128,15 +128,17 @@ def _fp8_parity(rank, world, recipe):
     return res
 
 
-@pytest.mark.parametrize("recipe", ["tensorwise", "delayed", "blockwise"])
-def test_fp8_moe_layer_fuses_and_stays_within_fp8s_own_error_of_core_te_fp8(recipe):
+@pytest.mark.parametrize("recipe, fmt", [
+    ("tensorwise", "e4m3"), ("delayed", "e4m3"), ("blockwise", "e4m3"),
+    ("tensorwise", "hybrid"), ("blockwise", "hybrid")])  # (hybrid: e5m2 gradients)
+def test_fp8_moe_layer_fuses_and_stays_within_fp8s_own_error_of_core_te_fp8(recipe, fmt):
     from megatron_overlap.optional import te_available
 
     if (why := te_available()) is not None:
         pytest.skip(f"Transformer Engine not importable: {why}")
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("the FP8 GEMM2 is built for Hopper's e4m3 wgmma")
-    (r,) = run_ranks(1, _fp8_parity, recipe, backend="nccl")
+    (r,) = run_ranks(1, _fp8_parity, recipe, fmt, backend="nccl")
     assert r["reasons"] == [None] and r["warnings"] == [], r
     assert r["fused"] and r["fp8_op"], r
     ours, fp8_error = r["logits"]
