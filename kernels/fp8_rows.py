@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8_quant import FP8_MAX, FLT_MAX, quantize_tensorwise_splits
+from .fp8_quant import FP8_MAX, FLT_MAX, quantize_tensorwise_splits, quantize_with_scale
 from .launch_cache import LaunchCache
 
 E4M3 = torch.float8_e4m3fn
@@ -98,8 +98,8 @@ def _source_rows(r, live, src_ptr, HAS_SRC: tl.constexpr):
     return r.to(tl.int64)
 
 
-@triton.jit(do_not_specialize=["rows", "groups"])
-def group_amax_kernel(x_ptr, src_ptr, ends_ptr, amax_ptr, rows, groups, stride_x,
+@triton.jit(do_not_specialize=["rows", "groups", "amax_stride"])
+def group_amax_kernel(x_ptr, src_ptr, ends_ptr, amax_ptr, rows, groups, stride_x, amax_stride,
                       K: tl.constexpr, GROUPS_P2: tl.constexpr, BLOCK_R: tl.constexpr,
                       BLOCK_K: tl.constexpr, HAS_SRC: tl.constexpr):
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
@@ -112,26 +112,36 @@ def group_amax_kernel(x_ptr, src_ptr, ends_ptr, amax_ptr, rows, groups, stride_x
         v = tl.load(x_ptr + src[:, None] * stride_x + c[None, :],
                     mask=live[:, None] & (c < K)[None, :], other=0.0)
         row_max = tl.maximum(row_max, tl.max(tl.abs(v.to(tl.float32)), axis=1))
-    tl.atomic_max(amax_ptr + group, row_max, mask=live, sem="relaxed")
+    tl.atomic_max(amax_ptr + group * amax_stride, row_max, mask=live, sem="relaxed")
 
 
-@triton.jit(do_not_specialize=["rows", "groups"])
-def cast_rows_kernel(x_ptr, src_ptr, ends_ptr, amax_ptr, out_ptr, row_scale_inv_ptr,
-                     group_scale_inv_ptr, rows, groups, stride_x, K: tl.constexpr,
+@triton.jit
+def _group_scale(group, live, amax_ptr, scale_ptr, scale_stride, FP8_MAX: tl.constexpr,
+                 GIVEN: tl.constexpr):
+    """Each group's scale: given (delayed scaling: scale_ptr[group * scale_stride]) or
+    current scaling's from its amax; 1 where not `live`."""
+    if GIVEN:
+        return tl.load(scale_ptr + group * scale_stride, mask=live, other=1.0)
+    return _scale_of(tl.load(amax_ptr + group, mask=live, other=0.0), FP8_MAX)
+
+
+@triton.jit(do_not_specialize=["rows", "groups", "scale_stride"])
+def cast_rows_kernel(x_ptr, src_ptr, ends_ptr, amax_ptr, scale_ptr, out_ptr, row_scale_inv_ptr,
+                     group_scale_inv_ptr, rows, groups, stride_x, scale_stride, K: tl.constexpr,
                      GROUPS_P2: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
-                     HAS_SRC: tl.constexpr, E5M2: tl.constexpr, FP8_MAX: tl.constexpr):
+                     HAS_SRC: tl.constexpr, E5M2: tl.constexpr, FP8_MAX: tl.constexpr,
+                     GIVEN_SCALE: tl.constexpr):
     pid = tl.program_id(0)
     if pid == 0:  # the groups' scale_inv, once
         g = tl.arange(0, GROUPS_P2)
-        amax = tl.load(amax_ptr + g, mask=g < groups, other=0.0)
-        tl.store(group_scale_inv_ptr + g, tl.math.div_rn(tl.full(amax.shape, 1.0, tl.float32),
-                                                         _scale_of(amax, FP8_MAX)),
-                 mask=g < groups)
+        s = _group_scale(g, g < groups, amax_ptr, scale_ptr, scale_stride, FP8_MAX, GIVEN_SCALE)
+        tl.store(group_scale_inv_ptr + g,
+                 tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s), mask=g < groups)
     r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     group = _group_of(r, ends_ptr, groups, GROUPS_P2)
     live = (r < rows) & (group < groups)
     src = _source_rows(r, live, src_ptr, HAS_SRC)
-    scale = _scale_of(tl.load(amax_ptr + group, mask=live, other=0.0), FP8_MAX)
+    scale = _group_scale(group, live, amax_ptr, scale_ptr, scale_stride, FP8_MAX, GIVEN_SCALE)
     one = tl.full(scale.shape, 1.0, tl.float32)
     tl.store(row_scale_inv_ptr + r, tl.where(live, tl.math.div_rn(one, scale), 0.0),
              mask=r < rows)
@@ -172,8 +182,19 @@ def _check(x: torch.Tensor, group_ends: torch.Tensor, src: torch.Tensor | None) 
                          f"{src.dtype} on {src.device}")
 
 
+def _check_delayed(scale, amax_into, groups: int, device) -> None:
+    if (scale is None) != (amax_into is None):
+        raise ValueError("scale and amax_into go together (delayed scaling), or neither")
+    for name, t in (("scale", scale), ("amax_into", amax_into)):
+        if t is not None and (t.shape != (groups,) or t.dtype != torch.float32
+                              or t.device != device):
+            raise ValueError(f"{name} must be fp32 [{groups}] on {device}, got "
+                             f"{tuple(t.shape)} {t.dtype} on {t.device}")
+
+
 def quantize_groups(x: torch.Tensor, group_ends: torch.Tensor,
-                    src: torch.Tensor | None = None, dtype: torch.dtype = E4M3
+                    src: torch.Tensor | None = None, dtype: torch.dtype = E4M3,
+                    scale: torch.Tensor | None = None, amax_into: torch.Tensor | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(data [R, K] e4m3, group_scale_inv [G] fp32, row_scale_inv [R] fp32): each group
     of rows of x (the rows before group_ends[g], from the previous end) quantized as one
@@ -182,26 +203,36 @@ def quantize_groups(x: torch.Tensor, group_ends: torch.Tensor,
     Rows past the last end are padding: written 0 with row scale_inv 0, read nowhere
     (nor is their src). Ends must be non-decreasing and at most R, and src of the other
     rows in [0, N): the device holds them, they are not checked here. `dtype`: e4m3, or
-    e5m2 (TE's gradient format under `--fp8-format hybrid`; scale 57344 / amax)."""
+    e5m2 (TE's gradient format under `--fp8-format hybrid`; scale 57344 / amax).
+    Delayed scaling: `scale` and `amax_into` (fp32 [G], any stride: views of TE's scale
+    and amax history) -- group g is cast with scale[g] (scale_inv 1 / scale[g], TE's
+    Float8Quantizer) and its amax folded into amax_into[g] by max, as TE's cast records
+    it for the next scale update."""
     _check(x, group_ends, src)
     if dtype not in FP8_MAX:
         raise ValueError(f"dtype must be one of {tuple(FP8_MAX)}, got {dtype}")
     rows, k = (x.shape[0] if src is None else src.numel()), x.shape[1]
     groups = group_ends.numel()
+    _check_delayed(scale, amax_into, groups, x.device)
     data = torch.empty(rows, k, dtype=dtype, device=x.device)
-    amax = torch.zeros(groups, dtype=torch.float32, device=x.device)
+    amax = (torch.zeros(groups, dtype=torch.float32, device=x.device) if amax_into is None
+            else amax_into)
     group_scale_inv = torch.empty(groups, dtype=torch.float32, device=x.device)
     row_scale_inv = torch.empty(rows, dtype=torch.float32, device=x.device)
     block_r, block_k = _tiles(k)
     grid = (max(1, triton.cdiv(rows, block_r)),)
     meta = dict(K=k, GROUPS_P2=triton.next_power_of_2(groups), BLOCK_R=block_r,
                 BLOCK_K=block_k, HAS_SRC=src is not None, num_warps=4)
-    cast_meta = dict(meta, E5M2=dtype == torch.float8_e5m2, FP8_MAX=FP8_MAX[dtype])
+    cast_meta = dict(meta, E5M2=dtype == torch.float8_e5m2, FP8_MAX=FP8_MAX[dtype],
+                     GIVEN_SCALE=scale is not None)
     index = group_ends if src is None else src  # (not read without src)
+    given = amax if scale is None else scale  # (not read without a given scale)
     if rows and k:
-        _AMAX.launch(grid, (x, index, group_ends, amax, rows, groups, x.stride(0)), meta)
-    _CAST.launch(grid, (x, index, group_ends, amax, data, row_scale_inv, group_scale_inv,
-                        rows, groups, x.stride(0)), cast_meta)
+        _AMAX.launch(grid, (x, index, group_ends, amax, rows, groups, x.stride(0),
+                            amax.stride(0)), meta)
+    _CAST.launch(grid, (x, index, group_ends, amax, given, data, row_scale_inv,
+                        group_scale_inv, rows, groups, x.stride(0), given.stride(0)),
+                 cast_meta)
     return data, group_scale_inv, row_scale_inv
 
 
@@ -211,19 +242,38 @@ def stack_group_ends(experts: int, rows_each: int, device) -> torch.Tensor:
 
 
 def quantize_groups_reference(x: torch.Tensor, counts: list[int],
-                              src: torch.Tensor | None = None, dtype: torch.dtype = E4M3
+                              src: torch.Tensor | None = None, dtype: torch.dtype = E4M3,
+                              scale: torch.Tensor | None = None,
+                              amax_into: torch.Tensor | None = None
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The same in pure torch from host counts (TE's per-expert quantizer emulated,
-    `quantize_tensorwise_splits`), padding rows as the kernel writes them."""
+    `quantize_tensorwise_splits`; with `scale`, `quantize_with_scale` per group and each
+    group's amax folded into `amax_into`), padding rows as the kernel writes them."""
+    _check_delayed(scale, amax_into, len(counts), x.device)
     if src is not None:  # (the padding rows' src may be anything: clamped, then dropped)
         x = x[src.clamp(0, x.shape[0] - 1)]
     rows = sum(counts)
-    data, group_scale_inv = quantize_tensorwise_splits(x[:rows], counts, dtype)
+    if scale is None:
+        data, group_scale_inv = quantize_tensorwise_splits(x[:rows], counts, dtype)
+    else:
+        data, group_scale_inv = _delayed_splits_reference(x[:rows], counts, dtype, scale,
+                                                          amax_into)
     pad = x.shape[0] - rows
     data = torch.cat([data, torch.zeros(pad, x.shape[1], dtype=dtype, device=x.device)])
-    row_scale_inv = torch.cat([group_scale_inv.repeat_interleave(
+    row_scale_inv = torch.cat([group_scale_inv.float().repeat_interleave(
         torch.tensor(counts, device=x.device)), torch.zeros(pad, device=x.device)])
     return data, group_scale_inv.float(), row_scale_inv
+
+
+def _delayed_splits_reference(x, counts, dtype, scale, amax_into):
+    """(data, scale_inv [G]) of each group cast with its given scale, its amax folded
+    into amax_into (TE's Float8Quantizer per group)."""
+    data, amax = [], []
+    for part, group_scale in zip(x.split(list(counts)), scale.unbind()):
+        data.append(quantize_with_scale(part, group_scale, dtype)[0])
+        amax.append(part.abs().amax().float() if part.numel() else scale.new_zeros(()))
+    amax_into.copy_(torch.maximum(amax_into, torch.stack(amax)))
+    return torch.cat(data), 1.0 / scale.float()
 
 
 assert FP8_MAX[E4M3] == 448.0 and FLT_MAX == 3.4028234663852886e38  # (the kernel's constants)

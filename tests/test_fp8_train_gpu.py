@@ -26,7 +26,7 @@ def test_fp8_dgrad_and_wgrad_are_the_float64_products_of_their_fp8_operands(coun
     GEMM over the FP8 values, times their scales."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("torch's scaled grouped GEMM path is sm90's")
-    from megatron_overlap.ops import (Fp8Rows, Fp8Stack, fp8_expert_linear,
+    from megatron_overlap.ops import (Fp8Rows, Fp8Stack, GradFp8, fp8_expert_linear,
                                       quantize_fp8_groups, quantize_fp8_stack)
 
     g = torch.Generator(device="cuda").manual_seed(8)
@@ -36,7 +36,7 @@ def test_fp8_dgrad_and_wgrad_are_the_float64_products_of_their_fp8_operands(coun
               .requires_grad_(True) for _ in range(experts)]
     ends = torch.tensor(counts, device="cuda").cumsum(0)
     weight = Fp8Stack(*quantize_fp8_stack(torch.stack([p.detach() for p in params])))
-    y = fp8_expert_linear(x, ends, weight, params, grad_dtype=grad_dtype)
+    y = fp8_expert_linear(x, ends, weight, params, grad=GradFp8(grad_dtype))
     dy = torch.randn(rows, n, device="cuda", generator=g).bfloat16()
     y.backward(dy)
     dq = Fp8Rows(*quantize_fp8_groups(dy, ends, dtype=grad_dtype))
@@ -77,3 +77,26 @@ def test_blockwise_kernels_on_the_gpu_are_tes_quantizer_exactly(fmt):
     assert torch.equal(cols[:990], fake_quantize_columns_reference(x, ends, fmt)[:990])
     w = torch.randn(3, 300, 640, device="cuda", generator=g).bfloat16()
     assert torch.equal(fake_quantize_weights(w), fake_quantize_weights_reference(w))
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2], ids=["e4m3", "e5m2"])
+def test_delayed_quantization_on_the_gpu_is_tes_float8_quantizer(dtype):
+    """Delayed scaling's grouped cast, compiled for the GPU: each group cast with its given
+    scale from strided views of a TE-like scale and amax history (saturating where the
+    stale scale overflows), the amax folded in by max, against the per-group emulation
+    of TE's Float8Quantizer."""
+    from megatron_overlap.kernels.fp8_rows import quantize_groups, quantize_groups_reference
+
+    g = torch.Generator(device="cuda").manual_seed(10)
+    x = (torch.randn(1000, 640, device="cuda", generator=g)
+         * torch.logspace(-4, 3, 1000, device="cuda")[:, None]).bfloat16()
+    counts = [333, 0, 567, 90]  # (10 padding rows)
+    ends = torch.tensor(counts, device="cuda").cumsum(0)
+    scale = torch.rand(12, device="cuda", generator=g) * 4
+    history = torch.rand(2, 12, device="cuda", generator=g) * 100
+    want_history = history.clone()
+    data, group_si, row_si = quantize_groups(x, ends, None, dtype, scale[1::3], history[0][1::3])
+    ref = quantize_groups_reference(x, counts, None, dtype, scale[1::3], want_history[0][1::3])
+    assert torch.equal(data.float(), ref[0].float())
+    assert torch.equal(group_si, ref[1]) and torch.equal(row_si, ref[2])
+    assert torch.equal(history, want_history)

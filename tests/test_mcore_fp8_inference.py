@@ -5,8 +5,9 @@ emulated). Checked: under tensorwise in eval mode without gradients the layer ru
 and FC2 without TE's GroupedLinear GEMMs, its quantization is TE's bit for bit, its
 output matches the stock FP8 layer's within FP8's own error, the permuted rows are
 gathered while quantized (never written in bf16), the weights are quantized once per
-change; blockwise runs its exactly dequantized operands on the bf16 grouped kernels;
-delayed scaling keeps TE's path (training: test_mcore_fp8_training.py).
+change; delayed scaling the same with TE's scaling state (training:
+test_fp8_delayed.py); blockwise runs its exactly dequantized operands on the bf16
+grouped kernels.
 """
 
 import contextlib
@@ -159,12 +160,14 @@ def runs(request):
     return run_ranks(request.param, _scenarios)
 
 
-def test_tensorwise_inference_runs_no_te_gemm_and_matches_stock_fp8(runs):
-    """TE's quantization bit for bit, other GEMMs of the same product (their bf16 FC1
-    output may round an element of h to the neighbouring e4m3 value): no further from
-    stock FP8's output than stock FP8's is from stock bf16's (the issue's bound)."""
+@pytest.mark.parametrize("recipe", ["tensorwise", "delayed"])
+def test_per_tensor_inference_runs_no_te_gemm_and_matches_stock_fp8(runs, recipe):
+    """TE's quantization bit for bit (current scaling's, or delayed scaling's with the
+    scales of TE's state), other GEMMs of the same product (their bf16 FC1 output may
+    round an element of h to the neighbouring e4m3 value): no further from stock FP8's
+    output than stock FP8's is from stock bf16's (the issue's bound)."""
     for r in runs:
-        res = r["tensorwise"]
+        res = r[recipe]
         assert res["fused"] and res["own"] and res["gemms"] == 0, res
         assert res["gathers"] == [False], res  # (gathered while quantized, never in bf16)
         assert res["refusal"] is None, res
@@ -190,17 +193,6 @@ def test_blockwise_with_fp32_scales_keeps_tes_path_where_dequantizing_is_not_exa
         res = r["fp32_scales"]
         assert res["fused"] and not res["grouped"] and res["gemms"] == 1, res
         assert res["out"] < 2e-2, res  # (TE's quantization, the op's block GEMM2)
-
-
-def test_delayed_scaling_keeps_tes_grouped_linear(runs):
-    for r in runs:
-        for recipe in ("delayed",):
-            res = r[recipe]
-            assert res["fused"] and not res["own"] and not res["own_block"], (recipe, res)
-            assert res["gemms"] == 1, (recipe, res)
-            assert res["gathers"] == [True], (recipe, res)
-            assert f"--fp8-recipe {recipe}" in res["refusal"], (recipe, res)  # (said at build)
-            assert res["out"] < 2e-2, (recipe, res)
 
 
 def test_inference_fp8_weights_quantize_once_per_change(runs):

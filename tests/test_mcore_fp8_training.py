@@ -14,6 +14,8 @@ import torch
 
 from dist_harness import run_ranks
 
+from megatron_overlap.ops import GradFp8
+
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="CPU backends")
 
 
@@ -191,7 +193,7 @@ def test_fp8_expert_linear_gradients_are_the_float64_products_of_their_fp8_opera
     (TE's current scaling: e4m3, or hybrid's e5m2 at 57344 / amax, on the bf16 grouped
     GEMM over the FP8 values times their scales) and the forward's e4m3 x and W; padding
     rows get zero, an empty group's weight gradient is zero."""
-    from megatron_overlap.ops import (Fp8Rows, Fp8Stack, fp8_expert_linear,
+    from megatron_overlap.ops import (Fp8Rows, Fp8Stack, GradFp8, fp8_expert_linear,
                                       quantize_fp8_groups, quantize_fp8_stack)
 
     g = torch.Generator().manual_seed(8)
@@ -200,7 +202,7 @@ def test_fp8_expert_linear_gradients_are_the_float64_products_of_their_fp8_opera
               for _ in range(4)]
     ends = torch.tensor([9, 9, 30, 40])  # an empty group, 5 padding rows
     weight = Fp8Stack(*quantize_fp8_stack(torch.stack([p.detach() for p in params])))
-    y = fp8_expert_linear(x, ends, weight, params, grad_dtype=grad_dtype)
+    y = fp8_expert_linear(x, ends, weight, params, grad=GradFp8(grad_dtype))
     dy = (torch.randn(45, 16, generator=g) * 1e4).bfloat16()  # (past e4m3's range)
     y.backward(dy)
     dq = Fp8Rows(*quantize_fp8_groups(dy, ends, dtype=grad_dtype))
@@ -274,7 +276,8 @@ def test_a_weight_stacks_transpose_is_each_experts_matrix_transposed():
     (dict(params=[torch.zeros(16, 32)] * 3), "params must be the stack's 4 weights"),
     (dict(ends=torch.tensor([4, 8])), "do not match the stack"),
     (dict(weight=(None, None)), "weight must be an Fp8Stack"),
-    (dict(grad_dtype=torch.bfloat16), "grad_dtype must be torch.float8_e4m3fn or"),
+    (dict(grad="e4m3"), "grad must be a GradFp8"),
+    (dict(grad=GradFp8(torch.bfloat16)), "grad.dtype must be torch.float8_e4m3fn or"),
 ])
 def test_fp8_expert_linear_refuses_bad_arguments_by_name(bad, match):
     from megatron_overlap.ops import Fp8Stack, fp8_expert_linear, quantize_fp8_stack

@@ -1,5 +1,5 @@
 """TEGroupedMLP's FP8 experts on the grouped path instead of TE's GroupedLinear: FC1, the
-activation and FC2's operands (tensorwise and blockwise, inference and training).
+activation and FC2's operands (tensorwise, delayed and blockwise, inference and training).
 
 TE's GroupedLinear quantizes one expert at a time: per expert an amax, a scale and a cast
 of its input, host-split views after a host sync, hundreds of launches per layer with
@@ -15,7 +15,10 @@ The quantization is TE's recipe, bit for bit (kernels/fp8_rows.py: per expert am
 448 / amax, a saturating round to nearest): the same e4m3 operands and scales TE's
 forward makes, only the GEMMs are other implementations of the same product (fp32
 accumulation). The weights are quantized once per change of a parameter (`Fp8Weights`),
-as TE's cached FP8 weight workspaces.
+as TE's cached FP8 weight workspaces. Delayed scaling quantizes with the scales in TE's
+`fp8_meta` instead and records the amaxes there, each linear inside TE's own forward
+bracket (mcore/te_delayed.py), so TE's scaling state advances as under its
+GroupedLinear; its weights are quantized at every call, as TE's.
 
 Training (`--fp8-format e4m3`: gradients in e4m3; TE's wgrad not deferred) runs FP8
 dgrad and wgrad under the same current scaling (ops/fp8_train.py); under Megatron's fused
@@ -27,9 +30,8 @@ operands are blocked as TE's recipe blocks them (ops/block_train.py).
 
 Which calls: decided once at build (`GroupedFp8`, from `own_fp8_refusal` and
 `own_fp8_training_refusal`): TEGroupedMLP, no FC1 / FC2 bias, bf16 / fp32 parameters, an
-activation the bf16 grouped path computes. Current scaling keeps no state, so nothing of
-TE's scaling state is skipped; delayed scaling (its amax history is TE's to update) keeps
-TE's own quantization (mcore/te_fp8.py). Under `--fp8-format hybrid` the gradients are
+activation the bf16 grouped path computes; delayed scaling a TE GroupedLinear exposing
+its per-GEMM slots (`delayed_refusal`). Under `--fp8-format hybrid` the gradients are
 e5m2, as TE's.
 """
 
@@ -41,11 +43,12 @@ from dataclasses import dataclass
 import torch
 from megatron.core.transformer.moe.experts import TEGroupedMLP
 
-from ..ops import (Fp8Rows, Fp8Scales, Fp8Stack, block_dequantized, block_dequantized_weights,
-                   block_expert_linear, fp8_expert_linear, quantize_fp8_groups,
-                   quantize_fp8_stack, scaled_grouped_mm_refusal, stacked, with_transposed)
+from ..ops import (DelayedScales, Fp8Rows, Fp8Scales, Fp8Stack, block_dequantized,
+                   block_dequantized_weights, block_expert_linear, fp8_expert_linear,
+                   quantize_fp8_groups, quantize_fp8_stack, scaled_grouped_mm_refusal, stacked, with_transposed)
 from .experts import apply_probs_on_input, grouped_fc1_activation, host_counts, routed_activation
-from .te_fp8 import block_scales_exact, recipe_kind
+from .te_delayed import current_linear, delayed_linear, delayed_refusal
+from .te_fp8 import block_scales_exact, recipe_kind, reuses_weight_workspace
 
 log = logging.getLogger(__name__)
 
@@ -69,18 +72,29 @@ class _PerChange:
 
 class Fp8Weights(_PerChange):
     """A weight stack's e4m3 data and per-expert scale_inv (`Fp8Stack`), with its
-    transpose once a backward asked."""
+    transpose once a backward asked. Under delayed scaling (`delayed`: the weights'
+    scales and amax slots) quantized as TE's GroupedLinear quantizes its weights: at
+    each call where Megatron's TEGroupedLinear passes TE no `is_first_microbatch=False`
+    (a step's first microbatch), with the scales of that moment, recording their amax;
+    the others read that stack as it is (`reuse`)."""
 
-    def operand(self, weights: list[torch.Tensor], transposed: bool = False) -> Fp8Stack:
-        value = self._built(weights, lambda stack: Fp8Stack(*quantize_fp8_stack(stack)))
+    def operand(self, weights: list[torch.Tensor], transposed: bool = False,
+                delayed: DelayedScales | None = None, reuse: bool = False) -> Fp8Stack:
+        if delayed is not None and not (reuse and self._value is not None
+                                        and self._key == "delayed"):
+            with torch.no_grad():
+                self._value = Fp8Stack(*quantize_fp8_stack(stacked(weights), delayed))
+            self._key = "delayed"  # (a later current-scaling call builds its own)
+        elif delayed is None:
+            self._value = self._built(weights, lambda stack: Fp8Stack(*quantize_fp8_stack(stack)))
         if transposed:
-            self._value = value = with_transposed(value)
-        return value
+            self._value = with_transposed(self._value)
+        return self._value
 
 
-#: the recipes the grouped FP8 experts take (blockwise through exact dequantization onto
-#: the bf16 grouped kernels, `own_block_operands`)
-GROUPED_RECIPES = ("tensorwise", "blockwise")
+#: the recipes the grouped FP8 experts take (delayed with TE's scaling state, te_delayed.py;
+#: blockwise through exact dequantization onto the bf16 grouped kernels, `own_block_operands`)
+GROUPED_RECIPES = ("tensorwise", "delayed", "blockwise")
 
 
 class BlockWeights(_PerChange):
@@ -102,8 +116,11 @@ def own_fp8_refusal(experts) -> str | None:
     recipe = str(getattr(c.fp8_recipe, "value", c.fp8_recipe))
     if recipe not in GROUPED_RECIPES:
         return (f"--fp8-recipe {recipe} (the grouped FP8 path runs tensorwise's current "
-                f"scaling and blockwise's power-of-two blocks)")
-    if recipe == "tensorwise" and (why := scaled_grouped_mm_refusal()) is not None:
+                f"scaling, delayed scaling and blockwise's power-of-two blocks)")
+    if recipe != "blockwise" and (why := scaled_grouped_mm_refusal()) is not None:
+        return why
+    if recipe == "delayed" and (why := (delayed_refusal(experts.linear_fc1)
+                                        or delayed_refusal(experts.linear_fc2))):
         return why
     if recipe == "blockwise" and c.moe_apply_probs_on_input:
         return "blockwise with moe_apply_probs_on_input (TE quantizes the rows after the probabilities)"
@@ -240,6 +257,15 @@ def own_block_operands(experts, fc1: BlockWeights, fc2: BlockWeights, x: torch.T
     return block_dequantized(h.detach()), w2, None, sink
 
 
+def _scaling(experts, linear, x: torch.Tensor, grad_dtype: torch.dtype, grads: bool):
+    """The bracket of one linear's call: TE's delayed scaling state (te_delayed.py) or
+    current scaling's none."""
+    recipe = experts.config.fp8_recipe
+    if str(getattr(recipe, "value", recipe)) == "delayed":
+        return delayed_linear(linear, x, grad_dtype, grads)
+    return current_linear(grad_dtype)
+
+
 def own_fp8_operands(experts, fc1: Fp8Weights, fc2: Fp8Weights, x: torch.Tensor,
                      tokens_per_expert, probs: torch.Tensor, device_counts=None,
                      valid_rows=None, token_index=None
@@ -249,29 +275,37 @@ def own_fp8_operands(experts, fc1: Fp8Weights, fc2: Fp8Weights, x: torch.Tensor,
     before the permutation: gathered while quantizing, in inference): host
     `tokens_per_expert`, or None with `device_counts` (the rows past their sum,
     `valid_rows` on the device, are padding). Where gradients flow, FC1 and FC2's sink
-    run FP8 dgrad and wgrad (ops/fp8_train.py)."""
+    run FP8 dgrad and wgrad (ops/fp8_train.py). Current scaling, or delayed scaling
+    with TE's state (each linear in TE's forward bracket, `_scaling`)."""
     if tokens_per_expert is not None:
         device_counts = torch.tensor(host_counts(tokens_per_expert)).to(x.device,
                                                                       non_blocking=True)
     ends = torch.cumsum(device_counts, 0)
     x, probs = apply_probs_on_input(experts.config, x, probs)
-    e = experts.num_local_experts
+    e, c = experts.num_local_experts, experts.config
     w1s, w2s = _weights(experts.linear_fc1, e), _weights(experts.linear_fc2, e)
     grads = torch.is_grad_enabled()
-    x_rows = Fp8Rows(*quantize_fp8_groups(x.detach(), ends, token_index))
-    e5m2 = _grad_format(experts.config) == "e5m2"
+    e5m2 = _grad_format(c) == "e5m2"
     grad_dtype = torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn
     # (e5m2 gradients run on the bf16 grouped GEMM: no e4m3 transpose of the weights)
     transposed = grads and not e5m2
-    inter = fp8_expert_linear(x, ends, fc1.operand(w1s, transposed=transposed), w1s, x_rows,
-                              wgrad_into=_main_grad_accumulation(experts.config, w1s),
-                              grad_dtype=grad_dtype)
+    fc1_grads = grads and (x.requires_grad or any(w.requires_grad for w in w1s))
+    with _scaling(experts, experts.linear_fc1, x, grad_dtype, fc1_grads) as q1:
+        x_rows = Fp8Rows(*quantize_fp8_groups(x.detach(), ends, token_index,
+                                              delayed=q1.inputs))
+        w1 = fc1.operand(w1s, transposed, q1.weights, reuses_weight_workspace(experts.linear_fc1))
+        inter = fp8_expert_linear(x, ends, w1, w1s, x_rows,
+                                  wgrad_into=_main_grad_accumulation(c, w1s), grad=q1.grad)
     h = routed_activation(experts, inter, None, probs, valid_rows)
-    h_rows = Fp8Rows(*quantize_fp8_groups(h.detach(), ends))
-    w2 = fc2.operand(w2s, transposed=transposed)
+    fc2_grads = grads and (h.requires_grad or any(w.requires_grad for w in w2s))
+    with _scaling(experts, experts.linear_fc2, h, grad_dtype, fc2_grads) as q2:
+        h_rows = Fp8Rows(*quantize_fp8_groups(h.detach(), ends, delayed=q2.inputs))
+        w2 = fc2.operand(w2s, transposed, q2.weights, reuses_weight_workspace(experts.linear_fc2))
     sink = None
-    if grads and (h.requires_grad or any(w.requires_grad for w in w2s)):
+    if fc2_grads:
         sink = fp8_expert_linear(h, ends, w2, w2s, h_rows, compute=False,
-                                 wgrad_into=_main_grad_accumulation(experts.config, w2s),
-                                 grad_dtype=grad_dtype)
+                                 wgrad_into=_main_grad_accumulation(c, w2s), grad=q2.grad)
+    for linear in (experts.linear_fc1, experts.linear_fc2):
+        if hasattr(linear, "is_first_microbatch"):  # (as Megatron's TEGroupedLinear after
+            linear.is_first_microbatch = False      # each call: TE's cache is read next)
     return h_rows.data, w2.data, Fp8Scales("tensor", h_rows.scale_inv, w2.scale_inv), sink

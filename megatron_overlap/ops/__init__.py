@@ -12,10 +12,10 @@ from .config import (GPU_TILES, INTERPRET_TILES, PARTITION_TILES, SHARED_COMM_MA
                      SHARED_GEMM_MAXNREG, OverlapConfig, TileConfig, load_tiles)
 from .fp8 import Fp8Scales, quantize_operands as quantize_fp8_operands
 from .block_train import block_expert_linear
-from .fp8_groups import (block_dequantized, block_dequantized_columns,
+from .fp8_groups import (DelayedScales, block_dequantized, block_dequantized_columns,
                          block_dequantized_weights, fp8_grouped_linear,
                          quantize_fp8_groups, quantize_fp8_stack, scaled_grouped_mm_refusal)
-from .fp8_train import Fp8Rows, Fp8Stack, fp8_expert_linear, with_transposed
+from .fp8_train import Fp8Rows, Fp8Stack, GradFp8, fp8_expert_linear, with_transposed
 from .fusion import fusion_decision
 from .expert_weights import BIAS_COLUMNS, ExpertWeightStack, stacked, with_bias_columns
 from .grouped import accepts as grouped_mm_accepts, expert_of_rows_by_ends, grouped_mm, grouped_wgrad
@@ -32,11 +32,12 @@ __all__ = ["BIAS_COLUMNS", "ExpertWeightStack", "stacked", "grouped_mm_accepts",
            # FP8 operands of the op: TE's scales (kernels/gemm2_fp8.py), and operands
            # quantized as TE's recipes do (benchmarks, checks)
            "Fp8Scales", "quantize_fp8_operands",
-           # expert-grouped FP8 under current scaling (the layer's own FP8 experts path)
-           "fp8_grouped_linear", "quantize_fp8_groups", "quantize_fp8_stack",
+           # expert-grouped FP8 under current scaling, or delayed scaling's given scales
+           # (the layer's own FP8 experts path)
+           "fp8_grouped_linear", "quantize_fp8_groups", "quantize_fp8_stack", "DelayedScales",
            "scaled_grouped_mm_refusal",
            # and trained through it (FP8 dgrad and wgrad: ops/fp8_train.py)
-           "Fp8Rows", "Fp8Stack", "fp8_expert_linear", "with_transposed",
+           "Fp8Rows", "Fp8Stack", "GradFp8", "fp8_expert_linear", "with_transposed",
            # blockwise through exact dequantization onto the bf16 grouped kernels
            "block_dequantized", "block_dequantized_weights",
            # and trained through it (the recipe's dgrad and wgrad operands: ops/block_train.py)

@@ -19,6 +19,8 @@ off for fprop); off sm90 a dequantized fp32 product per group (a checking path).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ..kernels.fp8_blocks import (fake_quantize_columns, fake_quantize_columns_reference,
@@ -38,8 +40,19 @@ def _check_ends(ends: torch.Tensor, device) -> None:
         raise ValueError(f"ends on {ends.device}, the rows on {device}")
 
 
+class DelayedScales(NamedTuple):
+    """Delayed scaling's state of G tensors quantized by group: `scale` [G] fp32, what
+    each is cast with (scale_inv = 1 / scale), and `amax` [G] fp32, into which each
+    quantization's amax is folded by max. Views of TE's `fp8_meta` (its scale and row 0
+    of its amax history, one slot per GEMM, any stride) in the layer; the scale update
+    from the history stays TE's."""
+
+    scale: torch.Tensor
+    amax: torch.Tensor
+
+
 def quantize_fp8_groups(x: torch.Tensor, ends: torch.Tensor, src: torch.Tensor | None = None,
-                        dtype: torch.dtype = E4M3
+                        dtype: torch.dtype = E4M3, delayed: DelayedScales | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(data [R, K] e4m3, scale_inv [E] fp32, row_scale_inv [R] fp32): rows of x [R, K]
     quantized under Transformer Engine's current scaling, each group (the rows up to
@@ -47,28 +60,35 @@ def quantize_fp8_groups(x: torch.Tensor, ends: torch.Tensor, src: torch.Tensor |
     quantizes each expert's input; the values of TE's quantizer. With `src` (int64 [R])
     the rows are x[src] (x [N, K]: the tokens before the permutation), gathered while
     quantizing. Padding rows (past ends[-1]) come back 0 with row_scale_inv 0. `dtype`:
-    e4m3, or e5m2 (gradients under `--fp8-format hybrid`)."""
+    e4m3, or e5m2 (gradients under `--fp8-format hybrid`). `delayed`: TE's delayed
+    scaling instead -- each group cast with its `delayed.scale` and its amax folded into
+    `delayed.amax` (TE's Float8Quantizer per GEMM)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     _check_ends(ends, x.device)
+    if delayed is not None and not isinstance(delayed, DelayedScales):
+        raise TypeError(f"delayed must be a DelayedScales, got {type(delayed).__name__}")
+    scale, amax = delayed if delayed is not None else (None, None)
     if x.is_cuda or interpreting():
-        return quantize_groups(x, ends, src, dtype)
+        return quantize_groups(x, ends, src, dtype, scale, amax)
     ends_host = ends.tolist()  # (CPU: no sync to avoid)
     counts = [b - a for a, b in zip([0] + ends_host[:-1], ends_host)]
     rows = x.shape[0] if src is None else src.numel()
     if min(counts, default=0) < 0 or (ends_host and ends_host[-1] > rows):
         raise ValueError(f"ends must be non-decreasing and at most {rows}, got {ends_host}")
-    return quantize_groups_reference(x, counts, src, dtype)
+    return quantize_groups_reference(x, counts, src, dtype, scale, amax)
 
 
-def quantize_fp8_stack(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8_stack(weight: torch.Tensor, delayed: DelayedScales | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """(data [E, N, K] e4m3, scale_inv [E] fp32): each expert's weight [N, K] of the
-    stack one tensor under current scaling (TE's weight quantizer per GEMM)."""
+    stack one tensor under current scaling (TE's weight quantizer per GEMM), or under
+    delayed scaling with `delayed` (one scale and amax slot per expert)."""
     if weight.dim() != 3:
         raise ValueError(f"weight must be a stack [E, N, K], got {tuple(weight.shape)}")
     e, n, k = weight.shape
     ends = stack_group_ends(e, n, weight.device)
-    data, scale_inv, _ = quantize_fp8_groups(weight.reshape(e * n, k), ends)
+    data, scale_inv, _ = quantize_fp8_groups(weight.reshape(e * n, k), ends, delayed=delayed)
     return data.view(e, n, k), scale_inv
 
 

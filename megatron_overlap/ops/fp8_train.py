@@ -43,7 +43,8 @@ import torch
 from ..kernels.fp8_columns import group_columns as group_columns_kernel
 from ..kernels.fp8_columns import group_columns_reference, transpose_stack
 from .config import interpreting
-from .fp8_groups import _scaled_grouped_mm_ok, fp8_grouped_linear, quantize_fp8_groups
+from .fp8_groups import (DelayedScales, _scaled_grouped_mm_ok, fp8_grouped_linear,
+                         quantize_fp8_groups)
 from .grouped import expert_of_rows_by_ends, grouped_mm, grouped_wgrad
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -146,9 +147,9 @@ def _e5m2_wgrad(dy: Fp8Rows, x: Fp8Rows, ends: torch.Tensor) -> torch.Tensor:
 
 class _Fp8ExpertLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, ends, weight, rows, compute, grad_dtype, wgrad_into, *params):
+    def forward(ctx, x, ends, weight, rows, compute, grad: "GradFp8", wgrad_into, *params):
         ctx.save_for_backward(rows.data, rows.scale_inv, ends)
-        ctx.weight, ctx.wgrad_into, ctx.grad_dtype = weight, wgrad_into, grad_dtype
+        ctx.weight, ctx.wgrad_into, ctx.grad = weight, wgrad_into, grad
         ctx.x_dtype, ctx.param_dtypes = x.dtype, [p.dtype for p in params]
         if compute:
             return fp8_grouped_linear(rows.data, rows.row_scale_inv, weight.data,
@@ -158,9 +159,10 @@ class _Fp8ExpertLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         data, scale_inv, ends = ctx.saved_tensors
-        w = ctx.weight
-        e5m2 = ctx.grad_dtype == E5M2
-        dq = Fp8Rows(*quantize_fp8_groups(dy.contiguous(), ends, dtype=ctx.grad_dtype))
+        w, grad = ctx.weight, ctx.grad
+        e5m2 = grad.dtype == E5M2
+        dq = Fp8Rows(*quantize_fp8_groups(dy.contiguous(), ends, dtype=grad.dtype,
+                                          delayed=grad.delayed))
         dx = None
         if ctx.needs_input_grad[0] and e5m2:
             dx = _e5m2_dgrad(dq, w, ends).to(ctx.x_dtype)
@@ -175,7 +177,20 @@ class _Fp8ExpertLinear(torch.autograd.Function):
             dw = (_e5m2_wgrad(dq, x_rows, ends) if e5m2
                   else fp8_grouped_wgrad(dq, x_rows, ends))
             dws = weight_gradients(dw, ctx.wgrad_into, ctx.param_dtypes)
+        if grad.after_backward is not None:
+            grad.after_backward()
         return (dx, None, None, None, None, None, None, *dws)
+
+
+class GradFp8(NamedTuple):
+    """How a grouped FP8 linear's backward quantizes dL/dy: `dtype` e4m3, or e5m2 (TE's
+    gradients under `--fp8-format hybrid`); `delayed`, delayed scaling's scales and amax
+    slots (None: current scaling); `after_backward`, called once its backward is done
+    (TE's backward amax reduction where the linear was the step's first FP8 module)."""
+
+    dtype: torch.dtype = E4M3
+    delayed: DelayedScales | None = None
+    after_backward: Callable[[], None] | None = None
 
 
 def weight_gradients(dw: torch.Tensor, wgrad_into, dtypes) -> list:
@@ -186,10 +201,12 @@ def weight_gradients(dw: torch.Tensor, wgrad_into, dtypes) -> list:
     return [g.to(dtype) for g, dtype in zip(dw.unbind(0), dtypes)]
 
 
-def _check_linear(x, ends, weight, params, rows, grad_dtype) -> None:
-    if grad_dtype not in (E4M3, E5M2):
-        raise ValueError(f"grad_dtype must be torch.float8_e4m3fn or torch.float8_e5m2 "
-                         f"(TE's gradient formats), got {grad_dtype}")
+def _check_linear(x, ends, weight, params, rows, grad: GradFp8) -> None:
+    if not isinstance(grad, GradFp8):
+        raise TypeError(f"grad must be a GradFp8, got {type(grad).__name__}")
+    if grad.dtype not in (E4M3, E5M2):
+        raise ValueError(f"grad.dtype must be torch.float8_e4m3fn or torch.float8_e5m2 "
+                         f"(TE's gradient formats), got {grad.dtype}")
     if not isinstance(weight, Fp8Stack) or not isinstance(rows, Fp8Rows):
         raise TypeError(f"weight must be an Fp8Stack and rows an Fp8Rows, got "
                         f"{type(weight).__name__}, {type(rows).__name__}")
@@ -210,14 +227,13 @@ def fp8_expert_linear(x: torch.Tensor, ends: torch.Tensor, weight: Fp8Stack,
                       params: Sequence[torch.Tensor], rows: Fp8Rows | None = None,
                       compute: bool = True,
                       wgrad_into: Callable[[list[torch.Tensor]], list] | None = None,
-                      grad_dtype: torch.dtype = E4M3) -> torch.Tensor:
+                      grad: GradFp8 = GradFp8()) -> torch.Tensor:
     """[R, N] bf16: y[rows of g] = x[rows of g] W_g^T on the FP8 operands (x quantized
     here unless `rows` gives it quantized), with FP8 dgrad and wgrad to x and `params`
     (module doc). `compute=False`: the product is left to the caller (the op's FP8
-    GEMM2), the output is only the node of its backward. `grad_dtype`: dL/dy's format,
-    e4m3 or e5m2 (`--fp8-format hybrid`)."""
+    GEMM2), the output is only the node of its backward. `grad`: how dL/dy is quantized
+    (`GradFp8`: e4m3 or e5m2, current or delayed scaling)."""
     if rows is None:
         rows = Fp8Rows(*quantize_fp8_groups(x, ends))
-    _check_linear(x, ends, weight, params, rows, grad_dtype)
-    return _Fp8ExpertLinear.apply(x, ends, weight, rows, compute, grad_dtype, wgrad_into,
-                                  *params)
+    _check_linear(x, ends, weight, params, rows, grad)
+    return _Fp8ExpertLinear.apply(x, ends, weight, rows, compute, grad, wgrad_into, *params)
