@@ -17,10 +17,10 @@ padding rows dropped; its backward hands dL/dy to TE's node (`grad_sink`).
     blockwise                        Float8BlockScaling 1x128/128x128  "block"
     mxfp8, custom, fp4               -                                 stock (`fp8_refusal`)
 
-Where the grouped FP8 experts take a call (mcore/fp8_experts.py: tensorwise in inference,
-and in training under `--fp8-format e4m3`; blockwise in inference), TE's GroupedLinear
-does not run and this module is not used; it runs tensorwise under `hybrid` in training,
-delayed, and blockwise in training.
+Where the grouped FP8 experts take a call (mcore/fp8_experts.py: tensorwise, delayed
+and blockwise, inference and training), TE's GroupedLinear does not run and this module
+is not used; it runs what they refuse (`delay_wgrad_compute`, blockwise with fp32
+scales, a GroupedLinear without TE 2.x's delayed-scaling slots, FP8 parameters, ...).
 
 How the GEMM is skipped: TE's GroupedLinear calls `general_grouped_gemm` through its
 module's globals; for the one FC2 call that name is a function that records the
