@@ -12,7 +12,7 @@ core-TE FP8's than core-TE FP8's are from core-TE bf16's (FP8's own error), with
 at bf16's tolerance; also the logits in eval mode, where tensorwise runs FC1 and FC2 on
 the grouped FP8 experts (mcore/fp8_experts.py) and blockwise its exactly dequantized
 operands on the bf16 grouped kernels; under delayed, TE's scales and amax histories after
-the same calls within 5% of stock's. Skipped without CUDA, TE or an sm_90 GPU.
+the same calls within 10% of stock's (norms). Skipped without CUDA, TE or an sm_90 GPU.
 """
 
 import warnings
@@ -153,7 +153,7 @@ def test_fp8_moe_layer_fuses_and_stays_within_fp8s_own_error_of_core_te_fp8(reci
     # blockwise on the bf16 grouped kernels with its exactly dequantized operands
     assert r["own_fp8"] == [recipe != "blockwise"], r["own_fp8"]
     assert r["trained_grouped"] == [True], r  # (the backward's call)
-    assert r["state"] <= 5e-2, r["state"]  # (delayed: TE's state advanced as stock's)
+    assert r["state"] <= 0.1, r["state"]  # (delayed: TE's state advanced as stock's)
     assert r["own_block"] == [recipe == "blockwise"], r  # (eval: exact dequantization)
     assert r["served"][0] <= max(r["served"][1], 1e-2), r["served"]
     assert r["loss"][0] <= max(r["loss"][1], 1e-3), r["loss"]
