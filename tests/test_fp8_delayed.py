@@ -6,8 +6,9 @@ cast, the forward's scales updated at the autocast's exit and the backward's by 
 step's first FP8 module. Checked: over several training steps (weights changing between
 them) a layer under `--fp8-recipe delayed` runs no GEMM of TE's GroupedLinear, its output
 and gradients stay within FP8's own error of stock's, and TE's scaling state (every
-scale and amax of FC1 and FC2, forward and backward) advances as stock's does, so a run
-can switch `--moe-overlap` between checkpoints; the backward's update runs once a step;
+scale and amax of FC1 and FC2, forward and backward) advances as stock's does, and a run
+switched to stock after some steps goes on as stock's; the backward's update runs once a
+step;
 inference records the forward's amaxes and claims no first module. The grouped cast
 with given scales equals TE's Float8Quantizer emulated, bit for bit.
 """
@@ -29,17 +30,20 @@ def _meta_of(layer) -> dict:
             for name in ("scale", "amax_history")}
 
 
-def _train(layer, x, grad, steps: int) -> tuple[list, dict]:
+def _train(layer, x, grad, steps: int, stock_from: int | None = None) -> tuple[list, dict]:
     """`steps` training steps inside the double's autocast, the weights changed after
     each (an optimizer's step; the next step's first microbatch quantizes them again);
-    the (output, input grad, grads) of each and TE's state."""
+    the (output, input grad, grads) of each and TE's state. `stock_from`: the overlap
+    turned off from that step on (a run resumed with `--moe-overlap` off)."""
     import te_fp8_double
     from test_mcore_layer import _run
 
     state = te_fp8_double.FP8GlobalStateManager
     state.registered.clear()
     results = []
-    for _ in range(steps):
+    for step in range(steps):
+        if step == stock_from:
+            layer.overlap_enabled = False
         for fc in (layer.experts.linear_fc1, layer.experts.linear_fc2):
             fc.is_first_microbatch = True  # (Megatron's set_is_first_microbatch: a new step)
 
@@ -94,9 +98,28 @@ def _training_scenarios(rank, world):
             gemms=te_fp8_double.CALLS["gemm"], grouped=layer.last_path.grouped_fp8,
             fused=layer.last_path.fused, refusal=layer.grouped_fp8_training_refusal,
             brackets=[getattr(layer.experts, fc).brackets for fc in ("linear_fc1", "linear_fc2")])
+        found[fmt + "_switched"] = _switched(spec, config, initial, x, grad, want[-1],
+                                             want_meta)
     found["inference"] = _inference(spec, world, x)
     ps.destroy_model_parallel()
     return found
+
+
+def _switched(spec, config, initial, x, grad, want_last, want_meta):
+    """The steps with --moe-overlap, the last with it off: that step against stock's."""
+    from test_mcore_fp8_training import _errors
+    from test_mcore_te_fp8 import _opt_in
+
+    from megatron_overlap.mcore.spec import with_overlap_moe
+    from megatron_overlap.ops import OverlapConfig
+
+    layer = with_overlap_moe(spec, OverlapConfig(backend="reference"), _opt_in())(
+        config=config)
+    layer.load_state_dict(initial)
+    after, meta = _train(layer, x, grad, STEPS, stock_from=STEPS - 1)
+    return dict(errors=_errors(after[-1], want_last), fused=layer.last_path.fused,
+                meta=max(float((meta[k] - v).abs().max() / v.abs().max().clamp_min(1e-30))
+                         for k, v in want_meta.items()))
 
 
 def _inference(spec, world, x):
@@ -157,6 +180,18 @@ def test_delayed_training_advances_tes_scaling_state_as_stock_does(runs):
             assert worst[1] <= 0.1, (fmt, worst)
             ours, stock = res["updates"]
             assert ours == stock == {True: STEPS, False: STEPS}, res["updates"]
+
+
+def test_delayed_run_switched_to_stock_continues_tes_scaling_state(runs):
+    """Two steps with --moe-overlap, the third with it off (stock's TE GroupedLinear on the
+    state the grouped path left): the third step's output and gradients and TE's state
+    after it within FP8's error of three stock steps."""
+    for r in runs:
+        for fmt in ("e4m3", "hybrid"):
+            res = r[fmt + "_switched"]
+            assert not res["fused"], res
+            bound = 3 * 2 ** -3 if fmt == "hybrid" else 2 ** -2
+            assert max(res["errors"].values()) <= bound and res["meta"] <= 0.1, (fmt, res)
 
 
 def test_delayed_inference_records_the_forwards_amaxes_only(runs):
