@@ -1,4 +1,4 @@
-"""Per-group current scaling of expert-sorted rows in two launches, whatever the experts.
+"""Per-group current (or delayed) scaling of expert-sorted rows in two launches.
 
 Transformer Engine's GroupedLinear quantizes its input under `Float8CurrentScaling` one
 expert at a time (`tex.split_quantize`, one quantizer per GEMM): per expert an amax
@@ -22,6 +22,11 @@ round-to-nearest cast TE makes. Launch 1 (`group_amax_kernel`) reduces each row'
 and folds it into its group's amax by a float atomic max (amax is non-negative); launch
 2 (`cast_rows_kernel`) scales and casts. A weight stack [E, N, K] is the same call on
 [E * N, K] with group_ends = N, 2N, ... (`stack_group_ends`).
+
+Delayed scaling (TE's `Float8Quantizer`) is the same two launches with the scales given:
+launch 1 folds each group's amax into the caller's amax slots (a strided view of TE's
+amax history), launch 2 casts with the given scale_g (a strided view of TE's scales),
+scale_inv = 1 / scale_g.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Training through the grouped FP8 experts: FP8 dgrad and wgrad under current scaling.
+"""Training through the grouped FP8 experts: FP8 dgrad and wgrad under current scaling
+(or delayed scaling's given scales: `GradFp8.delayed`).
 
     rows = Fp8Rows(*quantize_fp8_groups(x, ends))                 # TE's current scaling
     y = fp8_expert_linear(x, ends, weight, params, rows)           # y[g] = x[g] W_g^T, bf16
@@ -20,8 +21,8 @@ where gradients are e4m3 too) and runs, from the e4m3 operands TE's recipe makes
                                    kernels/fp8_columns.py)
 
 accumulating in fp32 with Hopper's fast FP8 accumulation. Under `--fp8-format hybrid`
-(`grad_dtype` e5m2: TE's gradients) dL/dy is quantized to e5m2, which torch's scaled
-grouped GEMM does not take; e5m2's and e4m3's values are bf16 values, so dgrad and wgrad
+(`GradFp8(torch.float8_e5m2)`: TE's gradients) dL/dy is quantized to e5m2, which
+torch's scaled grouped GEMM does not take; e5m2's and e4m3's values are bf16 values, so dgrad and wgrad
 run on the bf16 grouped GEMM over the FP8 values themselves, exact products summed in
 fp32, and each product's two scales multiply its result (`_e5m2_dgrad`, `_e5m2_wgrad`). TE splits the accumulator in
 dgrad and wgrad; torch's grouped kernel with it split took 1.78 ms against 0.58 ms
