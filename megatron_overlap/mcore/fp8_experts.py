@@ -45,7 +45,8 @@ from megatron.core.transformer.moe.experts import TEGroupedMLP
 
 from ..ops import (DelayedScales, Fp8Rows, Fp8Scales, Fp8Stack, block_dequantized,
                    block_dequantized_weights, block_expert_linear, fp8_expert_linear,
-                   quantize_fp8_groups, quantize_fp8_stack, scaled_grouped_mm_refusal, stacked, with_transposed)
+                   quantize_fp8_groups, quantize_fp8_stack, scaled_grouped_mm_refusal,
+                   stacked, with_transposed)
 from .experts import apply_probs_on_input, grouped_fc1_activation, host_counts, routed_activation
 from .te_delayed import current_linear, delayed_linear, delayed_refusal
 from .te_fp8 import block_scales_exact, recipe_kind, reuses_weight_workspace

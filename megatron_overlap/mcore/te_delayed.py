@@ -51,7 +51,8 @@ def delayed_refusal(linear) -> str | None:
         return (f"--fp8-recipe delayed with a {type(linear).__name__} without "
                 f"{', '.join(missing)} (TE 2.x's per-GEMM delayed-scaling slots)")
     state = getattr(gemm_module(linear), "FP8GlobalStateManager", None)
-    if not all(hasattr(state, f) for f in ("is_first_fp8_module", "reduce_and_update_fp8_tensors")):
+    needed = ("is_first_fp8_module", "reduce_and_update_fp8_tensors")
+    if not all(hasattr(state, name) for name in needed):
         return "--fp8-recipe delayed without TE's FP8GlobalStateManager amax reduction"
     return None
 
