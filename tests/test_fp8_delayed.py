@@ -249,3 +249,11 @@ def test_delayed_refusal_names_a_grouped_linear_without_tes_slots():
         num_gemms = 2
 
     assert "_offsets" in delayed_refusal(Linear()) and "prepare_forward" in delayed_refusal(Linear())
+
+
+def test_quantize_fp8_groups_refuses_delayed_scales_of_another_type_by_name():
+    from megatron_overlap.ops import quantize_fp8_groups
+
+    with pytest.raises(TypeError, match="delayed must be a DelayedScales"):
+        quantize_fp8_groups(torch.ones(8, 16), torch.tensor([4, 8]),
+                            delayed=(torch.ones(2), torch.zeros(2)))

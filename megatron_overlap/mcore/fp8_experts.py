@@ -48,8 +48,8 @@ from ..ops import (DelayedScales, Fp8Rows, Fp8Scales, Fp8Stack, block_dequantize
                    quantize_fp8_groups, quantize_fp8_stack, scaled_grouped_mm_refusal,
                    stacked, with_transposed)
 from .experts import apply_probs_on_input, grouped_fc1_activation, host_counts, routed_activation
-from .te_delayed import current_linear, delayed_linear, delayed_refusal
-from .te_fp8 import block_scales_exact, recipe_kind, reuses_weight_workspace
+from .te_delayed import delayed_refusal, linear_scaling
+from .te_fp8 import block_scales_exact, recipe_kind, recipe_name, reuses_weight_workspace
 
 log = logging.getLogger(__name__)
 
@@ -81,15 +81,15 @@ class Fp8Weights(_PerChange):
 
     def operand(self, weights: list[torch.Tensor], transposed: bool = False,
                 delayed: DelayedScales | None = None, reuse: bool = False) -> Fp8Stack:
-        if delayed is not None and not (reuse and self._value is not None
-                                        and self._key == "delayed"):
+        if delayed is None:
+            value = self._built(weights, lambda stack: Fp8Stack(*quantize_fp8_stack(stack)))
+        elif reuse and self._value is not None:
+            value = self._value
+        else:
             with torch.no_grad():
-                self._value = Fp8Stack(*quantize_fp8_stack(stacked(weights), delayed))
-            self._key = "delayed"  # (a later current-scaling call builds its own)
-        elif delayed is None:
-            self._value = self._built(weights, lambda stack: Fp8Stack(*quantize_fp8_stack(stack)))
-        if transposed:
-            self._value = with_transposed(self._value)
+                value = Fp8Stack(*quantize_fp8_stack(stacked(weights), delayed))
+            self._key = None  # (not current scaling's stack of these weights)
+        self._value = with_transposed(value) if transposed else value
         return self._value
 
 
@@ -114,7 +114,7 @@ def own_fp8_refusal(experts) -> str | None:
     c = experts.config
     if recipe_kind(c) is None:
         return "not an FP8 layer"
-    recipe = str(getattr(c.fp8_recipe, "value", c.fp8_recipe))
+    recipe = recipe_name(c)
     if recipe not in GROUPED_RECIPES:
         return (f"--fp8-recipe {recipe} (the grouped FP8 path runs tensorwise's current "
                 f"scaling, delayed scaling and blockwise's power-of-two blocks)")
@@ -258,15 +258,6 @@ def own_block_operands(experts, fc1: BlockWeights, fc2: BlockWeights, x: torch.T
     return block_dequantized(h.detach()), w2, None, sink
 
 
-def _scaling(experts, linear, x: torch.Tensor, grad_dtype: torch.dtype, grads: bool):
-    """The bracket of one linear's call: TE's delayed scaling state (te_delayed.py) or
-    current scaling's none."""
-    recipe = experts.config.fp8_recipe
-    if str(getattr(recipe, "value", recipe)) == "delayed":
-        return delayed_linear(linear, x, grad_dtype, grads)
-    return current_linear(grad_dtype)
-
-
 def own_fp8_operands(experts, fc1: Fp8Weights, fc2: Fp8Weights, x: torch.Tensor,
                      tokens_per_expert, probs: torch.Tensor, device_counts=None,
                      valid_rows=None, token_index=None
@@ -291,7 +282,8 @@ def own_fp8_operands(experts, fc1: Fp8Weights, fc2: Fp8Weights, x: torch.Tensor,
     # (e5m2 gradients run on the bf16 grouped GEMM: no e4m3 transpose of the weights)
     transposed = grads and not e5m2
     fc1_grads = grads and (x.requires_grad or any(w.requires_grad for w in w1s))
-    with _scaling(experts, experts.linear_fc1, x, grad_dtype, fc1_grads) as q1:
+    delayed = recipe_name(c) == "delayed"
+    with linear_scaling(experts.linear_fc1, delayed, x, grad_dtype, fc1_grads) as q1:
         x_rows = Fp8Rows(*quantize_fp8_groups(x.detach(), ends, token_index,
                                               delayed=q1.inputs))
         w1 = fc1.operand(w1s, transposed, q1.weights, reuses_weight_workspace(experts.linear_fc1))
@@ -299,7 +291,7 @@ def own_fp8_operands(experts, fc1: Fp8Weights, fc2: Fp8Weights, x: torch.Tensor,
                                   wgrad_into=_main_grad_accumulation(c, w1s), grad=q1.grad)
     h = routed_activation(experts, inter, None, probs, valid_rows)
     fc2_grads = grads and (h.requires_grad or any(w.requires_grad for w in w2s))
-    with _scaling(experts, experts.linear_fc2, h, grad_dtype, fc2_grads) as q2:
+    with linear_scaling(experts.linear_fc2, delayed, h, grad_dtype, fc2_grads) as q2:
         h_rows = Fp8Rows(*quantize_fp8_groups(h.detach(), ends, delayed=q2.inputs))
         w2 = fc2.operand(w2s, transposed, q2.weights, reuses_weight_workspace(experts.linear_fc2))
     sink = None

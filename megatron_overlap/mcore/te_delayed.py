@@ -11,7 +11,7 @@ updates the scales: the forward's when TE's autocast exits, over every module th
 module (`is_first_fp8_module`, claimed in the forward).
 
 The grouped path (mcore/fp8_experts.py) runs each linear inside the bracket TE's own
-forward runs, `prepare_forward` ... `end_forward` (`delayed_linear`): the module's
+forward runs, `prepare_forward` ... `end_forward` (`linear_scaling`): the module's
 fp8_meta made and registered, activation recompute's saved state handled as TE handles
 it, and the first-module claim where gradients flow. The quantization reads and writes
 the same slots through strided views (`ops.DelayedScales`), so TE's scaling state
@@ -79,18 +79,21 @@ def _scaling(linear, grad_dtype: torch.dtype, grads: bool) -> LinearScaling:
     return LinearScaling(inputs, weights, GradFp8(grad_dtype, grad, after))
 
 
+def linear_scaling(linear, delayed: bool, x: torch.Tensor, grad_dtype: torch.dtype,
+                   grads: bool):
+    """The bracket of one call of TE GroupedLinear `linear` on rows `x`, yielding its
+    `LinearScaling`: under delayed scaling TE's forward bracket and state (module doc),
+    else current scaling's (no state, nothing to bracket). `grads`: gradients flow
+    through this call."""
+    if delayed:
+        return _delayed_linear(linear, x, grad_dtype, grads)
+    return contextlib.nullcontext(LinearScaling(None, None, GradFp8(grad_dtype)))
+
+
 @contextlib.contextmanager
-def delayed_linear(linear, x: torch.Tensor, grad_dtype: torch.dtype, grads: bool):
-    """The `LinearScaling` of TE GroupedLinear `linear` for one call on rows `x`, inside
-    TE's forward bracket (module doc); `grads`: gradients flow through this call."""
+def _delayed_linear(linear, x: torch.Tensor, grad_dtype: torch.dtype, grads: bool):
     linear.prepare_forward(x, num_gemms=linear.num_gemms)
     try:
         yield _scaling(linear, grad_dtype, grads)
     finally:
         linear.end_forward()
-
-
-@contextlib.contextmanager
-def current_linear(grad_dtype: torch.dtype):
-    """The `LinearScaling` of current scaling (no state: nothing to bracket)."""
-    yield LinearScaling(None, None, GradFp8(grad_dtype))

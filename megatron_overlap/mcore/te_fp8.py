@@ -54,11 +54,16 @@ class Fp8FC2(NamedTuple):
     sink: torch.Tensor | None
 
 
+def recipe_name(config) -> str:
+    """Megatron's --fp8-recipe of `config` as a string (its enum's value)."""
+    return str(getattr(config.fp8_recipe, "value", config.fp8_recipe))
+
+
 def recipe_kind(config) -> str | None:
     """The op's scaling kind for Megatron config `config` (None: not FP8)."""
     if not config.fp8:
         return None
-    return RECIPE_KINDS.get(str(getattr(config.fp8_recipe, "value", config.fp8_recipe)))
+    return RECIPE_KINDS.get(recipe_name(config))
 
 
 def fp8_refusal(config, fc2) -> str | None:
@@ -68,7 +73,7 @@ def fp8_refusal(config, fc2) -> str | None:
         return "fp4 experts (the fused GEMM2 takes e4m3 with TE's Hopper recipes)"
     if not config.fp8:
         return None
-    recipe = str(getattr(config.fp8_recipe, "value", config.fp8_recipe))
+    recipe = recipe_name(config)
     if recipe not in RECIPE_KINDS:
         return (f"--fp8-recipe {recipe} (the fused GEMM2 takes "
                 f"{', '.join(RECIPE_KINDS)}; mxfp8 is Blackwell's)")
