@@ -27,6 +27,16 @@ Delayed scaling (TE's `Float8Quantizer`) is the same two launches with the scale
 launch 1 folds each group's amax into the caller's amax slots (a strided view of TE's
 amax history), launch 2 casts with the given scale_g (a strided view of TE's scales),
 scale_inv = 1 / scale_g.
+
+e5m2 in e4m3 (`carrier=E4M3`, TE's hybrid gradients for GEMMs that take e4m3 alone, as
+torch's scaled grouped GEMM on sm90): the values rounded to e5m2 as above are stored
+times a power of two 2^k_g in e4m3, whose 3 mantissa bits hold e5m2's 2, and scale_inv
+times 2^-k_g, so every product is the e5m2 one. k_g puts the group's largest scaled
+value (amax_g scale_g, within 57344) in (224, 448]: -7 under current scaling, more under
+a delayed scale that leaves e5m2's top unused (the first step's scale 1). Exact for
+every value above 2^-14 of that largest (e4m3's normals); smaller ones land on e4m3's
+subnormal grid, an error under 2^-17 of it, where e5m2's own rounding is up to 2^-3 of
+each value.
 """
 
 from __future__ import annotations
@@ -96,6 +106,29 @@ def _saturated_round(v, E5M2: tl.constexpr):
 
 
 @triton.jit
+def _pow2(k):
+    """2^k (int32 k within fp32's normal exponents) as fp32, built from its bits."""
+    return ((k + 127) << 23).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _carry_exponent(group, live, amax_ptr, amax_stride, scale, CARRY_E4M3: tl.constexpr):
+    """k of the power of two 2^k each group's e5m2 values are carried in e4m3 with: the
+    largest with top * 2^k <= 448, top = min(amax * scale, 57344) the group's largest
+    scaled value (-7 under current scaling; where top is 0, inf or NaN too); 0 where not
+    carrying. e5m2's rounding of a value <= top stays <= 448 * 2^-k: 448 is on its grid."""
+    if CARRY_E4M3:
+        amax = tl.load(amax_ptr + group * amax_stride, mask=live, other=0.0)
+        top = tl.minimum(amax * scale, 57344.0)
+        usable = (top > 0) & (top < float("inf"))  # (NaN compares false)
+        top = tl.where(usable, tl.maximum(top, 8.673617379884035e-19), 57344.0)  # (2^-60)
+        bits = top.to(tl.int32, bitcast=True)
+        # top = m 2^e, m in [1, 2): k = 8 - e, one less where m > 1.75 (448 = 1.75 2^8)
+        return 135 - ((bits >> 23) & 0xFF) - ((bits & 0x7FFFFF) > 0x600000).to(tl.int32)
+    return tl.zeros(group.shape, tl.int32)
+
+
+@triton.jit
 def _source_rows(r, live, src_ptr, HAS_SRC: tl.constexpr):
     """int64 row of x each row r reads: src[r] (a gather) or r itself."""
     if HAS_SRC:
@@ -121,41 +154,49 @@ def group_amax_kernel(x_ptr, src_ptr, ends_ptr, amax_ptr, rows, groups, stride_x
 
 
 @triton.jit
-def _group_scale(group, live, amax_ptr, scale_ptr, scale_stride, FP8_MAX: tl.constexpr,
-                 GIVEN: tl.constexpr):
+def _group_scale(group, live, amax_ptr, amax_stride, scale_ptr, scale_stride,
+                 FP8_MAX: tl.constexpr, GIVEN: tl.constexpr):
     """Each group's scale: given (delayed scaling: scale_ptr[group * scale_stride]) or
     current scaling's from its amax; 1 where not `live`."""
     if GIVEN:
         return tl.load(scale_ptr + group * scale_stride, mask=live, other=1.0)
-    return _scale_of(tl.load(amax_ptr + group, mask=live, other=0.0), FP8_MAX)
+    return _scale_of(tl.load(amax_ptr + group * amax_stride, mask=live, other=0.0), FP8_MAX)
 
 
-@triton.jit(do_not_specialize=["rows", "groups", "scale_stride"])
+@triton.jit(do_not_specialize=["rows", "groups", "scale_stride", "amax_stride"])
 def cast_rows_kernel(x_ptr, src_ptr, ends_ptr, amax_ptr, scale_ptr, out_ptr, row_scale_inv_ptr,
-                     group_scale_inv_ptr, rows, groups, stride_x, scale_stride, K: tl.constexpr,
+                     group_scale_inv_ptr, rows, groups, stride_x, scale_stride, amax_stride,
+                     K: tl.constexpr,
                      GROUPS_P2: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr,
                      HAS_SRC: tl.constexpr, E5M2: tl.constexpr, FP8_MAX: tl.constexpr,
-                     GIVEN_SCALE: tl.constexpr):
+                     GIVEN_SCALE: tl.constexpr, CARRY_E4M3: tl.constexpr):
     pid = tl.program_id(0)
     if pid == 0:  # the groups' scale_inv, once
         g = tl.arange(0, GROUPS_P2)
-        s = _group_scale(g, g < groups, amax_ptr, scale_ptr, scale_stride, FP8_MAX, GIVEN_SCALE)
+        s = _group_scale(g, g < groups, amax_ptr, amax_stride, scale_ptr, scale_stride,
+                         FP8_MAX, GIVEN_SCALE)
+        kg = _carry_exponent(g, g < groups, amax_ptr, amax_stride, s, CARRY_E4M3)
         tl.store(group_scale_inv_ptr + g,
-                 tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s), mask=g < groups)
+                 tl.math.div_rn(tl.full(s.shape, 1.0, tl.float32), s) * _pow2(-kg),
+                 mask=g < groups)
     r = pid * BLOCK_R + tl.arange(0, BLOCK_R)
     group = _group_of(r, ends_ptr, groups, GROUPS_P2)
     live = (r < rows) & (group < groups)
     src = _source_rows(r, live, src_ptr, HAS_SRC)
-    scale = _group_scale(group, live, amax_ptr, scale_ptr, scale_stride, FP8_MAX, GIVEN_SCALE)
+    scale = _group_scale(group, live, amax_ptr, amax_stride, scale_ptr, scale_stride,
+                         FP8_MAX, GIVEN_SCALE)
+    k = _carry_exponent(group, live, amax_ptr, amax_stride, scale, CARRY_E4M3)
     one = tl.full(scale.shape, 1.0, tl.float32)
-    tl.store(row_scale_inv_ptr + r, tl.where(live, tl.math.div_rn(one, scale), 0.0),
-             mask=r < rows)
+    tl.store(row_scale_inv_ptr + r,
+             tl.where(live, tl.math.div_rn(one, scale) * _pow2(-k), 0.0), mask=r < rows)
     for k0 in range(0, K, BLOCK_K):
         c = k0 + tl.arange(0, BLOCK_K)
         inside = (r < rows)[:, None] & (c < K)[None, :]
         v = tl.load(x_ptr + src[:, None] * stride_x + c[None, :],
                     mask=live[:, None] & (c < K)[None, :], other=0.0)
         q = _saturated_round(v.to(tl.float32) * scale[:, None], E5M2)
+        if CARRY_E4M3:  # (e5m2's values in e4m3: times 2^k, rounded where subnormal)
+            q = _round_to_e4m3(q * _pow2(k)[:, None])
         tl.store(out_ptr + r.to(tl.int64)[:, None] * K + c[None, :],
                  q.to(out_ptr.dtype.element_ty), mask=inside)
 
@@ -197,9 +238,19 @@ def _check_delayed(scale, amax_into, groups: int, device) -> None:
                              f"{tuple(t.shape)} {t.dtype} on {t.device}")
 
 
+def _carries(dtype: torch.dtype, carrier: torch.dtype | None) -> bool:
+    """Whether e5m2's values are stored in e4m3 (`carrier`); refuses other pairs."""
+    if dtype not in FP8_MAX:
+        raise ValueError(f"dtype must be one of {tuple(FP8_MAX)}, got {dtype}")
+    if carrier not in (None, dtype, E4M3):
+        raise ValueError(f"carrier must be None, dtype ({dtype}) or {E4M3}, got {carrier}")
+    return carrier == E4M3 and dtype == torch.float8_e5m2
+
+
 def quantize_groups(x: torch.Tensor, group_ends: torch.Tensor,
                     src: torch.Tensor | None = None, dtype: torch.dtype = E4M3,
-                    scale: torch.Tensor | None = None, amax_into: torch.Tensor | None = None
+                    scale: torch.Tensor | None = None, amax_into: torch.Tensor | None = None,
+                    carrier: torch.dtype | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(data [R, K] e4m3, group_scale_inv [G] fp32, row_scale_inv [R] fp32): each group
     of rows of x (the rows before group_ends[g], from the previous end) quantized as one
@@ -212,14 +263,14 @@ def quantize_groups(x: torch.Tensor, group_ends: torch.Tensor,
     Delayed scaling: `scale` and `amax_into` (fp32 [G], any stride: views of TE's scale
     and amax history) -- group g is cast with scale[g] (scale_inv 1 / scale[g], TE's
     Float8Quantizer) and its amax folded into amax_into[g] by max, as TE's cast records
-    it for the next scale update."""
+    it for the next scale update. `carrier`: the dtype data is stored in, `dtype` (None)
+    or e4m3 for e5m2's values (module doc: times 2^-7, scale_inv times 2^7)."""
     _check(x, group_ends, src)
-    if dtype not in FP8_MAX:
-        raise ValueError(f"dtype must be one of {tuple(FP8_MAX)}, got {dtype}")
+    carry = _carries(dtype, carrier)
     rows, k = (x.shape[0] if src is None else src.numel()), x.shape[1]
     groups = group_ends.numel()
     _check_delayed(scale, amax_into, groups, x.device)
-    data = torch.empty(rows, k, dtype=dtype, device=x.device)
+    data = torch.empty(rows, k, dtype=E4M3 if carry else dtype, device=x.device)
     amax = (torch.zeros(groups, dtype=torch.float32, device=x.device) if amax_into is None
             else amax_into)
     group_scale_inv = torch.empty(groups, dtype=torch.float32, device=x.device)
@@ -229,15 +280,15 @@ def quantize_groups(x: torch.Tensor, group_ends: torch.Tensor,
     meta = dict(K=k, GROUPS_P2=triton.next_power_of_2(groups), BLOCK_R=block_r,
                 BLOCK_K=block_k, HAS_SRC=src is not None, num_warps=4)
     cast_meta = dict(meta, E5M2=dtype == torch.float8_e5m2, FP8_MAX=FP8_MAX[dtype],
-                     GIVEN_SCALE=scale is not None)
+                     GIVEN_SCALE=scale is not None, CARRY_E4M3=carry)
     index = group_ends if src is None else src  # (not read without src)
     given = amax if scale is None else scale  # (not read without a given scale)
     if rows and k:
         _AMAX.launch(grid, (x, index, group_ends, amax, rows, groups, x.stride(0),
                             amax.stride(0)), meta)
     _CAST.launch(grid, (x, index, group_ends, amax, given, data, row_scale_inv,
-                        group_scale_inv, rows, groups, x.stride(0), given.stride(0)),
-                 cast_meta)
+                        group_scale_inv, rows, groups, x.stride(0), given.stride(0),
+                        amax.stride(0)), cast_meta)
     return data, group_scale_inv, row_scale_inv
 
 
@@ -249,11 +300,14 @@ def stack_group_ends(experts: int, rows_each: int, device) -> torch.Tensor:
 def quantize_groups_reference(x: torch.Tensor, counts: list[int],
                               src: torch.Tensor | None = None, dtype: torch.dtype = E4M3,
                               scale: torch.Tensor | None = None,
-                              amax_into: torch.Tensor | None = None
+                              amax_into: torch.Tensor | None = None,
+                              carrier: torch.dtype | None = None
                               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The same in pure torch from host counts (TE's per-expert quantizer emulated,
     `quantize_tensorwise_splits`; with `scale`, `quantize_with_scale` per group and each
-    group's amax folded into `amax_into`), padding rows as the kernel writes them."""
+    group's amax folded into `amax_into`; with `carrier` e5m2's values moved to e4m3),
+    padding rows as the kernel writes them."""
+    carry = _carries(dtype, carrier)
     _check_delayed(scale, amax_into, len(counts), x.device)
     if src is not None:  # (the padding rows' src may be anything: clamped, then dropped)
         x = x[src.clamp(0, x.shape[0] - 1)]
@@ -263,11 +317,34 @@ def quantize_groups_reference(x: torch.Tensor, counts: list[int],
     else:
         data, group_scale_inv = _delayed_splits_reference(x[:rows], counts, dtype, scale,
                                                           amax_into)
+    if carry:
+        data, group_scale_inv = _carried_reference(data, counts, x[:rows], group_scale_inv,
+                                                   scale, amax_into)
     pad = x.shape[0] - rows
-    data = torch.cat([data, torch.zeros(pad, x.shape[1], dtype=dtype, device=x.device)])
+    data = torch.cat([data, torch.zeros(pad, x.shape[1], dtype=data.dtype, device=x.device)])
     row_scale_inv = torch.cat([group_scale_inv.float().repeat_interleave(
         torch.tensor(counts, device=x.device)), torch.zeros(pad, device=x.device)])
     return data, group_scale_inv.float(), row_scale_inv
+
+
+def _carried_reference(data, counts, x, group_scale_inv, scale, amax_into):
+    """e5m2 data [R, K] carried in e4m3 (module doc): each group's values times its 2^k,
+    the largest with top 2^k <= 448 = 0.875 2^9 (frexp: top = m 2^e, m in [0.5, 1)), top
+    its amax times scale within 57344 (2^-7 where 0, inf or NaN); scale_inv times 2^-k."""
+    if scale is None:  # (current scaling: each group's amax; an empty group's 0)
+        amax = torch.stack([part.abs().amax().float() if part.numel()
+                            else torch.zeros((), device=x.device) for part in x.split(counts)])
+        scale = torch.where((amax > 0) & amax.isfinite(), 57344.0 / amax.clamp_min(1e-38), 1.0)
+        scale = torch.where(scale.isinf(), FLT_MAX, scale)
+    else:
+        amax = amax_into
+    top = torch.minimum(amax.float() * scale.float(), torch.tensor(57344.0))
+    top = torch.where((top > 0) & top.isfinite(), top.clamp_min(2.0 ** -60), 57344.0)
+    m, e = torch.frexp(top)
+    k = 9 - e - (m > 0.875).to(e.dtype)
+    rows_k = k.repeat_interleave(torch.tensor(counts, device=data.device))
+    carried = (data.float() * torch.pow(2.0, rows_k.double()).float()[:, None]).to(E4M3)
+    return carried, group_scale_inv.float() * torch.pow(2.0, -k.double()).float()
 
 
 def _delayed_splits_reference(x, counts, dtype, scale, amax_into):

@@ -22,8 +22,8 @@ def _dequantized(rows):
                          ids=["e4m3", "e5m2"])
 @pytest.mark.parametrize("counts", [[33, 0, 70, 25, 1, 0, 47, 16], [128] * 8, [0] * 7 + [300]])
 def test_fp8_dgrad_and_wgrad_are_the_float64_products_of_their_fp8_operands(counts, grad_dtype):
-    """e4m3 gradients on torch's scaled grouped GEMM; e5m2 (hybrid) on the bf16 grouped
-    GEMM over the FP8 values, times their scales."""
+    """e4m3 gradients on torch's scaled grouped GEMM; e5m2 (hybrid) too, carried in e4m3
+    (its products e5m2's)."""
     if torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("torch's scaled grouped GEMM path is sm90's")
     from megatron_overlap.ops import (Fp8Rows, Fp8Stack, GradFp8, fp8_expert_linear,
@@ -57,6 +57,28 @@ def test_fp8_dgrad_and_wgrad_are_the_float64_products_of_their_fp8_operands(coun
             continue
         err = (p.grad.double() - want).abs().max() / want.abs().max()
         assert err < 2 ** -6, (e, err)
+
+
+def test_e5m2_carried_in_e4m3_on_the_gpu_is_the_interpreters_cast():
+    """Hybrid's gradients carried in e4m3 (current and delayed scales, one stale enough
+    to leave e5m2's top unused), compiled for the GPU, against the pure-torch reference."""
+    from megatron_overlap.kernels.fp8_rows import quantize_groups, quantize_groups_reference
+
+    g = torch.Generator(device="cuda").manual_seed(10)
+    x = (torch.randn(900, 256, device="cuda", generator=g)
+         * torch.logspace(-9, 3, 900, device="cuda")[:, None]).bfloat16()
+    counts = [300, 0, 450, 100]
+    ends = torch.tensor(counts, device="cuda").cumsum(0)
+    for scale in (None, torch.tensor([1.0, 1.0, 3e3, 2e-2], device="cuda")):
+        kw = [{} if scale is None else dict(scale=scale.clone(),
+                                            amax_into=torch.zeros(4, device="cuda"))
+              for _ in range(2)]
+        got = quantize_groups(x, ends, dtype=torch.float8_e5m2,
+                              carrier=torch.float8_e4m3fn, **kw[0])
+        want = quantize_groups_reference(x, counts, dtype=torch.float8_e5m2,
+                                         carrier=torch.float8_e4m3fn, **kw[1])
+        assert torch.equal(got[0].float(), want[0].float())
+        assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])

@@ -152,8 +152,8 @@ def test_tensorwise_e4m3_training_runs_no_te_gemm_and_matches_stock_fp8(runs):
 
 
 def test_hybrid_fp8_training_runs_e5m2_gradients_on_the_grouped_path(runs):
-    """`--fp8-format hybrid`: dL/dy in e5m2 (TE's), dgrad and wgrad on the bf16 grouped
-    GEMM over the FP8 values; output and gradients no further from stock FP8's than
+    """`--fp8-format hybrid`: dL/dy in e5m2 (TE's), carried in e4m3 to the FP8 dgrad and
+    wgrad; output and gradients no further from stock FP8's than
     stock FP8's from bf16's, or than a step of each requantized operand (the double's
     backward multiplies the forward's operands and an unquantized dL/dy: e5m2's 2^-3
     and e4m3's 2^-4)."""
@@ -190,8 +190,8 @@ def _dequantized(rows):
 def test_fp8_expert_linear_gradients_are_the_float64_products_of_their_fp8_operands(
         grad_dtype):
     """dgrad dx[g] = dy[g] W_g and wgrad dW_g = dy[g]^T x[g] from dy quantized per group
-    (TE's current scaling: e4m3, or hybrid's e5m2 at 57344 / amax, on the bf16 grouped
-    GEMM over the FP8 values times their scales) and the forward's e4m3 x and W; padding
+    (TE's current scaling: e4m3, or hybrid's e5m2 at 57344 / amax, carried in e4m3)
+    and the forward's e4m3 x and W; padding
     rows get zero, an empty group's weight gradient is zero."""
     from megatron_overlap.ops import (Fp8Rows, Fp8Stack, GradFp8, fp8_expert_linear,
                                       quantize_fp8_groups, quantize_fp8_stack)
@@ -232,6 +232,43 @@ def test_e5m2_row_quantization_is_tes_current_scaling_bit_for_bit():
     want = quantize_groups_reference(x, [10, 0, 20, 14], dtype=torch.float8_e5m2)
     assert torch.equal(got[0].view(torch.uint8), want[0].view(torch.uint8))
     assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+
+
+def test_e5m2_values_carried_in_e4m3_are_e5m2s_products_above_2_to_the_minus_14():
+    """Hybrid's gradients stored in e4m3 for e4m3-only GEMMs: the kernel (interpreted)
+    equals its reference (values: the sign of a zero may differ); each dequantized value
+    equals the e5m2 one wherever that is above 2^-13 of its group's largest, and is within
+    2^-16 of it elsewhere; under current scaling and under delayed scales that saturate or
+    leave e5m2's top unused (the first step's scale 1), amaxes as without the carrier."""
+    from megatron_overlap.kernels.fp8_rows import quantize_groups, quantize_groups_reference
+
+    g = torch.Generator().manual_seed(23)
+    x = (torch.randn(50, 48, generator=g) * torch.logspace(-9, 3, 50)[:, None]).bfloat16()
+    ends, counts = torch.tensor([10, 10, 30, 44]), [10, 0, 20, 14]
+    e5m2, e4m3 = torch.float8_e5m2, torch.float8_e4m3fn
+    expert = torch.repeat_interleave(torch.arange(4), torch.tensor(counts))
+    for scale in (None, torch.tensor([1.0, 1.0, 3e3, 2e-2])):
+        def delayed():
+            return {} if scale is None else dict(scale=scale.clone(), amax_into=torch.zeros(4))
+        got_amax, plain_amax = delayed(), delayed()
+        got = quantize_groups(x, ends, dtype=e5m2, carrier=e4m3, **got_amax)
+        want = quantize_groups_reference(x, counts, dtype=e5m2, carrier=e4m3, **delayed())
+        plain = quantize_groups_reference(x, counts, dtype=e5m2, **plain_amax)
+        assert got[0].dtype == e4m3 and torch.equal(got[0].float(), want[0].float())
+        assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
+        carried = (got[0].double() * got[2].double()[:, None])[:44]
+        values = (plain[0].double() * plain[2].double()[:, None])[:44]
+        row_max = values.abs().amax(1)
+        largest = torch.stack([row_max[expert == e].max() for e in expert.tolist()])[:, None]
+        big = values.abs() > largest * 2 ** -13
+        assert big.any() and (~big & (values != 0)).any()  # (both kinds of value seen)
+        assert torch.equal(carried[big], values[big])
+        assert ((carried - values).abs() <= largest * 2 ** -16).all()
+        assert (got[0][44:].float() == 0).all() and (got[2][44:] == 0).all()
+        if scale is not None:
+            assert torch.equal(got_amax["amax_into"], plain_amax["amax_into"])
+    with pytest.raises(ValueError, match="carrier"):
+        quantize_groups(x, ends, dtype=e4m3, carrier=e5m2)
 
 
 def test_wgrad_columns_start_every_group_at_a_multiple_of_16():

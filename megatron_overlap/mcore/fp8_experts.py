@@ -277,23 +277,20 @@ def own_fp8_operands(experts, fc1: Fp8Weights, fc2: Fp8Weights, x: torch.Tensor,
     e, c = experts.num_local_experts, experts.config
     w1s, w2s = _weights(experts.linear_fc1, e), _weights(experts.linear_fc2, e)
     grads = torch.is_grad_enabled()
-    e5m2 = _grad_format(c) == "e5m2"
-    grad_dtype = torch.float8_e5m2 if e5m2 else torch.float8_e4m3fn
-    # (e5m2 gradients run on the bf16 grouped GEMM: no e4m3 transpose of the weights)
-    transposed = grads and not e5m2
+    grad_dtype = torch.float8_e5m2 if _grad_format(c) == "e5m2" else torch.float8_e4m3fn
     fc1_grads = grads and (x.requires_grad or any(w.requires_grad for w in w1s))
     delayed = recipe_name(c) == "delayed"
     with linear_scaling(experts.linear_fc1, delayed, x, grad_dtype, fc1_grads) as q1:
         x_rows = Fp8Rows(*quantize_fp8_groups(x.detach(), ends, token_index,
                                               delayed=q1.inputs))
-        w1 = fc1.operand(w1s, transposed, q1.weights, reuses_weight_workspace(experts.linear_fc1))
+        w1 = fc1.operand(w1s, grads, q1.weights, reuses_weight_workspace(experts.linear_fc1))
         inter = fp8_expert_linear(x, ends, w1, w1s, x_rows,
                                   wgrad_into=_main_grad_accumulation(c, w1s), grad=q1.grad)
     h = routed_activation(experts, inter, None, probs, valid_rows)
     fc2_grads = grads and (h.requires_grad or any(w.requires_grad for w in w2s))
     with linear_scaling(experts.linear_fc2, delayed, h, grad_dtype, fc2_grads) as q2:
         h_rows = Fp8Rows(*quantize_fp8_groups(h.detach(), ends, delayed=q2.inputs))
-        w2 = fc2.operand(w2s, transposed, q2.weights, reuses_weight_workspace(experts.linear_fc2))
+        w2 = fc2.operand(w2s, grads, q2.weights, reuses_weight_workspace(experts.linear_fc2))
     sink = None
     if fc2_grads:
         sink = fp8_expert_linear(h, ends, w2, w2s, h_rows, compute=False,

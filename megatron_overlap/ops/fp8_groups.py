@@ -52,7 +52,8 @@ class DelayedScales(NamedTuple):
 
 
 def quantize_fp8_groups(x: torch.Tensor, ends: torch.Tensor, src: torch.Tensor | None = None,
-                        dtype: torch.dtype = E4M3, delayed: DelayedScales | None = None
+                        dtype: torch.dtype = E4M3, delayed: DelayedScales | None = None,
+                        carrier: torch.dtype | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(data [R, K] e4m3, scale_inv [E] fp32, row_scale_inv [R] fp32): rows of x [R, K]
     quantized under Transformer Engine's current scaling, each group (the rows up to
@@ -62,7 +63,9 @@ def quantize_fp8_groups(x: torch.Tensor, ends: torch.Tensor, src: torch.Tensor |
     quantizing. Padding rows (past ends[-1]) come back 0 with row_scale_inv 0. `dtype`:
     e4m3, or e5m2 (gradients under `--fp8-format hybrid`). `delayed`: TE's delayed
     scaling instead -- each group cast with its `delayed.scale` and its amax folded into
-    `delayed.amax` (TE's Float8Quantizer per GEMM)."""
+    `delayed.amax` (TE's Float8Quantizer per GEMM). `carrier=torch.float8_e4m3fn` with
+    e5m2: e5m2's values stored in e4m3 (times 2^-7, scale_inv times 2^7) for GEMMs that
+    take e4m3 alone (kernels/fp8_rows.py)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     _check_ends(ends, x.device)
@@ -70,13 +73,13 @@ def quantize_fp8_groups(x: torch.Tensor, ends: torch.Tensor, src: torch.Tensor |
         raise TypeError(f"delayed must be a DelayedScales, got {type(delayed).__name__}")
     scale, amax = delayed if delayed is not None else (None, None)
     if x.is_cuda or interpreting():
-        return quantize_groups(x, ends, src, dtype, scale, amax)
+        return quantize_groups(x, ends, src, dtype, scale, amax, carrier)
     ends_host = ends.tolist()  # (CPU: no sync to avoid)
     counts = [b - a for a, b in zip([0] + ends_host[:-1], ends_host)]
     rows = x.shape[0] if src is None else src.numel()
     if min(counts, default=0) < 0 or (ends_host and ends_host[-1] > rows):
         raise ValueError(f"ends must be non-decreasing and at most {rows}, got {ends_host}")
-    return quantize_groups_reference(x, counts, src, dtype, scale, amax)
+    return quantize_groups_reference(x, counts, src, dtype, scale, amax, carrier)
 
 
 def quantize_fp8_stack(weight: torch.Tensor, delayed: DelayedScales | None = None

@@ -21,10 +21,12 @@ where gradients are e4m3 too) and runs, from the e4m3 operands TE's recipe makes
                                    kernels/fp8_columns.py)
 
 accumulating in fp32 with Hopper's fast FP8 accumulation. Under `--fp8-format hybrid`
-(`GradFp8(torch.float8_e5m2)`: TE's gradients) dL/dy is quantized to e5m2, which
-torch's scaled grouped GEMM does not take; e5m2's and e4m3's values are bf16 values, so dgrad and wgrad
-run on the bf16 grouped GEMM over the FP8 values themselves, exact products summed in
-fp32, and each product's two scales multiply its result (`_e5m2_dgrad`, `_e5m2_wgrad`). TE splits the accumulator in
+(`GradFp8(torch.float8_e5m2)`: TE's gradients) dL/dy is rounded to e5m2 as TE's
+quantizer rounds it, and stored in e4m3 (times 2^-7, its scale_inv times 2^7:
+kernels/fp8_rows.py), since torch's scaled grouped GEMM takes e4m3 alone: the products
+are e5m2's (exact for every value of at least 1 in e5m2's units, whose largest is 57344)
+at FP8's rate, where the bf16 grouped GEMM over the FP8 values cost a bf16 copy of every
+operand and bf16's rate. TE splits the accumulator in
 dgrad and wgrad; torch's grouped kernel with it split took 1.78 ms against 0.58 ms
 (bf16: 0.64 ms) for Qwen's FC2 wgrad at 4 x 4096 on one H100
 (docs/data/scaled_grouped_mm_probe_h100.json), and lost the gain. Off sm90 the products
@@ -46,7 +48,6 @@ from ..kernels.fp8_columns import group_columns_reference, transpose_stack
 from .config import interpreting
 from .fp8_groups import (DelayedScales, _scaled_grouped_mm_ok, fp8_grouped_linear,
                          quantize_fp8_groups)
-from .grouped import expert_of_rows_by_ends, grouped_mm, grouped_wgrad
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -125,27 +126,6 @@ def _counts(ends: torch.Tensor) -> torch.Tensor:
     return torch.diff(ends, prepend=ends.new_zeros(1))
 
 
-def _e5m2_dgrad(dy: Fp8Rows, weight: Fp8Stack, ends: torch.Tensor) -> torch.Tensor:
-    """dx [R, K] bf16 from e5m2 rows dy [R, N] and the e4m3 stack [E, N, K]: the FP8
-    values' product on the bf16 grouped GEMM, then each row times its group's two
-    scale_inv (padding rows: zero data, zero scale, through the last group: zeros)."""
-    rows = dy.data.shape[0]
-    through = _through_last_row(ends, rows)
-    out = grouped_mm(dy.data.to(torch.bfloat16), weight.data.to(torch.bfloat16),
-                     _counts(through), None)
-    w_scale = weight.scale_inv.float()[expert_of_rows_by_ends(ends, rows)]
-    return (out.float() * (dy.row_scale_inv.float() * w_scale)[:, None]).to(torch.bfloat16)
-
-
-def _e5m2_wgrad(dy: Fp8Rows, x: Fp8Rows, ends: torch.Tensor) -> torch.Tensor:
-    """dW [E, N, K] bf16 from e5m2 rows dy and e4m3 rows x: each expert's FP8 values'
-    product on the bf16 grouped GEMM times its two scale_inv (an empty expert: zeros)."""
-    dw = grouped_wgrad(dy.data.to(torch.bfloat16), x.data.to(torch.bfloat16), _counts(ends),
-                       None)
-    scale = dy.scale_inv.float() * x.scale_inv.float()
-    return (dw.float() * scale[:, None, None]).to(torch.bfloat16)
-
-
 class _Fp8ExpertLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, ends, weight, rows, compute, grad: "GradFp8", wgrad_into, *params):
@@ -161,13 +141,10 @@ class _Fp8ExpertLinear(torch.autograd.Function):
     def backward(ctx, dy):
         data, scale_inv, ends = ctx.saved_tensors
         w, grad = ctx.weight, ctx.grad
-        e5m2 = grad.dtype == E5M2
         dq = Fp8Rows(*quantize_fp8_groups(dy.contiguous(), ends, dtype=grad.dtype,
-                                          delayed=grad.delayed))
+                                          delayed=grad.delayed, carrier=E4M3))
         dx = None
-        if ctx.needs_input_grad[0] and e5m2:
-            dx = _e5m2_dgrad(dq, w, ends).to(ctx.x_dtype)
-        elif ctx.needs_input_grad[0]:
+        if ctx.needs_input_grad[0]:
             dx = fp8_grouped_linear(dq.data, dq.row_scale_inv, with_transposed(w).transposed,
                                     w.scale_inv,
                                     _through_last_row(ends, dq.data.shape[0]))
@@ -175,8 +152,7 @@ class _Fp8ExpertLinear(torch.autograd.Function):
         dws = [None] * len(ctx.param_dtypes)
         if any(ctx.needs_input_grad[7:]):
             x_rows = Fp8Rows(data, scale_inv, None)
-            dw = (_e5m2_wgrad(dq, x_rows, ends) if e5m2
-                  else fp8_grouped_wgrad(dq, x_rows, ends))
+            dw = fp8_grouped_wgrad(dq, x_rows, ends)
             dws = weight_gradients(dw, ctx.wgrad_into, ctx.param_dtypes)
         if grad.after_backward is not None:
             grad.after_backward()
