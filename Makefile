@@ -15,6 +15,8 @@ FIND_LINKS := $(if $(wildcard .whl/*.whl),--find-links .whl,)
 OFFLINE := $(if $(and $(HAS_GPU),$(FIND_LINKS)),--no-index,)
 MCORE := megatron-core==0.19.2
 NPROC ?= $(if $(HAS_GPU),$(shell nvidia-smi -L | wc -l),2)
+# pytest-xdist workers for `make test`, each taking whole test modules (2: the CI machine's cores)
+TEST_WORKERS ?= 2
 
 .PHONY: demo test test-gpu bench-planner clean venv
 
@@ -41,7 +43,7 @@ demo: $(VENV)/.ready
 	$(PY) -m megatron_overlap demo --nproc $(NPROC)
 
 test: $(VENV)/.ready
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 test-gpu: $(VENV)/.ready
 	$(PY) -m pytest -q -m gpu tests

@@ -36,7 +36,8 @@ def smoke_setup(args) -> tuple[str, str]:
         dist.init_process_group("gloo")
         args.model = "tiny"
         for name, value in (("seqs", "16"), ("seq", 16), ("cmax", 4), ("c_sweep", 4),
-                            ("samples", 3), ("c_cal", 3), ("overlap_cset", "2,3")):
+                            ("samples", 3), ("warmup", 1), ("c_cal", 3),
+                            ("overlap_cset", "2,3")):
             if hasattr(args, name):
                 setattr(args, name, value)
         return "interpret", "cpu"
