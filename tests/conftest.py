@@ -2,7 +2,12 @@
 
 import os
 
-import torch
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    # two workers on two cores: one intra-op thread each (and in the ranks they spawn,
+    # which inherit the environment) instead of two threads each contending for both
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     # Must precede the first `import triton` (ours or Megatron's) in this process and in
