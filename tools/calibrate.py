@@ -207,7 +207,7 @@ def calibrate_fp8(args, inp: dict, group, backend: str, tiles) -> dict:
         fns[name], launches[name] = phase_timer(case_inp, group, args.c_cal, ("gemm2",),
                                                 args.splits, backend, tiles)
     med = {n: statistics.median(v) for n, v in
-           abba(fns, args.samples, 3, group, progress="calibrate --fp8").items()}
+           abba(fns, args.samples, args.warmup, group, progress="calibrate --fp8").items()}
     waves = {n: math.ceil(args.splits * h.plan.w_comp / h.plan.compute_slots)
              for n, h in launches.items()}
     wave = {n: med[n] / waves[n] for n in med}
@@ -243,6 +243,7 @@ def main() -> int:
                     help="L of the overlapped sweep that fits f (the op's L for the case)")
     ap.add_argument("--overlap-cset", default="4,6,8,12,16,20,24,28,32,40,48")
     ap.add_argument("--samples", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3, help="untimed calls of each side first")
     ap.add_argument("--name", default="h200")
     ap.add_argument("--fp8", choices=("tensor", "block"),
                     help="add the FP8 family of this scaling kind to --base (module docstring)")
@@ -293,7 +294,7 @@ def main() -> int:
     pol = {"comp": comp_fn, "comp K/2": comp_half_fn, "comm": comm_fn, "overlap": overlap,
            **{f"comm C={c}": f for c, f in sweep.items()},
            **{f"overlap C={c}": f for c, (f, _) in over.items()}}
-    per = abba(pol, args.samples, 3, group, progress="calibrate")
+    per = abba(pol, args.samples, args.warmup, group, progress="calibrate")
     med = {n: statistics.median(v) for n, v in per.items()}
 
     plan, cache = launch.plan, launch.launch_plan.cache
