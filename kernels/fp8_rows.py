@@ -45,7 +45,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8_quant import FP8_MAX, FLT_MAX, quantize_tensorwise_splits, quantize_with_scale
+from .fp8_quant import (FP8_MAX, FLT_MAX, quantize_tensorwise_splits, quantize_with_scale,
+                        scale_from_amax)
 from .launch_cache import LaunchCache
 
 E4M3 = torch.float8_e4m3fn
@@ -264,7 +265,8 @@ def quantize_groups(x: torch.Tensor, group_ends: torch.Tensor,
     and amax history) -- group g is cast with scale[g] (scale_inv 1 / scale[g], TE's
     Float8Quantizer) and its amax folded into amax_into[g] by max, as TE's cast records
     it for the next scale update. `carrier`: the dtype data is stored in, `dtype` (None)
-    or e4m3 for e5m2's values (module doc: times 2^-7, scale_inv times 2^7)."""
+    or e4m3 for e5m2's values (module doc: times a power of two per group, scale_inv
+    divided by it)."""
     _check(x, group_ends, src)
     carry = _carries(dtype, carrier)
     rows, k = (x.shape[0] if src is None else src.numel()), x.shape[1]
@@ -334,8 +336,7 @@ def _carried_reference(data, counts, x, group_scale_inv, scale, amax_into):
     if scale is None:  # (current scaling: each group's amax; an empty group's 0)
         amax = torch.stack([part.abs().amax().float() if part.numel()
                             else torch.zeros((), device=x.device) for part in x.split(counts)])
-        scale = torch.where((amax > 0) & amax.isfinite(), 57344.0 / amax.clamp_min(1e-38), 1.0)
-        scale = torch.where(scale.isinf(), FLT_MAX, scale)
+        scale = scale_from_amax(amax, FP8_MAX[torch.float8_e5m2])
     else:
         amax = amax_into
     top = torch.minimum(amax.float() * scale.float(), torch.tensor(57344.0))

@@ -64,8 +64,8 @@ def quantize_fp8_groups(x: torch.Tensor, ends: torch.Tensor, src: torch.Tensor |
     e4m3, or e5m2 (gradients under `--fp8-format hybrid`). `delayed`: TE's delayed
     scaling instead -- each group cast with its `delayed.scale` and its amax folded into
     `delayed.amax` (TE's Float8Quantizer per GEMM). `carrier=torch.float8_e4m3fn` with
-    e5m2: e5m2's values stored in e4m3 (times 2^-7, scale_inv times 2^7) for GEMMs that
-    take e4m3 alone (kernels/fp8_rows.py)."""
+    e5m2: e5m2's values stored in e4m3 (times a power of two per group, scale_inv divided
+    by it) for GEMMs that take e4m3 alone (kernels/fp8_rows.py)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     _check_ends(ends, x.device)
