@@ -39,7 +39,8 @@
 #   train_loop    Megatron-LM's own training loop, stock vs --moe-overlap (after te)
 # Before and after a change:
 #   ab            the one-GPU op, layer and prefill benchmarks of a base wheel (.whl/base/*.whl,
-#                 its tools in .whl/base/tools if given) and of this code, in one call
+#                 its tools in .whl/base/tools if given) and of this code, in one call (the
+#                 base's tools must know TP1EP1: commits from 668fe43, 2026-12-04, on)
 set -u
 export TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1
 export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
