@@ -339,8 +339,9 @@ def _carried_reference(data, counts, x, group_scale_inv, scale, amax_into):
         scale = scale_from_amax(amax, FP8_MAX[torch.float8_e5m2])
     else:
         amax = amax_into
-    top = torch.minimum(amax.float() * scale.float(), torch.tensor(57344.0))
-    top = torch.where((top > 0) & top.isfinite(), top.clamp_min(2.0 ** -60), 57344.0)
+    e5m2_max = FP8_MAX[torch.float8_e5m2]
+    top = (amax.float() * scale.float()).clamp_max(e5m2_max)  # (NaN stays NaN)
+    top = torch.where((top > 0) & top.isfinite(), top.clamp_min(2.0 ** -60), e5m2_max)
     m, e = torch.frexp(top)
     k = 9 - e - (m > 0.875).to(e.dtype)
     rows_k = k.repeat_interleave(torch.tensor(counts, device=data.device))
