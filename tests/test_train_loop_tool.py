@@ -51,3 +51,18 @@ def test_verdict_fails_a_stock_layer_a_drifting_loss_or_a_failed_run():
     assert not train_loop.compare(stock, drift, 2e-3, 5)["ok"]
     failed = dict(_run(""), rc=1)
     assert not train_loop.compare(stock, failed, 2e-3, 5)["ok"]
+
+
+def test_te_graph_runs_must_show_tes_capture_line_in_both_arms():
+    capture = "INFO:megatron.core.transformer.cuda_graphs:Time spent in CUDA Graphs capture on rank 0: 0.43s"
+    stock = _run(_log([11.5, 10.25], 240.0) + "\n" + capture)
+    ours = _run(_log([11.5, 10.25], 180.0, "megatron-overlap: 4 of 4 MoE layers overlapped"))
+    assert stock["graph_captures"] == [0.43] and ours["graph_captures"] == []
+    assert train_loop.compare(stock, ours, 2e-3, 5)["ok"]  # (graphs not asked for)
+    v = train_loop.compare(stock, ours, 2e-3, 5, graphs=True)
+    assert not v["ok"] and v["cuda_graphs_captured"] is False
+    ours["graph_captures"] = [0.41]
+    assert train_loop.compare(stock, ours, 2e-3, 5, graphs=True)["cuda_graphs_captured"]
+    assert train_loop.asks_te_graphs(["--cuda-graph-impl", "transformer_engine"])
+    assert train_loop.asks_te_graphs(["--cuda-graph-impl=transformer_engine"])
+    assert not train_loop.asks_te_graphs(["--cuda-graph-impl", "local", "transformer_engine"])

@@ -36,7 +36,10 @@
 #                 under Megatron's default MoE flags and its fusions in one schedule;
 #                 FP8 cells: GRID_ARGS="--fp8-recipe R --moe-overlap-fp8" (both arms FP8;
 #                 blockwise: add --moe-overlap-fp8-blockwise)
-#   train_loop    Megatron-LM's own training loop, stock vs --moe-overlap (after te)
+#   train_loop    Megatron-LM's own training loop, stock vs --moe-overlap (after te); both arms
+#                 take TRAIN_LOOP_ARGS, e.g. Megatron's fusions and TE CUDA graphs:
+#                 TRAIN_LOOP_ARGS="--moe-permute-fusion --moe-router-fusion --cuda-graph-impl
+#                 transformer_engine --cuda-graph-modules attn moe_router moe_preprocess"
 # Before and after a change:
 #   ab            the one-GPU op, layer and prefill benchmarks of a base wheel (.whl/base/*.whl,
 #                 its tools in .whl/base/tools if given) and of this code, in one call (the
@@ -254,7 +257,8 @@ for s in "$@"; do
       printf 'all:\n\t@true\n' > /tmp/site/megatron/core/datasets/Makefile
       stage train_loop ${TRAIN_SECS:-570} python3 "$REPO/tools/train_loop.py" \
         --megatron-lm "$REPO/.mlm" --models ${TRAIN_MODELS_LOOP:-granite,qwen,deepseek,qwen_hybrid} \
-        --iters ${TRAIN_ITERS_LOOP:-50} --json "$OUT/train_loop.json" -- --no-gradient-accumulation-fusion ;;
+        --iters ${TRAIN_ITERS_LOOP:-50} --json "$OUT/train_loop${TAG:-}.json" \
+        -- --no-gradient-accumulation-fusion ${TRAIN_LOOP_ARGS:-} ;;
     ab)  # a base wheel (.whl/base/*.whl: `pip wheel --no-deps` of the base commit; its tools/
       # in .whl/base/tools, else this checkout's) against this code, one GPU, TP1EP1: per
       # benchmark of AB_BENCHES the processes in the order AB_ORDER (base new new base: the

@@ -30,12 +30,16 @@ MODELS = ("granite", "qwen", "deepseek", "qwen_hybrid")
 ITERATION = re.compile(r"iteration\s+(\d+)/\s*\d+ \|.*?elapsed time per iteration \(ms\): "
                        r"([\d.]+).*?lm loss: ([\d.E+-]+)")
 BUILD_LINE = re.compile(r"megatron-overlap: (\d+) of (\d+) MoE layers overlapped.*")
+#: TECudaGraphHelper's INFO line once it captured (`--cuda-graph-impl transformer_engine`)
+GRAPH_CAPTURE = re.compile(r"Time spent in CUDA Graphs capture on rank \d+: ([\d.]+)s")
 
 
 def parse_log(text: str) -> dict:
-    """Megatron-LM's logged iterations {iteration: (ms, lm loss)} and our build lines."""
+    """Megatron-LM's logged iterations {iteration: (ms, lm loss)}, our build lines and the
+    seconds of each TE CUDA-graph capture."""
     iterations = {int(m[1]): (float(m[2]), float(m[3])) for m in ITERATION.finditer(text)}
-    return dict(iterations=iterations, build=[m[0] for m in BUILD_LINE.finditer(text)])
+    return dict(iterations=iterations, build=[m[0] for m in BUILD_LINE.finditer(text)],
+                graph_captures=[float(m[1]) for m in GRAPH_CAPTURE.finditer(text)])
 
 
 def run_recipe(model: str, overlap: bool, args) -> dict:
@@ -54,8 +58,17 @@ def run_recipe(model: str, overlap: bool, args) -> dict:
     return dict(rc=rc, **found, tail=None if rc == 0 else text[-3000:])
 
 
-def compare(stock: dict, overlap: dict, rtol: float, log_interval: int) -> dict:
-    """The verdict of one model's pair of runs (module doc)."""
+def asks_te_graphs(megatron_args: list[str]) -> bool:
+    """Do these Megatron-LM arguments ask for TE CUDA graphs (`--cuda-graph-impl
+    transformer_engine`, or with `=`)?"""
+    joined = " ".join(megatron_args).replace("--cuda-graph-impl=", "--cuda-graph-impl ")
+    return "--cuda-graph-impl transformer_engine" in joined
+
+
+def compare(stock: dict, overlap: dict, rtol: float, log_interval: int,
+            graphs: bool = False) -> dict:
+    """The verdict of one model's pair of runs (module doc); with `graphs` (TE CUDA graphs
+    asked for) both runs must have captured them."""
     common = sorted(set(stock["iterations"]) & set(overlap["iterations"]))
     loss_rel = [abs(overlap["iterations"][i][1] - stock["iterations"][i][1])
                 / abs(stock["iterations"][i][1]) for i in common]
@@ -64,14 +77,16 @@ def compare(stock: dict, overlap: dict, rtol: float, log_interval: int) -> dict:
           for arm, run in (("stock", stock), ("overlap", overlap))}
     counts = [tuple(map(int, BUILD_LINE.match(line).groups())) for line in overlap["build"]]
     every = bool(counts) and all(n == m and m > 0 for n, m in counts)
+    captured = all(run.get("graph_captures") for run in (stock, overlap))
     return dict(
         logged=common, loss_max_rel=max(loss_rel) if loss_rel else None,
         loss_equal=bool(loss_rel) and max(loss_rel) <= rtol, stock_ms=ms["stock"],
         overlap_ms=ms["overlap"], speedup=(ms["stock"] / ms["overlap"]
                                            if ms["stock"] and ms["overlap"] else None),
         every_moe_layer_overlapped=every, stock_build_lines=len(stock["build"]),
+        cuda_graphs_captured=captured if graphs else None,
         ok=stock["rc"] == 0 and overlap["rc"] == 0 and every and bool(loss_rel)
-        and max(loss_rel) <= rtol)
+        and max(loss_rel) <= rtol and (captured or not graphs))
 
 
 def table(data: dict) -> str:
@@ -110,13 +125,15 @@ def main(argv=None) -> int:
         return 0
     if args.megatron_lm is None:
         p.error("--megatron-lm is required to run (or --report FILE)")
-    data = dict(argv=sys.argv, layers=args.layers, seq=args.seq, micro_batch=args.micro_batch,
+    graphs = asks_te_graphs(args.extra)
+    data = dict(argv=sys.argv, megatron_args=args.extra, layers=args.layers, seq=args.seq,
+                micro_batch=args.micro_batch,
                 iters=args.iters, models={})
     for index, model in enumerate(args.models.split(",")):
         arms = (False, True) if index % 2 == 0 else (True, False)
         runs = {("overlap" if on else "stock"): run_recipe(model, on, args) for on in arms}
         runs["verdict"] = compare(runs["stock"], runs["overlap"], args.loss_rtol,
-                                  args.log_interval)
+                                  args.log_interval, graphs)
         data["models"][model] = runs
         print(model, json.dumps(runs["verdict"]), flush=True)
         if args.json:
