@@ -197,6 +197,7 @@ def train_loop_section(tag, data) -> str:
     lines = [f"### Megatron-LM's training loop, {tag} (tools/train_loop.py)\n",
              f"{data.get('layers')} layers, SEQ {data.get('seq')}, MICRO_BATCH "
              f"{data.get('micro_batch')}, {data.get('iters')} iterations\n",
+             *_train_loop_args(data),
              "| model | logged iterations | lm loss, max rel. diff | stock ms/iter | "
              "--moe-overlap ms/iter | speedup | MoE layers overlapped |",
              "|---|---|---|---|---|---|---|"]
@@ -207,6 +208,21 @@ def train_loop_section(tag, data) -> str:
                      f"{v['stock_ms']:.1f} | {v['overlap_ms']:.1f} | {v['speedup']:.2f}x | "
                      f"{build.split(': ', 1)[-1].split(' MoE')[0]} |")
     return "\n".join(lines) + "\n"
+
+
+def _train_loop_args(data) -> list[str]:
+    """The Megatron-LM arguments both arms took beyond the recipe, and whether each pair
+    captured TE's CUDA graphs where they were asked for."""
+    extra = data.get("megatron_args")
+    if not extra:
+        return []
+    lines = [f"Both arms with `{' '.join(extra)}`\n"]
+    captured = {m: a["verdict"].get("cuda_graphs_captured") for m, a in data["models"].items()}
+    if any(v is not None for v in captured.values()):
+        lines.append("TE CUDA graphs captured in both arms (TECudaGraphHelper's log line): "
+                     + ", ".join(f"{m} {'yes' if v else 'no'}" for m, v in captured.items())
+                     + "\n")
+    return lines
 
 
 def host_costs_section(tag, rows) -> str:
