@@ -111,11 +111,12 @@ def _layout(tp, ep, rank, gate):
     res.update(vs_ordinary=_compare(resumed, ordinary), vs_stock=_compare(resumed, stock_resumed),
                stock=_compare(stock_resumed, _run(layer, x, grad)))
     layer.overlap_enabled = True
-    layer.eval()  # inference, where TE graphs never replay: the TE clause alone refuses
+    layer.eval()  # inference, where TE graphs never replay: the gate joins; under
+    res["eval_joins"] = {}  # Megatron's local graphs it does not
     with torch.no_grad():
-        res["eval_joins_te"] = gate_joins(layer, x)
-        layer.config.cuda_graph_impl = "none"
-        res["eval_joins_none"] = gate_joins(layer, x)
+        for impl in ("transformer_engine", "none", "local"):
+            layer.config.cuda_graph_impl = impl
+            res["eval_joins"][impl] = gate_joins(layer, x)
     return res
 
 
@@ -159,13 +160,15 @@ def test_fused_path_resumed_from_te_partial_graph_gives_its_ordinary_forwards_bi
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_gated_shared_expert_is_not_joined_under_te_graphs_and_resumes_with_stored_output(
+def test_gated_shared_expert_resumes_with_stored_output_and_joins_only_in_eval(
         resume_runs, layout):
-    """The layer never joins the gate itself under TE graphs (in inference neither, where
-    it otherwise would); the graph's stored, gated shared output gives the ordinary
-    call's bits, the gate weight's gradient included."""
+    """In training the layer leaves the gate to Megatron's module (inside the graph), and
+    the graph's stored, gated shared output gives the ordinary call's bits, the gate
+    weight's gradient included; in eval, where TE graphs never replay, the gate joins as
+    without graphs, and under Megatron's local graphs it does not."""
     for rank, res in enumerate(resume_runs):
         r = res[(layout, True)]
         _resumed_alike(r, rank)
         assert r["gate_grad"] and r["joins"] == [False] * 3, (rank, r)  # ordinary, graph, resumed
-        assert not r["eval_joins_te"] and r["eval_joins_none"], (rank, r)
+        assert r["eval_joins"] == {"transformer_engine": True, "none": True, "local": False}, \
+            (rank, r)

@@ -14,19 +14,24 @@ from .experts import in_inference
 #: the steps one forward call must run together: the ungated output waits on the layer
 #: between them, so steps that other calls may interleave cannot hold it
 _ONE_CALL = {"route", "expert_compute", "postprocess"}
+#: Megatron's `cuda_graph_impl` values under which an inference forward may join
+_JOINING_GRAPHS = ("none", "transformer_engine")
 
 
 def gate_joins(layer, hidden_states) -> bool:
     """Does `layer` join its gated shared expert in one pass this call? Where the overlap
     may run, in inference (`in_inference`), on CUDA or under the interpreter, with
-    Megatron's plain shared expert (not its own overlap), without CUDA graphs (TE's
-    partial capture replays a stored, gated output), and in one forward call."""
+    Megatron's plain shared expert (not its own overlap), and in one forward call. Under
+    Megatron's "local" or full-iteration CUDA graphs it does not (their captures may hold
+    the shared expert, gated); TE's per-layer graphs replay only in training (Megatron's
+    `_should_call_te_cudagraph`), where no join runs, so a TE-graph model still joins in
+    eval."""
     steps = getattr(layer, "fwd_execution_map", ())  # a list, or one step's name
     if not (layer.overlap_enabled and layer.unsupported_reason is None
             and layer.use_shared_expert and not layer.shared_expert_overlap
             and not layer.shared_experts_recompute
             and getattr(layer.shared_experts, "use_shared_expert_gate", False)
-            and getattr(layer.config, "cuda_graph_impl", "none") == "none"
+            and getattr(layer.config, "cuda_graph_impl", "none") in _JOINING_GRAPHS
             and not isinstance(steps, str) and _ONE_CALL <= set(steps)):
         return False
     return (in_inference(layer, chain((hidden_states,), layer.shared_experts.parameters()))
