@@ -127,8 +127,7 @@ def main(argv=None) -> int:
         p.error("--megatron-lm is required to run (or --report FILE)")
     graphs = asks_te_graphs(args.extra)
     data = dict(argv=sys.argv, megatron_args=args.extra, layers=args.layers, seq=args.seq,
-                micro_batch=args.micro_batch,
-                iters=args.iters, models={})
+                micro_batch=args.micro_batch, iters=args.iters, models={})
     for index, model in enumerate(args.models.split(",")):
         arms = (False, True) if index % 2 == 0 else (True, False)
         runs = {("overlap" if on else "stock"): run_recipe(model, on, args) for on in arms}
